@@ -1,0 +1,3 @@
+"""Module entries of the registry; importing this package registers them all."""
+
+from . import kda  # noqa: F401

@@ -1,0 +1,118 @@
+"""Overflow maps: sweep a module's precision parameters and record where outputs overflow.
+
+A module entry's ``overflow_map(options, progress)`` returns a :class:`MapResult`: one dict
+per cell carrying at least ``module, dtype, tile, finite, predicted_finite, rms_ratio`` (plus
+its own sweep keys, e.g. KDA's ``g_min`` and ``anchor``) and a :class:`MapSpec` saying how to
+draw it. This module checks the cells, scores prediction against observation and writes the
+JSON and PNG heatmaps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REQUIRED_CELL_KEYS = ("module", "dtype", "tile", "finite", "predicted_finite", "rms_ratio")
+MAP_SCHEMA_VERSION = 1
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class MapOptions:
+    """What to sweep; ``quick`` asks a module for a coarse grid (tests, smoke runs)."""
+
+    quick: bool = False
+    seed: int = 0
+    x_values: Sequence[float] | None = None  # override the module's primary sweep axis
+
+
+@dataclass(frozen=True)
+class MapSpec:
+    """How to draw a map: one figure per value of ``figure``, a panel per (row, col) pair.
+
+    Inside a panel, ``x`` runs along the horizontal axis and ``y`` down the rows; colour is
+    ``log10(rms_ratio)`` for finite cells and a fixed mark for overflow. The analytic frontier
+    is the boundary of ``predicted_finite``.
+    """
+
+    x: str
+    y: str
+    panel_row: str
+    panel_col: str
+    figure: str
+    x_label: str
+    y_label: str
+    title: str
+    frontier_key: str = "predicted_finite"
+
+
+@dataclass
+class MapResult:
+    """Cells plus drawing spec and free-form metadata (grids, inputs, agreement counts)."""
+
+    module: str
+    cells: list[dict[str, Any]]
+    spec: MapSpec
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        """Every cell carries the required keys; raise naming the first that does not."""
+        for i, cell in enumerate(self.cells):
+            missing = [k for k in REQUIRED_CELL_KEYS if k not in cell]
+            if missing:
+                raise ValueError(f"cell {i} of the {self.module} map lacks {missing}")
+
+
+def agreement(cells: Sequence[dict[str, Any]], *, only: Callable[[dict[str, Any]], bool] = lambda c: True) -> dict[str, int]:
+    """Counts of prediction vs observation, split by whether the cell touches the frontier.
+
+    A cell is ``frontier_adjacent`` when the module marks it so (a neighbour on the sweep grid
+    has the other prediction); disagreement is only excused there.
+    """
+    counts = {"cells": 0, "agree": 0, "disagree_adjacent": 0, "disagree_away": 0}
+    for c in cells:
+        if not only(c):
+            continue
+        counts["cells"] += 1
+        if bool(c["finite"]) == bool(c["predicted_finite"]):
+            counts["agree"] += 1
+        elif c.get("frontier_adjacent", False):
+            counts["disagree_adjacent"] += 1
+        else:
+            counts["disagree_away"] += 1
+    return counts
+
+
+def _json_safe(value: Any) -> Any:
+    """JSON has no inf/NaN: non-finite floats become ``null`` (``finite``/``nonfinite`` say why)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_map(result: MapResult, out_dir: Path, environment: dict[str, Any]) -> list[Path]:
+    """Write ``<module>_overflow_map.json`` and one PNG per figure value; return the paths."""
+    from .plots import draw_map
+
+    result.check()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "schema_version": MAP_SCHEMA_VERSION,
+        "module": result.module,
+        "environment": environment,
+        "spec": asdict(result.spec),
+        "meta": result.meta,
+        "cells": result.cells,
+    }
+    json_path = out_dir / f"{result.module}_overflow_map.json"
+    json_path.write_text(json.dumps(_json_safe(doc), indent=1, allow_nan=False) + "\n")
+    return [json_path, *draw_map(result, out_dir)]

@@ -1,0 +1,115 @@
+"""Argument checking and chunk layout shared by the KDA forms.
+
+Every form takes the fla-core layout: ``q, k:[B,T,H,K]``, ``v:[B,T,H,V]``, ``g:[B,T,H,K]``
+(log-decay, already gated, ``<= 0``), ``beta:[B,T,H]``, state ``[B,H,K,V]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..numerics import compute_dtype
+from ..numerics.validate import (
+    require_finite,
+    require_float,
+    require_same,
+    require_shape,
+    require_tensor,
+)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Sizes of one KDA call."""
+
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    scale: float | None,
+) -> tuple[Dims, float]:
+    """Validate a KDA call; return its sizes and the effective scale (``K**-0.5`` by default).
+
+    Raises ``TypeError``/``ValueError`` naming the offending argument for wrong types,
+    shapes, mixed dtypes or devices, non-finite values and positive log-decay.
+    """
+    names = ["q", "k", "v", "g", "beta"]
+    tensors = [require_tensor(n, t) for n, t in zip(names, (q, k, v, g, beta))]
+    if initial_state is not None:
+        names.append("initial_state")
+        tensors.append(require_tensor("initial_state", initial_state))
+    for n, t in zip(names, tensors):
+        require_float(n, t)
+    require_same(names, tensors, "dtype")
+    require_same(names, tensors, "device")
+    if q.dim() != 4:
+        raise ValueError(f"q has shape {list(q.shape)}; expected [B, T, H, K]")
+    B, T, H, K = q.shape
+    if v.dim() != 4:
+        raise ValueError(f"v has shape {list(v.shape)}; expected [B, T, H, V]")
+    V = v.shape[-1]
+    require_shape("k", k, (B, T, H, K), "B,T,H,K")
+    require_shape("v", v, (B, T, H, None), "B,T,H,V")
+    require_shape("g", g, (B, T, H, K), "B,T,H,K")
+    require_shape("beta", beta, (B, T, H), "B,T,H")
+    if initial_state is not None:
+        require_shape("initial_state", initial_state, (B, H, K, V), "B,H,K,V")
+    if min(B, H, K, V) == 0:
+        raise ValueError(f"empty dimension in B={B}, H={H}, K={K}, V={V}")
+    for n, t in zip(names, tensors):
+        require_finite(n, t)
+    if T and bool((g > 0).any()):
+        raise ValueError(
+            f"g is a log-decay and must be <= 0; max g = {float(g.max()):.3g} "
+            f"at index {tuple(int(i) for i in (g > 0).nonzero()[0])}"
+        )
+    if scale is None:
+        scale = K**-0.5
+    elif not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive number, got {scale!r}")
+    return Dims(B, T, H, K, V), float(scale)
+
+
+def working_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp64 for fp64 inputs, fp32 otherwise (see ``numerics.compute_dtype``)."""
+    return compute_dtype(x.dtype)
+
+
+def to_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """``[B, T, H, ...] -> [B, H, N, C, ...]``, zero-padding T up to a multiple of C.
+
+    Zero padding is inert for KDA: a padded token has ``k = v = q = 0``, ``beta = 0`` and
+    ``g = 0`` (no decay), so it neither writes the state nor changes the decay prefix.
+    """
+    B, T = x.shape[:2]
+    N = -(-T // chunk_size)
+    pad = N * chunk_size - T
+    if pad:
+        x = torch.cat([x, x.new_zeros((B, pad, *x.shape[2:]))], dim=1)
+    x = x.reshape(B, N, chunk_size, *x.shape[2:])
+    return x.movedim(3, 1)  # [B, H, N, C, ...]
+
+
+def from_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
+    """Inverse of :func:`to_chunks`: ``[B, H, N, C, D] -> [B, T, H, D]``, dropping padding."""
+    B, H, N, C, D = x.shape
+    return x.movedim(1, 3).reshape(B, N * C, H, D)[:, :T]
+
+
+def initial(initial_state: torch.Tensor | None, dims: Dims, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The starting state ``[B, H, K, V]`` in ``dtype`` (zeros when none is given)."""
+    if initial_state is None:
+        return torch.zeros(dims.B, dims.H, dims.K, dims.V, dtype=dtype, device=device)
+    return initial_state.to(dtype).clone()

@@ -1,0 +1,323 @@
+"""KDA tiled low-precision form — what a tensor-core kernel computes (SPEC §1.6).
+
+The chunkwise algebra of :mod:`k3verify.kda.chunkwise`, with each chunk of ``C`` tokens
+split into sub-tiles of ``BC`` rows and every matrix-product operand rounded to
+``operand_dtype`` (bf16, fp16, fp8 e4m3/e5m2, fp32, or fp64 for an exact run) while products
+accumulate in fp32 (fp64 for fp64 operands). Exponentials are evaluated in the accumulator
+dtype, as kernels do, before the product with ``q`` or ``k`` is rounded.
+
+Off-diagonal tiles use the prefix at the query tile's start, so both factors are ``<= 1``.
+A diagonal tile splits ``exp(G_i - G_j) = exp(G_i - a) * exp(a - G_j)`` at an anchor ``a``:
+
+``tile_start``
+    the prefix at the tile's start boundary (K3 paper). Key factors reach
+    ``exp(BC * |g_min|)``: 80 natural-log units at ``BC = 16, g_min = -5``.
+``tile_middle``
+    the inclusive prefix of row ``BC // 2`` (FLA up to mid-2026). Rows before it read a
+    *future* token's gate, so rounding leaks the future into the past (FLA issue #1240).
+    Rows past the end of the sequence read the zero-padded gates.
+``row0_shift``
+    the inclusive prefix of row 0 minus ``anchor_shift * (BC - 1) / 2`` (fla-core 0.6.0,
+    ``fla/ops/kda/chunk_intra.py``: shift 2 unless a lower bound is passed to the intra kernel).
+
+``diagonal="fp32"`` instead forms diagonal tiles element by element in fp32 with no split
+(Kimi Linear's CUDA-core path), which cannot overflow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..numerics import exp_fits, facts, is_float8, ln_max, resolve_dtype, round_to
+from ..numerics.rounding import OVERFLOW_MODES
+from ..numerics.validate import require_positive_int
+from .chunkwise import decayed_products, tile_start_prefix, wy_inverse
+from .inputs import Dims, check_inputs, from_chunks, initial, to_chunks
+
+ANCHORS = ("tile_start", "tile_middle", "row0_shift")
+DIAGONALS = ("matmul", "fp32")
+# fla-core 0.6.0 chunk_kda does not pass lower_bound to its intra kernel, which then shifts
+# by 2 natural-log units per row (fla/ops/kda/chunk_intra.py, chunk_kda_fwd_intra).
+DEFAULT_ROW0_SHIFT = 2.0
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tiling and precision of one tiled run; validated on construction."""
+
+    chunk_size: int = 64
+    tile: int = 16
+    operand_dtype: torch.dtype = torch.bfloat16
+    anchor: str = "tile_start"
+    anchor_shift: float = DEFAULT_ROW0_SHIFT
+    diagonal: str = "matmul"
+    overflow: str = "nonfinite"
+
+    def __post_init__(self) -> None:
+        require_positive_int("chunk_size", self.chunk_size)
+        require_positive_int("tile", self.tile)
+        if self.chunk_size % self.tile:
+            raise ValueError(f"tile {self.tile} must divide chunk_size {self.chunk_size}")
+        object.__setattr__(self, "operand_dtype", resolve_dtype(self.operand_dtype))
+        if self.anchor not in ANCHORS:
+            raise ValueError(f"unknown anchor {self.anchor!r}; choose one of {', '.join(ANCHORS)}")
+        if self.diagonal not in DIAGONALS:
+            raise ValueError(f"unknown diagonal path {self.diagonal!r}; choose one of {', '.join(DIAGONALS)}")
+        if self.overflow not in OVERFLOW_MODES:
+            raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {self.overflow!r}")
+        if not math.isfinite(self.anchor_shift) or self.anchor_shift < 0:
+            raise ValueError(f"anchor_shift must be finite and >= 0, got {self.anchor_shift}")
+
+    @property
+    def accumulator(self) -> torch.dtype:
+        """fp64 for an exact fp64 run, fp32 (the tensor-core accumulator) otherwise."""
+        return torch.float64 if self.operand_dtype == torch.float64 else torch.float32
+
+    @property
+    def output_dtype(self) -> torch.dtype:
+        """Kernels write fp8 runs' outputs in bf16, all others in the operand dtype."""
+        return torch.bfloat16 if is_float8(self.operand_dtype) else self.operand_dtype
+
+
+@dataclass(frozen=True)
+class OverflowEvent:
+    """An operand that left the operand dtype's range when it was rounded."""
+
+    operand: str
+    count: int
+    index: tuple[int, ...]
+    shape: tuple[int, ...]
+    arrived_nonfinite: bool  # already inf/NaN before rounding (fp32 exp overflow or propagation)
+    max_log_magnitude: float  # ln of the largest finite pre-rounding magnitude
+    dtype: str
+    ln_max: float
+
+    def describe(self) -> str:
+        """One line naming the operand, where it overflowed and by how much."""
+        b, h, n = self.index[:3]
+        where = f"batch {b}, head {h}, chunk {n}"
+        if "diagonal" in self.operand:
+            where += f", tile {self.index[3]}"
+        if self.arrived_nonfinite:
+            cause = "already non-finite before rounding (the fp32 exp overflowed, or an earlier overflow propagated)"
+        else:
+            cause = f"ln|value| reached {self.max_log_magnitude:.2f} > ln(max {self.dtype}) = {self.ln_max:.2f}"
+        return f"{self.operand} overflowed {self.dtype} at {where} ({self.count} values): {cause}"
+
+
+@dataclass
+class _Caster:
+    """Rounds operands to the operand dtype; optionally records the ones that overflowed."""
+
+    cfg: TileConfig
+    events: list[OverflowEvent] | None = field(default=None)
+
+    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        y = round_to(t, self.cfg.operand_dtype, overflow=self.cfg.overflow)
+        if self.events is not None:
+            self._record(name, t, y)
+        return y
+
+    def _record(self, name: str, before: torch.Tensor, after: torch.Tensor) -> None:
+        bad = ~torch.isfinite(after)
+        if not bool(bad.any()):
+            return
+        finite = before[torch.isfinite(before)].abs()
+        biggest = float(finite.max()) if finite.numel() else 0.0
+        self.events.append(OverflowEvent(
+            operand=name,
+            count=int(bad.sum()),
+            index=tuple(int(i) for i in bad.nonzero()[0]),
+            shape=tuple(before.shape),
+            arrived_nonfinite=bool((~torch.isfinite(before[bad])).any()),
+            max_log_magnitude=math.log(biggest) if biggest > 0 else -math.inf,
+            dtype=facts(self.cfg.operand_dtype).name,
+            ln_max=ln_max(self.cfg.operand_dtype),
+        ))
+
+
+def tiled(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    tile: int = 16,
+    operand_dtype: torch.dtype | str = torch.bfloat16,
+    anchor: str = "tile_start",
+    anchor_shift: float = DEFAULT_ROW0_SHIFT,
+    diagonal: str = "matmul",
+    overflow: str = "nonfinite",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Tiled low-precision KDA. Shapes as in :mod:`k3verify.kda.inputs`.
+
+    Returns ``o:[B,T,H,V]`` in :attr:`TileConfig.output_dtype` and the final state in the
+    accumulator dtype. Overflowing operands become inf/NaN (``overflow="nonfinite"``) so they
+    show in the output; :func:`explain_overflow` says which operand and where.
+    """
+    cfg = TileConfig(chunk_size, tile, operand_dtype, anchor, anchor_shift, diagonal, overflow)
+    dims, scale = check_inputs(q, k, v, g, beta, initial_state, scale)
+    o, S = _tiled(q, k, v, g, beta, scale, initial_state, dims, cfg, _Caster(cfg))
+    return o, (S if output_final_state else None)
+
+
+def explain_overflow(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    **tiling: object,
+) -> list[OverflowEvent]:
+    """Run :func:`tiled` and list every operand that overflowed, in the order computed.
+
+    ``tiling`` takes the keyword arguments of :class:`TileConfig`.
+    """
+    cfg = TileConfig(**tiling)  # type: ignore[arg-type]
+    dims, scale = check_inputs(q, k, v, g, beta, initial_state, scale)
+    caster = _Caster(cfg, events=[])
+    _tiled(q, k, v, g, beta, scale, initial_state, dims, cfg, caster)
+    return caster.events or []
+
+
+def _tiled(q, k, v, g, beta, scale: float, initial_state, dims: Dims, cfg: TileConfig, cast: _Caster):
+    acc = cfg.accumulator
+    if dims.T == 0:
+        S = initial(initial_state, dims, acc, q.device)
+        return v.new_zeros(dims.B, 0, dims.H, dims.V).to(cfg.output_dtype), S
+    # Kernel inputs arrive in the operand dtype; gates arrive in the accumulator dtype.
+    qc, kc, vc = (to_chunks(cast("input " + n, t.to(acc)), cfg.chunk_size) for n, t in (("q", q), ("k", k), ("v", v)))
+    bc = to_chunks(cast("input beta", beta.to(acc))[..., None], cfg.chunk_size)[..., 0]
+    G = to_chunks(g.to(acc), cfg.chunk_size).cumsum(-2)  # [B,H,N,C,K]
+    A = _intra_chunk(qc, kc, G, cfg, cast)
+    A_qk = A["q"] * scale
+    A_kk = A["k"].tril(-1) * bc[..., :, None]
+    M = cast("M = (I + A_kk)^-1 Diag(beta)", wy_inverse(A_kk, bc))  # solved in the accumulator
+    gamma = torch.exp(G)
+    W = cast("W", M @ cast("exp(G) * k", gamma * kc))
+    U = M @ cast("v", vc)
+    q_decayed = cast("exp(G) * q", gamma * qc)
+    k_to_end = cast("k * exp(G_C - G)", kc * torch.exp(G[..., -1:, :] - G))
+    A_qk = cast("A_qk", A_qk)
+    S = initial(initial_state, dims, acc, q.device)
+    O = torch.empty_like(U)
+    for n in range(G.shape[2]):
+        S_op = cast("state", S)
+        v_new = cast("pseudo-values V~", U[:, :, n] - W[:, :, n] @ S_op)
+        O[:, :, n] = scale * (q_decayed[:, :, n] @ S_op) + A_qk[:, :, n] @ v_new
+        S = torch.exp(G[:, :, n, -1])[..., None] * S + k_to_end[:, :, n].transpose(-1, -2) @ v_new
+    return from_chunks(O, dims.T).to(cfg.output_dtype), S
+
+
+def _intra_chunk(qc, kc, G, cfg: TileConfig, cast: _Caster) -> dict[str, torch.Tensor]:
+    """``A_qk`` (unscaled, diagonal kept) and ``A_kk`` (unmasked) for every chunk."""
+    if cfg.diagonal == "fp32":
+        # Operands are already rounded inputs; the decays stay in the accumulator.
+        return decayed_products({"q": qc, "k": kc}, kc, G, tile=cfg.tile, cast=cast)
+    lead = G.shape[:-2]
+    Gt = G.reshape(*lead, cfg.chunk_size // cfg.tile, cfg.tile, G.shape[-1])
+    anchor = diagonal_anchor(Gt, cfg.anchor, cfg.anchor_shift)
+    return decayed_products({"q": qc, "k": kc}, kc, G, tile=cfg.tile, cast=cast, diagonal_anchor=anchor)
+
+
+def diagonal_anchor(Gt: torch.Tensor, anchor: str, shift: float = DEFAULT_ROW0_SHIFT) -> torch.Tensor:
+    """Anchor prefix of each diagonal tile: ``Gt:[..., nT, BC, D] -> [..., nT, D]``.
+
+    ``Gt`` holds the inclusive chunk-local prefixes of each tile's rows.
+    """
+    BC = Gt.shape[-2]
+    if anchor == "tile_start":
+        return tile_start_prefix(Gt)
+    if anchor == "tile_middle":
+        return Gt[..., BC // 2, :]
+    if anchor == "row0_shift":
+        return Gt[..., 0, :] - shift * (BC - 1) / 2
+    raise ValueError(f"unknown anchor {anchor!r}; choose one of {', '.join(ANCHORS)}")
+
+
+def max_log_factor(g_min: float, *, tile: int, anchor: str, anchor_shift: float = DEFAULT_ROW0_SHIFT) -> float:
+    """Largest ``ln`` of a diagonal-tile factor when every gate equals ``g_min`` (SPEC §1.6).
+
+    ``tile_start``: ``BC |g_min|``; ``tile_middle``: ``max(m, BC - 1 - m) |g_min|`` with
+    ``m = BC // 2``; ``row0_shift``: ``max(d, (BC - 1) |g_min| - d)``, ``d = shift (BC - 1) / 2``.
+    Off-diagonal and inter-chunk factors never exceed 1.
+    """
+    span = abs(g_min)
+    if anchor == "tile_start":
+        return tile * span
+    if anchor == "tile_middle":
+        m = tile // 2
+        return max(m, tile - 1 - m) * span
+    if anchor == "row0_shift":
+        d = anchor_shift * (tile - 1) / 2
+        return max(d, (tile - 1) * span - d)
+    raise ValueError(f"unknown anchor {anchor!r}; choose one of {', '.join(ANCHORS)}")
+
+
+def predicted_finite(
+    g_min: float,
+    *,
+    tile: int,
+    operand_dtype: torch.dtype | str,
+    anchor: str,
+    anchor_shift: float = DEFAULT_ROW0_SHIFT,
+    diagonal: str = "matmul",
+) -> bool:
+    """SPEC §1.6's frontier for unit-magnitude ``q``/``k`` entries and gates at ``g_min``.
+
+    True when no diagonal factor can overflow the fp32 exponential or the operand dtype.
+    The ``fp32`` diagonal path never splits, so it is always finite.
+    """
+    if diagonal == "fp32":
+        return True
+    return exp_fits(max_log_factor(g_min, tile=tile, anchor=anchor, anchor_shift=anchor_shift), operand_dtype)
+
+
+def realized_log_magnitudes(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    *,
+    chunk_size: int = 64,
+    tile: int = 16,
+    anchor: str = "tile_start",
+    anchor_shift: float = DEFAULT_ROW0_SHIFT,
+) -> tuple[float, float]:
+    """``(max exponent, max ln|operand|)`` over the diagonal-tile operands of these inputs.
+
+    The same frontier as :func:`max_log_factor`, evaluated on the actual gates and the actual
+    ``q``/``k`` magnitudes in fp64: the exponent decides the fp32 ``exp``, the operand
+    magnitude decides the cast to the operand dtype.
+    """
+    cfg = TileConfig(chunk_size, tile, torch.float64, anchor, anchor_shift)
+    G = to_chunks(g.to(torch.float64), chunk_size).cumsum(-2)
+    lead = G.shape[:-2]
+    Gt = G.reshape(*lead, chunk_size // tile, tile, G.shape[-1])
+    a = diagonal_anchor(Gt, cfg.anchor, cfg.anchor_shift)[..., None, :]
+    exponents, logs = [], []
+    for x, e in ((q, Gt - a), (k, a - Gt)):
+        xt = to_chunks(x.to(torch.float64), chunk_size).reshape(Gt.shape)
+        exponents.append(float(e.max()))
+        logs.append(float((torch.log(xt.abs()) + e).max()))
+    return max(exponents), max(logs)
+
+
+def predicted_finite_for(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, **tiling: object) -> bool:
+    """:func:`realized_log_magnitudes` against the fp32 exponential and the operand dtype."""
+    cfg = TileConfig(**tiling)  # type: ignore[arg-type]
+    if cfg.diagonal == "fp32":
+        return True
+    exponent, log_operand = realized_log_magnitudes(
+        q, k, g, chunk_size=cfg.chunk_size, tile=cfg.tile, anchor=cfg.anchor, anchor_shift=cfg.anchor_shift)
+    return exp_fits(exponent, torch.float32) and exp_fits(log_operand, cfg.operand_dtype)

@@ -1,0 +1,51 @@
+"""The numerics core: dtype facts, rounding emulation, metrics, tolerance policy, frontiers.
+
+Modules and the harness use these and never re-implement them.
+"""
+
+from .dtypes import DTypeFacts, compute_dtype, dtype_name, facts, is_float8, resolve_dtype, supported_dtypes
+from .frontier import exp_fits, headroom, ln_max
+from .metrics import Metrics, compare, relative_max_error
+from .policy import (
+    BASELINE_K,
+    EXPECTED_NONFINITE,
+    FAIL,
+    FP64_AGREEMENT_REL,
+    PASS,
+    Verdict,
+    baseline_rule,
+    expected_nonfinite,
+    fp64_agreement,
+    noise_floor,
+)
+from .rounding import OVERFLOW_MODES, round_to, round_to_reference, spacing
+
+__all__ = [
+    "BASELINE_K",
+    "EXPECTED_NONFINITE",
+    "FAIL",
+    "FP64_AGREEMENT_REL",
+    "OVERFLOW_MODES",
+    "PASS",
+    "DTypeFacts",
+    "Metrics",
+    "Verdict",
+    "baseline_rule",
+    "compare",
+    "compute_dtype",
+    "dtype_name",
+    "exp_fits",
+    "expected_nonfinite",
+    "facts",
+    "fp64_agreement",
+    "headroom",
+    "is_float8",
+    "ln_max",
+    "noise_floor",
+    "relative_max_error",
+    "resolve_dtype",
+    "round_to",
+    "round_to_reference",
+    "spacing",
+    "supported_dtypes",
+]

@@ -1,0 +1,96 @@
+"""Error metrics of an output against a reference.
+
+How to compare lives here and nowhere else; what ran (a module, a form, a kernel) is the
+harness's business. Every metric is computed in fp64 from whatever dtype came in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .dtypes import dtype_name
+from .rounding import spacing
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Errors of ``x`` against ``ref``; non-finite ``x`` entries make the error metrics inf.
+
+    - ``max_abs``: ``max |x - ref|``
+    - ``rms_ratio``: ``rms(x - ref) / rms(ref)`` (relative RMS error)
+    - ``one_minus_cos``: ``1 - cos(x, ref)`` over the flattened tensors
+    - ``sqnr_db``: ``10 log10(sum ref^2 / sum (x - ref)^2)``; inf when exact
+    - ``ulp_max`` / ``ulp_mean`` / ``ulp_p99``: ``|x - ref|`` in units of the spacing of the
+      comparison dtype at ``ref`` (how many representable steps away)
+    - ``nonfinite``: count of non-finite entries of ``x``
+    """
+
+    n: int
+    max_abs: float
+    rms_ratio: float
+    one_minus_cos: float
+    sqnr_db: float
+    ulp_max: float
+    ulp_mean: float
+    ulp_p99: float
+    nonfinite: int
+    ulp_dtype: str
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return asdict(self)
+
+
+def compare(x: torch.Tensor, ref: torch.Tensor, *, ulp_dtype: torch.dtype | str) -> Metrics:
+    """Metrics of ``x`` against ``ref`` (same shape); ULPs counted in ``ulp_dtype``."""
+    if x.shape != ref.shape:
+        raise ValueError(f"cannot compare shape {tuple(x.shape)} against {tuple(ref.shape)}")
+    xd = x.detach().to("cpu", torch.float64).reshape(-1)
+    rd = ref.detach().to("cpu", torch.float64).reshape(-1)
+    if not bool(torch.isfinite(rd).all()):
+        raise ValueError("the reference has non-finite values; an oracle must be finite")
+    n = xd.numel()
+    nonfinite = int((~torch.isfinite(xd)).sum())
+    name = dtype_name(ulp_dtype)
+    if nonfinite:
+        inf = math.inf
+        return Metrics(n, inf, inf, inf, -inf, inf, inf, inf, nonfinite, name)
+    diff = xd - rd
+    ref_sq = float((rd * rd).sum())
+    err_sq = float((diff * diff).sum())
+    rms_ratio = math.sqrt(err_sq / ref_sq) if ref_sq > 0 else (0.0 if err_sq == 0 else math.inf)
+    x_sq = float((xd * xd).sum())
+    if ref_sq > 0 and x_sq > 0:
+        cos = float((xd * rd).sum()) / math.sqrt(ref_sq * x_sq)
+        one_minus_cos = max(0.0, 1.0 - cos)
+    else:
+        one_minus_cos = 0.0 if ref_sq == x_sq else 1.0
+    sqnr = math.inf if err_sq == 0 else (10 * math.log10(ref_sq / err_sq) if ref_sq > 0 else -math.inf)
+    ulps = diff.abs() / spacing(rd, ulp_dtype)
+    return Metrics(
+        n=n,
+        max_abs=float(diff.abs().max()) if n else 0.0,
+        rms_ratio=rms_ratio,
+        one_minus_cos=one_minus_cos,
+        sqnr_db=sqnr,
+        ulp_max=float(ulps.max()) if n else 0.0,
+        ulp_mean=float(ulps.mean()) if n else 0.0,
+        ulp_p99=float(torch.quantile(ulps[: 1 << 24], 0.99)) if n else 0.0,
+        nonfinite=0,
+        ulp_dtype=name,
+    )
+
+
+def relative_max_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Normwise relative error ``max|x - ref| / max|ref|`` in fp64 (inf if x is non-finite)."""
+    xd = x.detach().to("cpu", torch.float64)
+    rd = ref.detach().to("cpu", torch.float64)
+    if not bool(torch.isfinite(xd).all()):
+        return math.inf
+    scale = float(rd.abs().max()) if rd.numel() else 0.0
+    err = float((xd - rd).abs().max()) if rd.numel() else 0.0
+    if scale == 0.0:
+        return 0.0 if err == 0.0 else math.inf
+    return err / scale

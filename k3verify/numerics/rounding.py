@@ -1,0 +1,123 @@
+"""Rounding emulation: values of a wide tensor rounded to a narrower format.
+
+``round_to(x, bf16)`` returns a tensor of ``x``'s dtype (fp32 or fp64) whose values are
+exactly representable in bf16 — what a kernel's operand holds after a cast. Keeping the
+wide storage lets fp8 values take part in ordinary fp32 matmuls, which is how tensor cores
+accumulate them.
+
+The reference path works from ``torch.finfo`` facts alone (round to nearest, ties to even,
+gradual underflow), so its behaviour is defined here and not by torch's casts. For speed,
+torch's own cast is used where tests show it is bit-identical to the reference.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Literal
+
+import torch
+
+from .dtypes import DTypeFacts, facts, resolve_dtype
+
+Overflow = Literal["nonfinite", "saturate"]
+OVERFLOW_MODES: tuple[str, ...] = ("nonfinite", "saturate")
+
+
+def round_to(
+    x: torch.Tensor,
+    dtype: torch.dtype | str,
+    *,
+    overflow: Overflow = "nonfinite",
+) -> torch.Tensor:
+    """Round ``x`` (fp32 or fp64) to the values of ``dtype``; keep ``x``'s dtype.
+
+    ``overflow="nonfinite"`` turns out-of-range magnitudes into ``inf`` (``nan`` for a
+    format without infinities, such as fp8 e4m3fn) so that an overflow cannot pass
+    unnoticed; ``"saturate"`` clamps to ``±max`` like ``cvt.satfinite``. NaN stays NaN.
+    A ``dtype`` at least as wide as ``x`` returns ``x`` unchanged.
+    """
+    target = resolve_dtype(dtype)
+    if overflow not in OVERFLOW_MODES:
+        raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
+    if x.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"round_to takes fp32 or fp64 storage, got {x.dtype}")
+    if torch.finfo(target).bits >= torch.finfo(x.dtype).bits:
+        return x
+    if x.dtype == torch.float32:
+        # torch's fp32 casts round to nearest-even; properties/test_numerics.py checks that
+        # this fast path is bit-identical to the reference on every binade boundary.
+        return _round_native(x, target, overflow)
+    return round_to_reference(x, target, overflow=overflow)
+
+
+def round_to_reference(
+    x: torch.Tensor,
+    dtype: torch.dtype | str,
+    *,
+    overflow: Overflow = "nonfinite",
+) -> torch.Tensor:
+    """Round to nearest, ties to even, from the format's digits and exponent range only.
+
+    Works in fp64, where scaling by a power of two is exact, so the single rounding step is
+    ``torch.round`` (which breaks ties to even) on the scaled value.
+    """
+    f = facts(dtype)
+    xd = x.to(torch.float64)
+    _, exponent = torch.frexp(xd)  # xd = m * 2**exponent, 0.5 <= |m| < 1
+    e = torch.clamp(exponent - 1, min=f.emin)  # floor(log2|x|), held at emin for subnormals
+    quantum = torch.ldexp(torch.ones_like(xd), (e - (f.digits - 1)).to(torch.int32))
+    r = torch.round(xd / quantum) * quantum
+    r = torch.where(torch.isfinite(xd), r, xd)
+    too_big = r.abs() > f.max
+    if overflow == "saturate":
+        r = torch.where(too_big & ~torch.isnan(xd), torch.sign(xd) * f.max, r)
+    else:
+        r = torch.where(too_big, _nonfinite(f, xd), r)
+    return r.to(x.dtype)
+
+
+def _nonfinite(f: DTypeFacts, like: torch.Tensor) -> torch.Tensor:
+    """Signed infinity where the format has one, NaN otherwise."""
+    if f.has_inf:
+        return torch.sign(like) * float("inf")
+    return torch.full_like(like, float("nan"))
+
+
+def _round_native(x: torch.Tensor, dtype: torch.dtype, overflow: str) -> torch.Tensor:
+    f = facts(dtype)
+    y = x.to(dtype).to(x.dtype)
+    if f.has_inf:
+        if overflow == "saturate":
+            y = torch.where(torch.isinf(y) & torch.isfinite(x), torch.sign(x) * f.max, y)
+        return y
+    # Formats without inf: torch saturates, so mark the overflowing magnitudes ourselves.
+    if overflow == "nonfinite":
+        over = _overflows(x.abs(), f) | torch.isinf(x)
+        y = torch.where(over, torch.full_like(y, float("nan")), y)
+    return y
+
+
+def _overflows(mag: torch.Tensor, f: DTypeFacts) -> torch.Tensor:
+    """Magnitudes that round past ``max``; the exact tie goes by the reference rounding."""
+    t = f.overflow_threshold
+    if _tie_overflows(f.dtype):
+        return mag >= t
+    return mag > t
+
+
+@lru_cache(maxsize=None)
+def _tie_overflows(dtype: torch.dtype) -> bool:
+    tie = torch.tensor([facts(dtype).overflow_threshold], dtype=torch.float64)
+    return not bool(torch.isfinite(round_to_reference(tie, dtype)).item())
+
+
+def spacing(x: torch.Tensor, dtype: torch.dtype | str) -> torch.Tensor:
+    """Distance between adjacent ``dtype`` values at ``|x|`` (one ULP), in fp64.
+
+    Zero and subnormal magnitudes get the subnormal spacing.
+    """
+    f = facts(dtype)
+    xd = x.to(torch.float64).abs()
+    _, exponent = torch.frexp(xd)
+    e = torch.clamp(exponent - 1, min=f.emin)
+    return torch.ldexp(torch.ones_like(xd), (e - (f.digits - 1)).to(torch.int32))

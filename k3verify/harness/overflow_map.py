@@ -10,7 +10,6 @@ JSON and PNG heatmaps.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -68,7 +67,9 @@ class MapResult:
                 raise ValueError(f"cell {i} of the {self.module} map lacks {missing}")
 
 
-def agreement(cells: Sequence[dict[str, Any]], *, only: Callable[[dict[str, Any]], bool] = lambda c: True) -> dict[str, int]:
+def agreement(
+    cells: Sequence[dict[str, Any]], *, only: Callable[[dict[str, Any]], bool] = lambda c: True
+) -> dict[str, int]:
     """Counts of prediction vs observation, split by whether the cell touches the frontier.
 
     A cell is ``frontier_adjacent`` when the module marks it so (a neighbour on the sweep grid
@@ -88,20 +89,10 @@ def agreement(cells: Sequence[dict[str, Any]], *, only: Callable[[dict[str, Any]
     return counts
 
 
-def _json_safe(value: Any) -> Any:
-    """JSON has no inf/NaN: non-finite floats become ``null`` (``finite``/``nonfinite`` say why)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def write_map(result: MapResult, out_dir: Path, environment: dict[str, Any]) -> list[Path]:
     """Write ``<module>_overflow_map.json`` and one PNG per figure value; return the paths."""
     from .plots import draw_map
+    from .report import json_safe
 
     result.check()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -114,5 +105,5 @@ def write_map(result: MapResult, out_dir: Path, environment: dict[str, Any]) -> 
         "cells": result.cells,
     }
     json_path = out_dir / f"{result.module}_overflow_map.json"
-    json_path.write_text(json.dumps(_json_safe(doc), indent=1, allow_nan=False) + "\n")
+    json_path.write_text(json.dumps(json_safe(doc), indent=1, allow_nan=False) + "\n")
     return [json_path, *draw_map(result, out_dir)]

@@ -46,6 +46,9 @@ class Implementation:
     ``unavailable()`` returns a reason string when the implementation cannot run here
     (no GPU, optional package missing), else ``None``.
     ``explain(case)`` returns human-readable lines on an overflow (operand, tile, magnitude).
+    ``baseline`` names the algorithm family of the same-dtype baseline the ``baseline`` rule
+    compares against (``"recurrent"``: the definition; ``"chunkwise"``: the chunk-parallel
+    form), so a chunked kernel is held to what a plain chunked implementation achieves.
     """
 
     module: str
@@ -59,6 +62,7 @@ class Implementation:
     explain: Callable[[Case], list[str]] | None = None
     unavailable: Callable[[], str | None] = lambda: None
     cases: tuple[str, ...] = ("default",)
+    baseline: str = "recurrent"
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -79,7 +83,7 @@ class ModuleEntry:
     title: str
     make_cases: Callable[[int], dict[str, Case]]
     oracle: Callable[[Case], torch.Tensor]
-    baseline: Callable[[Case, str], torch.Tensor]
+    baseline: Callable[[Case, str, str], torch.Tensor]  # (case, dtype, family)
     implementations: Callable[[], list[Implementation]]
     overflow_map: Callable[..., Any] | None = None
 

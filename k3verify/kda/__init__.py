@@ -1,6 +1,6 @@
 """Kimi Delta Attention: every form of SPEC §1 with the fla-core argument layout."""
 
-from .chunkwise import chunkwise
+from .chunkwise import chunkwise, naive_chunk_baseline
 from .gate import beta_gate, l2norm, lower_bound_gate, softplus_gate
 from .recurrent import naive_baseline, recurrent
 from .tiled import explain_overflow, tiled
@@ -12,6 +12,7 @@ __all__ = [
     "l2norm",
     "lower_bound_gate",
     "naive_baseline",
+    "naive_chunk_baseline",
     "recurrent",
     "softplus_gate",
     "tiled",

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..numerics import resolve_dtype, round_to
 from ..numerics.validate import require_positive_int
 from .inputs import check_inputs, from_chunks, initial, to_chunks, working_dtype
 
@@ -55,22 +56,90 @@ def chunkwise(
     S = initial(initial_state, dims, dtype, q.device)
     if dims.T == 0:
         return v.new_zeros(dims.B, 0, dims.H, dims.V), (S if output_final_state else None)
-    qc, kc, vc, gc = (to_chunks(t.to(dtype), C) for t in (q, k, v, g))  # [B,H,N,C,D]
-    bc = to_chunks(beta.to(dtype)[..., None], C)[..., 0]  # [B,H,N,C]
+    qc, kc, vc, gc = (to_chunks(t.to(dtype), C) for t in (q, k, v, g))
+    bc = to_chunks(beta.to(dtype)[..., None], C)[..., 0]
     G = gc.cumsum(-2)
-    A = decayed_products({"q": qc * scale, "k": kc}, kc, G, tile=_exact_tile(C))
-    A_qk, A_kk = A["q"], A["k"].tril(-1)
-    M = wy_inverse(A_kk * bc[..., :, None], bc)
+    A = decayed_products({"q": qc, "k": kc}, kc, G, tile=_exact_tile(C))
+    O, S = wy_pipeline(qc, kc, vc, bc, G, A, S, scale)
+    return from_chunks(O, dims.T).to(v.dtype), (S if output_final_state else None)
+
+
+def naive_chunk_baseline(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    dtype: torch.dtype | str,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunkwise form as a plain implementation in ``dtype`` would run it.
+
+    Inputs and every stored matrix (``A_qk, A_kk, M, W, U, V~``, the state after each chunk
+    and the output) are rounded to ``dtype``; arithmetic is fp32 per operation. The log-decay
+    and its prefix sums stay fp32, as in every kernel (gates arrive in fp32). This is the
+    same-dtype baseline for chunk-parallel implementations: it shares their algorithm, so
+    the fp32 cancellation in ``G_r - G_c`` that any chunked form suffers is in it too.
+    Returns fp32 tensors holding ``dtype`` values.
+    """
+    dims, scale = check_inputs(q, k, v, g, beta, initial_state, scale)
+    C = require_positive_int("chunk_size", chunk_size)
+    target = resolve_dtype(dtype)
+
+    def keep(name: str, x: torch.Tensor) -> torch.Tensor:
+        return round_to(x.float(), target)
+
+    S = keep("state", initial(initial_state, dims, torch.float32, q.device))
+    if dims.T == 0:
+        return torch.zeros(dims.B, 0, dims.H, dims.V), (S if output_final_state else None)
+    qc, kc, vc = (to_chunks(keep("input", t), C) for t in (q, k, v))
+    bc = to_chunks(keep("input", beta)[..., None], C)[..., 0]
+    G = to_chunks(g.float(), C).cumsum(-2)
+    A = decayed_products({"q": qc, "k": kc}, kc, G, tile=_exact_tile(C))
+    O, S = wy_pipeline(qc, kc, vc, bc, G, A, S, scale, cast=keep, store=keep)
+    return keep("output", from_chunks(O, dims.T)), (S if output_final_state else None)
+
+
+def wy_pipeline(
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    bc: torch.Tensor,
+    G: torch.Tensor,
+    A: dict[str, torch.Tensor],
+    S: torch.Tensor,
+    scale: float,
+    *,
+    cast: Cast = _keep,
+    store: Cast = _keep,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Everything after the intra-chunk products: WY inverse, pseudo-values, outputs, state.
+
+    ``qc, kc:[B,H,N,C,K]``, ``vc:[B,H,N,C,V]``, ``bc:[B,H,N,C]``, ``G`` the inclusive prefixes,
+    ``A = {"q": A_qk, "k": A_kk}`` unscaled and unmasked from :func:`decayed_products`,
+    ``S:[B,H,K,V]``. ``cast`` sees every matrix-product operand; ``store`` sees what a kernel
+    keeps in its accumulator dtype but a plain implementation stores (``A_kk``, the state).
+    Returns ``O:[B,H,N,C,V]`` and the final state.
+    """
+    A_qk = cast("A_qk", A["q"] * scale)
+    A_kk = store("A_kk", A["k"].tril(-1) * bc[..., :, None])
+    M = cast("M = (I + A_kk)^-1 Diag(beta)", wy_inverse(A_kk, bc))
     gamma = torch.exp(G)
-    W = M @ (gamma * kc)
-    U = M @ vc
-    k_to_end = kc * torch.exp(G[..., -1:, :] - G)
+    W = cast("W", M @ cast("exp(G) * k", gamma * kc))
+    U = cast("U", M @ vc)
+    q_decayed = cast("exp(G) * q", gamma * qc)
+    k_to_end = cast("k * exp(G_C - G)", kc * torch.exp(G[..., -1:, :] - G))
     O = torch.empty_like(U)
     for n in range(G.shape[2]):
-        v_new = U[:, :, n] - W[:, :, n] @ S
-        O[:, :, n] = (gamma[:, :, n] * qc[:, :, n] * scale) @ S + A_qk[:, :, n] @ v_new
-        S = torch.exp(G[:, :, n, -1])[..., None] * S + k_to_end[:, :, n].transpose(-1, -2) @ v_new
-    return from_chunks(O, dims.T).to(v.dtype), (S if output_final_state else None)
+        S_op = cast("state", S)
+        v_new = cast("pseudo-values V~", U[:, :, n] - W[:, :, n] @ S_op)
+        O[:, :, n] = scale * (q_decayed[:, :, n] @ S_op) + A_qk[:, :, n] @ v_new
+        S = store("state", torch.exp(G[:, :, n, -1])[..., None] * S + k_to_end[:, :, n].transpose(-1, -2) @ v_new)
+    return O, S
 
 
 def decayed_products(

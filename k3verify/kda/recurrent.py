@@ -52,10 +52,10 @@ def naive_baseline(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence as a plain implementation in ``dtype`` would run it.
 
-    Inputs, the decay factor, the state after each update and every output are rounded to
-    ``dtype``; each operation computes in fp32 and rounds its result, which is what torch
-    does for bf16/fp16 tensors and what we assume for fp8 storage. Returns fp32 tensors
-    holding ``dtype`` values.
+    Inputs, the state after each update and every output are rounded to ``dtype``; each
+    operation computes in fp32 and rounds its result, which is what torch does for bf16/fp16
+    tensors and what we assume for fp8 storage. The log-decay and its exponential stay fp32,
+    as in every kernel (gates arrive in fp32). Returns fp32 tensors holding ``dtype`` values.
     """
     dims, scale = check_inputs(q, k, v, g, beta, initial_state, scale)
     target = resolve_dtype(dtype)
@@ -63,19 +63,30 @@ def naive_baseline(
     def rnd(x: torch.Tensor) -> torch.Tensor:
         return round_to(x.float(), target)
 
-    ins = [rnd(t) for t in (q, k, v, g, beta)]
+    q, k, v, beta = (rnd(t) for t in (q, k, v, beta))
     s0 = None if initial_state is None else rnd(initial_state)
-    return _recurrence(*ins, scale, s0, output_final_state, dims, rnd, torch.float32)
+    return _recurrence(q, k, v, g.float(), beta, scale, s0, output_final_state, dims, rnd, torch.float32)
 
 
-def _recurrence(q, k, v, g, beta, scale, initial_state, output_final_state, dims,
-                rnd: Callable[[torch.Tensor], torch.Tensor] | None, out_dtype: torch.dtype):
+def _recurrence(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    initial_state,
+    output_final_state,
+    dims,
+    rnd: Callable[[torch.Tensor], torch.Tensor] | None,
+    out_dtype: torch.dtype,
+):
     """Shared loop; ``rnd`` (or identity) is applied to every stored intermediate."""
     keep = rnd if rnd is not None else (lambda x: x)
     dtype = working_dtype(q)
     q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
     q = keep(q * scale)
-    alpha = keep(torch.exp(g))
+    alpha = torch.exp(g)
     S = keep(initial(initial_state, dims, dtype, q.device))
     o = torch.empty(dims.B, dims.T, dims.H, dims.V, dtype=dtype, device=q.device)
     for t in range(dims.T):

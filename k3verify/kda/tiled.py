@@ -34,7 +34,7 @@ import torch
 from ..numerics import exp_fits, facts, is_float8, ln_max, resolve_dtype, round_to
 from ..numerics.rounding import OVERFLOW_MODES
 from ..numerics.validate import require_positive_int
-from .chunkwise import decayed_products, tile_start_prefix, wy_inverse
+from .chunkwise import decayed_products, tile_start_prefix, wy_pipeline
 from .inputs import Dims, check_inputs, from_chunks, initial, to_chunks
 
 ANCHORS = ("tile_start", "tile_middle", "row0_shift")
@@ -127,16 +127,18 @@ class _Caster:
             return
         finite = before[torch.isfinite(before)].abs()
         biggest = float(finite.max()) if finite.numel() else 0.0
-        self.events.append(OverflowEvent(
-            operand=name,
-            count=int(bad.sum()),
-            index=tuple(int(i) for i in bad.nonzero()[0]),
-            shape=tuple(before.shape),
-            arrived_nonfinite=bool((~torch.isfinite(before[bad])).any()),
-            max_log_magnitude=math.log(biggest) if biggest > 0 else -math.inf,
-            dtype=facts(self.cfg.operand_dtype).name,
-            ln_max=ln_max(self.cfg.operand_dtype),
-        ))
+        self.events.append(
+            OverflowEvent(
+                operand=name,
+                count=int(bad.sum()),
+                index=tuple(int(i) for i in bad.nonzero()[0]),
+                shape=tuple(before.shape),
+                arrived_nonfinite=bool((~torch.isfinite(before[bad])).any()),
+                max_log_magnitude=math.log(biggest) if biggest > 0 else -math.inf,
+                dtype=facts(self.cfg.operand_dtype).name,
+                ln_max=ln_max(self.cfg.operand_dtype),
+            )
+        )
 
 
 def tiled(
@@ -193,30 +195,14 @@ def explain_overflow(
 
 def _tiled(q, k, v, g, beta, scale: float, initial_state, dims: Dims, cfg: TileConfig, cast: _Caster):
     acc = cfg.accumulator
+    S = initial(initial_state, dims, acc, q.device)
     if dims.T == 0:
-        S = initial(initial_state, dims, acc, q.device)
         return v.new_zeros(dims.B, 0, dims.H, dims.V).to(cfg.output_dtype), S
     # Kernel inputs arrive in the operand dtype; gates arrive in the accumulator dtype.
     qc, kc, vc = (to_chunks(cast("input " + n, t.to(acc)), cfg.chunk_size) for n, t in (("q", q), ("k", k), ("v", v)))
     bc = to_chunks(cast("input beta", beta.to(acc))[..., None], cfg.chunk_size)[..., 0]
     G = to_chunks(g.to(acc), cfg.chunk_size).cumsum(-2)  # [B,H,N,C,K]
-    A = _intra_chunk(qc, kc, G, cfg, cast)
-    A_qk = A["q"] * scale
-    A_kk = A["k"].tril(-1) * bc[..., :, None]
-    M = cast("M = (I + A_kk)^-1 Diag(beta)", wy_inverse(A_kk, bc))  # solved in the accumulator
-    gamma = torch.exp(G)
-    W = cast("W", M @ cast("exp(G) * k", gamma * kc))
-    U = M @ cast("v", vc)
-    q_decayed = cast("exp(G) * q", gamma * qc)
-    k_to_end = cast("k * exp(G_C - G)", kc * torch.exp(G[..., -1:, :] - G))
-    A_qk = cast("A_qk", A_qk)
-    S = initial(initial_state, dims, acc, q.device)
-    O = torch.empty_like(U)
-    for n in range(G.shape[2]):
-        S_op = cast("state", S)
-        v_new = cast("pseudo-values V~", U[:, :, n] - W[:, :, n] @ S_op)
-        O[:, :, n] = scale * (q_decayed[:, :, n] @ S_op) + A_qk[:, :, n] @ v_new
-        S = torch.exp(G[:, :, n, -1])[..., None] * S + k_to_end[:, :, n].transpose(-1, -2) @ v_new
+    O, S = wy_pipeline(qc, kc, vc, bc, G, _intra_chunk(qc, kc, G, cfg, cast), S, scale, cast=cast)
     return from_chunks(O, dims.T).to(cfg.output_dtype), S
 
 
@@ -319,5 +305,6 @@ def predicted_finite_for(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, **ti
     if cfg.diagonal == "fp32":
         return True
     exponent, log_operand = realized_log_magnitudes(
-        q, k, g, chunk_size=cfg.chunk_size, tile=cfg.tile, anchor=cfg.anchor, anchor_shift=cfg.anchor_shift)
+        q, k, g, chunk_size=cfg.chunk_size, tile=cfg.tile, anchor=cfg.anchor, anchor_shift=cfg.anchor_shift
+    )
     return exp_fits(exponent, torch.float32) and exp_fits(log_operand, cfg.operand_dtype)

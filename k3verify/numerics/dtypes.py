@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -110,7 +110,7 @@ def supported_dtypes() -> tuple[str, ...]:
     return tuple(_NAMES)
 
 
-@lru_cache(maxsize=None)
+@cache
 def facts(dtype: torch.dtype | str) -> DTypeFacts:
     """The :class:`DTypeFacts` of ``dtype``, computed from ``torch.finfo``."""
     dtype = resolve_dtype(dtype)

@@ -20,7 +20,9 @@ def ln_max(dtype: torch.dtype | str) -> float:
     return facts(dtype).ln_max
 
 
-def exp_fits(log_magnitude: float, dtype: torch.dtype | str, *, compute_dtype: torch.dtype | str = torch.float32) -> bool:
+def exp_fits(
+    log_magnitude: float, dtype: torch.dtype | str, *, compute_dtype: torch.dtype | str = torch.float32
+) -> bool:
     """True if ``exp(log_magnitude)`` is finite both where it is computed and once rounded.
 
     The exponential is evaluated in ``compute_dtype`` (fp32 in every kernel we model) before
@@ -31,6 +33,8 @@ def exp_fits(log_magnitude: float, dtype: torch.dtype | str, *, compute_dtype: t
     return log_magnitude < min(ln_max(dtype), ln_max(compute_dtype))
 
 
-def headroom(log_magnitude: float, dtype: torch.dtype | str, *, compute_dtype: torch.dtype | str = torch.float32) -> float:
+def headroom(
+    log_magnitude: float, dtype: torch.dtype | str, *, compute_dtype: torch.dtype | str = torch.float32
+) -> float:
     """How far below the frontier ``log_magnitude`` sits, in natural-log units (negative past it)."""
     return min(ln_max(dtype), ln_max(compute_dtype)) - log_magnitude

@@ -104,8 +104,9 @@ def baseline_rule(
     err = float(getattr(impl, metric))
     base = float(getattr(baseline, metric))
     if impl.nonfinite:
-        return Verdict(FAIL, "baseline", metric, err, math.nan, -math.inf,
-                       f"{impl.nonfinite} non-finite outputs", base, floor, k)
+        return Verdict(
+            FAIL, "baseline", metric, err, math.nan, -math.inf, f"{impl.nonfinite} non-finite outputs", base, floor, k
+        )
     if baseline.nonfinite or not math.isfinite(base):
         # A baseline that overflowed grants no allowance; only the floor remains.
         base_term, note = 0.0, " (baseline non-finite: floor only)"
@@ -114,8 +115,7 @@ def baseline_rule(
     limit = base_term + floor
     ok = err <= limit
     reason = f"{metric} {err:.3e} {'<=' if ok else '>'} {k:g}x{base:.3e} + {floor:.3e}{note}"
-    return Verdict(PASS if ok else FAIL, "baseline", metric, err, limit, _margin(err, limit),
-                   reason, base, floor, k)
+    return Verdict(PASS if ok else FAIL, "baseline", metric, err, limit, _margin(err, limit), reason, base, floor, k)
 
 
 def expected_nonfinite(impl: Metrics, *, predicted_finite: bool, explanation: str) -> Verdict | None:
@@ -129,9 +129,18 @@ def expected_nonfinite(impl: Metrics, *, predicted_finite: bool, explanation: st
     if predicted_finite and observed_finite:
         return None
     if not predicted_finite and not observed_finite:
-        return Verdict(EXPECTED_NONFINITE, "frontier", "nonfinite", float(impl.nonfinite), math.nan,
-                       math.nan, f"overflow predicted and observed: {explanation}")
-    what = "finite output where overflow was predicted" if observed_finite else (
-        f"{impl.nonfinite} non-finite outputs where the frontier predicts finite")
-    return Verdict(FAIL, "frontier", "nonfinite", float(impl.nonfinite), math.nan, -math.inf,
-                   f"{what}: {explanation}")
+        return Verdict(
+            EXPECTED_NONFINITE,
+            "frontier",
+            "nonfinite",
+            float(impl.nonfinite),
+            math.nan,
+            math.nan,
+            f"overflow predicted and observed: {explanation}",
+        )
+    what = (
+        "finite output where overflow was predicted"
+        if observed_finite
+        else (f"{impl.nonfinite} non-finite outputs where the frontier predicts finite")
+    )
+    return Verdict(FAIL, "frontier", "nonfinite", float(impl.nonfinite), math.nan, -math.inf, f"{what}: {explanation}")

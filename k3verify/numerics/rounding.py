@@ -12,7 +12,7 @@ torch's own cast is used where tests show it is bit-identical to the reference.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Literal
 
 import torch
@@ -105,7 +105,7 @@ def _overflows(mag: torch.Tensor, f: DTypeFacts) -> torch.Tensor:
     return mag > t
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tie_overflows(dtype: torch.dtype) -> bool:
     tie = torch.tensor([facts(dtype).overflow_threshold], dtype=torch.float64)
     return not bool(torch.isfinite(round_to_reference(tie, dtype)).item())

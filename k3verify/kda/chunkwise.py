@@ -84,21 +84,22 @@ def naive_chunk_baseline(
     and its prefix sums stay fp32, as in every kernel (gates arrive in fp32). This is the
     same-dtype baseline for chunk-parallel implementations: it shares their algorithm, so
     the fp32 cancellation in ``G_r - G_c`` that any chunked form suffers is in it too.
-    Returns fp32 tensors holding ``dtype`` values.
+    Returns fp32 tensors holding ``dtype`` values (fp64 for ``dtype=fp64``).
     """
     dims, scale = check_inputs(q, k, v, g, beta, initial_state, scale)
     C = require_positive_int("chunk_size", chunk_size)
     target = resolve_dtype(dtype)
+    storage = torch.float64 if target == torch.float64 else torch.float32
 
     def keep(name: str, x: torch.Tensor) -> torch.Tensor:
-        return round_to(x.float(), target)
+        return round_to(x.to(storage), target)
 
-    S = keep("state", initial(initial_state, dims, torch.float32, q.device))
+    S = keep("state", initial(initial_state, dims, storage, q.device))
     if dims.T == 0:
-        return torch.zeros(dims.B, 0, dims.H, dims.V), (S if output_final_state else None)
+        return torch.zeros(dims.B, 0, dims.H, dims.V, dtype=storage), (S if output_final_state else None)
     qc, kc, vc = (to_chunks(keep("input", t), C) for t in (q, k, v))
     bc = to_chunks(keep("input", beta)[..., None], C)[..., 0]
-    G = to_chunks(g.float(), C).cumsum(-2)
+    G = to_chunks(g.to(storage), C).cumsum(-2)
     A = decayed_products({"q": qc, "k": kc}, kc, G, tile=_exact_tile(C))
     O, S = wy_pipeline(qc, kc, vc, bc, G, A, S, scale, cast=keep, store=keep)
     return keep("output", from_chunks(O, dims.T)), (S if output_final_state else None)

@@ -55,17 +55,19 @@ def naive_baseline(
     Inputs, the state after each update and every output are rounded to ``dtype``; each
     operation computes in fp32 and rounds its result, which is what torch does for bf16/fp16
     tensors and what we assume for fp8 storage. The log-decay and its exponential stay fp32,
-    as in every kernel (gates arrive in fp32). Returns fp32 tensors holding ``dtype`` values.
+    as in every kernel (gates arrive in fp32). Returns fp32 tensors holding ``dtype`` values
+    (fp64 for ``dtype=fp64``, which is then the exact recurrence).
     """
     dims, scale = check_inputs(q, k, v, g, beta, initial_state, scale)
     target = resolve_dtype(dtype)
+    storage = torch.float64 if target == torch.float64 else torch.float32
 
     def rnd(x: torch.Tensor) -> torch.Tensor:
-        return round_to(x.float(), target)
+        return round_to(x.to(storage), target)
 
     q, k, v, beta = (rnd(t) for t in (q, k, v, beta))
     s0 = None if initial_state is None else rnd(initial_state)
-    return _recurrence(q, k, v, g.float(), beta, scale, s0, output_final_state, dims, rnd, torch.float32)
+    return _recurrence(q, k, v, g.to(storage), beta, scale, s0, output_final_state, dims, rnd, storage)
 
 
 def _recurrence(

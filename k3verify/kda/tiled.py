@@ -115,9 +115,12 @@ class _Caster:
     cfg: TileConfig
     events: list[OverflowEvent] | None = field(default=None)
 
+    # Past the first few events everything downstream is propagation; stop paying for checks.
+    max_events: int = 4
+
     def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
         y = round_to(t, self.cfg.operand_dtype, overflow=self.cfg.overflow)
-        if self.events is not None:
+        if self.events is not None and len(self.events) < self.max_events:
             self._record(name, t, y)
         return y
 
@@ -171,7 +174,7 @@ def tiled(
     return o, (S if output_final_state else None)
 
 
-def explain_overflow(
+def tiled_traced(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -181,16 +184,23 @@ def explain_overflow(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     **tiling: object,
-) -> list[OverflowEvent]:
-    """Run :func:`tiled` and list every operand that overflowed, in the order computed.
+) -> tuple[torch.Tensor, list[OverflowEvent]]:
+    """:func:`tiled`'s output together with every operand that overflowed, in computing order.
 
     ``tiling`` takes the keyword arguments of :class:`TileConfig`.
     """
     cfg = TileConfig(**tiling)  # type: ignore[arg-type]
     dims, scale = check_inputs(q, k, v, g, beta, initial_state, scale)
     caster = _Caster(cfg, events=[])
-    _tiled(q, k, v, g, beta, scale, initial_state, dims, cfg, caster)
-    return caster.events or []
+    o, _ = _tiled(q, k, v, g, beta, scale, initial_state, dims, cfg, caster)
+    return o, caster.events or []
+
+
+def explain_overflow(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, **kwargs: object
+) -> list[OverflowEvent]:
+    """The overflow events of :func:`tiled_traced` alone (same arguments)."""
+    return tiled_traced(q, k, v, g, beta, **kwargs)[1]  # type: ignore[arg-type]
 
 
 def _tiled(q, k, v, g, beta, scale: float, initial_state, dims: Dims, cfg: TileConfig, cast: _Caster):

@@ -63,9 +63,7 @@ def round_to_reference(
     """
     f = facts(dtype)
     xd = x.to(torch.float64)
-    _, exponent = torch.frexp(xd)  # xd = m * 2**exponent, 0.5 <= |m| < 1
-    e = torch.clamp(exponent - 1, min=f.emin)  # floor(log2|x|), held at emin for subnormals
-    quantum = torch.ldexp(torch.ones_like(xd), (e - (f.digits - 1)).to(torch.int32))
+    quantum = spacing(xd, dtype)
     r = torch.round(xd / quantum) * quantum
     r = torch.where(torch.isfinite(xd), r, xd)
     too_big = r.abs() > f.max
@@ -88,7 +86,7 @@ def _round_native(x: torch.Tensor, dtype: torch.dtype, overflow: str) -> torch.T
     y = x.to(dtype).to(x.dtype)
     if f.has_inf:
         if overflow == "saturate":
-            y = torch.where(torch.isinf(y) & torch.isfinite(x), torch.sign(x) * f.max, y)
+            y = torch.where(torch.isinf(y), torch.sign(y) * f.max, y)
         return y
     # Formats without inf: torch saturates, so mark the overflowing magnitudes ourselves.
     if overflow == "nonfinite":
@@ -118,6 +116,7 @@ def spacing(x: torch.Tensor, dtype: torch.dtype | str) -> torch.Tensor:
     """
     f = facts(dtype)
     xd = x.to(torch.float64).abs()
-    _, exponent = torch.frexp(xd)
-    e = torch.clamp(exponent - 1, min=f.emin)
+    _, exponent = torch.frexp(xd)  # xd = m * 2**exponent, 0.5 <= m < 1, so floor(log2 xd) = exponent - 1
+    # Held at emin below the normal range (subnormals); frexp(0) reports 0, also subnormal here.
+    e = torch.where(xd == 0, f.emin, torch.clamp(exponent - 1, min=f.emin))
     return torch.ldexp(torch.ones_like(xd), (e - (f.digits - 1)).to(torch.int32))

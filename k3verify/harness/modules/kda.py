@@ -17,6 +17,7 @@ from ...kda.tiled import (
     predicted_finite,
     predicted_finite_for,
     realized_log_magnitudes,
+    tiled_traced,
 )
 from ...numerics import compare, dtype_name, exp_fits, ln_max
 from ..overflow_map import MapOptions, MapResult, MapSpec, agreement
@@ -324,7 +325,7 @@ def _map_cell(
     ref: torch.Tensor,
 ) -> dict[str, Any]:
     tiling = dict(chunk_size=CHUNK, tile=tile, operand_dtype=dtype, anchor=anchor)
-    o, _ = kda.tiled(f32["q"], f32["k"], f32["v"], f32["g"], f32["beta"], **tiling)
+    o, events = tiled_traced(f32["q"], f32["k"], f32["v"], f32["g"], f32["beta"], **tiling)
     m = compare(o, ref, ulp_dtype=dtype)
     bound = predicted_finite(g_min, tile=tile, operand_dtype=dtype, anchor=anchor)
     exponent, log_operand = realized_log_magnitudes(x["q"], x["k"], x["g"], chunk_size=CHUNK, tile=tile, anchor=anchor)
@@ -346,7 +347,6 @@ def _map_cell(
         "nonfinite": m.nonfinite,
     }
     if m.nonfinite:
-        events = explain_overflow(f32["q"], f32["k"], f32["v"], f32["g"], f32["beta"], **tiling)
         cell["overflow"] = events[0].describe() if events else "non-finite output with no operand overflow"
     return cell
 

@@ -1,0 +1,36 @@
+"""KDA chunkwise form in fp64 against fla-core's ``naive_chunk_kda`` on the same inputs.
+
+B=1, T=4096, H=4, K=V=128 (the issue's size). fla-core's naive form computes in fp32 and
+loops over the rows of each chunk; ours keeps fp64 and is vectorised over batch, heads and
+chunks. The ratio is printed by ``benchmarks/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3verify import kda
+from k3verify.adapters import fla
+from k3verify.harness.modules.kda import random_inputs
+
+SHAPE = dict(B=1, T=4096, H=4, K=128, V=128)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    x = random_inputs(**SHAPE, seed=0, initial_state=False)
+    return tuple(x[n] for n in ("q", "k", "v", "g", "beta"))
+
+
+def test_chunkwise_fp64(benchmark, inputs) -> None:
+    benchmark.extra_info["peer"] = "test_fla_naive_chunk_kda"
+    benchmark.extra_info["shape"] = SHAPE
+    o, _ = benchmark.pedantic(kda.chunkwise, args=inputs, kwargs={"chunk_size": 64}, rounds=3, iterations=1)
+    assert o.dtype == torch.float64
+
+
+@pytest.mark.skipif(fla.unavailable_reason() is not None, reason=str(fla.unavailable_reason()))
+def test_fla_naive_chunk_kda(benchmark, inputs) -> None:
+    benchmark.extra_info["shape"] = SHAPE
+    benchmark.pedantic(fla.naive_chunk, args=inputs, rounds=3, iterations=1)

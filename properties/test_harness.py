@@ -1,0 +1,131 @@
+"""The harness end to end: `k3verify run`, its report, the KDA overflow map, and the verdicts
+on deliberately broken implementations (structural checks; each verdict uses the rule the
+registry names for the row)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from k3verify.cli import main
+from k3verify.harness import registry, runner
+from k3verify.harness.modules import kda as kda_entry
+from k3verify.harness.overflow_map import MapOptions, agreement, write_map
+from k3verify.numerics import EXPECTED_NONFINITE, FAIL, PASS
+
+
+@pytest.fixture(scope="module")
+def kda_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    code = main(["run", "--modules", "kda", "--out", str(out)])
+    return code, json.loads((out / "report.json").read_text()), (out / "report.md").read_text()
+
+
+def test_run_exits_zero_and_writes_the_report(kda_report) -> None:
+    code, doc, md = kda_report
+    assert code == 0, [r for r in doc["rows"] if r["status"] == FAIL]
+    assert doc["schema_version"] == 1
+    for key in ("python", "torch", "device", "git_commit", "k3verify"):
+        assert key in doc["environment"]
+    assert doc["summary"]["fail"] == 0 and doc["summary"]["rows"] == len(doc["rows"])
+    assert "| module |" in md
+
+
+def test_report_rows_cover_every_form(kda_report) -> None:
+    _, doc, _ = kda_report
+    rows = [r for r in doc["rows"] if r["implementation"] == "k3verify"]
+    seen = {(r["form"], r["dtype"]) for r in rows if r["status"] == PASS}
+    for needed in [("recurrent", "fp32"), ("chunkwise", "fp64"), ("tiled", "bf16"), ("tiled", "fp16")]:
+        assert needed in seen, needed
+    for r in rows:
+        for key in ("module", "form", "metrics", "verdict", "margin", "params", "rule"):
+            assert key in r, (key, r)
+    # K3's bound is past fp16's frontier with matmul diagonals: predicted and observed overflow.
+    fp16 = [r for r in rows if r["form"] == "tiled" and r["dtype"] == "fp16" and "diagonal" not in r["params"]]
+    assert fp16 and all(r["status"] == EXPECTED_NONFINITE and r["overflow"] for r in fp16)
+
+
+def test_unknown_module_is_a_clear_error(capsys) -> None:
+    assert main(["run", "--modules", "kda,nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown module 'nope'" in err and "kda" in err
+
+
+def test_list_shows_implementations(capsys) -> None:
+    assert main(["list", "--modules", "kda"]) == 0
+    assert "tiled" in capsys.readouterr().out
+
+
+def _zero(case) -> torch.Tensor:
+    return torch.zeros_like(kda_entry.oracle(case)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("broken", "why"),
+    [
+        (lambda impl: replace(impl, run=_zero), "all-zero output"),
+        (lambda impl: replace(impl, run=lambda c: (1.05 * impl.run(c).float()).to(torch.bfloat16)), "5% gain error"),
+        (lambda impl: replace(impl, run=lambda c: impl.run(c).flip(1)), "time-reversed output"),
+    ],
+    ids=["zero", "gain", "reversed"],
+)
+def test_broken_implementations_fail(broken, why) -> None:
+    entry = registry.get("kda")
+    good = next(i for i in entry.implementations() if i.form == "tiled" and i.dtype == "bf16")
+    case = entry.make_cases(0)["default"]
+    assert runner.verify(entry, good, case)["status"] == PASS
+    assert runner.verify(entry, broken(good), case)["status"] == FAIL, why
+
+
+def test_a_crashing_implementation_is_a_failed_row() -> None:
+    entry = registry.get("kda")
+    impl = replace(entry.implementations()[0], run=lambda c: 1 / 0)
+    row = runner.verify(entry, impl, entry.make_cases(0)["default"])
+    assert row["status"] == FAIL and "ZeroDivisionError" in row["reason"]
+
+
+@pytest.fixture(scope="module")
+def kda_map(tmp_path_factory):
+    out = tmp_path_factory.mktemp("map")
+    grid = [-1.0, -4.5, -5.0, -5.5, -6.0, -8.0, -12.0]
+    result = registry.get("kda").overflow_map(MapOptions(x_values=grid))
+    return result, write_map(result, out, {"test": True})
+
+
+def _cell(result, **key):
+    matches = [c for c in result.cells if all(c[k] == v for k, v in key.items())]
+    assert len(matches) == 1, key
+    return matches[0]
+
+
+def test_map_reproduces_spec_frontier(kda_map) -> None:
+    result, _ = kda_map
+    k3 = _cell(result, input="worst", dtype="bf16", tile=16, g_min=-5.0, anchor="tile_start")
+    assert k3["finite"] and k3["predicted_finite"]
+    assert not _cell(result, input="worst", dtype="bf16", tile=32, g_min=-5.0, anchor="tile_start")["finite"]
+    # fla-core 0.6.0 safe_gate (row0 - 2/row, 16-row tiles, fp32 factors): finite at -6, NaN at -8.
+    assert _cell(result, input="worst", dtype="fp32", tile=16, g_min=-6.0, anchor="row0_shift")["finite"]
+    assert not _cell(result, input="worst", dtype="fp32", tile=16, g_min=-8.0, anchor="row0_shift")["finite"]
+
+
+def test_map_agrees_with_its_prediction_away_from_the_frontier(kda_map) -> None:
+    result, _ = kda_map
+    for kind in ("worst", "random"):
+        counts = agreement(result.cells, only=lambda c, kind=kind: c["input"] == kind)
+        assert counts["disagree_away"] == 0, (kind, counts)
+        assert counts["cells"] == 7 * 5 * 4 * 3
+
+
+def test_map_files(kda_map) -> None:
+    result, paths = kda_map
+    doc = json.loads(paths[0].read_text())
+    assert doc["module"] == "kda" and len(doc["cells"]) == len(result.cells)
+    for key in ("module", "dtype", "tile", "g_min", "anchor", "finite", "predicted_finite", "rms_ratio"):
+        assert key in doc["cells"][0]
+    overflowed = [c for c in doc["cells"] if not c["finite"]]
+    assert overflowed and all(c["rms_ratio"] is None and "overflowed" in c["overflow"] for c in overflowed)
+    assert [p.suffix for p in paths] == [".json", ".png", ".png"]
+    assert all(p.stat().st_size > 10_000 for p in paths[1:])

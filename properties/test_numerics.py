@@ -1,0 +1,165 @@
+"""The numerics core: dtype facts, rounding emulation, metrics and the tolerance policy.
+
+Rules: rounding is checked bit for bit (exact equality) against the reference rounding, which
+itself is derived from torch.finfo facts; metrics and verdicts are checked on constructed
+inputs whose answers follow from their definitions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from k3verify.numerics import (
+    EXPECTED_NONFINITE,
+    FAIL,
+    PASS,
+    baseline_rule,
+    compare,
+    expected_nonfinite,
+    facts,
+    fp64_agreement,
+    noise_floor,
+    resolve_dtype,
+    round_to,
+    round_to_reference,
+    spacing,
+    supported_dtypes,
+)
+
+NARROW = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
+
+
+@pytest.mark.parametrize("name", supported_dtypes())
+def test_facts_come_from_finfo(name: str) -> None:
+    f = facts(name)
+    fi = torch.finfo(f.dtype)
+    assert f.max == fi.max and f.eps == fi.eps and f.smallest_normal == fi.smallest_normal
+    assert f.unit_roundoff == fi.eps / 2
+    assert math.isclose(f.ln_max, math.log(fi.max))
+    assert math.frexp(f.max)[1] - 1 == f.emax
+    # The largest value is representable and the next binade step past it is not.
+    assert torch.tensor(f.max, dtype=torch.float64).to(f.dtype).double().item() == f.max
+
+
+def test_e4m3fn_has_no_infinity() -> None:
+    assert not facts("fp8_e4m3").has_inf
+    assert all(facts(n).has_inf for n in ("bf16", "fp16", "fp8_e5m2", "fp32"))
+
+
+def _all_finite_values(dtype: torch.dtype) -> torch.Tensor:
+    bits = facts(dtype).bits
+    raw = torch.arange(0, 256, dtype=torch.uint8) if bits == 8 else torch.arange(-(2**15), 2**15, dtype=torch.int16)
+    vals = raw.view(dtype).to(torch.float64)
+    return torch.unique(vals[torch.isfinite(vals)])
+
+
+def _boundary_probes(dtype: torch.dtype) -> torch.Tensor:
+    """Every representable value, every midpoint (tie) and the fp32 neighbours of each tie."""
+    vals = _all_finite_values(dtype)
+    mids = ((vals[1:] + vals[:-1]) / 2).float()
+    f = facts(dtype)
+    beyond = torch.tensor(
+        [f.overflow_threshold, f.max * 1.5, 1e30, -f.overflow_threshold, float("inf"), -float("inf"), float("nan")],
+        dtype=torch.float32,
+    )
+    probes = [
+        vals.float(),
+        mids,
+        torch.nextafter(mids, torch.tensor(math.inf)),
+        torch.nextafter(mids, torch.tensor(-math.inf)),
+        beyond,
+    ]
+    return torch.cat(probes)
+
+
+@pytest.mark.parametrize("name", NARROW)
+@pytest.mark.parametrize("overflow", ["nonfinite", "saturate"])
+def test_fast_rounding_matches_reference_at_every_tie(name: str, overflow: str) -> None:
+    x = _boundary_probes(resolve_dtype(name))
+    fast = round_to(x, name, overflow=overflow)
+    ref = round_to_reference(x, name, overflow=overflow)
+    same = (fast == ref) | (torch.isnan(fast) & torch.isnan(ref))
+    assert bool(same.all()), f"{int((~same).sum())} mismatches, first at {x[~same][:4].tolist()}"
+
+
+def test_reference_rounds_fp64_once() -> None:
+    """1 + 2^-8 + 2^-40 is above the bf16 tie; rounding through fp32 first would hit the tie."""
+    x = torch.tensor([1 + 2**-8 + 2**-40], dtype=torch.float64)
+    assert round_to(x, "bf16").item() == 1 + 2**-7
+    assert round_to(x.float(), "bf16").item() == 1.0
+
+
+def test_overflow_policies() -> None:
+    x = torch.tensor([447.0, 464.0, 465.0, 1e6, float("inf")])
+    assert round_to(x, "fp8_e4m3", overflow="saturate").tolist() == [448.0, 448.0, 448.0, 448.0, 448.0]
+    nf = round_to(x, "fp8_e4m3")
+    assert nf[:2].tolist() == [448.0, 448.0] and bool(torch.isnan(nf[2:]).all())
+    assert bool(torch.isinf(round_to(torch.tensor([65520.0]), "fp16")).all())  # the tie goes up
+    assert round_to(torch.tensor([65519.0]), "fp16").item() == 65504.0
+
+
+@given(st.floats(-1e6, 1e6, allow_nan=False, width=32), st.sampled_from(NARROW))
+def test_rounding_is_idempotent_and_nearest(x: float, name: str) -> None:
+    t = torch.tensor([x], dtype=torch.float64)
+    r = round_to(t, name)
+    if torch.isfinite(r).all():
+        assert torch.equal(round_to(r, name), r)
+        assert abs(r.item() - x) <= spacing(r, name).item() / 2
+
+
+def test_spacing() -> None:
+    assert spacing(torch.tensor([1.0]), "bf16").item() == 2**-7
+    assert spacing(torch.tensor([0.0]), "fp16").item() == facts("fp16").smallest_subnormal
+    assert spacing(torch.tensor([300.0]), "fp8_e4m3").item() == 32.0
+
+
+def test_metrics_from_definitions() -> None:
+    ref = torch.linspace(1, 2, 100, dtype=torch.float64)
+    assert compare(ref, ref, ulp_dtype="bf16").rms_ratio == 0.0
+    zero = compare(torch.zeros_like(ref), ref, ulp_dtype="bf16")
+    assert zero.rms_ratio == 1.0 and zero.one_minus_cos == 1.0
+    one_ulp = ref + spacing(ref, "bf16")
+    m = compare(one_ulp, ref, ulp_dtype="bf16")
+    assert m.ulp_max == 1.0 and m.ulp_mean == 1.0
+    bad = ref.clone()
+    bad[3] = float("nan")
+    assert compare(bad, ref, ulp_dtype="bf16").nonfinite == 1
+    with pytest.raises(ValueError, match="shape"):
+        compare(ref[:5], ref, ulp_dtype="bf16")
+
+
+def test_baseline_rule_rejects_an_all_zero_output() -> None:
+    ref = torch.randn(1000, dtype=torch.float64)
+    base = compare(round_to(ref, "bf16") * (1 + 2**-8), ref, ulp_dtype="bf16")
+    floor = noise_floor(ref, "bf16")
+    assert baseline_rule(compare(torch.zeros_like(ref), ref, ulp_dtype="bf16"), base, floor).status == FAIL
+    exact = baseline_rule(compare(ref, ref, ulp_dtype="bf16"), base, floor)
+    assert exact.status == PASS and exact.margin == 1.0
+
+
+def test_fp64_agreement_rule() -> None:
+    ref = torch.randn(50, dtype=torch.float64)
+    assert fp64_agreement(ref * (1 + 1e-12), ref).status == PASS
+    assert fp64_agreement(ref * (1 + 1e-8), ref).status == FAIL
+    with pytest.raises(TypeError, match="fp64"):
+        fp64_agreement(ref.float(), ref)
+
+
+def test_expected_nonfinite_verdicts() -> None:
+    ref = torch.ones(4, dtype=torch.float64)
+    inf = compare(torch.full((4,), math.inf), ref, ulp_dtype="bf16")
+    ok = compare(ref, ref, ulp_dtype="bf16")
+    assert expected_nonfinite(inf, predicted_finite=False, explanation="x").status == EXPECTED_NONFINITE
+    assert expected_nonfinite(ok, predicted_finite=False, explanation="x").status == FAIL
+    assert expected_nonfinite(inf, predicted_finite=True, explanation="x").status == FAIL
+    assert expected_nonfinite(ok, predicted_finite=True, explanation="x") is None
+
+
+def test_unknown_dtype_is_named() -> None:
+    with pytest.raises(ValueError, match="int4"):
+        resolve_dtype("int4")

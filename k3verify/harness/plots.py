@@ -8,6 +8,7 @@ observation disagree carry a white cross.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,8 @@ def draw_map(result: MapResult, out_dir: Path) -> list[Path]:
     paths = []
     for fig_value in _ordered([c[spec.figure] for c in result.cells]):
         cells = [c for c in result.cells if c[spec.figure] == fig_value]
-        path = out_dir / f"{result.module}_overflow_map_{spec.figure}-{fig_value}.png"
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", str(fig_value)).strip("_")
+        path = out_dir / f"{result.module}_overflow_map_{spec.figure}-{slug}.png"
         _draw_figure(cells, result, f"{spec.title}\n{spec.figure} = {fig_value}", path)
         paths.append(path)
     return paths

@@ -280,6 +280,7 @@ def overflow_map(options: MapOptions, progress: Callable[[int, int], None] = lam
                 cells.append(_map_cell(kind, g_min, dtype, anchor, tile, x, f32, ref))
                 done += 1
                 progress(done, total)
+    cells += _kernel_cells(grid, options, progress)
     _mark_frontier(cells)
     result = MapResult(
         "kda",
@@ -332,6 +333,7 @@ def _map_cell(
     predicted = exp_fits(exponent, "fp32") and exp_fits(log_operand, dtype)
     cell = {
         "module": "kda",
+        "implementation": "k3verify tiled",
         "input": kind,
         "dtype": dtype,
         "tile": tile,
@@ -351,11 +353,55 @@ def _map_cell(
     return cell
 
 
+def _kernel_cells(grid: list[float], options: MapOptions, progress: Callable[[int, int], None]) -> list[dict[str, Any]]:
+    """fla-core's ``chunk_kda`` on the worst-case input, when a CUDA device and fla-core are here.
+
+    ``safe_gate=True`` is predicted by our ``row0_shift`` frontier with fp32 factors (its
+    diagonal tiles form ``exp`` in fp32 with 16-row tiles and a shift of 2 per row);
+    ``safe_gate=False`` takes fla's token-parallel fp32 path and is predicted finite.
+    """
+    if fla_adapter.unavailable_reason(gpu=True) is not None:
+        return []
+    cells = []
+    for i, g_min in enumerate(grid):
+        x = saturated_inputs(**MAP_SHAPE, g_min=g_min, seed=options.seed)
+        ref, _ = kda.chunkwise(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=CHUNK)
+        args = [x[n].to(torch.bfloat16) for n in ("q", "k", "v")] + [x["g"].float(), x["beta"].to(torch.bfloat16)]
+        for safe_gate in (True, False):
+            o, _ = fla_adapter.chunk_gpu(*args, safe_gate=safe_gate, lower_bound=g_min)
+            m = compare(o, ref, ulp_dtype="bf16")
+            if safe_gate:
+                exponent, log_operand = realized_log_magnitudes(
+                    x["q"], x["k"], x["g"], chunk_size=CHUNK, tile=TILE, anchor="row0_shift"
+                )
+                predicted = exp_fits(exponent, "fp32") and exp_fits(log_operand, "fp32")
+            else:
+                predicted = True
+            cells.append(
+                {
+                    "module": "kda",
+                    "input": "worst, fla-core chunk_kda on " + torch.cuda.get_device_name(0),
+                    "implementation": f"fla-core {fla_adapter.version()} chunk_kda",
+                    "dtype": "bf16",
+                    "tile": TILE,
+                    "g_min": g_min,
+                    "anchor": f"safe_gate={safe_gate}",
+                    "finite": m.nonfinite == 0,
+                    "predicted_finite": predicted,
+                    "rms_ratio": m.rms_ratio,
+                    "max_abs": m.max_abs,
+                    "nonfinite": m.nonfinite,
+                }
+            )
+        progress(i + 1, len(grid))
+    return cells
+
+
 def _mark_frontier(cells: list[dict[str, Any]]) -> None:
     """``frontier_adjacent``: a g_min neighbour (same input, dtype, anchor, tile) predicts otherwise."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for c in cells:
-        groups.setdefault((c["input"], c["dtype"], c["anchor"], c["tile"]), []).append(c)
+        groups.setdefault((c["implementation"], c["input"], c["dtype"], c["anchor"], c["tile"]), []).append(c)
     for run in groups.values():
         run.sort(key=lambda c: -c["g_min"])
         for i, c in enumerate(run):

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..numerics import resolve_dtype, round_to
+from ..numerics import rounder, storage_for
 from ..numerics.validate import require_positive_int
 from .inputs import check_inputs, from_chunks, initial, to_chunks, working_dtype
 
@@ -88,11 +88,10 @@ def naive_chunk_baseline(
     """
     dims, scale = check_inputs(q, k, v, g, beta, initial_state, scale)
     C = require_positive_int("chunk_size", chunk_size)
-    target = resolve_dtype(dtype)
-    storage = torch.float64 if target == torch.float64 else torch.float32
+    rnd, storage = rounder(dtype), storage_for(dtype)
 
     def keep(name: str, x: torch.Tensor) -> torch.Tensor:
-        return round_to(x.to(storage), target)
+        return rnd(x)
 
     S = keep("state", initial(initial_state, dims, storage, q.device))
     if dims.T == 0:

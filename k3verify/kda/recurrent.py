@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..numerics import resolve_dtype, round_to
+from ..numerics import rounder, storage_for
 from .inputs import check_inputs, initial, working_dtype
 
 
@@ -59,12 +59,7 @@ def naive_baseline(
     (fp64 for ``dtype=fp64``, which is then the exact recurrence).
     """
     dims, scale = check_inputs(q, k, v, g, beta, initial_state, scale)
-    target = resolve_dtype(dtype)
-    storage = torch.float64 if target == torch.float64 else torch.float32
-
-    def rnd(x: torch.Tensor) -> torch.Tensor:
-        return round_to(x.to(storage), target)
-
+    rnd, storage = rounder(dtype), storage_for(dtype)
     q, k, v, beta = (rnd(t) for t in (q, k, v, beta))
     s0 = None if initial_state is None else rnd(initial_state)
     return _recurrence(q, k, v, g.to(storage), beta, scale, s0, output_final_state, dims, rnd, storage)

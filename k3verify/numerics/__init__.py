@@ -18,7 +18,7 @@ from .policy import (
     fp64_agreement,
     noise_floor,
 )
-from .rounding import OVERFLOW_MODES, round_to, round_to_reference, spacing
+from .rounding import OVERFLOW_MODES, round_to, round_to_reference, rounder, spacing, storage_for
 
 __all__ = [
     "BASELINE_K",
@@ -46,6 +46,8 @@ __all__ = [
     "resolve_dtype",
     "round_to",
     "round_to_reference",
+    "rounder",
     "spacing",
+    "storage_for",
     "supported_dtypes",
 ]

@@ -12,6 +12,7 @@ torch's own cast is used where tests show it is bit-identical to the reference.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 from typing import Literal
 
@@ -48,6 +49,17 @@ def round_to(
         # this fast path is bit-identical to the reference on every binade boundary.
         return _round_native(x, target, overflow)
     return round_to_reference(x, target, overflow=overflow)
+
+
+def storage_for(dtype: torch.dtype | str) -> torch.dtype:
+    """Wide dtype that holds emulated ``dtype`` values: fp64 for fp64, fp32 for the rest."""
+    return torch.float64 if resolve_dtype(dtype) == torch.float64 else torch.float32
+
+
+def rounder(dtype: torch.dtype | str, *, overflow: Overflow = "nonfinite") -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> round_to(x in storage_for(dtype), dtype)``: how a naive baseline stores a tensor."""
+    target, storage = resolve_dtype(dtype), storage_for(dtype)
+    return lambda x: round_to(x.to(storage), target, overflow=overflow)
 
 
 def round_to_reference(

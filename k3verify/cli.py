@@ -160,7 +160,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    out, err = Console(), Console(stderr=True)
+    # Piped output (CI logs, files) gets a wide fixed width instead of rich's 80 columns.
+    out = Console() if sys.stdout.isatty() else Console(width=170)
+    err = Console(stderr=True)
     try:
         return args.fn(args, out, err)
     except registry.UnknownModuleError as exc:

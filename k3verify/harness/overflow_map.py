@@ -48,6 +48,7 @@ class MapSpec:
     y_label: str
     title: str
     frontier_key: str = "predicted_finite"
+    x_descending: bool = False  # draw the largest x first (KDA: g_min from -0.5 down to -20)
 
 
 @dataclass

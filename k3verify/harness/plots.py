@@ -54,13 +54,12 @@ def _draw_figure(cells: list[dict[str, Any]], result: MapResult, title: str, pat
     spec = result.spec
     rows = _ordered([c[spec.panel_row] for c in cells])
     cols = _ordered([c[spec.panel_col] for c in cells])
-    xs = sorted(_ordered([c[spec.x] for c in cells]), key=lambda v: -v if isinstance(v, (int, float)) else v)
+    xs = sorted(_ordered([c[spec.x] for c in cells]), reverse=spec.x_descending)
     ys = sorted(_ordered([c[spec.y] for c in cells]))
     fig, axes = plt.subplots(
         len(rows), len(cols), figsize=(4.2 * len(cols), 2.4 * len(rows) + 1), squeeze=False, sharex=True, sharey=True
     )
-    cmap = matplotlib.colormaps["viridis"].copy()
-    cmap.set_bad("none")
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="none")
     overflow_cmap = ListedColormap(["#d62728"])
     finite_errs = [
         c["rms_ratio"]
@@ -101,8 +100,8 @@ def _draw_figure(cells: list[dict[str, Any]], result: MapResult, title: str, pat
                 ax.set_xlabel(spec.x_label)
             if j == 0:
                 ax.set_ylabel(spec.y_label)
-            if numeric_x and xs[0] > xs[-1]:
-                ax.set_xlim(x_edges[0], x_edges[-1])
+            if numeric_x:
+                ax.set_xlim(x_edges[0], x_edges[-1])  # keeps a descending axis descending
     fig.suptitle(
         title + "\nred: overflow (inf/NaN)   black line: analytic frontier   x: prediction missed", fontsize=10
     )

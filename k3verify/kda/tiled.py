@@ -27,12 +27,13 @@ A diagonal tile splits ``exp(G_i - G_j) = exp(G_i - a) * exp(a - G_j)`` at an an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..numerics import exp_fits, facts, is_float8, ln_max, resolve_dtype, round_to
+from ..numerics import exp_fits, is_float8, resolve_dtype
 from ..numerics.rounding import OVERFLOW_MODES
+from ..numerics.trace import OverflowEvent, TracingRounder
 from ..numerics.validate import require_positive_int
 from .chunkwise import decayed_products, tile_start_prefix, wy_pipeline
 from .inputs import Dims, check_inputs, from_chunks, initial, to_chunks
@@ -82,66 +83,19 @@ class TileConfig:
         return torch.bfloat16 if is_float8(self.operand_dtype) else self.operand_dtype
 
 
-@dataclass(frozen=True)
-class OverflowEvent:
-    """An operand that left the operand dtype's range when it was rounded."""
-
-    operand: str
-    count: int
-    index: tuple[int, ...]
-    shape: tuple[int, ...]
-    arrived_nonfinite: bool  # already inf/NaN before rounding (fp32 exp overflow or propagation)
-    max_log_magnitude: float  # ln of the largest finite pre-rounding magnitude
-    dtype: str
-    ln_max: float
-
-    def describe(self) -> str:
-        """One line naming the operand, where it overflowed and by how much."""
-        b, h, n = self.index[:3]
-        where = f"batch {b}, head {h}, chunk {n}"
-        if "diagonal" in self.operand:
-            where += f", tile {self.index[3]}"
-        if self.arrived_nonfinite:
-            cause = "already non-finite before rounding (the fp32 exp overflowed, or an earlier overflow propagated)"
-        else:
-            cause = f"ln|value| reached {self.max_log_magnitude:.2f} > ln(max {self.dtype}) = {self.ln_max:.2f}"
-        return f"{self.operand} overflowed {self.dtype} at {where} ({self.count} values): {cause}"
+def _axes(name: str) -> tuple[str, ...]:
+    """Index axes of each traced operand (see where they are cast in this module and chunkwise)."""
+    if "diagonal" in name:
+        return ("batch", "head", "chunk", "tile")
+    if name.startswith("input"):
+        return ("batch", "token", "head")
+    if name in ("state", "pseudo-values V~"):
+        return ("batch", "head")  # cast per chunk inside the state pass
+    return ("batch", "head", "chunk", "row")
 
 
-@dataclass
-class _Caster:
-    """Rounds operands to the operand dtype; optionally records the ones that overflowed."""
-
-    cfg: TileConfig
-    events: list[OverflowEvent] | None = field(default=None)
-
-    # Past the first few events everything downstream is propagation; stop paying for checks.
-    max_events: int = 4
-
-    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        y = round_to(t, self.cfg.operand_dtype, overflow=self.cfg.overflow)
-        if self.events is not None and len(self.events) < self.max_events:
-            self._record(name, t, y)
-        return y
-
-    def _record(self, name: str, before: torch.Tensor, after: torch.Tensor) -> None:
-        bad = ~torch.isfinite(after)
-        if not bool(bad.any()):
-            return
-        finite = before[torch.isfinite(before)].abs()
-        biggest = float(finite.max()) if finite.numel() else 0.0
-        self.events.append(
-            OverflowEvent(
-                operand=name,
-                count=int(bad.sum()),
-                index=tuple(int(i) for i in bad.nonzero()[0]),
-                shape=tuple(before.shape),
-                arrived_nonfinite=bool((~torch.isfinite(before[bad])).any()),
-                max_log_magnitude=math.log(biggest) if biggest > 0 else -math.inf,
-                dtype=facts(self.cfg.operand_dtype).name,
-                ln_max=ln_max(self.cfg.operand_dtype),
-            )
-        )
+def _caster(cfg: TileConfig, *, trace: bool = False) -> TracingRounder:
+    return TracingRounder(cfg.operand_dtype, overflow=cfg.overflow, trace=trace, axes=_axes)
 
 
 def tiled(
@@ -170,7 +124,7 @@ def tiled(
     """
     cfg = TileConfig(chunk_size, tile, operand_dtype, anchor, anchor_shift, diagonal, overflow)
     dims, scale = check_inputs(q, k, v, g, beta, initial_state, scale)
-    o, S = _tiled(q, k, v, g, beta, scale, initial_state, dims, cfg, _Caster(cfg))
+    o, S = _tiled(q, k, v, g, beta, scale, initial_state, dims, cfg, _caster(cfg))
     return o, (S if output_final_state else None)
 
 
@@ -191,9 +145,9 @@ def tiled_traced(
     """
     cfg = TileConfig(**tiling)  # type: ignore[arg-type]
     dims, scale = check_inputs(q, k, v, g, beta, initial_state, scale)
-    caster = _Caster(cfg, events=[])
+    caster = _caster(cfg, trace=True)
     o, _ = _tiled(q, k, v, g, beta, scale, initial_state, dims, cfg, caster)
-    return o, caster.events or []
+    return o, caster.events
 
 
 def explain_overflow(
@@ -203,7 +157,7 @@ def explain_overflow(
     return tiled_traced(q, k, v, g, beta, **kwargs)[1]  # type: ignore[arg-type]
 
 
-def _tiled(q, k, v, g, beta, scale: float, initial_state, dims: Dims, cfg: TileConfig, cast: _Caster):
+def _tiled(q, k, v, g, beta, scale: float, initial_state, dims: Dims, cfg: TileConfig, cast: TracingRounder):
     acc = cfg.accumulator
     S = initial(initial_state, dims, acc, q.device)
     if dims.T == 0:
@@ -216,7 +170,7 @@ def _tiled(q, k, v, g, beta, scale: float, initial_state, dims: Dims, cfg: TileC
     return from_chunks(O, dims.T).to(cfg.output_dtype), S
 
 
-def _intra_chunk(qc, kc, G, cfg: TileConfig, cast: _Caster) -> dict[str, torch.Tensor]:
+def _intra_chunk(qc, kc, G, cfg: TileConfig, cast: TracingRounder) -> dict[str, torch.Tensor]:
     """``A_qk`` (unscaled, diagonal kept) and ``A_kk`` (unmasked) for every chunk."""
     if cfg.diagonal == "fp32":
         # Operands are already rounded inputs; the decays stay in the accumulator.

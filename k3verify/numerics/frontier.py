@@ -38,3 +38,8 @@ def headroom(
 ) -> float:
     """How far below the frontier ``log_magnitude`` sits, in natural-log units (negative past it)."""
     return min(ln_max(dtype), ln_max(compute_dtype)) - log_magnitude
+
+
+def underflow_threshold(dtype: torch.dtype | str) -> float:
+    """``ln`` below which ``exp`` in ``dtype`` rounds to exactly 0: half the smallest subnormal."""
+    return math.log(facts(dtype).smallest_subnormal / 2)

@@ -57,9 +57,18 @@ def storage_for(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def rounder(dtype: torch.dtype | str, *, overflow: Overflow = "nonfinite") -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x -> round_to(x in storage_for(dtype), dtype)``: how a naive baseline stores a tensor."""
+    """How a naive baseline stores a tensor: rounded once to ``dtype``, held in ``storage_for(dtype)``.
+
+    The rounding starts from ``x``'s own precision (fp64 stays fp64 until the single rounding),
+    so an fp64 input is not rounded to fp32 first.
+    """
     target, storage = resolve_dtype(dtype), storage_for(dtype)
-    return lambda x: round_to(x.to(storage), target, overflow=overflow)
+
+    def rnd(x: torch.Tensor) -> torch.Tensor:
+        wide = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float64)
+        return round_to(wide, target, overflow=overflow).to(storage)
+
+    return rnd
 
 
 def round_to_reference(

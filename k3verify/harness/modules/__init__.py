@@ -1,3 +1,3 @@
 """Module entries of the registry; importing this package registers them all."""
 
-from . import kda  # noqa: F401
+from . import kda, mla  # noqa: F401

@@ -294,6 +294,7 @@ def overflow_map(options: MapOptions, progress: Callable[[int, int], None] = lam
             x_label="gate lower bound g_min",
             y_label="sub-tile BC",
             title="KDA tiled form: overflow and error vs the fp64 oracle (chunk 64)",
+            x_descending=True,
         ),
     )
     worst = agreement(cells, only=lambda c: c["input"] == "worst")

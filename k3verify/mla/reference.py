@@ -1,0 +1,103 @@
+"""Gated MLA attention by definition — expanded K/V, one causal softmax (SPEC §2.3).
+
+For query ``t`` of request ``b`` at absolute position ``p = seq_lens[b] − T + t`` and every
+cached key ``j <= p``, with the entry ``[ĉ_j ; k^p_j]`` read from the paged cache:
+
+    k^n_{h,j} = W_UK,hᵀ ĉ_j,   v_{h,j} = W_UV,hᵀ ĉ_j                      (up-projection)
+    s_{h,t,j} = τ (q^n_{h,t} · k^n_{h,j} + q^p_{h,t} · k^p_j),   τ = (Dn + Dr)^{-1/2}
+    o_{h,t}   = Σ_j softmax_j(s_{h,t,·}) v_{h,j}
+
+``k^p_j`` is one 64-vector shared by every head. In fp64 :func:`expanded` is the oracle every
+other form is measured against; :func:`naive_baseline` is the same computation as a plain
+implementation in a narrow dtype would run it (the ``baseline`` rule of the tolerance policy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..numerics import rounder
+from .cache import LatentCache, gather, split_entry
+from .inputs import Dims, FormOptions, check_inputs, heads_first, key_mask, working_dtype
+
+
+def expand(entries: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head keys and values from cached entries.
+
+    ``entries:[B, L, R + Dr]``, ``w_uk:[H, R, Dn]``, ``w_uv:[H, R, Dv]`` ->
+    ``K:[B, H, L, Dn + Dr]`` (``[k^n_h ; k^p]``, the ``k^p`` part identical for every head) and
+    ``V:[B, H, L, Dv]``. Computes in the inputs' dtype.
+    """
+    c_hat, k_pe = split_entry(entries, w_uk.shape[1])
+    k_nope = torch.einsum("blr,hrn->bhln", c_hat, w_uk)
+    v = torch.einsum("blr,hrv->bhlv", c_hat, w_uv)
+    k_pe = k_pe[:, None].expand(-1, w_uk.shape[0], -1, -1)
+    return torch.cat([k_nope, k_pe], dim=-1), v
+
+
+def expanded(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: LatentCache,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    *,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    tile: int = 64,
+    operand_dtype: torch.dtype | str = torch.bfloat16,
+    num_splits: int = 1,
+    subtract_max: bool = True,
+    overflow: str = "nonfinite",
+) -> torch.Tensor:
+    """The definition, in the common signature (:mod:`k3verify.mla.inputs`).
+
+    Computes in fp64 for fp64 inputs and in fp32 otherwise; returns ``o:[B, T, H, Dv]`` in the
+    queries' dtype. The tiling options are validated and unused.
+    """
+    FormOptions(chunk_size, tile, operand_dtype, num_splits, subtract_max, overflow)
+    dims, scale = check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
+    dtype = working_dtype(q_nope)
+    entries, _ = gather(cache, dtype)
+    o = _attention(q_nope.to(dtype), q_pe.to(dtype), entries, w_uk.to(dtype), w_uv.to(dtype), scale, dims, None)
+    return o.to(q_nope.dtype)
+
+
+def naive_baseline(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: LatentCache,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    *,
+    dtype: torch.dtype | str,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The definition as a plain implementation storing every tensor in ``dtype``.
+
+    Inputs (queries, weights, cached entries — dequantised first for an fp8 cache), the
+    expanded keys and values, the raw and the scaled scores, the probabilities and the output
+    are each rounded to ``dtype``; every operation computes in fp32 (fp64 for ``dtype=fp64``)
+    and rounds its result, which is what torch does for bf16/fp16 tensors (its softmax
+    evaluates in fp32 and rounds once). Returns fp32 holding ``dtype`` values.
+    """
+    dims, scale = check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
+    rnd = rounder(dtype)
+    entries, _ = gather(cache, torch.float64)
+    o = _attention(rnd(q_nope), rnd(q_pe), rnd(entries), rnd(w_uk), rnd(w_uv), scale, dims, rnd)
+    return o
+
+
+def _attention(q_nope, q_pe, entries, w_uk, w_uv, scale: float, dims: Dims,
+               rnd: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    """Shared body; ``rnd`` (or identity) is applied to every stored intermediate."""
+    keep = rnd if rnd is not None else (lambda x: x)
+    K, V = expand(entries, w_uk, w_uv)
+    K, V = keep(K), keep(V)
+    q = torch.cat([heads_first(q_nope), heads_first(q_pe)], dim=-1)  # [B, H, T, Dn + Dr]
+    s = keep(keep(q @ K.transpose(-1, -2)) * scale)
+    visible = key_mask(dims, torch.arange(K.shape[2], device=K.device)[None, :].expand(dims.B, -1))
+    p = keep(torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1))
+    return keep(p @ V).transpose(1, 2)  # [B, T, H, Dv]

@@ -17,6 +17,7 @@ from k3verify import mla
 from k3verify.mla import layer
 from k3verify.mla.cache import split_entry
 from k3verify.numerics import fp64_agreement
+from k3verify.numerics.ops import rms_norm
 
 SMALL = layer.MLAConfig.small()
 FORMS = {
@@ -166,5 +167,5 @@ def test_seed_view_is_the_concatenation() -> None:
     c_hat, k_pe = split_entry(stored, SMALL.kv_lora_rank)
     raw = x @ w.w_dkv
     assert torch.equal(k_pe, raw[..., SMALL.kv_lora_rank:])
-    assert torch.equal(c_hat, layer.rms_norm(raw[..., : SMALL.kv_lora_rank], w.kv_norm, SMALL.rms_norm_eps))
+    assert torch.equal(c_hat, rms_norm(raw[..., : SMALL.kv_lora_rank], w.kv_norm, eps=SMALL.rms_norm_eps))
     assert torch.equal(torch.cat([c_hat, k_pe], -1), stored)

@@ -28,11 +28,10 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from ..numerics.ops import RMS_NORM_EPS, rms_norm
 from ..numerics.validate import require_positive_int
 from .cache import LatentCache, append
 from .recurrent import recurrent
-
-RMS_NORM_EPS = 1e-5
 
 
 @dataclass(frozen=True)
@@ -163,14 +162,9 @@ def shard(weights: MLAWeights, cfg: MLAConfig, rank: int) -> MLAWeights:
                    w_g=weights.w_g[:, heads], w_o=weights.w_o[heads])
 
 
-def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float = RMS_NORM_EPS) -> torch.Tensor:
-    """``γ ⊙ x / sqrt(mean(x²) + ε)`` over the last axis."""
-    return gain * x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
-
-
 def project_query(x: torch.Tensor, w: MLAWeights, cfg: MLAConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """``x:[..., d] -> (q^n [..., H, Dn], q^p [..., H, Dr])`` through the normalised q latent."""
-    c_q = rms_norm(x @ w.w_dq, w.q_norm, cfg.rms_norm_eps)
+    c_q = rms_norm(x @ w.w_dq, w.q_norm, eps=cfg.rms_norm_eps)
     q = torch.einsum("...c,chk->...hk", c_q, w.w_uq)
     return q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
 
@@ -179,7 +173,7 @@ def project_latent(x: torch.Tensor, w: MLAWeights, cfg: MLAConfig) -> torch.Tens
     """``x:[..., d] -> [ĉ ; k^p]:[..., R + Dr]``: the cache entry (only ``ĉ`` is normalised)."""
     ckv = x @ w.w_dkv
     c, k_pe = ckv[..., : cfg.kv_lora_rank], ckv[..., cfg.kv_lora_rank:]
-    return torch.cat([rms_norm(c, w.kv_norm, cfg.rms_norm_eps), k_pe], dim=-1)
+    return torch.cat([rms_norm(c, w.kv_norm, eps=cfg.rms_norm_eps), k_pe], dim=-1)
 
 
 def output_gate(x: torch.Tensor, w: MLAWeights) -> torch.Tensor:

@@ -35,7 +35,63 @@ def _module_list(values: Sequence[str] | None) -> list[str] | None:
     return [name for v in values for name in v.split(",") if name.strip()]
 
 
-def _progress(console: Console) -> Progress:
+class LineProgress:
+    """Progress for logs (stderr not a terminal): one plain line per 10% step, with elapsed time.
+
+    Offers the subset of ``rich.progress.Progress`` the commands use.
+    """
+
+    STEP = 0.1
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.tasks: dict[int, dict] = {}
+
+    def __enter__(self) -> LineProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def add_task(self, description: str, total: float | None = None, **fields: object) -> int:
+        self.tasks[len(self.tasks)] = dict(
+            description=description, total=total, completed=0, shown=-1.0, start=time.perf_counter(), current=""
+        )
+        return len(self.tasks) - 1
+
+    def update(
+        self, task: int, *, completed: float | None = None, total: float | None = None, current: str | None = None
+    ) -> None:
+        t = self.tasks[task]
+        if total is not None:
+            t["total"] = total
+        if completed is not None:
+            t["completed"] = completed
+        if current is not None:
+            t["current"] = current
+        self._maybe_print(t)
+
+    def advance(self, task: int, amount: float = 1) -> None:
+        self.update(task, completed=self.tasks[task]["completed"] + amount)
+
+    def _maybe_print(self, t: dict) -> None:
+        if not t["total"]:
+            return
+        fraction = t["completed"] / t["total"]
+        if fraction - t["shown"] >= self.STEP or (fraction >= 1 and t["shown"] < 1):
+            t["shown"] = fraction
+            elapsed = time.perf_counter() - t["start"]
+            self.console.print(
+                f"{t['description']}: {t['completed']:.0f}/{t['total']:.0f} "
+                f"({100 * fraction:.0f}%) after {elapsed:.1f} s",
+                highlight=False,
+            )
+
+
+def _progress(console: Console) -> Progress | LineProgress:
+    """A live bar on a terminal, periodic lines in a log."""
+    if not console.is_terminal:
+        return LineProgress(console)
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),

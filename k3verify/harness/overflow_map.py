@@ -90,6 +90,29 @@ def agreement(
     return counts
 
 
+def mark_frontier(cells: Sequence[dict[str, Any]], axes: dict[str, Sequence[Any]], fixed: Sequence[str]) -> None:
+    """Set ``frontier_adjacent`` on every cell: a neighbour one grid step along any of ``axes``
+    (with the ``fixed`` keys and the other axes equal) has the other ``predicted_finite``.
+
+    ``axes`` maps each swept key to its values in grid order.
+    """
+    index = {key: {v: i for i, v in enumerate(values)} for key, values in axes.items()}
+    by_position: dict[tuple, dict[str, Any]] = {}
+    for c in cells:
+        by_position[(*(c[k] for k in fixed), *(index[k][c[k]] for k in axes))] = c
+    n_fixed = len(fixed)
+    for position, c in by_position.items():
+        group, grid = position[:n_fixed], list(position[n_fixed:])
+        adjacent = False
+        for axis in range(len(grid)):
+            for step in (-1, 1):
+                moved = grid.copy()
+                moved[axis] += step
+                n = by_position.get((*group, *moved))
+                adjacent |= n is not None and n["predicted_finite"] != c["predicted_finite"]
+        c["frontier_adjacent"] = adjacent
+
+
 def write_map(result: MapResult, out_dir: Path, environment: dict[str, Any]) -> list[Path]:
     """Write ``<module>_overflow_map.json`` and one PNG per figure value; return the paths."""
     from .plots import draw_map

@@ -20,7 +20,7 @@ from ...kda.tiled import (
     tiled_traced,
 )
 from ...numerics import compare, dtype_name, exp_fits, ln_max
-from ..overflow_map import MapOptions, MapResult, MapSpec, agreement
+from ..overflow_map import MapOptions, MapResult, MapSpec, agreement, mark_frontier
 from ..registry import BASELINE_RULE, FP64_RULE, Case, Implementation, ModuleEntry, Prediction, register
 
 G_MIN = -5.0
@@ -281,7 +281,12 @@ def overflow_map(options: MapOptions, progress: Callable[[int, int], None] = lam
                 done += 1
                 progress(done, total)
     cells += _kernel_cells(grid, options, progress)
-    _mark_frontier(cells)
+    # Adjacent along g_min only: a neighbour in sub-tile size does not excuse a disagreement.
+    mark_frontier(
+        cells,
+        {"g_min": sorted({c["g_min"] for c in cells}, reverse=True)},
+        fixed=("implementation", "input", "dtype", "anchor", "tile"),
+    )
     result = MapResult(
         "kda",
         cells,
@@ -396,18 +401,6 @@ def _kernel_cells(grid: list[float], options: MapOptions, progress: Callable[[in
             )
         progress(i + 1, len(grid))
     return cells
-
-
-def _mark_frontier(cells: list[dict[str, Any]]) -> None:
-    """``frontier_adjacent``: a g_min neighbour (same input, dtype, anchor, tile) predicts otherwise."""
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for c in cells:
-        groups.setdefault((c["implementation"], c["input"], c["dtype"], c["anchor"], c["tile"]), []).append(c)
-    for run in groups.values():
-        run.sort(key=lambda c: -c["g_min"])
-        for i, c in enumerate(run):
-            neighbours = run[max(0, i - 1) : i + 2]
-            c["frontier_adjacent"] = any(n["predicted_finite"] != c["predicted_finite"] for n in neighbours)
 
 
 register(

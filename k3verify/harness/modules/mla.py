@@ -15,7 +15,7 @@ import torch
 from ... import mla
 from ...mla import layer
 from ...numerics import compare, dtype_name
-from ..overflow_map import MapOptions, MapResult, MapSpec, agreement
+from ..overflow_map import MapOptions, MapResult, MapSpec, agreement, mark_frontier
 from ..registry import BASELINE_RULE, FP64_RULE, Case, Implementation, ModuleEntry, Prediction, register
 
 CONFIG = layer.MLAConfig.small()  # K3's proportions (512:64, 128:64, v = 128), 4 heads
@@ -274,8 +274,8 @@ def _overflow_map(options: MapOptions, progress: Callable[[int, int], None]) -> 
                                            tile))
                     done += 1
                     progress(done, total)
-    _mark_frontier(cells, {"log2_q_scale": q_exps, "log2_latent_scale": l_exps, "context": list(contexts),
-                           "tile": list(tiles)})
+    axes = {"log2_q_scale": q_exps, "log2_latent_scale": l_exps, "context": list(contexts), "tile": list(tiles)}
+    mark_frontier(cells, axes, fixed=("dtype", "variant"))
     spec = MapSpec(
         x="log2_q_scale",
         y="log2_latent_scale",
@@ -350,24 +350,6 @@ def _map_cell(args: tuple[Any, ...], quantities: mla.OverflowQuantities, oracle_
     if m.nonfinite:
         cell["overflow"] = events[0].describe() if events else "non-finite output with no stored tensor overflowing"
     return cell
-
-
-def _mark_frontier(cells: list[dict[str, Any]], axes: dict[str, list[Any]]) -> None:
-    """``frontier_adjacent``: a neighbour one step along any swept axis (same dtype and
-    variant, other axes equal) has the other prediction."""
-    index = {key: {v: i for i, v in enumerate(values)} for key, values in axes.items()}
-    by_position = {}
-    for c in cells:
-        by_position[(c["dtype"], c["variant"], *(index[k][c[k]] for k in axes))] = c
-    for (dtype, variant, *pos), c in by_position.items():
-        adjacent = False
-        for axis in range(len(pos)):
-            for step in (-1, 1):
-                moved = list(pos)
-                moved[axis] += step
-                n = by_position.get((dtype, variant, *moved))
-                adjacent |= n is not None and n["predicted_finite"] != c["predicted_finite"]
-        c["frontier_adjacent"] = adjacent
 
 
 register(

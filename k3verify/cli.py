@@ -30,9 +30,9 @@ STATUS_STYLE = {"pass": "green", "fail": "bold red", "expected-nonfinite": "yell
 
 def _module_list(values: Sequence[str] | None) -> list[str] | None:
     """``--modules a,b --modules c`` -> ``["a", "b", "c"]`` (``None`` when not given)."""
-    if not values:
+    if values is None:
         return None
-    return [name for v in values for name in v.split(",") if name.strip()]
+    return [name for v in values for name in v.split(",")]
 
 
 class LineProgress:

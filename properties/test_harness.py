@@ -52,6 +52,8 @@ def test_unknown_module_is_a_clear_error(capsys) -> None:
     assert main(["run", "--modules", "kda,nope"]) == 2
     err = capsys.readouterr().err
     assert "unknown module 'nope'" in err and "kda" in err
+    assert main(["run", "--modules", ""]) == 2  # an empty selection is not a vacuous pass
+    assert "no module name given" in capsys.readouterr().err
 
 
 def test_list_shows_implementations(capsys) -> None:

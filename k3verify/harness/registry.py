@@ -124,6 +124,8 @@ def select(names: Iterable[str] | None) -> list[ModuleEntry]:
     if names is None:
         return list(_REGISTRY.values())
     wanted = [n.strip() for n in names if n.strip()]
+    if not wanted:
+        raise UnknownModuleError("", list(_REGISTRY))
     unknown = [n for n in wanted if n not in _REGISTRY]
     if unknown:
         raise UnknownModuleError(", ".join(unknown), list(_REGISTRY))
@@ -139,4 +141,6 @@ class UnknownModuleError(KeyError):
         self.known = known
 
     def __str__(self) -> str:
+        if not self.name:
+            return f"no module name given; known modules: {', '.join(self.known)}"
         return f"unknown module {self.name!r}; known modules: {', '.join(self.known)}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies.kda import KDAProblem, kda_problems
+from strategies.kda import KDAProblem, kda_problems, make_problem
 
 from k3verify import kda
 from k3verify.numerics import FP64_AGREEMENT_REL, relative_max_error
@@ -57,8 +57,6 @@ def test_zero_gate_is_the_plain_delta_rule(p: KDAProblem, form: str) -> None:
 
 def test_zero_gate_is_finite_in_every_tiled_dtype() -> None:
     """With g = 0 every split factor is exp(0) = 1: no dtype may overflow (structural)."""
-    from strategies.kda import make_problem
-
     p = make_problem(1, 80, 2, 8, 8, seed=3)
     q, k, v, g, beta = p.args(torch.float32)
     for dtype in ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2"):

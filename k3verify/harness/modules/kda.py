@@ -15,7 +15,6 @@ from ...kda.tiled import (
     DEFAULT_ROW0_SHIFT,
     explain_overflow,
     predicted_finite,
-    predicted_finite_for,
     realized_log_magnitudes,
     tiled_traced,
 )
@@ -112,7 +111,6 @@ def baseline(case: Case, dtype: str, family: str = "recurrent") -> torch.Tensor:
 
 def _tiled_predict(case: Case, **tiling: Any) -> Prediction:
     x = case.inputs
-    finite = predicted_finite_for(x["q"], x["k"], x["g"], **tiling)
     if tiling.get("diagonal") == "fp32":
         return Prediction(True, "fp32 diagonal path: no split exponentials")
     exponent, log_operand = realized_log_magnitudes(
@@ -125,6 +123,7 @@ def _tiled_predict(case: Case, **tiling: Any) -> Prediction:
         anchor_shift=tiling.get("anchor_shift", DEFAULT_ROW0_SHIFT),
     )
     dt = dtype_name(tiling["operand_dtype"])
+    finite = exp_fits(exponent, "fp32") and exp_fits(log_operand, dt)
     why = (
         f"largest diagonal exponent {exponent:.2f} vs ln(max fp32) {ln_max('fp32'):.2f}; "
         f"largest ln|operand| {log_operand:.2f} vs ln(max {dt}) {ln_max(dt):.2f}"

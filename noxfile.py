@@ -6,6 +6,8 @@ every run uses the same versions. ``session.posargs`` go to the underlying tool.
 
 from __future__ import annotations
 
+import sys
+
 import nox
 
 nox.options.sessions = ["tests"]
@@ -69,3 +71,24 @@ def overflow_map(session: nox.Session) -> None:
     modules = session.posargs or ["kda", "mla"]
     for module in modules:
         session.run("k3verify", "overflow-map", "--module", module)
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """On a CUDA machine, in the Python already there (GPU machines have no network, so nothing
+    is installed; fla-core comes as a wheel on PYTHONPATH): the GPU property tests, the KDA
+    overflow map with the kernel cells (ours and fla-core's) and ``k3verify run --modules kda``.
+    Output under ``reports/latest/gpu`` or the folder given as posarg."""
+    out = session.posargs[0] if session.posargs else "reports/latest/gpu"
+    python = sys.executable
+    tests = ("properties/test_kda_kernels.py", "properties/test_kda_gpu.py")
+    session.run(python, "-m", "pytest", *tests, "-q", "-rs", env={"HYPOTHESIS_PROFILE": "gpu"})
+    session.run(python, "-m", "k3verify", "overflow-map", "--module", "kda", "--quick", "--out", f"{out}/maps")
+    session.run(python, "-m", "k3verify", "run", "--modules", "kda", "--out", out)
+
+
+@nox.session(name="gpu-bench", venv_backend="none")
+def gpu_bench(session: nox.Session) -> None:
+    """On a CUDA machine: the KDA kernels against fla-core (do_bench), speed ratios and accuracy."""
+    out = session.posargs[0] if session.posargs else "reports/latest/gpu"
+    session.run(sys.executable, "benchmarks/kda_gpu.py", "--out", out)

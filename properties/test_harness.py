@@ -41,6 +41,9 @@ def test_report_rows_cover_every_form(kda_report) -> None:
     for needed in [("recurrent", "fp32"), ("chunkwise", "fp64"), ("tiled", "bf16"), ("tiled", "fp16")]:
         assert needed in seen, needed
     for r in rows:
+        if r["status"] == "unavailable":  # e.g. bf16 kernels where only Triton's interpreter runs
+            assert r["reason"], r
+            continue
         for key in ("module", "form", "metrics", "verdict", "margin", "params", "rule"):
             assert key in r, (key, r)
     # K3's bound is past fp16's frontier with matmul diagonals: predicted and observed overflow.

@@ -78,14 +78,21 @@ def naive_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
     return o[:, :T], S
 
 
+def _to_cuda(tensors, initial_state):
+    """Inputs on the CUDA device (the state in fp32), and how to bring outputs back: results
+    stay on the device when the inputs came from it, else they return to the CPU."""
+    dev = torch.device("cuda")
+    back = (lambda t: t) if tensors[0].is_cuda else (lambda t: t.cpu())
+    s0 = initial_state.to(dev, torch.float32) if initial_state is not None else None
+    return [t.to(dev) for t in tensors], s0, back
+
+
 def chunk_gpu(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, safe_gate=True, lower_bound=-5.0
 ):
     """fla-core ``chunk_kda`` on CUDA with pre-computed gates (``use_gate_in_kernel=False``)."""
     fn = _import("fla.ops.kda").chunk_kda
-    dev = torch.device("cuda")
-    args = [t.to(dev) for t in (q, k, v, g, beta)]
-    s0 = initial_state.to(dev, torch.float32) if initial_state is not None else None
+    args, s0, back = _to_cuda((q, k, v, g, beta), initial_state)
     o, S = fn(
         *args,
         scale=scale,
@@ -94,14 +101,12 @@ def chunk_gpu(
         safe_gate=safe_gate,
         lower_bound=lower_bound,
     )
-    return o.cpu(), (S.cpu() if S is not None else None)
+    return back(o), (back(S) if S is not None else None)
 
 
 def fused_recurrent_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False):
     """fla-core ``fused_recurrent_kda`` on CUDA (the decode kernel)."""
     fn = _import("fla.ops.kda").fused_recurrent_kda
-    dev = torch.device("cuda")
-    args = [t.to(dev) for t in (q, k, v, g, beta)]
-    s0 = initial_state.to(dev, torch.float32) if initial_state is not None else None
+    args, s0, back = _to_cuda((q, k, v, g, beta), initial_state)
     o, S = fn(*args, scale=scale, initial_state=s0, output_final_state=output_final_state)
-    return o.cpu(), (S.cpu() if S is not None else None)
+    return back(o), (back(S) if S is not None else None)

@@ -39,11 +39,17 @@ def check_inputs(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
     scale: float | None,
+    *,
+    fp32_gates: bool = False,
+    values: bool = True,
 ) -> tuple[Dims, float]:
     """Validate a KDA call; return its sizes and the effective scale (``K**-0.5`` by default).
 
     Raises ``TypeError``/``ValueError`` naming the offending argument for wrong types,
     shapes, mixed dtypes or devices, non-finite values and positive log-decay.
+    ``fp32_gates`` lets ``g`` have its own float dtype (kernels take bf16 operands with fp32
+    gates); ``values=False`` skips the value scans (finite, ``g <= 0``), which read every
+    element and wait for the device, for callers that time kernels.
     """
     names = ["q", "k", "v", "g", "beta"]
     tensors = [require_tensor(n, t) for n, t in zip(names, (q, k, v, g, beta))]
@@ -52,7 +58,8 @@ def check_inputs(
         tensors.append(require_tensor("initial_state", initial_state))
     for n, t in zip(names, tensors):
         require_float(n, t)
-    require_same(names, tensors, "dtype")
+    typed = [(n, t) for n, t in zip(names, tensors) if not (fp32_gates and n == "g")]
+    require_same([n for n, _ in typed], [t for _, t in typed], "dtype")
     require_same(names, tensors, "device")
     if q.dim() != 4:
         raise ValueError(f"q has shape {list(q.shape)}; expected [B, T, H, K]")
@@ -68,6 +75,8 @@ def check_inputs(
         require_shape("initial_state", initial_state, (B, H, K, V), "B,H,K,V")
     if min(B, H, K, V) == 0:
         raise ValueError(f"empty dimension in B={B}, H={H}, K={K}, V={V}")
+    if not values:
+        return Dims(B, T, H, K, V), _scale(scale, K)
     for n, t in zip(names, tensors):
         require_finite(n, t)
     if T and bool((g > 0).any()):
@@ -75,11 +84,15 @@ def check_inputs(
             f"g is a log-decay and must be <= 0; max g = {float(g.max()):.3g} "
             f"at index {tuple(int(i) for i in (g > 0).nonzero()[0])}"
         )
+    return Dims(B, T, H, K, V), _scale(scale, K)
+
+
+def _scale(scale: float | None, K: int) -> float:
     if scale is None:
-        scale = K**-0.5
-    elif not isinstance(scale, (int, float)) or not scale > 0:
+        return K**-0.5
+    if not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a positive number, got {scale!r}")
-    return Dims(B, T, H, K, V), float(scale)
+    return float(scale)
 
 
 def working_dtype(x: torch.Tensor) -> torch.dtype:

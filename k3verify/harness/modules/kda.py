@@ -11,6 +11,7 @@ import torch
 
 from ... import kda
 from ...adapters import fla as fla_adapter
+from ...kda import kernels
 from ...kda.tiled import (
     DEFAULT_ROW0_SHIFT,
     explain_overflow,
@@ -30,6 +31,9 @@ ANCHORS = ("tile_start", "tile_middle", "row0_shift")
 # The default case: K3's head dim, chunk, sub-tile and gate bound; T not a multiple of 64 so
 # the partial last chunk and partial last tile are always exercised.
 DEFAULT_SHAPE = dict(B=2, T=200, H=2, K=128, V=128)
+# The interpreter runs a kernel program by program in numpy: keep its cases small.
+SMALL_SHAPE = dict(B=2, T=72, H=1, K=32, V=32)
+DECODE_SHAPE = dict(B=8, T=1, H=2, K=128, V=128)
 INPUT_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
 
@@ -68,9 +72,11 @@ def saturated_inputs(
 
 
 def make_cases(seed: int = 0) -> dict[str, Case]:
-    """``default`` (random, bounded gates, initial state) and ``saturated`` (gates at g_min)."""
+    """``default`` (random, bounded gates, initial state), ``saturated`` (gates at g_min),
+    ``small`` (the chunk kernel under Triton's interpreter: a full and a partial chunk) and
+    ``decode`` (one token per request on a carried state)."""
     params = dict(DEFAULT_SHAPE, g_min=G_MIN, seed=seed)
-    return {
+    cases = {
         "default": Case("default", random_inputs(**DEFAULT_SHAPE, seed=seed), params),
         "saturated": Case(
             "saturated",
@@ -78,6 +84,9 @@ def make_cases(seed: int = 0) -> dict[str, Case]:
             dict(params, gates="all at g_min"),
         ),
     }
+    for name, shape in (("small", SMALL_SHAPE), ("decode", DECODE_SHAPE)):
+        cases[name] = Case(name, random_inputs(**shape, seed=seed + 2), dict(shape, g_min=G_MIN, seed=seed + 2))
+    return cases
 
 
 def _call(form: Callable, case: Case, dtype: torch.dtype, **kw: Any) -> torch.Tensor:
@@ -199,7 +208,35 @@ def implementations() -> list[Implementation]:
         _tiled("fp8_e4m3"),
         _tiled("fp8_e4m3", diagonal="fp32"),
     ]
+    impls += _kernel_implementations()
     impls += _fla_implementations()
+    return impls
+
+
+def _kernel_implementations() -> list[Implementation]:
+    """Our Triton kernels: fp32 wherever Triton runs (the interpreter is faithful there), the
+    operand dtypes of production on a CUDA device only (SPEC §5)."""
+
+    def make(form: str, fn: Callable, dtype: str, cases: tuple[str, ...], family: str, **kw: Any) -> Implementation:
+        predict = partial(_tiled_predict, chunk_size=CHUNK, tile=TILE, operand_dtype=dtype, **kw) if kw else None
+        return Implementation(
+            module="kda",
+            implementation="k3verify",
+            form=form,
+            dtype=dtype,
+            params=kw,
+            rule=BASELINE_RULE,
+            run=lambda case: _call(fn, case, torch.float64, operand_dtype=dtype, **kw).cpu(),
+            predict=predict,
+            cases=cases,
+            baseline=family,
+            unavailable=partial(kernels.unavailable_reason, dtype),
+        )
+
+    chunked, decode = ("kernel:chunk", kernels.chunk), ("kernel:fused_recurrent", kernels.fused_recurrent)
+    impls = [make(*chunked, "fp32", ("small",), "chunkwise", anchor="tile_start")]
+    impls += [make(*chunked, "bf16", ("default", "saturated"), "chunkwise", anchor=a) for a in ANCHORS]
+    impls += [make(*decode, dt, ("decode",), "recurrent") for dt in ("fp32", "bf16")]
     return impls
 
 
@@ -228,21 +265,20 @@ def _fla_implementations() -> list[Implementation]:
     # chunk_kda(safe_gate=True) anchors its diagonal tiles at row 0 minus 2 per row with
     # 16-row sub-tiles and fp32 factors: our row0_shift frontier with fp32 operands.
     safe_gate = partial(_tiled_predict, chunk_size=CHUNK, tile=TILE, operand_dtype="fp32", anchor="row0_shift")
+    # Without safe_gate the diagonal tiles take fla's fp32 per-element path: never overflows.
+    per_element = lambda case: Prediction(True, "safe_gate=False: fp32 per-element diagonal tiles")  # noqa: E731
+    chunk_kda = [
+        make("kernel:chunk_kda", fla_adapter.chunk_gpu, "bf16", gpu=True, family="chunkwise",
+             cases=("default", "saturated"), predict=predict, safe_gate=flag, lower_bound=G_MIN)
+        for flag, predict in ((True, safe_gate), (False, per_element))
+    ]  # fmt: skip
+    decode = make("kernel:fused_recurrent_kda", fla_adapter.fused_recurrent_gpu, "bf16", gpu=True,
+                  family="recurrent", cases=("default", "decode"))  # fmt: skip
     return [
         make("recurrent", fla_adapter.naive_recurrent, "fp32", gpu=False, family="recurrent"),
         make("chunkwise", fla_adapter.naive_chunk, "fp32", gpu=False, family="chunkwise"),
-        make(
-            "kernel:chunk_kda",
-            fla_adapter.chunk_gpu,
-            "bf16",
-            gpu=True,
-            family="chunkwise",
-            cases=("default", "saturated"),
-            predict=safe_gate,
-            safe_gate=True,
-            lower_bound=G_MIN,
-        ),
-        make("kernel:fused_recurrent_kda", fla_adapter.fused_recurrent_gpu, "bf16", gpu=True, family="recurrent"),
+        *chunk_kda,
+        decode,
     ]
 
 
@@ -359,38 +395,53 @@ def _map_cell(
 
 
 def _kernel_cells(grid: list[float], options: MapOptions, progress: Callable[[int, int], None]) -> list[dict[str, Any]]:
-    """fla-core's ``chunk_kda`` on the worst-case input, when a CUDA device and fla-core are here.
+    """GPU kernels on the worst-case input, when a CUDA device is here.
 
-    ``safe_gate=True`` is predicted by our ``row0_shift`` frontier with fp32 factors (its
-    diagonal tiles form ``exp`` in fp32 with 16-row tiles and a shift of 2 per row);
-    ``safe_gate=False`` takes fla's token-parallel fp32 path and is predicted finite.
+    Our chunk kernel in bf16 at every anchor is predicted by the tiled form's frontier for
+    the same anchor. fla-core's ``chunk_kda(safe_gate=True)`` is predicted by our
+    ``row0_shift`` frontier with fp32 factors (its diagonal tiles form ``exp`` in fp32 with
+    16-row tiles and a shift of 2 per row); ``safe_gate=False`` takes fla's fp32
+    per-element path and is predicted finite.
     """
-    if fla_adapter.unavailable_reason(gpu=True) is not None:
+    # (implementation, variant, run, (anchor, dtype the factors are cast to) or None: never overflows)
+    runs: list[tuple[str, str, Callable, tuple[str, str] | None]] = []
+    if not kernels.interpreted() and kernels.unavailable_reason("bf16") is None:
+        for anchor in ANCHORS:
+            run = partial(kernels.chunk, operand_dtype=torch.bfloat16, anchor=anchor)
+            runs.append(("k3verify kernel:chunk", anchor, run, (anchor, "bf16")))
+    if fla_adapter.unavailable_reason(gpu=True) is None:
+        name = f"fla-core {fla_adapter.version()} chunk_kda"
+        for safe_gate in (True, False):
+            run = partial(fla_adapter.chunk_gpu, safe_gate=safe_gate)
+            runs.append((name, f"safe_gate={safe_gate}", run, ("row0_shift", "fp32") if safe_gate else None))
+    if not runs:
         return []
+    device = torch.cuda.get_device_name(0)
     cells = []
     for i, g_min in enumerate(grid):
         x = saturated_inputs(**MAP_SHAPE, g_min=g_min, seed=options.seed)
         ref, _ = kda.chunkwise(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=CHUNK)
         args = [x[n].to(torch.bfloat16) for n in ("q", "k", "v")] + [x["g"].float(), x["beta"].to(torch.bfloat16)]
-        for safe_gate in (True, False):
-            o, _ = fla_adapter.chunk_gpu(*args, safe_gate=safe_gate, lower_bound=g_min)
-            m = compare(o, ref, ulp_dtype="bf16")
-            if safe_gate:
+        for implementation, variant, run, frontier in runs:
+            kw = {"lower_bound": g_min} if implementation.startswith("fla") else {}
+            o, _ = run(*args, **kw)
+            m = compare(o.cpu(), ref, ulp_dtype="bf16")
+            predicted = True
+            if frontier is not None:
+                anchor, factor_dtype = frontier
                 exponent, log_operand = realized_log_magnitudes(
-                    x["q"], x["k"], x["g"], chunk_size=CHUNK, tile=TILE, anchor="row0_shift"
+                    x["q"], x["k"], x["g"], chunk_size=CHUNK, tile=TILE, anchor=anchor
                 )
-                predicted = exp_fits(exponent, "fp32") and exp_fits(log_operand, "fp32")
-            else:
-                predicted = True
+                predicted = exp_fits(exponent, "fp32") and exp_fits(log_operand, factor_dtype)
             cells.append(
                 {
                     "module": "kda",
-                    "input": "worst, fla-core chunk_kda on " + torch.cuda.get_device_name(0),
-                    "implementation": f"fla-core {fla_adapter.version()} chunk_kda",
+                    "input": f"worst, {implementation} on {device}",
+                    "implementation": implementation,
                     "dtype": "bf16",
                     "tile": TILE,
                     "g_min": g_min,
-                    "anchor": f"safe_gate={safe_gate}",
+                    "anchor": variant,
                     "finite": m.nonfinite == 0,
                     "predicted_finite": predicted,
                     "rms_ratio": m.rms_ratio,

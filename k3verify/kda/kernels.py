@@ -1,0 +1,577 @@
+"""KDA GPU kernels in Triton: chunkwise prefill and fused recurrent decode.
+
+``chunk`` runs the chunkwise form of SPEC §1.5 with the two-level tiling of §1.6 in three
+launches:
+
+1. *intra* (one program per chunk and head): the chunk-local log-decay prefix ``G``, then for
+   each 16-row sub-tile ``i`` the blocks ``A_qk[i, j]`` and ``A_kk[i, j]`` (``j <= i``) as
+   operand-dtype matrix products with fp32 accumulation, and the pseudo-key/value rows
+   ``W_i, U_i`` by blocked forward substitution:
+   ``X_i = (I + A_kk[i,i])^{-1} (beta_i [exp(G_i) k_i ; v_i] - sum_{j<i} A_kk[i,j] X_j)``.
+   Off-diagonal blocks split the decay at the query tile's start, so both factors are
+   ``<= 1``; diagonal blocks split it at the anchor chosen at compile time
+   (``tile_start``, ``tile_middle`` or ``row0_shift``, as in :mod:`k3verify.kda.tiled`).
+2. *state* (one program per sequence, head and value block; sequential over chunks): stores
+   the state entering each chunk, the pseudo-values ``V~ = U - W S`` and the next state.
+3. *output* (one program per chunk, head and value block):
+   ``O = scale (exp(G) q) S + A_qk V~``.
+
+``fused_recurrent`` is the decode kernel: one program per request, head and value block
+keeps a ``[K, BV]`` slice of the fp32 state in registers for every token of the step and
+reads/writes it in a state pool through per-request indices (``-1`` marks a padding slot).
+
+Every matrix-product operand is in the operand dtype (the dtype the inputs are given in:
+bf16, fp16 or fp32) and every product accumulates in fp32; gates and states are fp32.
+Sequences of different lengths go in one call through ``cu_seqlens`` (fla-core's layout:
+``B = 1`` and cumulative offsets); a batch of equal lengths is the same thing internally.
+
+Where no CUDA device is visible the kernels run under Triton's interpreter
+(``TRITON_INTERPRET=1``, set on import here if unset). It is faithful for fp32 operands
+only: it rounds fp32 -> bf16 by truncation and its bf16 ``tl.dot`` is wrong (SPEC §5), so
+:func:`unavailable_reason` refuses the other dtypes there.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the first @triton.jit below: the interpreter is chosen at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton
+import triton.language as tl
+
+from ..numerics import dtype_name, resolve_dtype
+from ..numerics.validate import require_finite, require_float, require_positive_int, require_tensor
+from .inputs import check_inputs
+from .tiled import ANCHORS, DEFAULT_ROW0_SHIFT
+
+SUB_TILE = 16
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ANCHOR_CODE = {name: i for i, name in enumerate(ANCHORS)}
+
+
+def interpreted() -> bool:
+    """True when the kernels run under Triton's CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def unavailable_reason(operand_dtype: torch.dtype | str = torch.bfloat16) -> str | None:
+    """Why the kernels cannot give faithful results for ``operand_dtype`` here, or ``None``."""
+    dt = resolve_dtype(operand_dtype)
+    if dt not in KERNEL_DTYPES:
+        return f"the KDA kernels take bf16, fp16 or fp32 operands, not {dtype_name(dt)}"
+    if interpreted():
+        if dt != torch.float32:
+            return (
+                f"Triton's CPU interpreter is not faithful for {dtype_name(dt)} (it truncates fp32 -> bf16 and "
+                "its bf16 tl.dot is wrong, SPEC §5); a CUDA device is needed"
+            )
+        return None
+    if not torch.cuda.is_available():
+        return "the KDA kernels need a CUDA device or TRITON_INTERPRET=1; neither is set"
+    return None
+
+
+# --- device helpers ----------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    # fp32 operands would silently run as tf32 on tensor cores; "ieee" keeps them fp32.
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _rows(ptr, start, row0, length, h, H, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr):
+    """Rows ``row0 .. row0+R`` of a ``[tokens, H, D]`` tensor for head ``h`` as fp32 ``[R, BD]``;
+    rows at or past ``length`` (the chunk's end) and columns past ``D`` read 0."""
+    rr = row0 + tl.arange(0, R)
+    dd = tl.arange(0, BD)
+    mask = (rr < length)[:, None] & (dd < D)[None, :]
+    return tl.load(ptr + (start + rr)[:, None] * (H * D) + h * D + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _cols(ptr, start, length, h, col0, H, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr):
+    """``[R, BD]`` block of a ``[tokens, H, D]`` tensor: rows ``0..R`` of the chunk, columns
+    ``col0 .. col0+BD``, in the tensor's own dtype (0 outside)."""
+    rr = tl.arange(0, R)
+    dd = col0 + tl.arange(0, BD)
+    mask = (rr < length)[:, None] & (dd < D)[None, :]
+    return tl.load(ptr + (start + rr)[:, None] * (H * D) + h * D + dd[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, x, start, row0, length, h, col0, H, D: tl.constexpr, R: tl.constexpr,
+                BD: tl.constexpr):
+    rr = row0 + tl.arange(0, R)
+    dd = col0 + tl.arange(0, BD)
+    mask = (rr < length)[:, None] & (dd < D)[None, :]
+    tl.store(ptr + (start + rr)[:, None] * (H * D) + h * D + dd[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row(ptr, start, row, h, H, D: tl.constexpr, BD: tl.constexpr):
+    dd = tl.arange(0, BD)
+    return tl.load(ptr + (start + row) * (H * D) + h * D + dd, mask=dd < D, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _unit_lower_inverse(N, BC: tl.constexpr):
+    """``(I + N)^{-1}`` for strictly lower triangular ``N:[BC, BC]`` (fp32), by forward
+    substitution: row ``r`` of the inverse is ``e_r - N[r, :] X`` over rows already final."""
+    rows = tl.arange(0, BC)
+    X = (rows[:, None] == rows[None, :]).to(tl.float32)
+    for r in range(1, BC):
+        n_r = tl.sum(tl.where(rows[:, None] == r, N, 0.0), axis=0)
+        x_r = tl.sum(n_r[:, None] * X, axis=0)
+        X = tl.where(rows[:, None] == r, X - x_r[None, :], X)
+    return X
+
+
+# --- prefill: intra-chunk ----------------------------------------------------------------
+
+
+@triton.jit
+def _intra_kernel(
+    q, k, v, g, beta, G, Aqk, W, U, chunk_start, chunk_end, scale, anchor_offset,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, BC: tl.constexpr, ANCHOR: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    start = tl.load(chunk_start + n)
+    length = tl.load(chunk_end + n) - start
+    OP = q.dtype.element_ty
+    # The chunk-local prefix; rows past the end read g = 0, so G stays at its last value there.
+    G_chunk = tl.cumsum(_rows(g, start, 0, length, h, H, K, C, BK), axis=0)
+    _store_rows(G, G_chunk, start, 0, length, h, 0, H, K, C, BK)
+    tl.debug_barrier()
+
+    r = tl.arange(0, BC)
+    for i in range(0, C // BC):
+        row0 = i * BC
+        if row0 < length:
+            ok = (row0 + r) < length
+            Gi = _rows(G, start, row0, length, h, H, K, BC, BK)
+            qi = _rows(q, start, row0, length, h, H, K, BC, BK)
+            ki = _rows(k, start, row0, length, h, H, K, BC, BK)
+            bi = tl.load(beta + (start + row0 + r) * H + h, mask=ok, other=0.0).to(tl.float32)
+            # Prefix at the tile's start boundary: the split point of every off-diagonal block.
+            s = tl.where(i > 0, _row(G, start, tl.maximum(row0 - 1, 0), h, H, K, BK), 0.0)
+            if ANCHOR == 0:
+                a = s
+            elif ANCHOR == 1:
+                # A partial tail tile reads the padded rows' prefix, i.e. the last real one.
+                a = _row(G, start, tl.minimum(row0 + BC // 2, length - 1), h, H, K, BK)
+            else:
+                a = _row(G, start, row0, h, H, K, BK) - anchor_offset
+
+            # Diagonal block: exp(G_r - G_c) = exp(G_r - a) exp(a - G_c), one product.
+            # Padded rows get exponent 0 (their q, k are 0): no spurious inf * 0 there.
+            d = tl.where(ok[:, None], Gi - a[None, :], 0.0)
+            q_d = (qi * tl.exp(d)).to(OP)
+            k_r = (ki * tl.exp(d)).to(OP)
+            k_d = (ki * tl.exp(-d)).to(OP)
+            A_q = _dot(q_d, tl.trans(k_d), IEEE)
+            A_k = _dot(k_r, tl.trans(k_d), IEEE)
+            A_q = tl.where(r[:, None] >= r[None, :], A_q * scale, 0.0)
+            A_k = tl.where(r[:, None] > r[None, :], A_k * bi[:, None], 0.0)
+            _store_rows(Aqk, A_q, start, row0, length, h, row0, H, C, BC, BC)
+
+            # Right-hand sides beta_i [exp(G_i) k_i ; v_i], minus the earlier tiles' part.
+            R_k = bi[:, None] * ki * tl.exp(Gi)
+            R_v = bi[:, None] * _rows(v, start, row0, length, h, H, V, BC, BV)
+            d_s = tl.where(ok[:, None], Gi - s[None, :], 0.0)
+            q_o = (qi * tl.exp(d_s)).to(OP)
+            k_o = (ki * tl.exp(d_s)).to(OP)
+            for j in range(0, i):
+                Gj = _rows(G, start, j * BC, length, h, H, K, BC, BK)
+                kj = _rows(k, start, j * BC, length, h, H, K, BC, BK)
+                k_c = (kj * tl.exp(s[None, :] - Gj)).to(OP)
+                A_qj = _dot(q_o, tl.trans(k_c), IEEE) * scale
+                _store_rows(Aqk, A_qj, start, row0, length, h, j * BC, H, C, BC, BC)
+                A_kj = (_dot(k_o, tl.trans(k_c), IEEE) * bi[:, None]).to(OP)
+                W_j = _rows(W, start, j * BC, length, h, H, K, BC, BK).to(OP)
+                U_j = _rows(U, start, j * BC, length, h, H, V, BC, BV).to(OP)
+                R_k -= _dot(A_kj, W_j, IEEE)
+                R_v -= _dot(A_kj, U_j, IEEE)
+            M = _unit_lower_inverse(A_k, BC).to(OP)
+            _store_rows(W, _dot(M, R_k.to(OP), IEEE), start, row0, length, h, 0, H, K, BC, BK)
+            _store_rows(U, _dot(M, R_v.to(OP), IEEE), start, row0, length, h, 0, H, V, BC, BV)
+            # Later tiles read these rows of W and U back.
+            tl.debug_barrier()
+
+
+# --- prefill: state pass and output ------------------------------------------------------
+
+
+@triton.jit
+def _state_kernel(
+    k, G, W, U, VN, Hs, h0, hT, chunk_start, chunk_end, seq_chunks,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    iv = tl.program_id(0)
+    sh = tl.program_id(1)
+    seq = sh // H
+    h = sh % H
+    OP = W.dtype.element_ty
+    dk = tl.arange(0, BK)
+    dv = iv * BV + tl.arange(0, BV)
+    smask = (dk < K)[:, None] & (dv < V)[None, :]
+    soffs = dk[:, None] * V + dv[None, :]
+    if HAS_H0:
+        S = tl.load(h0 + sh * K * V + soffs, mask=smask, other=0.0)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+    for n in range(tl.load(seq_chunks + seq), tl.load(seq_chunks + seq + 1)):
+        start = tl.load(chunk_start + n)
+        length = tl.load(chunk_end + n) - start
+        tl.store(Hs + (n * H + h) * K * V + soffs, S.to(OP), mask=smask)
+        W_n = _cols(W, start, length, h, 0, H, K, C, BK)
+        v_new = _cols(U, start, length, h, iv * BV, H, V, C, BV).to(tl.float32) - _dot(W_n, S.to(OP), IEEE)
+        v_op = v_new.to(OP)
+        _store_rows(VN, v_op, start, 0, length, h, iv * BV, H, V, C, BV)
+        G_n = _rows(G, start, 0, length, h, H, K, C, BK)
+        G_last = _row(G, start, length - 1, h, H, K, BK)
+        k_n = _rows(k, start, 0, length, h, H, K, C, BK)
+        # G is non-increasing, so every factor is <= 1; padded rows read k = 0, G = 0.
+        k_end = (k_n * tl.exp(G_last[None, :] - G_n)).to(OP)
+        S = S * tl.exp(G_last)[:, None] + _dot(tl.trans(k_end), v_op, IEEE)
+    if STORE_HT:
+        tl.store(hT + sh * K * V + soffs, S, mask=smask)
+
+
+@triton.jit
+def _output_kernel(
+    q, G, Aqk, VN, Hs, o, chunk_start, chunk_end, scale,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    iv = tl.program_id(0)
+    n = tl.program_id(1)
+    h = tl.program_id(2)
+    start = tl.load(chunk_start + n)
+    length = tl.load(chunk_end + n) - start
+    OP = VN.dtype.element_ty
+    rows = tl.arange(0, C)
+    dk = tl.arange(0, BK)
+    dv = iv * BV + tl.arange(0, BV)
+    q_n = _rows(q, start, 0, length, h, H, K, C, BK)
+    q_g = (q_n * tl.exp(_rows(G, start, 0, length, h, H, K, C, BK))).to(OP)
+    S = tl.load(Hs + (n * H + h) * K * V + dk[:, None] * V + dv[None, :], mask=(dk < K)[:, None] & (dv < V)[None, :])
+    A = _cols(Aqk, start, length, h, 0, H, C, C, C)
+    A = tl.where(rows[:, None] >= rows[None, :], A, 0.0).to(OP)
+    v_new = _cols(VN, start, length, h, iv * BV, H, V, C, BV)
+    out = scale * _dot(q_g, S, IEEE) + _dot(A, v_new, IEEE)
+    _store_rows(o, out, start, 0, length, h, iv * BV, H, V, C, BV)
+
+
+# --- decode --------------------------------------------------------------------------------
+
+
+@triton.jit
+def _recurrent_kernel(
+    q, k, v, g, beta, o, pool, indices, scale, T,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    iv = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    slot = tl.load(indices + b)
+    live = slot >= 0
+    dk = tl.arange(0, BK)
+    dv = iv * BV + tl.arange(0, BV)
+    kmask = dk < K
+    vmask = dv < V
+    smask = kmask[:, None] & vmask[None, :] & (tl.zeros([BK, BV], dtype=tl.int32) + slot >= 0)
+    soffs = (tl.maximum(slot, 0) * H + h) * K * V + dk[:, None] * V + dv[None, :]
+    S = tl.load(pool + soffs, mask=smask, other=0.0)
+    for t in range(0, T):
+        tok = (b * T + t) * H + h
+        # A padding request's rows exist in q/k/v; only its pool slot and output are masked.
+        q_t = tl.load(q + tok * K + dk, mask=kmask, other=0.0).to(tl.float32) * scale
+        k_t = tl.load(k + tok * K + dk, mask=kmask, other=0.0).to(tl.float32)
+        g_t = tl.load(g + tok * K + dk, mask=kmask, other=0.0).to(tl.float32)
+        v_t = tl.load(v + tok * V + dv, mask=vmask, other=0.0).to(tl.float32)
+        b_t = tl.load(beta + tok).to(tl.float32)
+        S = S * tl.exp(g_t)[:, None]
+        error = v_t - tl.sum(k_t[:, None] * S, axis=0)
+        S = S + k_t[:, None] * (b_t * error)[None, :]
+        o_t = tl.where(live, tl.sum(q_t[:, None] * S, axis=0), 0.0)
+        tl.store(o + tok * V + dv, o_t.to(o.dtype.element_ty), mask=vmask)
+    tl.store(pool + soffs, S, mask=smask)
+
+
+# --- host side -----------------------------------------------------------------------------
+
+
+def _block(n: int) -> int:
+    """Power-of-two block covering ``n``, at least 16 (the smallest tl.dot side)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def _device(x: torch.Tensor) -> torch.device:
+    if x.is_cuda or interpreted():
+        return x.device if x.is_cuda else torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    raise RuntimeError(unavailable_reason(torch.float32) or "no device for the KDA kernels")
+
+
+def _multiprocessors(dev: torch.device) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+
+
+def _check_operand_dtype(operand_dtype: torch.dtype | str) -> torch.dtype:
+    dt = resolve_dtype(operand_dtype)
+    reason = unavailable_reason(dt)
+    if reason is not None:
+        raise RuntimeError(reason)
+    return dt
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """``cu_seqlens:[N+1]`` integer offsets from 0 to ``total``, non-decreasing; returned as int64 CPU."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
+        raise TypeError("cu_seqlens must be a 1-D integer tensor of cumulative sequence offsets")
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total:
+        raise ValueError(f"cu_seqlens must start at 0 and end at the token count {total}; got {cu.tolist()}")
+    if bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must be non-decreasing; got {cu.tolist()}")
+    return cu
+
+
+def chunk_table(cu: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chunks of every sequence: ``(start, end, seq_chunks)``.
+
+    ``start, end:[NC]`` token offsets of each chunk (a chunk never crosses a sequence
+    boundary; the last of a sequence may be partial), ``seq_chunks:[N+1]`` the first chunk of
+    each sequence. All int64 on the CPU.
+    """
+    lengths = cu[1:] - cu[:-1]
+    counts = (lengths + chunk_size - 1) // chunk_size
+    seq_chunks = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    seq = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    start = cu[seq] + (torch.arange(int(seq_chunks[-1])) - seq_chunks[seq]) * chunk_size
+    end = torch.minimum(start + chunk_size, cu[seq + 1])
+    return start, end, seq_chunks
+
+
+@functools.lru_cache(maxsize=64)
+def _equal_lengths_table(B: int, T: int, C: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """:func:`chunk_table` of ``B`` sequences of ``T`` tokens on ``dev``, built once per shape
+    (the host-to-device copy would otherwise precede every launch)."""
+    cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int64) if T else torch.zeros(B + 1, dtype=torch.int64)
+    return tuple(t.to(dev) for t in chunk_table(cu, C))
+
+
+def chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    tile: int = SUB_TILE,
+    operand_dtype: torch.dtype | str = torch.bfloat16,
+    anchor: str = "tile_start",
+    anchor_shift: float = DEFAULT_ROW0_SHIFT,
+    cu_seqlens: torch.Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int = 4,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunkwise KDA prefill on the GPU (or the interpreter). Arguments as :func:`k3verify.kda.tiled`.
+
+    ``q, k:[B,T,H,K]``, ``v:[B,T,H,V]``, ``g:[B,T,H,K]`` (log-decay), ``beta:[B,T,H]`` in any
+    float dtype; they are cast to ``operand_dtype`` (``g`` to fp32) on the kernel's device.
+    With ``cu_seqlens:[N+1]``, ``B`` must be 1 and ``initial_state`` is ``[N,H,K,V]``.
+    ``tile`` must be 16 (the sub-tile is compiled in); ``chunk_size`` a multiple of it, at most 64.
+    ``block_v`` (default: by occupancy) and ``num_warps`` shape the state and output launches
+    (speed only);
+    ``validate=False`` skips the value scans (NaN, positive log-decay) that wait for the device.
+    Returns ``o:[B,T,H,V]`` in ``operand_dtype`` and the final state (fp32) on the kernel's device.
+    """
+    C = require_positive_int("chunk_size", chunk_size)
+    if tile != SUB_TILE:
+        raise ValueError(f"the KDA chunk kernel is compiled for sub-tile {SUB_TILE}, got tile={tile}")
+    if C % SUB_TILE or C > 64:
+        raise ValueError(f"chunk_size must be 16, 32, 48 or 64 (a multiple of {SUB_TILE}), got {C}")
+    if anchor not in ANCHORS:
+        raise ValueError(f"unknown anchor {anchor!r}; choose one of {', '.join(ANCHORS)}")
+    if block_v not in (None, 16, 32, 64, 128):
+        raise ValueError(f"block_v must be 16, 32, 64 or 128, got {block_v}")
+    op = _check_operand_dtype(operand_dtype)
+    dims, scale, cu = _check_layout(q, k, v, g, beta, initial_state, scale, cu_seqlens, validate)
+    dev = _device(q)
+    B, T, H, K, V = dims.B, dims.T, dims.H, dims.K, dims.V
+    flat = [t.to(dev, op).reshape(B * T, H, d).contiguous() for t, d in ((q, K), (k, K), (v, V))]
+    g32 = g.to(dev, torch.float32).reshape(B * T, H, K).contiguous()
+    b_op = beta.to(dev, op).reshape(B * T, H).contiguous()
+    if cu_seqlens is None:
+        start, end, seq_chunks = _equal_lengths_table(B, T, C, dev)
+    else:
+        start, end, seq_chunks = (t.to(dev) for t in chunk_table(cu, C))
+    NS, NC = len(cu) - 1, len(start)
+    if block_v is None:
+        # Measured on an H200 (benchmarks/kda_gpu.py): 64 when the state pass alone fills the
+        # device (B=1, T=8192, H=96: 4.44 ms vs 5.94 at 32), else 32 (H=12: 1.19 vs 1.21 ms).
+        block_v = 64 if NS * H * triton.cdiv(V, 64) >= _multiprocessors(dev) else 32
+    BK, BV_full, BV = _block(K), _block(V), min(block_v, _block(V))
+    ieee = op == torch.float32
+    o = torch.zeros(B * T, H, V, dtype=op, device=dev)
+    hT = torch.empty(NS, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    h0 = initial_state.to(dev, torch.float32).contiguous() if initial_state is not None else None
+    if NC:
+        G = torch.empty(B * T, H, K, dtype=torch.float32, device=dev)
+        Aqk = torch.zeros(B * T, H, C, dtype=op, device=dev)
+        W = torch.empty(B * T, H, K, dtype=op, device=dev)
+        U = torch.empty(B * T, H, V, dtype=op, device=dev)
+        VN = torch.empty(B * T, H, V, dtype=op, device=dev)
+        Hs = torch.empty(NC, H, K, V, dtype=op, device=dev)
+        offset = anchor_shift * (SUB_TILE - 1) / 2
+        _intra_kernel[(NC, H)](
+            *flat, g32, b_op, G, Aqk, W, U, start, end, scale, offset,
+            H=H, K=K, V=V, BK=BK, BV=BV_full, C=C, BC=SUB_TILE, ANCHOR=_ANCHOR_CODE[anchor], IEEE=ieee,
+            num_warps=4,
+        )  # fmt: skip
+        _state_kernel[(triton.cdiv(V, BV), NS * H)](
+            flat[1], G, W, U, VN, Hs, h0, hT, start, end, seq_chunks,
+            H=H, K=K, V=V, BK=BK, BV=BV, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None, IEEE=ieee,
+            num_warps=num_warps,
+        )  # fmt: skip
+        _output_kernel[(triton.cdiv(V, BV), NC, H)](
+            flat[0], G, Aqk, VN, Hs, o, start, end, scale,
+            H=H, K=K, V=V, BK=BK, BV=BV, C=C, IEEE=ieee, num_warps=num_warps,
+        )  # fmt: skip
+    elif hT is not None:
+        hT.copy_(h0 if h0 is not None else torch.zeros_like(hT))
+    out = o.reshape(B, T, H, V)
+    if not output_final_state:
+        return out, None
+    return out, (hT if cu_seqlens is not None else hT.reshape(B, H, K, V))
+
+
+def _check_layout(q, k, v, g, beta, initial_state, scale, cu_seqlens, validate=True):
+    """Validate shapes, values (unless ``validate`` is off) and ``cu_seqlens``; return sizes,
+    scale and sequence offsets."""
+    dims, scale = check_inputs(q, k, v, g, beta, None, scale, fp32_gates=True, values=validate)
+    if cu_seqlens is None:
+        B, T = dims.B, dims.T
+        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int64) if T else torch.zeros(B + 1, dtype=torch.int64)
+        _check_state(initial_state, (B, dims.H, dims.K, dims.V), "B,H,K,V", validate)
+        return dims, scale, cu
+    if dims.B != 1:
+        raise ValueError(f"with cu_seqlens the batch dimension must be 1 (sequences packed along T); got B={dims.B}")
+    cu = check_cu_seqlens(cu_seqlens, dims.T)
+    _check_state(initial_state, (len(cu) - 1, dims.H, dims.K, dims.V), "N,H,K,V", validate)
+    return dims, scale, cu
+
+
+def _check_state(state: torch.Tensor | None, expected: tuple[int, ...], names: str, validate: bool) -> None:
+    """A state may come in any float dtype (kernels keep it fp32), finite, of ``expected`` shape."""
+    if state is None:
+        return
+    require_float("initial_state", require_tensor("initial_state", state))
+    if tuple(state.shape) != expected:
+        raise ValueError(f"initial_state has shape {list(state.shape)}; expected [{names}] = {list(expected)}")
+    if validate:
+        require_finite("initial_state", state)
+
+
+def fused_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    state_indices: torch.Tensor | None = None,
+    operand_dtype: torch.dtype | str = torch.bfloat16,
+    block_v: int = 64,
+    num_warps: int = 4,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fused recurrent KDA (the decode kernel), fp32 state.
+
+    Without ``state_indices``: arguments and returns as :func:`k3verify.kda.recurrent`
+    (``initial_state:[B,H,K,V]`` is copied, never modified). With ``state_indices:[B]`` (int),
+    ``initial_state`` is a state pool ``[P,H,K,V]`` fp32 on the kernel's device that request
+    ``b`` reads and updates in place at slot ``state_indices[b]``; ``-1`` marks a padding
+    request (output 0, pool untouched); the pool is returned as the final state.
+    ``o`` comes back in ``operand_dtype``; ``validate`` as in :func:`chunk`. ``block_v = 64``
+    measured best on an H200 (B=256, H=12: 0.110 ms vs 0.157 ms at 32; 86% of copy bandwidth).
+    """
+    op = _check_operand_dtype(operand_dtype)
+    if block_v not in (16, 32, 64, 128):
+        raise ValueError(f"block_v must be 16, 32, 64 or 128, got {block_v}")
+    dev = _device(q)
+    if state_indices is None:
+        dims, scale, _ = _check_layout(q, k, v, g, beta, initial_state, scale, None, validate)
+        B, H, K, V = dims.B, dims.H, dims.K, dims.V
+        if initial_state is None:
+            pool = torch.zeros(B, H, K, V, dtype=torch.float32, device=dev)
+        else:
+            pool = initial_state.to(dev, torch.float32).clone()
+        indices = torch.arange(B, device=dev)
+    else:
+        dims, scale = check_inputs(q, k, v, g, beta, None, scale, fp32_gates=True, values=validate)
+        B, H, K, V = dims.B, dims.H, dims.K, dims.V
+        pool, indices = _check_pool(initial_state, state_indices, dims, dev, validate)
+    T = dims.T
+    args = [t.to(dev, op).contiguous() for t in (q, k, v)]
+    g32 = g.to(dev, torch.float32).contiguous()
+    b_op = beta.to(dev, op).contiguous()
+    o = torch.zeros(B, T, H, V, dtype=op, device=dev)
+    BV = min(block_v, _block(V))
+    if T:
+        _recurrent_kernel[(triton.cdiv(V, BV), B * H)](
+            *args, g32, b_op, o, pool, indices, scale, T, H=H, K=K, V=V, BK=_block(K), BV=BV, num_warps=num_warps
+        )
+    return o, (pool if output_final_state or state_indices is not None else None)
+
+
+def _check_pool(pool, state_indices, dims, dev, validate) -> tuple[torch.Tensor, torch.Tensor]:
+    """A state pool must be fp32, contiguous, on the kernel's device, ``[P,H,K,V]``; indices
+    ``[B]`` integers in ``[-1, P)``."""
+    if not isinstance(pool, torch.Tensor):
+        raise TypeError("with state_indices, initial_state must be the state pool tensor [P,H,K,V]")
+    if pool.dtype != torch.float32 or pool.device.type != dev.type or not pool.is_contiguous():
+        raise ValueError(
+            f"the state pool is updated in place: it must be a contiguous fp32 tensor on {dev}, "
+            f"got {dtype_name(pool.dtype)} on {pool.device}"
+        )
+    if pool.dim() != 4 or tuple(pool.shape[1:]) != (dims.H, dims.K, dims.V):
+        raise ValueError(f"state pool has shape {list(pool.shape)}; expected [P, {dims.H}, {dims.K}, {dims.V}]")
+    if not isinstance(state_indices, torch.Tensor) or state_indices.dtype.is_floating_point:
+        raise TypeError("state_indices must be an integer tensor [B]")
+    if tuple(state_indices.shape) != (dims.B,):
+        raise ValueError(f"state_indices has shape {list(state_indices.shape)}; expected [B] = [{dims.B}]")
+    idx = state_indices.to(dev, torch.int64).contiguous()
+    if not validate:
+        return pool, idx
+    if bool(((idx < -1) | (idx >= pool.shape[0])).any()):
+        raise ValueError(f"state_indices must lie in [-1, {pool.shape[0]}); got {state_indices.tolist()}")
+    live = idx[idx >= 0]
+    if live.numel() != live.unique().numel():
+        raise ValueError("state_indices names a pool slot twice; requests would race on one state")
+    return pool, idx

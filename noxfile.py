@@ -1,4 +1,5 @@
-"""Every workflow as a nox session. CI runs ``nox -s tests``.
+"""Every workflow as a nox session. CI runs ``nox -s tests``: the property tests, the golden
+tensors, and a fresh ``k3verify run`` compared against the committed CPU baseline.
 
 Installs go through ``constraints.txt`` so that torch resolves to the pinned CPU build and
 every run uses the same versions. ``session.posargs`` go to the underlying tool.
@@ -14,6 +15,8 @@ nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
 
 CONSTRAINTS = ("-c", "constraints.txt")
+BASELINE = "reports/baseline/cpu"
+LATEST = "reports/latest"
 
 
 def _install(session: nox.Session, extras: str) -> None:
@@ -22,9 +25,19 @@ def _install(session: nox.Session, extras: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Property tests with the derandomised ``ci`` Hypothesis profile, fla-core installed."""
+    """Property tests with the derandomised ``ci`` Hypothesis profile, fla-core installed; then
+    ``k3verify golden verify`` and a fresh run compared against the committed baseline."""
     _install(session, "test,fla")
-    session.run("pytest", "-m", "not slow", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci"})
+    session.run("pytest", "-m", "not slow and not nightly", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci"})
+    session.run("k3verify", "golden", "verify")
+    _run_and_compare(session)
+
+
+def _run_and_compare(session: nox.Session) -> None:
+    # A failed verdict also shows as a flipped row in the compare, which prints what got worse
+    # and decides the exit status, so the run itself may exit 1 here.
+    session.run("k3verify", "run", "--out", LATEST, success_codes=[0, 1])
+    session.run("k3verify", "report", "compare", BASELINE, LATEST)
 
 
 @nox.session
@@ -36,9 +49,37 @@ def thorough(session: nox.Session) -> None:
 
 @nox.session
 def nightly(session: nox.Session) -> None:
-    """Long exploration; targets climb toward the largest error."""
+    """Worst-case search: profile ``nightly``, ``hypothesis.target`` climbs toward each module's
+    largest err/limit within the time budget (``-- --nightly-budget SECONDS``, default 1800 for
+    all modules); the maxima and replay commands go to reports/latest/nightly.json and into a
+    fresh report there."""
     _install(session, "test,fla")
-    session.run("pytest", *session.posargs, env={"HYPOTHESIS_PROFILE": "nightly"})
+    session.run("k3verify", "run", "--out", LATEST, success_codes=[0, 1])
+    try:
+        session.run(
+            "pytest", "properties/test_nightly.py", "-m", "nightly", "-p", "no:cacheprovider", *session.posargs,
+            env={"HYPOTHESIS_PROFILE": "nightly", "K3V_NIGHTLY_OUT": f"{LATEST}/nightly.json"},
+        )
+    finally:
+        session.run("k3verify", "report", "render", LATEST)
+
+
+@nox.session
+def golden(session: nox.Session) -> None:
+    """``k3verify golden verify`` (hashes, then every implementation against the goldens);
+    ``nox -s golden -- generate`` regenerates them, then verifies."""
+    _install(session, "fla")
+    args = session.posargs or ["verify"]
+    session.run("k3verify", "golden", *args)
+    if args[0] == "generate":
+        session.run("k3verify", "golden", "verify")
+
+
+@nox.session
+def compare(session: nox.Session) -> None:
+    """A fresh ``k3verify run`` compared against the committed CPU baseline (exit 1 on a regression)."""
+    _install(session, "fla")
+    _run_and_compare(session)
 
 
 @nox.session
@@ -59,7 +100,8 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def report(session: nox.Session) -> None:
-    """The main job: ``k3verify run`` on the built-in default (report under reports/latest/)."""
+    """The main job: ``k3verify run`` on the built-in default (report.json/.md/.html under
+    reports/latest/). ``nox -s report -- --out reports/baseline/cpu`` regenerates the baseline."""
     _install(session, "fla")
     session.run("k3verify", "run", *session.posargs)
 

@@ -1,12 +1,17 @@
 """The ``k3verify`` command line.
 
-    k3verify run [--modules kda,mla] [--out reports/latest] [--seed 0]
+    k3verify run [--modules kda,mla] [--out reports/latest] [--seed 0] [--maps DIR]
     k3verify overflow-map --module kda [--out reports/maps] [--quick]
     k3verify list [--modules ...]
+    k3verify golden generate [--dir golden] [--modules ...] [--seed 0]
+    k3verify golden verify [--dir golden] [--modules ...] [--out DIR]
+    k3verify report compare BASE NEW
+    k3verify report render DIR [--maps DIR]
 
 Exit status: 0 when every verdict passes (a predicted and observed overflow counts as
 agreement, an unavailable implementation is reported but is not a verdict), 1 when any
-verdict fails, 2 for usage errors such as an unknown module.
+verdict fails, a golden file's hash does not match or a compare finds a regression, 2 for
+usage errors such as an unknown module or a missing file.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .harness import registry, report, runner
+from .harness import compare, golden, registry, report, runner
 from .harness.environment import environment
 from .harness.overflow_map import MapOptions, agreement, write_map
 
@@ -103,6 +108,17 @@ def _progress(console: Console) -> Progress | LineProgress:
     )
 
 
+# Where the report pages look for overflow maps and curve files when --maps is not given:
+# a fresh `k3verify overflow-map` output first, else the committed baseline maps.
+MAPS_SEARCH = (Path("reports/maps"), Path("reports/baseline/maps"))
+
+
+def _maps_dir(value: str | None) -> Path | None:
+    if value is not None:
+        return Path(value)
+    return next((p for p in MAPS_SEARCH if p.is_dir() and any(p.iterdir())), None)
+
+
 def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Verify every registered implementation of the selected modules; write the report."""
     entries = registry.select(_module_list(args.modules))
@@ -115,17 +131,19 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
             rows.append(row)
             bar.advance(task)
     wall = time.perf_counter() - start
-    doc = report.build(
-        rows,
-        environment=environment(),
-        config={"seed": args.seed, "modules": [e.name for e in entries], "wall_s": round(wall, 2)},
-        command=["k3verify", *sys.argv[1:]],
-    )
-    json_path, md_path = report.write(doc, Path(args.out))
+    config = {"seed": args.seed, "modules": [e.name for e in entries], "wall_s": round(wall, 2)}
+    return _finish(rows, config, Path(args.out), _maps_dir(args.maps), out)
+
+
+def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path | None, out: Console) -> int:
+    """Print the verdict table and summary, write the report when ``out_dir`` is given; 1 on a failure."""
+    doc = report.build(rows, environment=environment(), config=config, command=["k3verify", *sys.argv[1:]])
     _print_table(out, rows)
     summary = doc["summary"]
-    out.print(" · ".join(f"{k}: {v}" for k, v in summary.items()) + f" · wall {wall:.1f} s")
-    out.print(f"wrote {json_path} and {md_path}")
+    out.print(" · ".join(f"{k}: {v}" for k, v in summary.items()) + f" · wall {config['wall_s']:.1f} s")
+    if out_dir is not None:
+        paths = report.write(doc, out_dir, maps_dir=maps_dir)
+        out.print(f"wrote {', '.join(str(p) for p in paths)}")
     failed = summary["fail"]
     if failed:
         out.print(f"[bold red]{failed} verdict(s) failed[/]")
@@ -192,6 +210,86 @@ def cmd_list(args: argparse.Namespace, out: Console, err: Console) -> int:
     return 0
 
 
+def cmd_golden_generate(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """Write every selected module's golden inputs and fp64 oracle outputs, and the manifest."""
+    start = time.perf_counter()
+    manifest = golden.generate(
+        Path(args.dir), modules=_module_list(args.modules), seed=args.seed, progress=lambda s: err.print(s)
+    )
+    files = manifest["files"]
+    total = sum(f["bytes"] for f in files.values())
+    for rel, record in files.items():
+        out.print(f"{rel}: {record['bytes'] / 1e3:.0f} kB, {len(record['tensors'])} tensors")
+    out.print(
+        f"wrote {len(files)} golden files ({total / 1e6:.2f} MB) and {Path(args.dir) / golden.MANIFEST} "
+        f"in {time.perf_counter() - start:.1f} s"
+    )
+    return 0
+
+
+def cmd_golden_verify(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """Check every golden file's hash, then judge every implementation on the goldens."""
+    start = time.perf_counter()
+    directory = Path(args.dir)
+    try:
+        problems = golden.check_hashes(directory)
+    except golden.GoldenError as exc:
+        err.print(f"k3verify: error: {exc}", highlight=False)
+        return 1
+    if problems:
+        for p in problems:
+            err.print(f"k3verify: golden: {p}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]{len(problems)} golden file(s) do not match {directory / golden.MANIFEST}[/]")
+        return 1
+    out.print(f"hashes: every file in {directory / golden.MANIFEST} matches")
+    rows = []
+    with _progress(err) as bar:
+        task = bar.add_task("verifying goldens", total=None, current="")
+        for row in golden.verify_rows(directory, modules=_module_list(args.modules),
+                                      progress=lambda label: bar.update(task, current=label)):
+            rows.append(row)
+    config = {"goldens": str(directory), "modules": sorted({r["module"] for r in rows}),
+              "wall_s": round(time.perf_counter() - start, 2)}
+    return _finish(rows, config, Path(args.out) if args.out else None, None, out)
+
+
+def cmd_report_compare(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """What got worse from BASE to NEW; exit 1 on a regression."""
+    thresholds = compare.Thresholds(
+        error_growth=args.error_growth, margin_drop=args.margin_drop, error_factor=args.error_factor
+    )
+    try:
+        result = compare.compare_paths(Path(args.base), Path(args.new), thresholds)
+    except (FileNotFoundError, ValueError) as exc:
+        err.print(f"k3verify: error: {exc}", highlight=False)
+        return 2
+    for note in result.notes:
+        out.print(f"[dim]note: {note}[/]", highlight=False)
+    if result.findings:
+        table = Table("", "kind", "what", "detail", title=f"{args.base} -> {args.new}")
+        for f in sorted(result.findings, key=lambda f: not f.regression):
+            table.add_row("[bold red]REGRESSION[/]" if f.regression else "[dim]info[/]", f.kind, f.subject, f.detail)
+        out.print(table)
+    n = len(result.regressions)
+    out.print(
+        f"compared {result.rows_compared} rows and {result.cells_compared} map cells: "
+        + (f"[bold red]{n} regression(s)[/]" if n else "[green]no regressions[/]")
+        + f", {len(result.findings) - n} other change(s)"
+    )
+    return 1 if n else 0
+
+
+def cmd_report_render(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """Rewrite report.md and report.html of a report folder from its report.json."""
+    try:
+        paths = report.render(Path(args.dir), maps_dir=_maps_dir(args.maps))
+    except (FileNotFoundError, ValueError) as exc:
+        err.print(f"k3verify: error: {exc}", highlight=False)
+        return 2
+    out.print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="k3verify", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -201,6 +299,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--modules", action="append", help="comma-separated module names (default: all)")
     r.add_argument("--out", default="reports/latest", help="report folder (default: reports/latest)")
     r.add_argument("--seed", type=int, default=0, help="seed of the generated cases (default: 0)")
+    r.add_argument("--maps", help=MAPS_HELP)
     r.set_defaults(fn=cmd_run)
     m = sub.add_parser("overflow-map", help="map where a module's tiled form overflows or loses precision")
     m.add_argument("--module", required=True, help="module name, e.g. kda")
@@ -211,7 +310,44 @@ def parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="list modules and implementations")
     ls.add_argument("--modules", action="append")
     ls.set_defaults(fn=cmd_list)
+
+    g = sub.add_parser("golden", help="golden tensors: generate, or verify hashes and implementations")
+    gsub = g.add_subparsers(dest="golden_command", required=True)
+    gg = gsub.add_parser("generate", help="write golden inputs + fp64 oracle outputs and the manifest")
+    gg.add_argument("--dir", default="golden", help="golden folder (default: golden)")
+    gg.add_argument("--modules", action="append", help="comma-separated module names (default: all)")
+    gg.add_argument("--seed", type=int, default=0)
+    gg.set_defaults(fn=cmd_golden_generate)
+    gv = gsub.add_parser("verify", help="check hashes, then every implementation against the goldens")
+    gv.add_argument("--dir", default="golden", help="golden folder (default: golden)")
+    gv.add_argument("--modules", action="append", help="comma-separated module names (default: all)")
+    gv.add_argument("--out", help="also write report.json/.md/.html of the verdicts here")
+    gv.set_defaults(fn=cmd_golden_verify)
+
+    rp = sub.add_parser("report", help="compare two reports, or re-render one")
+    rsub = rp.add_subparsers(dest="report_command", required=True)
+    rc = rsub.add_parser("compare", help="what got worse from BASE to NEW (exit 1 on a regression)")
+    rc.add_argument("base", help="base report.json or its folder (e.g. reports/baseline/cpu)")
+    rc.add_argument("new", help="new report.json or its folder (e.g. reports/latest)")
+    defaults = compare.Thresholds()
+    rc.add_argument("--error-growth", type=float, default=defaults.error_growth,
+                    help=f"relative error growth that counts with a margin drop (default {defaults.error_growth})")
+    rc.add_argument("--margin-drop", type=float, default=defaults.margin_drop,
+                    help=f"margin drop that counts with that growth (default {defaults.margin_drop})")
+    rc.add_argument("--error-factor", type=float, default=defaults.error_factor,
+                    help=f"error growth factor that counts on its own (default {defaults.error_factor})")
+    rc.set_defaults(fn=cmd_report_compare)
+    rr = rsub.add_parser("render", help="rewrite report.md and report.html from report.json")
+    rr.add_argument("dir", help="report folder (holding report.json)")
+    rr.add_argument("--maps", help=MAPS_HELP)
+    rr.set_defaults(fn=cmd_report_render)
     return p
+
+
+MAPS_HELP = (
+    "folder of overflow maps and curve files shown in report.html "
+    f"(default: the first non-empty of {', '.join(str(p) for p in MAPS_SEARCH)})"
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

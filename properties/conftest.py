@@ -5,12 +5,22 @@
 ``hypothesis.target``; ``gpu`` is ``thorough`` without deadlines for device runs.
 Choose with ``--hypothesis-profile NAME`` or ``HYPOTHESIS_PROFILE=NAME``.
 Every failure prints its reproduction blob (``print_blob=True``).
+
+The worst-case search (``-m nightly``, ``properties/test_nightly.py``) takes its time budget
+from ``--nightly-budget`` or ``K3V_NIGHTLY_BUDGET_S`` (seconds for all modules together,
+split evenly), its Hypothesis seed from ``K3V_NIGHTLY_SEED`` (random when unset) and writes
+its maxima to ``--nightly-out`` or ``K3V_NIGHTLY_OUT`` (default ``reports/latest/nightly.json``);
+the terminal summary prints each module's worst case with its replay command.
 """
 
 from __future__ import annotations
 
 import os
+import random
+import sys
+from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 _COMMON = dict(
@@ -21,6 +31,9 @@ _COMMON = dict(
 
 settings.register_profile("ci", derandomize=True, max_examples=25, **_COMMON)
 settings.register_profile("thorough", max_examples=300, **_COMMON)
+# The worst-case search spends at most half of max_examples on target() optimisation passes
+# interleaved with generation (Hypothesis does so from 1000 examples up); its time budget,
+# not this count, usually ends a nightly run.
 settings.register_profile(
     "nightly",
     max_examples=2000,
@@ -29,3 +42,66 @@ settings.register_profile(
 )
 settings.register_profile("gpu", max_examples=300, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+NIGHTLY_BUDGET_S = 1800.0
+NIGHTLY_OUT = "reports/latest/nightly.json"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("k3verify nightly search")
+    group.addoption("--nightly-budget", type=float, default=None,
+                    help=f"seconds for the worst-case search, all modules together (env K3V_NIGHTLY_BUDGET_S; "
+                         f"default {NIGHTLY_BUDGET_S:g})")
+    group.addoption("--nightly-out", default=None,
+                    help=f"where the search writes its maxima (env K3V_NIGHTLY_OUT; default {NIGHTLY_OUT})")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "nightly: the budgeted worst-case search (nox -s nightly); not run in CI")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The search runs for its whole budget, so it runs only when asked for by marker.
+    if "nightly" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="the budgeted worst-case search: run it with -m nightly (nox -s nightly)")
+    for item in items:
+        if "nightly" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def nightly_budget_s(request: pytest.FixtureRequest) -> float:
+    """Seconds for the whole worst-case search."""
+    value = request.config.getoption("--nightly-budget")
+    return float(value if value is not None else os.environ.get("K3V_NIGHTLY_BUDGET_S", NIGHTLY_BUDGET_S))
+
+
+@pytest.fixture(scope="session")
+def nightly_out(request: pytest.FixtureRequest) -> Path:
+    return Path(request.config.getoption("--nightly-out") or os.environ.get("K3V_NIGHTLY_OUT", NIGHTLY_OUT))
+
+
+@pytest.fixture(scope="session")
+def nightly_seed() -> int:
+    """One Hypothesis seed for the whole search, recorded so that a run can be repeated."""
+    return int(os.environ.get("K3V_NIGHTLY_SEED", random.SystemRandom().randrange(2**32)))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    worst_case = sys.modules.get("worst_case")
+    results = getattr(worst_case, "RESULTS", None)
+    if not results:
+        return
+    terminalreporter.section("worst-case search: largest err/limit per module")
+    for module, r in results.items():
+        w = r.get("worst")
+        if w is None:
+            terminalreporter.line(f"{module}: no judged example in {r['examples']} examples")
+            continue
+        terminalreporter.line(
+            f"{module}: {w['ratio']:.4f} = {w['metric']} {w['err']:.3e} / limit {w['limit']:.3e}  "
+            f"{w['implementation']}  ({r['examples']} examples, {r['wall_s']:.0f} s, hypothesis seed "
+            f"{r['hypothesis_seed']})"
+        )
+        terminalreporter.line(f"    replay: {w['replay']}")

@@ -114,7 +114,9 @@ def mark_frontier(cells: Sequence[dict[str, Any]], axes: dict[str, Sequence[Any]
 
 
 def write_map(result: MapResult, out_dir: Path, environment: dict[str, Any]) -> list[Path]:
-    """Write ``<module>_overflow_map.json`` and one PNG per figure value; return the paths."""
+    """Write ``<module>_overflow_map.json``, one PNG per figure value and every curve the
+    module put in ``meta["curves"]`` (file name -> JSON document, e.g. AttnRes's error against
+    depth) next to them; return the paths."""
     from .plots import draw_map
     from .report import json_safe
 
@@ -130,4 +132,8 @@ def write_map(result: MapResult, out_dir: Path, environment: dict[str, Any]) -> 
     }
     json_path = out_dir / f"{result.module}_overflow_map.json"
     json_path.write_text(json.dumps(json_safe(doc), indent=1, allow_nan=False) + "\n")
-    return [json_path, *draw_map(result, out_dir)]
+    curves = []
+    for name, curve in result.meta.get("curves", {}).items():
+        curves.append(out_dir / name)
+        curves[-1].write_text(json.dumps(json_safe(curve), indent=1, allow_nan=False) + "\n")
+    return [json_path, *curves, *draw_map(result, out_dir)]

@@ -86,9 +86,40 @@ class ModuleEntry:
     baseline: Callable[[Case, str, str], torch.Tensor]  # (case, dtype, family)
     implementations: Callable[[], list[Implementation]]
     overflow_map: Callable[..., Any] | None = None
+    # Cases stored as golden tensors (``k3verify golden generate``): small configurations and
+    # production-shape slices, a few hundred kB each. ``None`` stores ``make_cases(seed)``.
+    # A golden case named ``c`` or ``c.<variant>`` is used for every implementation that
+    # runs on case ``c`` (so ``default.production`` checks the rows that run on ``default``).
+    golden_cases: Callable[[int], dict[str, Case]] | None = None
+    # The axis of the oracle's output that indexes token position (KDA, MLA: 1 in
+    # ``[B, T, H, V]``); when set, each row records its error at every position.
+    position_axis: int | None = None
+
+    def cases_for_goldens(self, seed: int) -> dict[str, Case]:
+        """The cases ``k3verify golden generate`` stores for this module: ``golden_cases``, plus
+        ``make_cases``' own case for every case an implementation asks for that no golden case
+        stands in for (so a newly added case kind is stored until it gets a golden slice)."""
+        if self.golden_cases is None:
+            return self.make_cases(seed)
+        cases = self.golden_cases(seed)
+        covered = {golden_case_kind(name) for name in cases}
+        missing = sorted({c for impl in self.implementations() for c in impl.cases} - covered)
+        if missing:
+            made = self.make_cases(seed)
+            cases |= {name: made[name] for name in missing if name in made}
+        return cases
 
 
 _REGISTRY: dict[str, ModuleEntry] = {}
+
+
+GOLDEN_VARIANT_SEP = "."
+
+
+def golden_case_kind(name: str) -> str:
+    """The case an implementation asks for that golden case ``name`` stands in for
+    (``"default.production"`` -> ``"default"``)."""
+    return name.split(GOLDEN_VARIANT_SEP, 1)[0]
 
 
 def register(entry: ModuleEntry) -> ModuleEntry:

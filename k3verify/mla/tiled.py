@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from ..numerics import exp_fits, facts, is_float8, ln_max, resolve_dtype
-from ..numerics.frontier import underflow_threshold
+from ..numerics.frontier import OverflowPrediction, underflow_threshold
+from ..numerics.frontier import ln_abs_max as _ln_abs_max
 from ..numerics.trace import OverflowEvent, TracingRounder
 from .cache import LatentCache, gather, split_entry
 from .inputs import Dims, FormOptions, check_inputs, heads_first, key_mask
@@ -254,27 +255,6 @@ class OverflowQuantities:
     def as_dict(self) -> dict[str, object]:
         """The scalar fields (for map cells and reports)."""
         return {k: v for k, v in self.__dict__.items() if k != "output"}
-
-
-@dataclass(frozen=True)
-class OverflowPrediction:
-    """Finite or not, with every range check that fails and the tightest one."""
-
-    finite: bool
-    reasons: tuple[str, ...]
-    binding: str  # the check with the least headroom
-    headroom: float  # ln units left before that check fails (negative: past it)
-
-    def explanation(self) -> str:
-        """One line: the failing checks, or the binding one and its headroom."""
-        if self.reasons:
-            return "; ".join(self.reasons)
-        return f"all ranges fit; tightest: {self.binding} ({self.headroom:.2f} ln units of headroom)"
-
-
-def _ln_abs_max(x: torch.Tensor) -> float:
-    m = float(x.abs().max()) if x.numel() else 0.0
-    return math.log(m) if m > 0 else -math.inf
 
 
 def overflow_quantities(

@@ -9,6 +9,7 @@ whether that fits.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -43,3 +44,26 @@ def headroom(
 def underflow_threshold(dtype: torch.dtype | str) -> float:
     """``ln`` below which ``exp`` in ``dtype`` rounds to exactly 0: half the smallest subnormal."""
     return math.log(facts(dtype).smallest_subnormal / 2)
+
+
+def ln_abs_max(x: torch.Tensor) -> float:
+    """``ln max|x|`` computed in ``x``'s dtype (``-inf`` for an empty or all-zero tensor)."""
+    m = float(x.abs().max()) if x.numel() else 0.0
+    return math.log(m) if m > 0 else -math.inf
+
+
+@dataclass(frozen=True)
+class OverflowPrediction:
+    """An analytic prediction from range checks: finite or not, every check that fails, and
+    the tightest one. Modules fill it from their own quantities and subclass it to add more."""
+
+    finite: bool
+    reasons: tuple[str, ...]
+    binding: str  # the check with the least headroom
+    headroom: float  # ln units left before that check fails (negative: past it)
+
+    def explanation(self) -> str:
+        """One line: the failing checks, or the binding one and its headroom."""
+        if self.reasons:
+            return "; ".join(self.reasons)
+        return f"all ranges fit; tightest: {self.binding} ({self.headroom:.2f} ln units of headroom)"

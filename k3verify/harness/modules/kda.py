@@ -89,6 +89,36 @@ def make_cases(seed: int = 0) -> dict[str, Case]:
     return cases
 
 
+# Golden cases (``k3verify golden generate``): a small configuration, and a production-shape
+# slice (K3's head dims 128/128, one head, one full chunk plus a partial one), each as random
+# and as saturated gates, and a decode slice (two requests, one head). The default case above
+# (T = 200, two heads) would take 4.7 MB, the decode case's eight states 2 MB.
+GOLDEN_SHAPES = {"small": dict(B=1, T=72, H=2, K=16, V=16), "production": dict(B=1, T=80, H=1, K=128, V=128)}
+GOLDEN_DECODE_SHAPE = dict(B=2, T=1, H=1, K=128, V=128)
+
+
+def golden_cases(seed: int = 0) -> dict[str, Case]:
+    """``default.<slice>`` and ``saturated.<slice>`` for every slice of :data:`GOLDEN_SHAPES`, and
+    ``decode.production``; other case kinds are stored as ``make_cases`` makes them."""
+    shape = GOLDEN_DECODE_SHAPE
+    cases = {
+        "decode.production": Case(
+            "decode.production",
+            random_inputs(**shape, seed=seed + 2),
+            dict(shape, g_min=G_MIN, seed=seed + 2, slice="production"),
+        )
+    }
+    for variant, shape in GOLDEN_SHAPES.items():
+        params = dict(shape, g_min=G_MIN, seed=seed, slice=variant)
+        cases[f"default.{variant}"] = Case(f"default.{variant}", random_inputs(**shape, seed=seed), params)
+        cases[f"saturated.{variant}"] = Case(
+            f"saturated.{variant}",
+            saturated_inputs(**shape, seed=seed + 1, one_hot=False),
+            dict(params, gates="all at g_min"),
+        )
+    return cases
+
+
 def _call(form: Callable, case: Case, dtype: torch.dtype, **kw: Any) -> torch.Tensor:
     """Run ``form`` on the case's inputs cast to ``dtype``; return its output."""
     x = {n: (t.to(dtype) if t is not None else None) for n, t in case.inputs.items()}
@@ -462,5 +492,7 @@ register(
         baseline=baseline,
         implementations=implementations,
         overflow_map=overflow_map,
+        golden_cases=golden_cases,
+        position_axis=1,  # o: [B, T, H, V]
     )
 )

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -17,6 +16,7 @@ from ...mla import layer
 from ...numerics import compare, dtype_name
 from ..overflow_map import MapOptions, MapResult, MapSpec, agreement, mark_frontier
 from ..registry import BASELINE_RULE, FP64_RULE, Case, Implementation, ModuleEntry, Prediction, register
+from ..runner import one_thread
 
 CONFIG = layer.MLAConfig.small()  # K3's proportions (512:64, 128:64, v = 128), 4 heads
 PAGE_SIZE = 16
@@ -71,6 +71,26 @@ def make_cases(seed: int = 0) -> dict[str, Case]:
     hot = dict(cases["default"].inputs)
     hot["q_nope"], hot["q_pe"] = hot["q_nope"] * HOT_QUERY_SCALE, hot["q_pe"] * HOT_QUERY_SCALE
     cases["hot"] = Case("hot", hot, dict(cases["default"].params, query_scale=HOT_QUERY_SCALE))
+    return cases
+
+
+# A production-shape slice for the goldens: K3's latent (512 + 64) and head dims (128 + 64,
+# v 128), one head; the hidden size does not reach the forms' inputs, so it stays small. One
+# chunked prefill (8 new tokens after 33 cached, across three pages) runs every form,
+# absorbed and expanded; its weights alone take 1 MB in fp64, so there is no second slice.
+PRODUCTION_SLICE = dataclasses.replace(layer.MLAConfig.production(), num_heads=1, hidden_size=1024)
+GOLDEN_PRODUCTION_CASES = {"default.production": dict(lengths=(41,), T=8)}
+
+
+def golden_cases(seed: int = 0) -> dict[str, Case]:
+    """The default cases (small configuration) plus the production-shape slices."""
+    cases = make_cases(seed)
+    cfg = PRODUCTION_SLICE
+    dims = dict(heads=cfg.num_heads, R=cfg.kv_lora_rank, Dr=cfg.qk_rope_head_dim, Dn=cfg.qk_nope_head_dim,
+                Dv=cfg.v_head_dim, page_size=PAGE_SIZE, seed=seed, slice="production")
+    for name, spec in GOLDEN_PRODUCTION_CASES.items():
+        inputs = layer_inputs(cfg, spec["lengths"], spec["T"], seed=seed, spare_pages=1)
+        cases[name] = Case(name, inputs, dict(dims, lengths=list(spec["lengths"]), T=spec["T"]))
     return cases
 
 
@@ -219,20 +239,6 @@ def _scaled(base: dict[str, Any], q_exp: float, latent_exp: float, fp8_cache: bo
     return base["q_nope"] * qs, base["q_pe"] * qs, cache, base["w_uk"], base["w_uv"]
 
 
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run with one intra-op thread, then restore the setting.
-
-    The map's tensors are small (at most 512 x 72), so a second thread gains nothing, and when
-    another process competes for the cores OpenMP's spin-waiting made the quick map 4x slower
-    (measured on two cores with one busy process: 11.6 s with two threads, 2.7 s with one).
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def overflow_map(options: MapOptions, progress: Callable[[int, int], None] = lambda done, total: None) -> MapResult:
@@ -243,7 +249,10 @@ def overflow_map(options: MapOptions, progress: Callable[[int, int], None] = lam
     whose cached entries by ``2^l``, and compares against the fp64 oracle; its prediction comes
     from :func:`k3verify.mla.predict` on the exact magnitudes of the same inputs.
     """
-    with _one_thread():
+    # The map's tensors are small (at most 512 x 72), so a second thread gains nothing, and when
+    # another process competes for the cores OpenMP's spin-waiting made the quick map 4x slower
+    # (measured on two cores with one busy process: 11.6 s with two threads, 2.7 s with one).
+    with one_thread():
         return _overflow_map(options, progress)
 
 
@@ -361,5 +370,7 @@ register(
         baseline=baseline,
         implementations=implementations,
         overflow_map=overflow_map,
+        golden_cases=golden_cases,
+        position_axis=1,  # o: [B, T, H, Dv]
     )
 )

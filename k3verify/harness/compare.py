@@ -1,0 +1,215 @@
+"""Regression compare: what got worse between a base and a new report (and their overflow maps).
+
+Rows are matched by (module, implementation, form, dtype, params, case). A finding is a
+**regression** (``k3verify report compare`` exits 1) when, from base to new:
+
+- a verdict flipped to ``fail`` (from ``pass``, ``expected-nonfinite`` or ``unavailable``);
+- a finite output became non-finite (``pass`` -> ``expected-nonfinite``, or ``metrics.nonfinite``
+  0 -> > 0);
+- a row that had a verdict became ``unavailable`` (coverage lost), or disappeared from a
+  module the new report covers;
+- the rule's error grew beyond the thresholds (:class:`Thresholds`): by more than 25 % while the
+  margin fell by more than 0.05, or by more than 4x (two bits) while at or above 1 % of the limit;
+- an overflow-map cell became non-finite, or its analytic prediction, which agreed, now
+  disagrees away from the frontier.
+
+Everything else that changed is reported as information (improvements, new rows, errors that
+moved within the thresholds are not listed). Thresholds assume the same platform: the runs
+are deterministic there, so any change comes from the code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..numerics import EXPECTED_NONFINITE, FAIL, PASS
+from .report import load
+from .runner import UNAVAILABLE
+
+MAP_GLOB = "*_overflow_map.json"
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When a change in a row's error counts as a regression (see the module docstring)."""
+
+    error_growth: float = 0.25  # relative growth of err that matters ...
+    margin_drop: float = 0.05  # ... once the margin has also fallen by this much (absolute)
+    error_factor: float = 4.0  # growth that matters on its own ...
+    significant: float = 0.01  # ... when err is at least this share of the limit
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One difference between base and new."""
+
+    kind: str
+    subject: str
+    detail: str
+    regression: bool
+
+
+@dataclass
+class Comparison:
+    """All findings, plus notes on what could not be compared."""
+
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    rows_compared: int = 0
+    cells_compared: int = 0
+
+    @property
+    def regressions(self) -> list[Finding]:
+        return [f for f in self.findings if f.regression]
+
+
+def row_key(row: dict[str, Any]) -> tuple[str, ...]:
+    """What identifies a row across runs."""
+    params = json.dumps(row.get("params", {}), sort_keys=True)
+    return (row["module"], row["implementation"], row["form"], row["dtype"], params, row["case"])
+
+
+def row_subject(row: dict[str, Any]) -> str:
+    params = " ".join(f"{k}={v}" for k, v in row.get("params", {}).items())
+    return f"{row['module']} {row['implementation']} {row['form']} {row['dtype']} {params} ({row['case']})"
+
+
+def compare_reports(base: dict[str, Any], new: dict[str, Any], thresholds: Thresholds | None = None) -> Comparison:
+    """Findings between two report documents."""
+    th = thresholds or Thresholds()
+    out = Comparison()
+    covered = set(new.get("config", {}).get("modules") or {r["module"] for r in new["rows"]})
+    base_rows = {row_key(r): r for r in base["rows"]}
+    new_rows = {row_key(r): r for r in new["rows"]}
+    skipped = {r["module"] for r in base["rows"]} - covered
+    if skipped:
+        out.notes.append(f"not compared (the new report does not cover them): {', '.join(sorted(skipped))}")
+    for key in ("torch", "device", "platform", "fla-core"):
+        b, n = base.get("environment", {}).get(key), new.get("environment", {}).get(key)
+        if b != n:
+            out.notes.append(f"environment differs: {key} {b} -> {n} (thresholds assume the same platform)")
+    for key, b in base_rows.items():
+        if b["module"] not in covered:
+            continue
+        n = new_rows.get(key)
+        if n is None:
+            out.findings.append(Finding("row removed", row_subject(b), f"was {b['status']}", True))
+            continue
+        out.rows_compared += 1
+        out.findings += _compare_row(b, n, th)
+    for key, n in new_rows.items():
+        if key not in base_rows:
+            regression = n["status"] == FAIL
+            out.findings.append(Finding("new row", row_subject(n), n["status"], regression))
+    return out
+
+
+def _compare_row(b: dict[str, Any], n: dict[str, Any], th: Thresholds) -> list[Finding]:
+    subject = row_subject(n)
+    bs, ns = b["status"], n["status"]
+    if bs != ns:
+        flipped_to_fail = ns == FAIL
+        became_nonfinite = bs == PASS and ns == EXPECTED_NONFINITE
+        lost = ns == UNAVAILABLE
+        detail = f"{bs} -> {ns}"
+        reason = n.get("reason") or (n.get("verdict") or {}).get("reason")
+        if reason and ns != PASS:
+            detail += f": {reason}"
+        kind = "verdict flipped" if flipped_to_fail else "became non-finite" if became_nonfinite else (
+            "coverage lost" if lost else "verdict changed")
+        return [Finding(kind, subject, detail, flipped_to_fail or became_nonfinite or lost)]
+    findings = []
+    b_nf = (b.get("metrics") or {}).get("nonfinite") or 0
+    n_nf = (n.get("metrics") or {}).get("nonfinite") or 0
+    if b_nf == 0 and n_nf > 0:
+        findings.append(Finding("became non-finite", subject, f"{n_nf} non-finite outputs", True))
+    bv, nv = b.get("verdict") or {}, n.get("verdict") or {}
+    e_b, e_n, lim = bv.get("err"), nv.get("err"), nv.get("limit")
+    m_b, m_n = b.get("margin"), n.get("margin")
+    if not all(isinstance(x, (int, float)) for x in (e_b, e_n, lim, m_b, m_n)) or n_nf:
+        return findings
+    metric = nv.get("metric", "err")
+    detail = f"{metric} {e_b:.3e} -> {e_n:.3e} (x{_ratio(e_n, e_b):.3g}), margin {m_b:.3f} -> {m_n:.3f}"
+    if _worse(e_b, e_n, m_b, m_n, lim, th):
+        findings.append(Finding("error grew", subject, detail, True))
+    elif _worse(e_n, e_b, m_n, m_b, bv.get("limit") or lim, th):
+        findings.append(Finding("error shrank", subject, detail, False))
+    return findings
+
+
+def _ratio(new: float, base: float) -> float:
+    if base == 0:
+        return 1.0 if new == 0 else math.inf
+    return new / base
+
+
+def _worse(e_b: float, e_n: float, m_b: float, m_n: float, limit: float, th: Thresholds) -> bool:
+    """``e_n`` is worse than ``e_b`` beyond the thresholds."""
+    growth = _ratio(e_n, e_b)
+    by_margin = growth > 1 + th.error_growth and (m_b - m_n) > th.margin_drop
+    significant = limit > 0 and math.isfinite(limit) and e_n >= th.significant * limit
+    return by_margin or (growth > th.error_factor and significant)
+
+
+# --- overflow maps ----------------------------------------------------------------------------
+
+
+def _cell_key(cell: dict[str, Any], spec: dict[str, Any]) -> tuple[Any, ...]:
+    axes = [spec[k] for k in ("figure", "panel_row", "panel_col", "x", "y")]
+    return (*(cell.get(a) for a in axes), cell.get("implementation"))
+
+
+def compare_maps(base: dict[str, Any], new: dict[str, Any]) -> Comparison:
+    """Findings between two overflow-map documents of one module (``<module>_overflow_map.json``)."""
+    out = Comparison()
+    module = new["module"]
+    base_cells = {_cell_key(c, base["spec"]): c for c in base["cells"]}
+    for cell in new["cells"]:
+        key = _cell_key(cell, new["spec"])
+        b = base_cells.get(key)
+        if b is None:
+            continue
+        out.cells_compared += 1
+        subject = f"{module} map cell " + " ".join(
+            f"{new['spec'][a]}={v}" for a, v in zip(("figure", "panel_row", "panel_col", "x", "y"), key))
+        if b["finite"] and not cell["finite"]:
+            out.findings.append(Finding("map cell became non-finite", subject, cell.get("overflow", ""), True))
+        agreed = bool(b["finite"]) == bool(b["predicted_finite"])
+        agrees = bool(cell["finite"]) == bool(cell["predicted_finite"])
+        if agreed and not agrees and not cell.get("frontier_adjacent", False):
+            detail = f"predicted finite={cell['predicted_finite']}, observed finite={cell['finite']}"
+            out.findings.append(Finding("map prediction now wrong", subject, detail, True))
+    missing = len(base_cells) - out.cells_compared
+    if missing > 0:
+        out.notes.append(f"{module} map: {missing} base cells have no counterpart in the new map (grid changed)")
+    return out
+
+
+def _map_files(path: Path) -> dict[str, Path]:
+    folder = path if path.is_dir() else path.parent
+    return {p.name: p for p in sorted(folder.glob(MAP_GLOB))}
+
+
+def compare_paths(base: Path, new: Path, thresholds: Thresholds | None = None) -> Comparison:
+    """Compare two reports (``report.json`` or folders holding one) and the overflow maps that
+    lie in both folders."""
+    out = Comparison()
+    base_has = (base / "report.json").exists() if base.is_dir() else base.exists()
+    new_has = (new / "report.json").exists() if new.is_dir() else new.exists()
+    if base_has and new_has:
+        out = compare_reports(load(base), load(new), thresholds)
+    elif base_has or new_has:
+        raise FileNotFoundError(f"{new if base_has else base}: no report.json to compare against")
+    base_maps, new_maps = _map_files(base), _map_files(new)
+    for name in sorted(set(base_maps) & set(new_maps)):
+        m = compare_maps(json.loads(base_maps[name].read_text()), json.loads(new_maps[name].read_text()))
+        out.findings += m.findings
+        out.notes += m.notes
+        out.cells_compared += m.cells_compared
+    if not (base_has and new_has) and not (set(base_maps) & set(new_maps)):
+        raise FileNotFoundError(f"nothing to compare: no report.json or common {MAP_GLOB} in {base} and {new}")
+    return out

@@ -1,0 +1,158 @@
+"""Golden tensors: the committed files match their manifest, every implementation passes on
+them (each row judged by the rule the registry names for it, through the same runner as
+``k3verify run``), a changed byte is caught and named, and regeneration is deterministic."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3verify import mla
+from k3verify.cli import main
+from k3verify.harness import golden, registry
+from k3verify.numerics import FAIL, PASS, fp64_agreement
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+FLIPPED = "kda/default.small.safetensors"
+
+
+def _manifest(directory: Path) -> dict:
+    return json.loads((directory / golden.MANIFEST).read_text())
+
+
+def test_committed_goldens_match_their_manifest() -> None:
+    assert golden.check_hashes(GOLDEN) == []
+    files = _manifest(GOLDEN)["files"]
+    assert {f["module"] for f in files.values()} >= {"kda", "mla"}
+    for record in files.values():
+        assert record["tensors"]["oracle"]["dtype"] == "float64"
+        assert {"seed", "config", "generator_version", "torch"} <= set(record)
+
+
+def test_mla_implementations_pass_on_the_goldens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Through the CLI: hashes first, then each row under its own rule (CI verifies every module)."""
+    assert main(["golden", "verify", "--modules", "mla", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "every file" in out and "fail: 0" in out
+    rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert all(r["golden"].startswith("mla/") for r in rows)
+    oracle_rows = [r for r in rows if r["implementation"] == "oracle"]
+    assert oracle_rows and all(r["status"] == PASS for r in oracle_rows)
+    assert {r["case"] for r in rows} >= {"default", "decode", "hot", "default.production"}
+
+
+@pytest.fixture
+def copy(tmp_path: Path) -> Path:
+    target = tmp_path / "golden"
+    shutil.copytree(GOLDEN, target)
+    return target
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_fails_and_names_the_file(copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = copy / FLIPPED
+    _flip(path, path.stat().st_size - 100)  # inside the last tensor's data
+    problems = golden.check_hashes(copy)
+    assert len(problems) == 1 and str(path) in problems[0] and "sha256 mismatch" in problems[0]
+    assert "changed tensors:" in problems[0]
+    assert main(["golden", "verify", "--dir", str(copy)]) == 1
+    err = capsys.readouterr().err
+    assert str(path) in err.replace("\n", "")
+
+
+def test_a_damaged_header_is_reported_too(copy: Path) -> None:
+    path = copy / FLIPPED
+    _flip(path, 10)  # inside the JSON header
+    (problem,) = golden.check_hashes(copy)
+    assert str(path) in problem and ("unreadable" in problem or "header changed" in problem)
+
+
+def test_missing_and_unlisted_files_are_named(copy: Path) -> None:
+    (copy / FLIPPED).rename(copy / "kda" / "extra.safetensors")
+    problems = golden.check_hashes(copy)
+    assert any(str(copy / FLIPPED) in p and "missing" in p for p in problems)
+    assert any(str(copy / "kda" / "extra.safetensors") in p and "not listed" in p for p in problems)
+
+
+def test_regeneration_is_deterministic(tmp_path: Path) -> None:
+    """Bitwise identical twice in a row; identical to the committed files on the platform that
+    made them, else equal to fp64 rounding (fp64-agreement, rel <= 1e-10)."""
+    committed = _manifest(GOLDEN)
+    modules = sorted({f["module"] for f in committed["files"].values()} & set(registry.module_names()))
+    a = golden.generate(tmp_path / "a", modules=modules)
+    golden.generate(tmp_path / "b", modules=modules)
+    assert (tmp_path / "a" / golden.MANIFEST).read_bytes() == (tmp_path / "b" / golden.MANIFEST).read_bytes()
+    for rel in a["files"]:
+        assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
+    stale = sorted(set(committed["files"]) ^ set(a["files"]))
+    assert not stale, f"goldens out of date ({stale}); run `k3verify golden generate`"
+    if committed["platform"] == golden.platform_record():
+        for rel, record in a["files"].items():
+            assert record["sha256"] == committed["files"][rel]["sha256"], f"{rel} regenerates differently"
+        return
+    for rel, record in a["files"].items():  # another platform: same numbers up to fp64 rounding
+        new = golden.load_cases(tmp_path / "a", record["module"])
+        old = {c.name: (c, o) for _, c, o in golden.load_cases(GOLDEN, record["module"])}
+        for _, case, oracle in new:
+            assert fp64_agreement(oracle, old[case.name][1]).passed, rel
+
+
+def test_dataclass_inputs_round_trip() -> None:
+    """MLA's paged cache (with and without fp8 codes and scales) is stored field by field."""
+    entries = torch.randn(2, 9, 12, dtype=torch.float64)
+    for cache in (mla.build(entries, [9, 4], 4), mla.quantize(mla.build(entries, [9, 4], 4))):
+        tensors, layout = golden.flatten({"cache": cache, "none": None, "n": 3})
+        assert "input.cache.pool" in tensors and "input.cache.block_table" in tensors
+        back = golden.unflatten(json.loads(json.dumps(layout)), tensors)
+        assert isinstance(back["cache"], mla.LatentCache) and back["none"] is None and back["n"] == 3
+        for field in ("pool", "block_table", "seq_lens", "scales"):
+            x, y = getattr(cache, field), getattr(back["cache"], field)
+            assert (x is None and y is None) or torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
+def test_only_k3verify_classes_are_rebuilt() -> None:
+    layout = {"x": {"dataclass": "os:PathLike", "fields": {}}}
+    with pytest.raises(golden.GoldenError, match="only k3verify classes"):
+        golden.unflatten(layout, {})
+    with pytest.raises(TypeError, match="cannot store"):
+        golden.flatten({"x": object()})
+
+
+def test_oversized_cases_are_skipped_and_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(golden, "CASE_CAP_BYTES", 300_000)  # keeps default and hot, not decode (464 kB)
+    entry = registry.get("mla")
+    recurrent = entry.implementations()[0]  # fp64, runs on default and decode
+    assert recurrent.cases == ("default", "decode")
+    monkeypatch.setitem(registry._REGISTRY, "mla", dataclasses.replace(entry, implementations=lambda: [recurrent]))
+    manifest = golden.generate(tmp_path, modules=["mla"])
+    assert "mla/decode" in manifest["skipped"] and "mla/default" not in manifest["skipped"]
+    rows = golden.verify_rows(tmp_path, modules=["mla"])
+    (unstored,) = [r for r in rows if r["status"] == "unavailable"]
+    assert unstored["case"] == "decode" and "not stored" in unstored["reason"]
+    assert not any(r["status"] == FAIL for r in rows)
+
+
+def test_a_module_without_goldens_fails(tmp_path: Path) -> None:
+    golden.generate(tmp_path, modules=["mla"])
+    (missing,) = golden.verify_rows(tmp_path, modules=["kda"])
+    assert missing["status"] == FAIL and "no goldens for module 'kda'" in missing["reason"]
+
+
+def test_regeneration_removes_stale_files_in_module_folders_only(tmp_path: Path) -> None:
+    golden.generate(tmp_path, modules=["mla"])
+    stale, elsewhere = tmp_path / "mla" / "old.safetensors", tmp_path / "notes" / "keep.safetensors"
+    elsewhere.parent.mkdir()
+    for path in (stale, elsewhere):
+        path.write_bytes(b"x")
+    golden.generate(tmp_path, modules=["mla"])
+    assert not stale.exists() and elsewhere.exists()

@@ -1,0 +1,232 @@
+"""Reports: ``report compare`` flags planted regressions and passes a report against itself;
+``report.html`` is self-contained and shows the verdicts with margins, error against
+position, ULP histograms, overflow maps with their frontier, curve files and the nightly
+maxima. Thresholds are compare's documented defaults (err growth > 25 % with a margin drop
+> 0.05, or > 4x at >= 1 % of the limit)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from k3verify.cli import main
+from k3verify.harness import compare, report
+from k3verify.harness.overflow_map import MapResult, MapSpec, write_map
+from k3verify.harness.render import DEPTH_DRIFT, ROUTING_FLIPS
+from k3verify.numerics import FAIL, PASS
+
+BASELINE = Path(__file__).resolve().parents[1] / "reports" / "baseline" / "cpu"
+
+
+@pytest.fixture(scope="module")
+def mla_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("report")
+    assert main(["run", "--modules", "mla", "--out", str(out), "--maps", str(out / "no-maps")]) == 0
+    return out
+
+
+def _doc(path: Path) -> dict[str, Any]:
+    return json.loads((path / "report.json").read_text())
+
+
+def _write(doc: dict[str, Any], folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "report.json").write_text(json.dumps(doc))
+    return folder
+
+
+def _baseline_row(doc: dict[str, Any]) -> dict[str, Any]:
+    """A passing baseline-rule row with room under its limit."""
+    return next(r for r in doc["rows"] if r["status"] == PASS and r["rule"] == "baseline" and 0.3 < r["margin"] < 0.8)
+
+
+# --- compare ----------------------------------------------------------------------------------
+
+
+def test_a_report_compared_with_itself_has_no_findings(mla_report: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = compare.compare_paths(mla_report, mla_report)
+    assert result.findings == [] and result.rows_compared == len(_doc(mla_report)["rows"])
+    assert main(["report", "compare", str(mla_report), str(mla_report)]) == 0
+    assert "no regressions" in capsys.readouterr().out
+
+
+def test_the_committed_baseline_compares_clean_with_itself() -> None:
+    assert main(["report", "compare", str(BASELINE), str(BASELINE)]) == 0
+
+
+def _plant(doc: dict[str, Any], how: str) -> tuple[dict[str, Any], str]:
+    """A copy of ``doc`` with one regression of kind ``how``; returns it and the row's subject."""
+    new = copy.deepcopy(doc)
+    row = _baseline_row(new)
+    v = row["verdict"]
+    if how == "error grew":  # x1.5 with the margin down by far more than 0.05
+        v["err"] *= 1.5
+        row["margin"] = 1 - v["err"] / v["limit"]
+    elif how == "verdict flipped":
+        row["status"], v["status"] = FAIL, FAIL
+    elif how == "became non-finite":
+        row["metrics"]["nonfinite"] = 7
+    elif how == "coverage lost":
+        row["status"] = "unavailable"
+    elif how == "row removed":
+        new["rows"].remove(row)
+    return new, compare.row_subject(row)
+
+
+@pytest.mark.parametrize("how", ["error grew", "verdict flipped", "became non-finite", "coverage lost", "row removed"])
+def test_a_planted_regression_is_flagged(
+    how: str, mla_report: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    new, subject = _plant(_doc(mla_report), how)
+    assert main(["report", "compare", str(mla_report), str(_write(new, tmp_path / "new"))]) == 1
+    out = capsys.readouterr().out
+    assert "REGRESSION" in out and how in out and "1 regression(s)" in out
+    (finding,) = compare.compare_reports(_doc(mla_report), new).regressions
+    assert finding.kind == how and finding.subject == subject
+
+
+def test_changes_within_the_thresholds_are_not_regressions(mla_report: Path) -> None:
+    base = _doc(mla_report)
+    new = copy.deepcopy(base)
+    row = _baseline_row(new)
+    row["verdict"]["err"] *= 1.2  # under the 25 % growth threshold
+    row["margin"] = 1 - row["verdict"]["err"] / row["verdict"]["limit"]
+    assert compare.compare_reports(base, new).regressions == []
+    better = _baseline_row(copy.deepcopy(base))
+    improved = copy.deepcopy(base)
+    improved["rows"][base["rows"].index(_baseline_row(base))] = better | {"verdict": better["verdict"] | {"err": 0.0},
+                                                                         "margin": 1.0}
+    findings = compare.compare_reports(base, improved).findings
+    assert [f.kind for f in findings] == ["error shrank"] and not findings[0].regression
+
+
+def test_large_growth_counts_even_with_a_small_margin_drop() -> None:
+    """err x5 at 1 % of the limit: the margin falls by 0.008 only, but two bits were lost."""
+    row = {"module": "m", "implementation": "i", "form": "f", "dtype": "bf16", "params": {}, "case": "c",
+           "rule": "baseline", "status": PASS, "metrics": {"nonfinite": 0},
+           "verdict": {"err": 0.002, "limit": 1.0, "metric": "rms_ratio"}, "margin": 0.998}
+    worse = row | {"verdict": row["verdict"] | {"err": 0.01}, "margin": 0.99}
+    doc = {"config": {"modules": ["m"]}, "rows": [row]}
+    (finding,) = compare.compare_reports(doc, doc | {"rows": [worse]}).findings
+    assert finding.kind == "error grew" and finding.regression
+    tiny = row | {"verdict": row["verdict"] | {"err": 0.0005}, "margin": 0.9995}  # x5 below 1 % of the limit
+    assert compare.compare_reports(doc | {"rows": [tiny]}, doc | {"rows": [row]}).findings == []
+
+
+def test_new_rows_and_uncovered_modules(mla_report: Path) -> None:
+    base = _doc(mla_report)
+    added = copy.deepcopy(base["rows"][0]) | {"module": "newmod"}
+    new = base | {"rows": [*base["rows"], added], "config": base["config"] | {"modules": ["mla", "newmod"]}}
+    (finding,) = compare.compare_reports(base, new).findings
+    assert finding.kind == "new row" and not finding.regression
+    failing = new | {"rows": [*base["rows"], added | {"status": FAIL}]}
+    assert compare.compare_reports(base, failing).regressions
+    narrower = base | {"rows": [], "config": base["config"] | {"modules": ["kda"]}}
+    result = compare.compare_reports(base, narrower)
+    assert result.findings == [] and "not compared" in result.notes[0]
+
+
+def test_rows_without_the_newer_optional_keys_compare(mla_report: Path) -> None:
+    base = _doc(mla_report)
+    old = copy.deepcopy(base)
+    for r in old["rows"]:
+        for key in ("ulp_histogram", "error_by_position", "baseline_error_by_position"):
+            r.pop(key, None)
+    assert compare.compare_reports(old, base).findings == []
+
+
+def _map(finite: list[bool], predicted: list[bool]) -> dict[str, Any]:
+    cells = [{"module": "toy", "dtype": "bf16", "tile": 16, "g": g, "kind": "worst", "finite": f,
+              "predicted_finite": p, "rms_ratio": 1e-3 if f else None} for g, f, p in zip((1, 2, 3), finite, predicted)]
+    spec = {"x": "g", "y": "tile", "panel_row": "dtype", "panel_col": "kind", "figure": "module"}
+    return {"module": "toy", "spec": spec, "cells": cells}
+
+
+def test_map_cells_that_became_non_finite_are_flagged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = _map([True, True, False], [True, True, False])
+    assert compare.compare_maps(base, base).findings == []
+    new = _map([True, False, False], [True, True, False])
+    kinds = sorted(f.kind for f in compare.compare_maps(base, new).regressions)
+    assert kinds == ["map cell became non-finite", "map prediction now wrong"]
+    for name, doc in (("base", base), ("new", new)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "toy_overflow_map.json").write_text(json.dumps(doc))
+    assert main(["report", "compare", str(tmp_path / "base"), str(tmp_path / "new")]) == 1
+    assert "map cell became non-finite" in capsys.readouterr().out
+
+
+def test_compare_without_reports_is_a_usage_error(tmp_path: Path) -> None:
+    assert main(["report", "compare", str(tmp_path), str(tmp_path)]) == 2
+
+
+# --- rendering --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def maps_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A toy overflow map (PNG + JSON) and the two curve files other modules write."""
+    out = tmp_path_factory.mktemp("maps")
+    cells = [
+        {"module": "kda", "dtype": "bf16", "tile": t, "g_min": g, "input": "worst", "anchor": "tile_start",
+         "finite": t * g < 88, "predicted_finite": t * g < 88, "rms_ratio": 1e-3 if t * g < 88 else None}
+        for t in (4, 16, 32) for g in (1.0, 3.0, 5.0, 8.0)
+    ]
+    spec = MapSpec(x="g_min", y="tile", panel_row="dtype", panel_col="anchor", figure="input", x_label="|g_min|",
+                   y_label="tile", title="toy")
+    write_map(MapResult("kda", cells, spec), out, {})
+    (out / DEPTH_DRIFT).write_text(json.dumps({
+        "layers": list(range(1, 9)), "sublayer": ["attn", "mlp"] * 4, "metric": "rms_ratio",
+        "error_bf16": [1e-3 * 1.2**i for i in range(8)], "error_fp32": [1e-7 * 1.1**i for i in range(8)],
+        "error_bf16_naive": [2e-3 * 1.2**i for i in range(8)],
+    }))
+    flips = [{"log2_input_scale": e, "bf16_vs_fp32": {"changed_pairs": 0.01 * e, "changed_tokens": 0.1 * e}}
+             for e in range(4)]
+    (out / ROUTING_FLIPS).write_text(json.dumps({"definition": "fractions", "by_scale": flips}))
+    return out
+
+
+def test_html_is_self_contained_and_shows_every_section(mla_report: Path, maps_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "report.json").write_text((mla_report / "report.json").read_text())
+    nightly = {"profile": "nightly", "budget_s": 60, "modules": {"mla": {"examples": 9, "wall_s": 15, "worst": {
+        "implementation": "mla/k3verify:tiled[bf16]", "ratio": 0.61, "err": 1e-3, "limit": 2e-3,
+        "replay": "python properties/worst_case.py mla '{\"seed\": 5}'"}}}}
+    (out / "nightly.json").write_text(json.dumps(nightly))
+    assert main(["report", "render", str(out), "--maps", str(maps_dir)]) == 0
+    page = (out / "report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<script" not in page
+    assert not re.search(r"""(src|href)=["']?(https?:|//|file:)""", page)  # nothing fetched from outside
+    images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    # position, ULP histograms, the toy map (from its PNG), depth drift, routing flips
+    assert len(images) == 5 and all(len(i) > 1000 for i in images)
+    assert "not drawn" not in page
+    doc = _doc(mla_report)
+    assert page.count("<tr class=") == len(doc["rows"])
+    for r in doc["rows"]:
+        if isinstance(r.get("margin"), float) and r["status"] == PASS:
+            assert f"{r['margin']:.3f}</td>" in page
+    for text in ("Error against token position", "ULP histograms", "Overflow map", "Block AttnRes: error against depth",
+                 "Stable LatentMoE: routing flips", "Nightly worst-case search", "worst_case.py mla"):
+        assert text in page, text
+    md = (out / "report.md").read_text()
+    assert "## Error against position" in md and "## Nightly worst-case search" in md
+
+
+def test_a_map_json_without_its_png_is_drawn(maps_dir: Path, mla_report: Path, tmp_path: Path) -> None:
+    only_json = tmp_path / "maps"
+    only_json.mkdir()
+    (only_json / "kda_overflow_map.json").write_text((maps_dir / "kda_overflow_map.json").read_text())
+    doc = report.load(mla_report)
+    paths = report.write(doc, tmp_path / "r", maps_dir=only_json)
+    page = paths[-1].read_text()
+    assert "kda_overflow_map_input-worst.png" in page and "Overflow map" in page
+
+
+def test_render_without_a_report_is_a_usage_error(tmp_path: Path) -> None:
+    assert main(["report", "render", str(tmp_path)]) == 2

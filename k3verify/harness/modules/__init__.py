@@ -1,3 +1,3 @@
 """Module entries of the registry; importing this package registers them all."""
 
-from . import kda, mla  # noqa: F401
+from . import attnres, kda, mla, moe  # noqa: F401

@@ -1,0 +1,64 @@
+"""Block AttnRes: every form of SPEC §3 at two levels, in one signature per level.
+
+``from k3verify.attnres import recurrent, chunkwise, tiled`` gives the depth walk by definition
+(explicit source lists, one-shot softmax), with two-phase computation per block, and with a tiled
+online softmax over a low-precision stream; each takes ``(embedding, weights, sublayers, *,
+schedule, stream_dtype, logit_dtype, tile, subtract_max, eps)`` and returns a :class:`Walk`.
+One AttnRes call on its own is ``aggregate`` (the definition, the fp64 oracle),
+``aggregate_two_phase`` and ``aggregate_tiled``, each ``(sources, w, gamma, *, <same options>)``.
+``naive_baseline`` / ``naive_walk`` are the same-dtype baselines of the tolerance policy.
+"""
+
+from .chunkwise import aggregate_two_phase, chunkwise, merge, mix_two_phase, phase1
+from .inputs import Options
+from .layer import AttnResWeights, StandInSublayers, Walk, init_weights
+from .recurrent import aggregate, keys, logits, mix, naive_baseline, naive_walk, recurrent
+from .schedule import Call, Schedule, Source
+from .tiled import (
+    OverflowPrediction,
+    OverflowQuantities,
+    aggregate_tiled,
+    aggregate_tiled_traced,
+    explain_overflow,
+    online_mix,
+    overflow_quantities,
+    predict,
+    tiled,
+)
+
+AGGREGATIONS = {"recurrent": aggregate, "chunkwise": aggregate_two_phase, "tiled": aggregate_tiled}
+WALKS = {"recurrent": recurrent, "chunkwise": chunkwise, "tiled": tiled}
+
+__all__ = [
+    "AGGREGATIONS",
+    "WALKS",
+    "AttnResWeights",
+    "Call",
+    "Options",
+    "OverflowPrediction",
+    "OverflowQuantities",
+    "Schedule",
+    "Source",
+    "StandInSublayers",
+    "Walk",
+    "aggregate",
+    "aggregate_tiled",
+    "aggregate_tiled_traced",
+    "aggregate_two_phase",
+    "chunkwise",
+    "explain_overflow",
+    "init_weights",
+    "keys",
+    "logits",
+    "merge",
+    "mix",
+    "mix_two_phase",
+    "naive_baseline",
+    "naive_walk",
+    "online_mix",
+    "overflow_quantities",
+    "phase1",
+    "predict",
+    "recurrent",
+    "tiled",
+]

@@ -1,0 +1,97 @@
+"""Stable LatentMoE recurrent form — the definition, one token and one selected expert at a time.
+
+For each token ``t`` and each of its ``k`` selected experts ``j`` (best first):
+
+    u_t += p_tj · SiTU(z_t W1_j, z_t W3_j) W2_j,        z_t = x_t W↓
+
+then ``y = RMSNorm_γ(u) W↑ + SiTU(x S1, x S3) S2`` (:mod:`k3verify.moe.layer`). Run in fp64
+this is the oracle. :func:`naive_baseline` is the same definition as a plain implementation
+in a narrow dtype would run it: the same-dtype baseline of the tolerance policy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..numerics.ops import rms_norm
+from .inputs import FormOptions, MoEConfig, MoEWeights, Routing, check_inputs
+from .layer import glu, layer_output, reference_setup
+from .quantize import Caster
+from .router import routing_for
+from .situ import activation
+
+
+def recurrent(
+    x: torch.Tensor,
+    weights: MoEWeights,
+    config: MoEConfig,
+    *,
+    routing: Routing | None = None,
+    tile_m: int = 16,
+    tile_k: int = 64,
+    operand_dtype: torch.dtype | str = torch.bfloat16,
+    fp8_scaling: str = "per_row",
+    fp8_static_scale: float = 1.0,
+    overflow: str = "nonfinite",
+) -> torch.Tensor:
+    """Per-token loop over the token's selected experts. Arguments as in :mod:`k3verify.moe.inputs`.
+
+    Computes in fp64 for fp64 inputs and in fp32 otherwise (router included); returns
+    ``y:[T, d]`` in ``x``'s dtype. The tiling options are validated and unused.
+    """
+    options = FormOptions(tile_m, tile_k, operand_dtype, fp8_scaling, fp8_static_scale, overflow)
+    dims, xw, w, r = reference_setup(x, weights, config, routing, options)
+    z = xw @ w.w_latent_down
+    u = torch.zeros(dims.T, dims.Dl, dtype=xw.dtype, device=x.device)
+    for t in range(dims.T):
+        for slot in range(dims.k):
+            j = int(r.indices[t, slot])
+            u[t] += r.weights[t, slot] * glu(z[t : t + 1], w.w1[j], w.w3[j], w.w2[j], config)[0]
+    return layer_output(u, xw, w, config).to(x.dtype)
+
+
+def naive_baseline(
+    x: torch.Tensor,
+    weights: MoEWeights,
+    config: MoEConfig,
+    *,
+    dtype: torch.dtype | str,
+    routing: Routing | None = None,
+    fp8_scaling: str = "per_row",
+    fp8_static_scale: float = 1.0,
+) -> torch.Tensor:
+    """The definition as a plain implementation in ``dtype`` runs it, every stored tensor rounded.
+
+    GEMM operands (``x``, every weight matrix, ``z``, the hidden activations, the normalised
+    latent) are rounded to ``dtype`` — fp8 ones with the scales of ``fp8_scaling``, the same
+    quantiser as :func:`k3verify.moe.tiled` — and every other stored result (the pre-activations
+    ``g, u`` of an unfused GLU, each expert's output, ``p_j E_j``, the latent sum ``u``, ``γ``,
+    ``y_r``, ``y_s``, ``y``) to the output dtype (``dtype``; bf16 for fp8). Each operation computes
+    in fp32, as torch does for bf16/fp16 tensors. The router is the FP32 one of SPEC §4 on ``x``
+    as given, so this baseline routes exactly like ``tiled``. Returns fp32 (fp64 for ``dtype=fp64``).
+    """
+    dims = check_inputs(x, weights, config, routing)
+    opts = FormOptions(operand_dtype=dtype, fp8_scaling=fp8_scaling, fp8_static_scale=fp8_static_scale)
+    cast, acc = Caster.make(opts), opts.accumulator
+    r = routing_for(x, weights, config, routing, acc)
+    w = {n: cast.operand(n, t, weight=t.dim() > 1) for n, t in weights.tensors().items()
+         if n not in ("bias", "latent_norm")}
+    gamma = cast.output("latent_norm", weights.latent_norm)
+
+    def act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return activation(cast.output("g", g), cast.output("u", u), config.activation, beta1=config.beta1,
+                          beta2=config.beta2)
+
+    xo = cast.operand("x", x)
+    z = cast.operand("z", xo @ w["w_latent_down"])
+    pair_expert = r.indices.reshape(-1)  # [T k]: (token, slot) pairs in token order
+    zp = z.repeat_interleave(dims.k, dim=0)[:, None, :]  # [T k, 1, Dl]
+    h = cast.operand("h", act(zp @ w["w1"][pair_expert], zp @ w["w3"][pair_expert]))
+    e = cast.output("E_j", h @ w["w2"][pair_expert])[:, 0]  # [T k, Dl]
+    pe = cast.output("p E_j", e * r.weights.reshape(-1, 1))
+    u = cast.output("u", pe.reshape(dims.T, dims.k, dims.Dl).sum(1))
+    normed = cast.operand("normalised u", rms_norm(u, gamma, eps=config.rms_norm_eps))
+    y_r = cast.output("y_r", normed @ w["w_latent_up"])
+    hs = cast.operand("h_s", act(xo @ w["shared_w1"], xo @ w["shared_w3"]))
+    y_s = cast.output("y_s", hs @ w["shared_w2"])
+    return cast.output("y", y_r + y_s)

@@ -1,0 +1,90 @@
+"""The router of Stable LatentMoE (SPEC §4): logits, selection with a bias, mixture weights.
+
+    r = x W_r            (FP32 at least: fp64 inputs stay fp64; ``logits_dtype`` may round it)
+    s = σ(r)
+    I = TopK_k(s + b)     (b only here; ties by ``config.tie_break``)
+    p_j = ρ · s_j / (Σ_{i∈I} s_i + renorm_eps),   j ∈ I
+
+The selection is a stable descending sort of ``s + b``, so among equal biased scores the
+lower expert index comes first (``tie_break="lowest_index"``) — ``torch.topk`` documents no
+order among equal values. Equal biased scores are common in fp32: ``σ(r)`` rounds to exactly 1
+for ``r`` above about 16.6 (37 in fp64), and then only ``b`` and the tie rule decide.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..numerics import compute_dtype, round_to
+from .inputs import MoEConfig, MoEWeights, Routing
+
+
+def router_logits(x: torch.Tensor, w_router: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """``x:[T, d] @ w_router:[d, E]`` in fp32 (fp64 for fp64 inputs), rounded to
+    ``config.logits_dtype`` when one is set (the values stay in the compute dtype's storage)."""
+    dtype = compute_dtype(x.dtype)
+    logits = x.to(dtype) @ w_router.to(dtype)
+    if config.logits_dtype is not None:
+        logits = round_to(logits, config.logits_dtype)
+    return logits
+
+
+def select(scores: torch.Tensor, bias: torch.Tensor, top_k: int, tie_break: str = "lowest_index") -> torch.Tensor:
+    """``TopK(scores + bias)`` per row: ``[T, E] -> [T, k]`` int64, best first, ties by ``tie_break``."""
+    biased = scores + bias.to(scores.dtype)
+    if tie_break == "highest_index":
+        # Reverse the expert axis so the stable sort keeps the higher index first, then map back.
+        E = biased.shape[-1]
+        return E - 1 - torch.sort(biased.flip(-1), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    if tie_break != "lowest_index":
+        raise ValueError(f"unknown tie_break {tie_break!r}; choose one of lowest_index, highest_index")
+    return torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :top_k]
+
+
+def mixture_weights(scores: torch.Tensor, indices: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """``ρ s_I / (Σ s_I + renorm_eps)`` from the *unbiased* scores of the selected experts: ``[T, k]``."""
+    s = torch.gather(scores, -1, indices)
+    return s / (s.sum(-1, keepdim=True) + config.renorm_eps) * config.routed_scaling_factor
+
+
+def route(x: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor, config: MoEConfig) -> Routing:
+    """The router's :class:`Routing` for ``x:[T, d]`` (scores and weights in the compute dtype)."""
+    scores = torch.sigmoid(router_logits(x, w_router, config))
+    indices = select(scores, bias, config.top_k, config.tie_break)
+    return Routing(indices, mixture_weights(scores, indices, config), scores)
+
+
+def topk_gap(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Per token, the k-th minus the (k+1)-th largest biased score ``[T]`` (inf when k = E).
+
+    A perturbation of every biased score by less than half this gap cannot change the selection.
+    """
+    biased = scores + bias.to(scores.dtype)
+    if top_k >= biased.shape[-1]:
+        return torch.full(biased.shape[:-1], float("inf"), dtype=biased.dtype)
+    top = torch.topk(biased, top_k + 1, dim=-1).values  # values only: the tie order does not matter
+    return top[:, -2] - top[:, -1]
+
+
+def changed_choices(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """Compare two selections ``[T, k]`` as sets per token.
+
+    Returns ``(pairs, tokens)``: the fraction of selected (token, expert) pairs of ``a`` that
+    ``b`` did not select, and the fraction of tokens with at least one changed choice.
+    """
+    if a.shape != b.shape:
+        raise ValueError(f"selections differ in shape: {list(a.shape)} vs {list(b.shape)}")
+    if a.numel() == 0:
+        return 0.0, 0.0
+    kept = (a[:, :, None] == b[:, None, :]).any(-1)  # [T, k]
+    return 1.0 - float(kept.double().mean()), float((~kept.all(-1)).double().mean())
+
+
+def routing_for(
+    x: torch.Tensor, weights: MoEWeights, config: MoEConfig, routing: Routing | None, dtype: torch.dtype
+) -> Routing:
+    """``routing`` with its weights in ``dtype`` when given, else the router run in ``dtype``
+    on ``x`` as given (a form's operand rounding never reaches the router: SPEC's FP32 logits)."""
+    if routing is not None:
+        return routing.to(dtype)
+    return route(x.to(dtype), weights.w_router.to(dtype), weights.bias.to(dtype), config)

@@ -80,6 +80,19 @@ def test_fused_recurrent_fp32_within_policy(p: KDAProblem) -> None:
 
 
 @needs_fp32
+@pytest.mark.parametrize("chunk_size", [16, 32])
+def test_smaller_chunks_within_policy(chunk_size: int) -> None:
+    """Rule: baseline (naive chunkwise fp32 with the same chunk size); 1 or 2 sub-tiles a chunk."""
+    p = make_problem(1, 70, 2, 16, 16, seed=11)
+    o, _ = _chunk(p, torch.float32, chunk_size=chunk_size)
+    ref, _ = kda.recurrent(*p.args(), initial_state=p.state())
+    base, _ = kda.naive_chunk_baseline(*p.args(), initial_state=p.state(), dtype="fp32", chunk_size=chunk_size)
+    floor = noise_floor(ref, torch.float32)
+    verdict = baseline_rule(compare(o.cpu(), ref, ulp_dtype="fp32"), compare(base, ref, ulp_dtype="fp32"), floor)
+    assert verdict.passed, verdict.reason
+
+
+@needs_fp32
 def test_final_state_matches_the_oracle() -> None:
     """Rule: baseline, applied to the final state against the naive chunkwise fp32 state."""
     p = make_problem(2, 100, 2, 32, 16, seed=3)
@@ -195,8 +208,9 @@ def test_bad_arguments_are_named() -> None:
     x = p.args()
     with pytest.raises(ValueError, match="sub-tile 16"):
         kernels.chunk(*x, tile=32, operand_dtype=torch.float32)
-    with pytest.raises(ValueError, match="chunk_size"):
-        kernels.chunk(*x, chunk_size=100, operand_dtype=torch.float32)
+    for bad_chunk in (100, 48):
+        with pytest.raises(ValueError, match="chunk_size must be 16, 32 or 64"):
+            kernels.chunk(*x, chunk_size=bad_chunk, operand_dtype=torch.float32)
     with pytest.raises(ValueError, match="anchor"):
         kernels.chunk(*x, anchor="centre", operand_dtype=torch.float32)
     with pytest.raises(RuntimeError, match="bf16, fp16 or fp32 operands"):

@@ -373,8 +373,12 @@ def chunk_table(cu: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.
 def _equal_lengths_table(B: int, T: int, C: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
     """:func:`chunk_table` of ``B`` sequences of ``T`` tokens on ``dev``, built once per shape
     (the host-to-device copy would otherwise precede every launch)."""
-    cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int64) if T else torch.zeros(B + 1, dtype=torch.int64)
-    return tuple(t.to(dev) for t in chunk_table(cu, C))
+    return tuple(t.to(dev) for t in chunk_table(_equal_offsets(B, T), C))
+
+
+def _equal_offsets(B: int, T: int) -> torch.Tensor:
+    """``cu_seqlens`` of ``B`` sequences of ``T`` tokens each (int64, CPU)."""
+    return torch.arange(0, (B + 1) * T, T, dtype=torch.int64) if T else torch.zeros(B + 1, dtype=torch.int64)
 
 
 def chunk(
@@ -402,7 +406,7 @@ def chunk(
     ``q, k:[B,T,H,K]``, ``v:[B,T,H,V]``, ``g:[B,T,H,K]`` (log-decay), ``beta:[B,T,H]`` in any
     float dtype; they are cast to ``operand_dtype`` (``g`` to fp32) on the kernel's device.
     With ``cu_seqlens:[N+1]``, ``B`` must be 1 and ``initial_state`` is ``[N,H,K,V]``.
-    ``tile`` must be 16 (the sub-tile is compiled in); ``chunk_size`` a multiple of it, at most 64.
+    ``tile`` must be 16 (the sub-tile is compiled in); ``chunk_size`` 16, 32 or 64.
     ``block_v`` (default: by occupancy) and ``num_warps`` shape the state and output launches
     (speed only);
     ``validate=False`` skips the value scans (NaN, positive log-decay) that wait for the device.
@@ -411,8 +415,8 @@ def chunk(
     C = require_positive_int("chunk_size", chunk_size)
     if tile != SUB_TILE:
         raise ValueError(f"the KDA chunk kernel is compiled for sub-tile {SUB_TILE}, got tile={tile}")
-    if C % SUB_TILE or C > 64:
-        raise ValueError(f"chunk_size must be 16, 32, 48 or 64 (a multiple of {SUB_TILE}), got {C}")
+    if C not in (16, 32, 64):
+        raise ValueError(f"chunk_size must be 16, 32 or 64 (a power of two from the sub-tile {SUB_TILE}), got {C}")
     if anchor not in ANCHORS:
         raise ValueError(f"unknown anchor {anchor!r}; choose one of {', '.join(ANCHORS)}")
     if block_v not in (None, 16, 32, 64, 128):
@@ -473,10 +477,8 @@ def _check_layout(q, k, v, g, beta, initial_state, scale, cu_seqlens, validate=T
     scale and sequence offsets."""
     dims, scale = check_inputs(q, k, v, g, beta, None, scale, fp32_gates=True, values=validate)
     if cu_seqlens is None:
-        B, T = dims.B, dims.T
-        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int64) if T else torch.zeros(B + 1, dtype=torch.int64)
-        _check_state(initial_state, (B, dims.H, dims.K, dims.V), "B,H,K,V", validate)
-        return dims, scale, cu
+        _check_state(initial_state, (dims.B, dims.H, dims.K, dims.V), "B,H,K,V", validate)
+        return dims, scale, _equal_offsets(dims.B, dims.T)
     if dims.B != 1:
         raise ValueError(f"with cu_seqlens the batch dimension must be 1 (sequences packed along T); got B={dims.B}")
     cu = check_cu_seqlens(cu_seqlens, dims.T)

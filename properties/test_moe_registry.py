@@ -10,26 +10,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from registry_contract import passing_rows, quick_map
 from strategies.moe import one_thread  # noqa: F401
 
-from k3verify.harness import registry, runner
-from k3verify.harness.overflow_map import REQUIRED_CELL_KEYS, MapOptions, write_map
-from k3verify.numerics import EXPECTED_NONFINITE, FAIL, FP64_AGREEMENT_REL
+from k3verify.harness.overflow_map import write_map
+from k3verify.numerics import EXPECTED_NONFINITE
 
 
 def test_every_registered_row_passes() -> None:
     """Runner verdicts: no row fails; recurrent, chunkwise and tiled rows exist; fp64 rows within
     1e-10; exactly the two predicted overflows (SwiGLU in fp16 at 2^8, a static fp8 scale at 2^8)
     are expected-nonfinite; every case routes alike in fp32 and fp64."""
-    entry = registry.get("moe")
-    rows = list(runner.run([entry]))
-    failed = [f"{r['form']} {r['dtype']} {r['params']} on {r['case']}: {r.get('reason') or r['verdict']['reason']}"
-              for r in rows if r["status"] == FAIL]
-    assert not failed, failed
+    rows = passing_rows("moe")
     assert {r["form"] for r in rows} == {"recurrent", "chunkwise", "tiled"}
     for r in rows:
-        if r["rule"] == "fp64-agreement":
-            assert r["verdict"]["err"] <= FP64_AGREEMENT_REL
         assert r["case_params"]["fp32_routing_equals_fp64"], r["case"]
     expected = {(r["dtype"], r["params"].get("fp8_scaling"), r["case"]) for r in rows
                 if r["status"] == EXPECTED_NONFINITE}
@@ -42,17 +36,7 @@ def test_quick_overflow_map_agrees_with_its_prediction(tmp_path: Path) -> None:
     """Prediction vs observation: no disagreement away from the frontier; SwiGLU's first overflow
     comes at a smaller scale than SiTU's in fp16 and static fp8; SiTU in bf16 and dynamic fp8
     never overflows on the grid; the routing flips cover every scale; JSON + PNG are written."""
-    entry = registry.get("moe")
-    calls = []
-    result = entry.overflow_map(MapOptions(quick=True), lambda done, total: calls.append((done, total)))
-    result.check()
-    assert calls and calls[-1][0] == calls[-1][1] == len(result.cells)
-    spec = result.spec
-    for c in result.cells:
-        assert set(REQUIRED_CELL_KEYS) <= c.keys()
-        assert {spec.x, spec.y, spec.panel_row, spec.panel_col, spec.figure, "frontier_adjacent"} <= c.keys()
-    counts = result.meta["agreement"]["all"]
-    assert counts["cells"] == len(result.cells) and counts["disagree_away"] == 0, counts
+    result = quick_map("moe")
 
     frontier = result.meta["frontier"]
     for setting in ("fp16", "fp8_e4m3 static"):

@@ -56,6 +56,59 @@ def _ms(fn) -> float:
     return float(do_bench(fn, warmup=25, rep=100))
 
 
+def launch_split(fn, repeats: int = 20) -> dict[str, float]:
+    """Device time per call of each kernel ``fn`` launches (ms), from the PyTorch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    split: dict[str, float] = {}
+    for event in prof.key_averages():
+        total_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        if total_us:
+            split[event.key[:60]] = total_us / repeats / 1e3
+    return dict(sorted(split.items(), key=lambda kv: -kv[1]))
+
+
+def split_rows(log, peers: bool) -> list[dict[str, Any]]:
+    """Per-launch device time of the prefill call at every benchmark shape (and fla-core's)."""
+    rows = []
+    for shape in PREFILL:
+        x = _inputs(**shape)
+        runs = {"ours": partial(kernels.chunk, *x, validate=False)}
+        if peers:
+            runs["fla-core"] = partial(fla.chunk_gpu, *x, safe_gate=True, lower_bound=G_MIN)
+        for name, run in runs.items():
+            split = launch_split(run)
+            rows.append(dict(kind="split", implementation=name, **shape, launches=split))
+            log(f"split {name} {shape}: " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
+    return rows
+
+
+TUNE = {
+    "_intra_kernel": [dict(intra_warps=w) for w in (2, 4, 8)],
+    "_state_kernel": [dict(block_v=v, num_warps=w, num_stages=s) for v in (32, 64) for w in (4, 8) for s in (2, 3)],
+    "_output_kernel": [dict(output_block_v=v, output_warps=w) for v in (64, 128) for w in (4, 8)],
+}
+
+
+def tune_rows(log) -> list[dict[str, Any]]:
+    """Each launch's device time under each of its launch configurations, at every prefill shape."""
+    rows = []
+    for shape in PREFILL:
+        x = _inputs(**shape)
+        for kernel, configs in TUNE.items():
+            for config in configs:
+                ms = launch_split(partial(kernels.chunk, *x, validate=False, **config), repeats=10).get(kernel)
+                rows.append(dict(kind="tune", kernel=kernel, **shape, config=config, ms=ms))
+                log(f"tune {shape} {kernel} {config}: {ms:.4f} ms")
+    return rows
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy of 2 GiB, bytes read plus written per second (TB/s)."""
     src = torch.empty(2**29, dtype=torch.float32, device="cuda")
@@ -83,7 +136,7 @@ def _row(kind: str, shape: dict[str, int], peer: str, peer_ms: float, default: f
 
 
 def prefill_rows(sweep: bool, log) -> list[dict[str, Any]]:
-    configs = [dict(block_v=bv, num_warps=w) for bv in (32, 64) for w in (4, 8)] if sweep else []
+    configs = [dict(intra_warps=2), dict(block_v=32, num_stages=3), dict(block_v=64, num_stages=2)] if sweep else []
     rows = []
     for shape in PREFILL:
         x = _inputs(**shape)
@@ -122,8 +175,9 @@ def decode_rows(copy_tbps: float, sweep: bool, log) -> list[dict[str, Any]]:
 
 
 def accuracy_rows(log) -> list[dict[str, Any]]:
-    """T = 1024, H = 4: RMS error ratio vs the fp64 oracle, with the policy's baseline."""
-    x = random_inputs(1, 1024, 4, D, D, seed=11, initial_state=False)
+    """T = 1024, H = 12 (a shape fla-core has already tuned for): RMS error ratio vs the fp64
+    oracle, with the policy's baseline."""
+    x = random_inputs(1, 1024, 12, D, D, seed=11, initial_state=False)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     ref, _ = kda.chunkwise(*args)
     base, _ = kda.naive_chunk_baseline(*args, dtype="bf16")
@@ -154,7 +208,7 @@ def markdown(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        if r["kind"] == "accuracy":
+        if r["kind"] in ("accuracy", "split"):
             continue
         shape = ", ".join(f"{k}={r[k]}" for k in ("B", "T", "H") if k in r)
         extra = ""
@@ -164,6 +218,12 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {r['kind']} | {shape} | {r['ours_ms']:.4f} | {r['best_ms']:.4f} {r['best_config']}{extra} | "
             f"{r['peer']} | {r['peer_ms']:.4f} | {r['ratio']:.2f}x | {r['ratio_best']:.2f}x |"
         )
+    lines += ["", "Prefill time per launch (PyTorch profiler, ms per call):", ""]
+    lines += ["| shape | implementation | launches |", "|---|---|---|"]
+    for r in result["rows"]:
+        if r["kind"] == "split":
+            launches = ", ".join(f"{name} {ms:.3f}" for name, ms in r["launches"].items())
+            lines.append(f"| T={r['T']}, H={r['H']} | {r['implementation']} | {launches} |")
     lines += ["", "| implementation | RMS ratio vs fp64 | naive chunkwise bf16 |", "|---|---|---|"]
     for r in result["rows"]:
         if r["kind"] == "accuracy":
@@ -175,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="reports/latest/bench", help="output folder")
     parser.add_argument("--quick", action="store_true", help="default launch configuration only, no sweep")
+    parser.add_argument("--split", choices=("ours", "all"), help="only the per-launch time split of prefill")
+    parser.add_argument("--tune", action="store_true", help="only each prefill launch's time per launch configuration")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: the KDA GPU benchmark needs one", file=sys.stderr)
@@ -188,9 +250,16 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.time() - started:6.1f} s] {msg}", flush=True)
 
+    if args.split or args.tune:
+        rows = tune_rows(log) if args.tune else split_rows(log, peers=args.split == "all")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ("kda_gpu_tune.json" if args.tune else "kda_gpu_split.json")).write_text(json.dumps(rows, indent=2))
+        return 0
     copy_tbps = copy_bandwidth()
     log(f"copy bandwidth {copy_tbps:.2f} TB/s")
     rows = prefill_rows(not args.quick, log) + decode_rows(copy_tbps, not args.quick, log) + accuracy_rows(log)
+    rows += split_rows(log, peers=True)
     result = dict(device=torch.cuda.get_device_name(0), copy_tbps=copy_tbps, rows=rows, environment=environment())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

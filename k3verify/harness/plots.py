@@ -63,9 +63,11 @@ def _draw_figure(cells: list[dict[str, Any]], result: MapResult, title: str, pat
     cols = _ordered([c[spec.panel_col] for c in cells])
     xs = sorted(_ordered([c[spec.x] for c in cells]), reverse=spec.x_descending)
     ys = sorted(_ordered([c[spec.y] for c in cells]))
+    # Constrained layout keeps the three-line title clear of the panel titles in one-row maps.
     fig, axes = plt.subplots(
-        len(rows), len(cols), figsize=(4.2 * len(cols), 2.4 * len(rows) + 1), squeeze=False, sharex=True, sharey=True
-    )
+        len(rows), len(cols), figsize=(4.2 * len(cols), 2.4 * len(rows) + 1.2), squeeze=False, sharex=True,
+        sharey=True, layout="constrained",
+    )  # fmt: skip
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="none")
     overflow_cmap = ListedColormap(["#d62728"])
     finite_errs = [

@@ -3,16 +3,20 @@
 ``chunk`` runs the chunkwise form of SPEC §1.5 with the two-level tiling of §1.6 in three
 launches:
 
-1. *intra* (one program per chunk and head): the chunk-local log-decay prefix ``G``, then for
-   each 16-row sub-tile ``i`` the blocks ``A_qk[i, j]`` and ``A_kk[i, j]`` (``j <= i``) as
-   operand-dtype matrix products with fp32 accumulation, and the pseudo-key/value rows
-   ``W_i, U_i`` by blocked forward substitution:
+1. *intra* (one program per chunk and head, tile by tile): the chunk-local log-decay prefix
+   ``G``, then for each 16-row sub-tile ``i`` the blocks ``A_qk[i, j]`` and ``A_kk[i, j]``
+   (``j <= i``) as operand-dtype matrix products with fp32 accumulation, and the pseudo-key/value
+   rows ``W_i, U_i`` by blocked forward substitution:
    ``X_i = (I + A_kk[i,i])^{-1} (beta_i [exp(G_i) k_i ; v_i] - sum_{j<i} A_kk[i,j] X_j)``.
    Off-diagonal blocks split the decay at the query tile's start, so both factors are
    ``<= 1``; diagonal blocks split it at the anchor chosen at compile time
    (``tile_start``, ``tile_middle`` or ``row0_shift``, as in :mod:`k3verify.kda.tiled`).
+   It also stores what the later launches multiply: ``exp(G) q``, ``k exp(G_C - G)``
+   (transposed per chunk) and ``exp(G_C)``, so neither of them reads ``G`` or calls ``exp``.
 2. *state* (one program per sequence, head and value block; sequential over chunks): stores
-   the state entering each chunk, the pseudo-values ``V~ = U - W S`` and the next state.
+   the state entering each chunk, the pseudo-values ``V~ = U - W S`` and the next state
+   ``exp(G_C) S + (k exp(G_C - G))^T V~``. Chunk bounds are arithmetic, so the loop prefetches
+   the next chunk's operands (``num_stages``) while this one's products run.
 3. *output* (one program per chunk, head and value block):
    ``O = scale (exp(G) q) S + A_qk V~``.
 
@@ -90,38 +94,59 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _rows(ptr, start, row0, length, h, H, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr):
-    """Rows ``row0 .. row0+R`` of a ``[tokens, H, D]`` tensor for head ``h`` as fp32 ``[R, BD]``;
-    rows at or past ``length`` (the chunk's end) and columns past ``D`` read 0."""
-    rr = row0 + tl.arange(0, R)
-    dd = tl.arange(0, BD)
-    mask = (rr < length)[:, None] & (dd < D)[None, :]
-    return tl.load(ptr + (start + rr)[:, None] * (H * D) + h * D + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+def _exp(x, ACCURATE: tl.constexpr):
+    """``exp(x)``. On a GPU ``tl.exp`` is ``exp2(x * log2 e)`` with that product rounded: a
+    relative error near ``|x| * 6e-8`` (1e-6 at ``|x| = 15``, where shifted anchors put their
+    factors). ``ACCURATE`` (fp32 operands) reduces the argument first, ``x = n ln 2 + r`` with
+    ``ln 2`` split in two (Cody and Waite), so only the small ``r`` is rounded; ``2^n`` is
+    applied in two halves so results up to fp32's largest finite value stay finite."""
+    if ACCURATE:
+        n = tl.floor(x * 1.4426950408889634 + 0.5)
+        r = (x - n * 0.693359375) + n * 2.1219444005469057e-4
+        half = tl.floor(n * 0.5)
+        return tl.exp2(r * 1.4426950408889634) * tl.exp2(half) * tl.exp2(n - half)
+    else:
+        return tl.exp(x)
 
 
 @triton.jit
-def _cols(ptr, start, length, h, col0, H, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr):
-    """``[R, BD]`` block of a ``[tokens, H, D]`` tensor: rows ``0..R`` of the chunk, columns
-    ``col0 .. col0+BD``, in the tensor's own dtype (0 outside)."""
-    rr = tl.arange(0, R)
+def _rows(ptr, start, row0, length, h, col0, H, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr):
+    """:func:`_cols` as fp32."""
+    return _cols(ptr, start, row0, length, h, col0, H, D, R, BD).to(tl.float32)
+
+
+@triton.jit
+def _cols(ptr, start, row0, length, h, col0, H, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr):
+    """``[R, BD]`` block of a ``[tokens, H, D]`` tensor: rows ``row0 .. row0+R`` of the chunk,
+    columns ``col0 .. col0+BD``, in the tensor's own dtype (0 outside)."""
+    rr = row0 + tl.arange(0, R)
     dd = col0 + tl.arange(0, BD)
     mask = (rr < length)[:, None] & (dd < D)[None, :]
-    return tl.load(ptr + (start + rr)[:, None] * (H * D) + h * D + dd[None, :], mask=mask, other=0.0)
+    # A 64-bit scalar base and 32-bit offsets within the chunk: fewer registers per element.
+    return tl.load(ptr + (start * H + h) * D + rr[:, None] * (H * D) + dd[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
-def _store_rows(ptr, x, start, row0, length, h, col0, H, D: tl.constexpr, R: tl.constexpr,
-                BD: tl.constexpr):
+def _store_rows(ptr, x, start, row0, length, h, col0, H, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr):
     rr = row0 + tl.arange(0, R)
     dd = col0 + tl.arange(0, BD)
     mask = (rr < length)[:, None] & (dd < D)[None, :]
-    tl.store(ptr + (start + rr)[:, None] * (H * D) + h * D + dd[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr + (start * H + h) * D + rr[:, None] * (H * D) + dd[None, :], x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _row(ptr, start, row, h, H, D: tl.constexpr, BD: tl.constexpr):
-    dd = tl.arange(0, BD)
+def _row(ptr, start, row, h, col0, H, D: tl.constexpr, BD: tl.constexpr):
+    """Columns ``col0 .. col0+BD`` of token row ``row`` for head ``h`` as fp32 ``[BD]`` (0 past ``D``)."""
+    dd = col0 + tl.arange(0, BD)
     return tl.load(ptr + (start + row) * (H * D) + h * D + dd, mask=dd < D, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _state_offsets(iv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Offsets and mask of value block ``iv`` of one ``[K, V]`` state."""
+    dk = tl.arange(0, BK)
+    dv = iv * BV + tl.arange(0, BV)
+    return dk[:, None] * V + dv[None, :], (dk < K)[:, None] & (dv < V)[None, :]
 
 
 @triton.jit
@@ -141,74 +166,92 @@ def _unit_lower_inverse(N, BC: tl.constexpr):
 
 
 @triton.jit
+def _pick_row(x, rows, r):
+    """Row ``r`` of ``x:[R, D]`` as ``[D]`` (exact: every other row contributes 0)."""
+    return tl.sum(tl.where(rows[:, None] == r, x, 0.0), axis=0)
+
+
+@triton.jit
 def _intra_kernel(
-    q, k, v, g, beta, G, Aqk, W, U, chunk_start, chunk_end, scale, anchor_offset,
+    q, k, v, g, beta, G, QG, KE, GL, Aqk, W, U, chunk_start, chunk_end, scale, anchor_offset,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, ANCHOR: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    n = tl.program_id(0)
+    n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     start = tl.load(chunk_start + n)
     length = tl.load(chunk_end + n) - start
     OP = q.dtype.element_ty
-    # The chunk-local prefix; rows past the end read g = 0, so G stays at its last value there.
-    G_chunk = tl.cumsum(_rows(g, start, 0, length, h, H, K, C, BK), axis=0)
-    _store_rows(G, G_chunk, start, 0, length, h, 0, H, K, C, BK)
-    tl.debug_barrier()
-
+    # Operands are 16-row tiles; a whole-chunk fp32 tile measured slower on an H200.
     r = tl.arange(0, BC)
-    for i in range(0, C // BC):
+    dk = tl.arange(0, BK)
+    s = tl.zeros([BK], dtype=tl.float32)
+    for i in range(0, tl.cdiv(length, BC)):
         row0 = i * BC
-        if row0 < length:
-            ok = (row0 + r) < length
-            Gi = _rows(G, start, row0, length, h, H, K, BC, BK)
-            qi = _rows(q, start, row0, length, h, H, K, BC, BK)
-            ki = _rows(k, start, row0, length, h, H, K, BC, BK)
-            bi = tl.load(beta + (start + row0 + r) * H + h, mask=ok, other=0.0).to(tl.float32)
-            # Prefix at the tile's start boundary: the split point of every off-diagonal block.
-            s = tl.where(i > 0, _row(G, start, tl.maximum(row0 - 1, 0), h, H, K, BK), 0.0)
-            if ANCHOR == 0:
-                a = s
-            elif ANCHOR == 1:
-                # A partial tail tile reads the padded rows' prefix, i.e. the last real one.
-                a = _row(G, start, tl.minimum(row0 + BC // 2, length - 1), h, H, K, BK)
-            else:
-                a = _row(G, start, row0, h, H, K, BK) - anchor_offset
+        ok = (row0 + r) < length
+        # The chunk-local prefix, carried from the previous tile's last row; rows past the end
+        # read g = 0, so G stays at its last value there. Later tiles read these rows back.
+        Gi = s[None, :] + tl.cumsum(_rows(g, start, row0, length, h, 0, H, K, BC, BK), axis=0)
+        _store_rows(G, Gi, start, row0, length, h, 0, H, K, BC, BK)
+        qi = _rows(q, start, row0, length, h, 0, H, K, BC, BK)
+        ki = _rows(k, start, row0, length, h, 0, H, K, BC, BK)
+        bi = tl.load(beta + (start + row0 + r) * H + h, mask=ok, other=0.0).to(tl.float32)
+        _store_rows(QG, qi * _exp(Gi, IEEE), start, row0, length, h, 0, H, K, BC, BK)
+        # s, the prefix at the tile's start boundary, is the split of every off-diagonal block.
+        if ANCHOR == 0:
+            a = s
+        elif ANCHOR == 1:
+            # A partial tail tile reads the padded rows' prefix, i.e. the last real one.
+            a = _pick_row(Gi, r, tl.minimum(BC // 2, length - 1 - row0))
+        else:
+            a = _pick_row(Gi, r, 0) - anchor_offset
 
-            # Diagonal block: exp(G_r - G_c) = exp(G_r - a) exp(a - G_c), one product.
-            # Padded rows get exponent 0 (their q, k are 0): no spurious inf * 0 there.
-            d = tl.where(ok[:, None], Gi - a[None, :], 0.0)
-            q_d = (qi * tl.exp(d)).to(OP)
-            k_r = (ki * tl.exp(d)).to(OP)
-            k_d = (ki * tl.exp(-d)).to(OP)
-            A_q = _dot(q_d, tl.trans(k_d), IEEE)
-            A_k = _dot(k_r, tl.trans(k_d), IEEE)
-            A_q = tl.where(r[:, None] >= r[None, :], A_q * scale, 0.0)
-            A_k = tl.where(r[:, None] > r[None, :], A_k * bi[:, None], 0.0)
-            _store_rows(Aqk, A_q, start, row0, length, h, row0, H, C, BC, BC)
+        # Diagonal block: exp(G_r - G_c) = exp(G_r - a) exp(a - G_c), one product.
+        # Padded rows get exponent 0 (their q, k are 0): no spurious inf * 0 there.
+        d = tl.where(ok[:, None], Gi - a[None, :], 0.0)
+        q_d = (qi * _exp(d, IEEE)).to(OP)
+        k_r = (ki * _exp(d, IEEE)).to(OP)
+        k_d = (ki * _exp(-d, IEEE)).to(OP)
+        A_q = _dot(q_d, tl.trans(k_d), IEEE)
+        A_k = _dot(k_r, tl.trans(k_d), IEEE)
+        A_q = tl.where(r[:, None] >= r[None, :], A_q * scale, 0.0)
+        A_k = tl.where(r[:, None] > r[None, :], A_k * bi[:, None], 0.0)
+        _store_rows(Aqk, A_q, start, row0, length, h, row0, H, C, BC, BC)
 
-            # Right-hand sides beta_i [exp(G_i) k_i ; v_i], minus the earlier tiles' part.
-            R_k = bi[:, None] * ki * tl.exp(Gi)
-            R_v = bi[:, None] * _rows(v, start, row0, length, h, H, V, BC, BV)
-            d_s = tl.where(ok[:, None], Gi - s[None, :], 0.0)
-            q_o = (qi * tl.exp(d_s)).to(OP)
-            k_o = (ki * tl.exp(d_s)).to(OP)
-            for j in range(0, i):
-                Gj = _rows(G, start, j * BC, length, h, H, K, BC, BK)
-                kj = _rows(k, start, j * BC, length, h, H, K, BC, BK)
-                k_c = (kj * tl.exp(s[None, :] - Gj)).to(OP)
-                A_qj = _dot(q_o, tl.trans(k_c), IEEE) * scale
-                _store_rows(Aqk, A_qj, start, row0, length, h, j * BC, H, C, BC, BC)
-                A_kj = (_dot(k_o, tl.trans(k_c), IEEE) * bi[:, None]).to(OP)
-                W_j = _rows(W, start, j * BC, length, h, H, K, BC, BK).to(OP)
-                U_j = _rows(U, start, j * BC, length, h, H, V, BC, BV).to(OP)
-                R_k -= _dot(A_kj, W_j, IEEE)
-                R_v -= _dot(A_kj, U_j, IEEE)
-            M = _unit_lower_inverse(A_k, BC).to(OP)
-            _store_rows(W, _dot(M, R_k.to(OP), IEEE), start, row0, length, h, 0, H, K, BC, BK)
-            _store_rows(U, _dot(M, R_v.to(OP), IEEE), start, row0, length, h, 0, H, V, BC, BV)
-            # Later tiles read these rows of W and U back.
-            tl.debug_barrier()
+        # Right-hand sides beta_i [exp(G_i) k_i ; v_i], minus the earlier tiles' part.
+        R_k = bi[:, None] * ki * _exp(Gi, IEEE)
+        R_v = bi[:, None] * _rows(v, start, row0, length, h, 0, H, V, BC, BV)
+        d_s = tl.where(ok[:, None], Gi - s[None, :], 0.0)
+        q_o = (qi * _exp(d_s, IEEE)).to(OP)
+        k_o = (ki * _exp(d_s, IEEE)).to(OP)
+        for j in range(0, i):
+            Gj = _rows(G, start, j * BC, length, h, 0, H, K, BC, BK)
+            kj = _rows(k, start, j * BC, length, h, 0, H, K, BC, BK)
+            k_c = (kj * _exp(s[None, :] - Gj, IEEE)).to(OP)
+            A_qj = _dot(q_o, tl.trans(k_c), IEEE) * scale
+            _store_rows(Aqk, A_qj, start, row0, length, h, j * BC, H, C, BC, BC)
+            A_kj = (_dot(k_o, tl.trans(k_c), IEEE) * bi[:, None]).to(OP)
+            W_j = _cols(W, start, j * BC, length, h, 0, H, K, BC, BK)
+            U_j = _cols(U, start, j * BC, length, h, 0, H, V, BC, BV)
+            R_k -= _dot(A_kj, W_j, IEEE)
+            R_v -= _dot(A_kj, U_j, IEEE)
+        M = _unit_lower_inverse(A_k, BC).to(OP)
+        _store_rows(W, _dot(M, R_k.to(OP), IEEE), start, row0, length, h, 0, H, K, BC, BK)
+        _store_rows(U, _dot(M, R_v.to(OP), IEEE), start, row0, length, h, 0, H, V, BC, BV)
+        s = _pick_row(Gi, r, BC - 1)
+        # Later tiles read these rows of G, W and U back.
+        tl.debug_barrier()
+
+    # s is now G at the chunk's last row. What the state pass reads, each in the dtype it
+    # enters its product in: exp(G_C) and k * exp(G_C - G) (factors <= 1), the latter stored
+    # transposed ([K, C] per chunk) as the state update's left operand.
+    tl.store(GL + (n * H + h) * K + dk, _exp(s, IEEE), mask=dk < K)
+    for i in range(0, tl.cdiv(length, BC)):
+        row0 = i * BC
+        G_i = _rows(G, start, row0, length, h, 0, H, K, BC, BK)
+        k_end = _rows(k, start, row0, length, h, 0, H, K, BC, BK) * _exp(s[None, :] - G_i, IEEE)
+        tl.store(KE + (n * H + h) * K * C + dk[:, None] * C + (row0 + r)[None, :], tl.trans(k_end).to(OP),
+                 mask=(dk < K)[:, None] & ((row0 + r) < length)[None, :])  # fmt: skip
 
 
 # --- prefill: state pass and output ------------------------------------------------------
@@ -216,62 +259,63 @@ def _intra_kernel(
 
 @triton.jit
 def _state_kernel(
-    k, G, W, U, VN, Hs, h0, hT, chunk_start, chunk_end, seq_chunks,
+    KE, GL, W, U, VN, Hs, h0, hT, cu, seq_chunks,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     iv = tl.program_id(0)
-    sh = tl.program_id(1)
+    sh = tl.program_id(1).to(tl.int64)
     seq = sh // H
     h = sh % H
     OP = W.dtype.element_ty
+    bos = tl.load(cu + seq)
+    eos = tl.load(cu + seq + 1)
+    first = tl.load(seq_chunks + seq)
     dk = tl.arange(0, BK)
-    dv = iv * BV + tl.arange(0, BV)
-    smask = (dk < K)[:, None] & (dv < V)[None, :]
-    soffs = dk[:, None] * V + dv[None, :]
+    cc = tl.arange(0, C)
+    soffs, smask = _state_offsets(iv, K, V, BK, BV)
     if HAS_H0:
         S = tl.load(h0 + sh * K * V + soffs, mask=smask, other=0.0)
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
-    for n in range(tl.load(seq_chunks + seq), tl.load(seq_chunks + seq + 1)):
-        start = tl.load(chunk_start + n)
-        length = tl.load(chunk_end + n) - start
+    # Chunk bounds are arithmetic, so no load of a step waits on another load or on the state,
+    # and the loop may prefetch the next chunk's operands while this one's products run.
+    for i in tl.range(0, tl.cdiv(eos - bos, C), num_stages=STAGES):
+        n = first + i
+        start = bos + i * C
+        length = tl.minimum(eos - start, C)
         tl.store(Hs + (n * H + h) * K * V + soffs, S.to(OP), mask=smask)
-        W_n = _cols(W, start, length, h, 0, H, K, C, BK)
-        v_new = _cols(U, start, length, h, iv * BV, H, V, C, BV).to(tl.float32) - _dot(W_n, S.to(OP), IEEE)
+        W_n = _cols(W, start, 0, length, h, 0, H, K, C, BK)
+        k_end = tl.load((KE + (n * H + h) * K * C) + dk[:, None] * C + cc[None, :],
+                        mask=(dk < K)[:, None] & (cc < length)[None, :], other=0.0)  # fmt: skip
+        decay = tl.load(GL + (n * H + h) * K + dk, mask=dk < K, other=0.0)
+        v_new = _cols(U, start, 0, length, h, iv * BV, H, V, C, BV).to(tl.float32) - _dot(W_n, S.to(OP), IEEE)
         v_op = v_new.to(OP)
         _store_rows(VN, v_op, start, 0, length, h, iv * BV, H, V, C, BV)
-        G_n = _rows(G, start, 0, length, h, H, K, C, BK)
-        G_last = _row(G, start, length - 1, h, H, K, BK)
-        k_n = _rows(k, start, 0, length, h, H, K, C, BK)
-        # G is non-increasing, so every factor is <= 1; padded rows read k = 0, G = 0.
-        k_end = (k_n * tl.exp(G_last[None, :] - G_n)).to(OP)
-        S = S * tl.exp(G_last)[:, None] + _dot(tl.trans(k_end), v_op, IEEE)
+        S = S * decay[:, None] + _dot(k_end, v_op, IEEE)
     if STORE_HT:
         tl.store(hT + sh * K * V + soffs, S, mask=smask)
 
 
 @triton.jit
 def _output_kernel(
-    q, G, Aqk, VN, Hs, o, chunk_start, chunk_end, scale,
+    QG, Aqk, VN, Hs, o, chunk_start, chunk_end, scale,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IEEE: tl.constexpr,
 ):  # fmt: skip
     iv = tl.program_id(0)
-    n = tl.program_id(1)
+    n = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2)
     start = tl.load(chunk_start + n)
     length = tl.load(chunk_end + n) - start
     OP = VN.dtype.element_ty
     rows = tl.arange(0, C)
-    dk = tl.arange(0, BK)
-    dv = iv * BV + tl.arange(0, BV)
-    q_n = _rows(q, start, 0, length, h, H, K, C, BK)
-    q_g = (q_n * tl.exp(_rows(G, start, 0, length, h, H, K, C, BK))).to(OP)
-    S = tl.load(Hs + (n * H + h) * K * V + dk[:, None] * V + dv[None, :], mask=(dk < K)[:, None] & (dv < V)[None, :])
-    A = _cols(Aqk, start, length, h, 0, H, C, C, C)
-    A = tl.where(rows[:, None] >= rows[None, :], A, 0.0).to(OP)
-    v_new = _cols(VN, start, length, h, iv * BV, H, V, C, BV)
+    soffs, smask = _state_offsets(iv, K, V, BK, BV)
+    q_g = _cols(QG, start, 0, length, h, 0, H, K, C, BK)
+    S = tl.load(Hs + (n * H + h) * K * V + soffs, mask=smask, other=0.0)
+    # Only the lower triangle of A_qk is written; the rest of the buffer is never read as data.
+    A = tl.where(rows[:, None] >= rows[None, :], _cols(Aqk, start, 0, length, h, 0, H, C, C, C), 0.0).to(OP)
+    v_new = _cols(VN, start, 0, length, h, iv * BV, H, V, C, BV)
     out = scale * _dot(q_g, S, IEEE) + _dot(A, v_new, IEEE)
     _store_rows(o, out, start, 0, length, h, iv * BV, H, V, C, BV)
 
@@ -371,9 +415,10 @@ def chunk_table(cu: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.
 
 @functools.lru_cache(maxsize=64)
 def _equal_lengths_table(B: int, T: int, C: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
-    """:func:`chunk_table` of ``B`` sequences of ``T`` tokens on ``dev``, built once per shape
-    (the host-to-device copy would otherwise precede every launch)."""
-    return tuple(t.to(dev) for t in chunk_table(_equal_offsets(B, T), C))
+    """Offsets and :func:`chunk_table` of ``B`` sequences of ``T`` tokens on ``dev``, built once
+    per shape (the host-to-device copy would otherwise precede every launch)."""
+    cu = _equal_offsets(B, T)
+    return tuple(t.to(dev) for t in (cu, *chunk_table(cu, C)))
 
 
 def _equal_offsets(B: int, T: int) -> torch.Tensor:
@@ -398,7 +443,11 @@ def chunk(
     anchor_shift: float = DEFAULT_ROW0_SHIFT,
     cu_seqlens: torch.Tensor | None = None,
     block_v: int | None = None,
+    output_block_v: int = 64,
     num_warps: int = 4,
+    intra_warps: int = 2,
+    output_warps: int = 4,
+    num_stages: int | None = None,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise KDA prefill on the GPU (or the interpreter). Arguments as :func:`k3verify.kda.tiled`.
@@ -407,8 +456,9 @@ def chunk(
     float dtype; they are cast to ``operand_dtype`` (``g`` to fp32) on the kernel's device.
     With ``cu_seqlens:[N+1]``, ``B`` must be 1 and ``initial_state`` is ``[N,H,K,V]``.
     ``tile`` must be 16 (the sub-tile is compiled in); ``chunk_size`` 16, 32 or 64.
-    ``block_v`` (default: by occupancy) and ``num_warps`` shape the state and output launches
-    (speed only);
+    ``block_v`` (default: by occupancy), ``num_warps`` and ``num_stages`` shape the state pass,
+    ``output_block_v`` and ``output_warps`` the output launch, ``intra_warps`` the intra-chunk
+    one (speed only; the defaults are the fastest measured on an H200, benchmarks/kda_gpu.py);
     ``validate=False`` skips the value scans (NaN, positive log-decay) that wait for the device.
     Returns ``o:[B,T,H,V]`` in ``operand_dtype`` and the final state (fp32) on the kernel's device.
     """
@@ -419,8 +469,11 @@ def chunk(
         raise ValueError(f"chunk_size must be 16, 32 or 64 (a power of two from the sub-tile {SUB_TILE}), got {C}")
     if anchor not in ANCHORS:
         raise ValueError(f"unknown anchor {anchor!r}; choose one of {', '.join(ANCHORS)}")
-    if block_v not in (None, 16, 32, 64, 128):
-        raise ValueError(f"block_v must be 16, 32, 64 or 128, got {block_v}")
+    if block_v not in (None, 16, 32, 64, 128) or output_block_v not in (16, 32, 64, 128):
+        raise ValueError(f"block_v and output_block_v must be 16, 32, 64 or 128, got {block_v}, {output_block_v}")
+    if num_stages not in (2, 3, 4, None):
+        # One stage gave wrong state-pass results on an H200 (Triton 3.6, block_v 32, H=96).
+        raise ValueError(f"num_stages must be 2, 3 or 4, got {num_stages}")
     op = _check_operand_dtype(operand_dtype)
     dims, scale, cu = _check_layout(q, k, v, g, beta, initial_state, scale, cu_seqlens, validate)
     dev = _device(q)
@@ -429,40 +482,46 @@ def chunk(
     g32 = g.to(dev, torch.float32).reshape(B * T, H, K).contiguous()
     b_op = beta.to(dev, op).reshape(B * T, H).contiguous()
     if cu_seqlens is None:
-        start, end, seq_chunks = _equal_lengths_table(B, T, C, dev)
+        cu_dev, start, end, seq_chunks = _equal_lengths_table(B, T, C, dev)
     else:
-        start, end, seq_chunks = (t.to(dev) for t in chunk_table(cu, C))
+        cu_dev, start, end, seq_chunks = (t.to(dev) for t in (cu, *chunk_table(cu, C)))
     NS, NC = len(cu) - 1, len(start)
     if block_v is None:
-        # Measured on an H200 (benchmarks/kda_gpu.py): 64 when the state pass alone fills the
-        # device (B=1, T=8192, H=96: 4.44 ms vs 5.94 at 32), else 32 (H=12: 1.19 vs 1.21 ms).
+        # Measured on an H200 (benchmarks/kda_gpu.py --tune, state pass alone): 64 when the
+        # pass fills the device (H=96: 0.557 ms vs 0.764 at 32), else 32, more programs in the
+        # sequential pass (H=12, T=32768: 1.157 ms vs 1.434 at 64).
         block_v = 64 if NS * H * triton.cdiv(V, 64) >= _multiprocessors(dev) else 32
     BK, BV_full, BV = _block(K), _block(V), min(block_v, _block(V))
+    BV_out = min(output_block_v, BV_full)
+    if num_stages is None:
+        # Measured the same way: 3 stages at block_v 32 (1.157 vs 1.282 ms at 2), 2 at 64.
+        num_stages = 3 if BV <= 32 else 2
     ieee = op == torch.float32
-    o = torch.zeros(B * T, H, V, dtype=op, device=dev)
+    o = torch.empty(B * T, H, V, dtype=op, device=dev)
     hT = torch.empty(NS, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.to(dev, torch.float32).contiguous() if initial_state is not None else None
     if NC:
+        QG, W = (torch.empty(B * T, H, K, dtype=op, device=dev) for _ in range(2))
         G = torch.empty(B * T, H, K, dtype=torch.float32, device=dev)
-        Aqk = torch.zeros(B * T, H, C, dtype=op, device=dev)
-        W = torch.empty(B * T, H, K, dtype=op, device=dev)
-        U = torch.empty(B * T, H, V, dtype=op, device=dev)
-        VN = torch.empty(B * T, H, V, dtype=op, device=dev)
+        KE = torch.empty(NC, H, K, C, dtype=op, device=dev)
+        U, VN = (torch.empty(B * T, H, V, dtype=op, device=dev) for _ in range(2))
+        GL = torch.empty(NC, H, K, dtype=torch.float32, device=dev)
+        Aqk = torch.empty(B * T, H, C, dtype=op, device=dev)
         Hs = torch.empty(NC, H, K, V, dtype=op, device=dev)
         offset = anchor_shift * (SUB_TILE - 1) / 2
         _intra_kernel[(NC, H)](
-            *flat, g32, b_op, G, Aqk, W, U, start, end, scale, offset,
+            *flat, g32, b_op, G, QG, KE, GL, Aqk, W, U, start, end, scale, offset,
             H=H, K=K, V=V, BK=BK, BV=BV_full, C=C, BC=SUB_TILE, ANCHOR=_ANCHOR_CODE[anchor], IEEE=ieee,
-            num_warps=4,
+            num_warps=intra_warps,
         )  # fmt: skip
         _state_kernel[(triton.cdiv(V, BV), NS * H)](
-            flat[1], G, W, U, VN, Hs, h0, hT, start, end, seq_chunks,
+            KE, GL, W, U, VN, Hs, h0, hT, cu_dev, seq_chunks,
             H=H, K=K, V=V, BK=BK, BV=BV, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None, IEEE=ieee,
-            num_warps=num_warps,
+            STAGES=num_stages, num_warps=num_warps,
         )  # fmt: skip
-        _output_kernel[(triton.cdiv(V, BV), NC, H)](
-            flat[0], G, Aqk, VN, Hs, o, start, end, scale,
-            H=H, K=K, V=V, BK=BK, BV=BV, C=C, IEEE=ieee, num_warps=num_warps,
+        _output_kernel[(triton.cdiv(V, BV_out), NC, H)](
+            QG, Aqk, VN, Hs, o, start, end, scale,
+            H=H, K=K, V=V, BK=BK, BV=BV_out, C=C, IEEE=ieee, num_warps=output_warps,
         )  # fmt: skip
     elif hT is not None:
         hT.copy_(h0 if h0 is not None else torch.zeros_like(hT))
@@ -521,7 +580,7 @@ def fused_recurrent(
     ``b`` reads and updates in place at slot ``state_indices[b]``; ``-1`` marks a padding
     request (output 0, pool untouched); the pool is returned as the final state.
     ``o`` comes back in ``operand_dtype``; ``validate`` as in :func:`chunk`. ``block_v = 64``
-    measured best on an H200 (B=256, H=12: 0.110 ms vs 0.157 ms at 32; 86% of copy bandwidth).
+    measured best on an H200 (B=256, H=12: 0.109 ms, 86% of copy bandwidth; 0.112 ms at 32).
     """
     op = _check_operand_dtype(operand_dtype)
     if block_v not in (16, 32, 64, 128):

@@ -135,13 +135,6 @@ def _store_rows(ptr, x, start, row0, length, h, col0, H, D: tl.constexpr, R: tl.
 
 
 @triton.jit
-def _row(ptr, start, row, h, col0, H, D: tl.constexpr, BD: tl.constexpr):
-    """Columns ``col0 .. col0+BD`` of token row ``row`` for head ``h`` as fp32 ``[BD]`` (0 past ``D``)."""
-    dd = col0 + tl.arange(0, BD)
-    return tl.load(ptr + (start + row) * (H * D) + h * D + dd, mask=dd < D, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _state_offsets(iv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """Offsets and mask of value block ``iv`` of one ``[K, V]`` state."""
     dk = tl.arange(0, BK)

@@ -128,6 +128,7 @@ def _cols(ptr, start, row0, length, h, col0, H, D: tl.constexpr, R: tl.constexpr
 
 @triton.jit
 def _store_rows(ptr, x, start, row0, length, h, col0, H, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr):
+    """Store ``x:[R, BD]`` into the block :func:`_cols` reads, in the tensor's dtype."""
     rr = row0 + tl.arange(0, R)
     dd = col0 + tl.arange(0, BD)
     mask = (rr < length)[:, None] & (dd < D)[None, :]

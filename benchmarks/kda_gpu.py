@@ -105,7 +105,7 @@ def tune_rows(log) -> list[dict[str, Any]]:
             for config in configs:
                 ms = launch_split(partial(kernels.chunk, *x, validate=False, **config), repeats=10).get(kernel)
                 rows.append(dict(kind="tune", kernel=kernel, **shape, config=config, ms=ms))
-                log(f"tune {shape} {kernel} {config}: {ms:.4f} ms")
+                log(f"tune {shape} {kernel} {config}: " + (f"{ms:.4f} ms" if ms is not None else "not launched"))
     return rows
 
 
@@ -250,10 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.time() - started:6.1f} s] {msg}", flush=True)
 
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     if args.split or args.tune:
         rows = tune_rows(log) if args.tune else split_rows(log, peers=args.split == "all")
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         (out / ("kda_gpu_tune.json" if args.tune else "kda_gpu_split.json")).write_text(json.dumps(rows, indent=2))
         return 0
     copy_tbps = copy_bandwidth()
@@ -261,8 +261,6 @@ def main(argv: list[str] | None = None) -> int:
     rows = prefill_rows(not args.quick, log) + decode_rows(copy_tbps, not args.quick, log) + accuracy_rows(log)
     rows += split_rows(log, peers=True)
     result = dict(device=torch.cuda.get_device_name(0), copy_tbps=copy_tbps, rows=rows, environment=environment())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "kda_gpu.json").write_text(json.dumps(result, indent=2, default=str))
     (out / "kda_gpu.md").write_text(markdown(result))
     print(markdown(result))

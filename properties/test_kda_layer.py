@@ -55,6 +55,7 @@ def test_short_conv_cache_holds_the_last_inputs(T: int, width: int, seed: int) -
     y1, c1 = short_conv(x[:, :T], w, empty)
     y2, c2 = short_conv(x[:, T:], w, c1)
     assert relative_max_error(torch.cat([y1, y2], 1), y_all) <= FP64_AGREEMENT_REL
+    # Bitwise on any host: the cache is a copy of input columns, no arithmetic touches it.
     assert torch.equal(c2, c_all)
     history = torch.cat([empty.transpose(1, 2), x], 1)
     assert torch.equal(c_all, history[:, -(width - 1) :].transpose(1, 2))
@@ -72,7 +73,10 @@ def test_prefill_then_decode_equals_longer_prefill(T: int, k: int, seed: int, tp
         y_t, state = layer.decode(x[:, t : t + 1], state)
         steps.append(y_t)
     assert relative_max_error(torch.cat(steps, 1), y_ref) <= FP64_AGREEMENT_REL
-    assert torch.equal(state.conv, state_ref.conv)
+    # The conv cache holds projections of the last inputs: computed by a one-row product in
+    # decode and a T-row one in prefill, which BLAS may sum in another order (MKL's AVX2 and
+    # generic paths do), so fp64-agreement, not equality.
+    assert relative_max_error(state.conv, state_ref.conv) <= FP64_AGREEMENT_REL
     assert relative_max_error(state.recurrent, state_ref.recurrent) <= FP64_AGREEMENT_REL
 
 

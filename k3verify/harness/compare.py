@@ -14,8 +14,23 @@ Rows are matched by (module, implementation, form, dtype, params, case). A findi
   disagrees away from the frontier.
 
 Everything else that changed is reported as information (improvements, new rows, errors that
-moved within the thresholds are not listed). Thresholds assume the same platform: the runs
-are deterministic there, so any change comes from the code.
+moved within the thresholds are not listed).
+
+What is invariant decides which thresholds apply. On the same math platform (equal
+``environment.math_platform`` records: torch build, CPU, ATen capability, MKL/oneDNN code
+paths, threads) runs are bitwise reproducible, so any change comes from the code and every row
+is held to the thresholds above. Across platforms the fp32 accumulations run in another order:
+- a row whose every operation rounds to its own dtype (fp32 rows, fp64 rows: ``compute_dtype``
+  of the dtype is the dtype) has an error that *is* that rounding noise, and a reordered
+  accumulation draws a new sample of it: measured across MKL's AVX-512, AVX2 and generic paths
+  and ATen's capabilities on the CPU baseline, fp32 errors moved by up to x1.96 and margins by up
+  to 0.38 with no code change. Such rows keep every rule except the 25 %/0.05 one: a flipped
+  verdict, non-finite output, lost coverage and growth beyond 4x (two bits) still regress.
+- a row with narrower operands (bf16, fp16, fp8) has an error set by rounding its operands,
+  which depends on the inputs only (equal to fp64 rounding on every host); the fp32
+  accumulation moves it by about u(fp32)/u(dtype) per rounding, or a little more where a long
+  dependent chain turns a flipped rounding into a new path (the 93-layer AttnRes walk: up to
+  8 %, margin 0.07). These rows keep all thresholds, so +25 % with a margin drop still fails.
 """
 
 from __future__ import annotations
@@ -26,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..numerics import EXPECTED_NONFINITE, FAIL, PASS
+from ..numerics import EXPECTED_NONFINITE, FAIL, PASS, compute_dtype, resolve_dtype
+from .environment import platform_differences
 from .report import load
 from .runner import UNAVAILABLE
 
@@ -78,20 +94,41 @@ def row_subject(row: dict[str, Any]) -> str:
     return f"{row['module']} {row['implementation']} {row['form']} {row['dtype']} {params} ({row['case']})"
 
 
+def rounding_noise_row(dtype: str) -> bool:
+    """True for a row whose every operation rounds to its own dtype (fp32, fp64): its error is
+    accumulation rounding noise, which another summation order draws anew."""
+    try:
+        t = resolve_dtype(dtype)
+    except (ValueError, KeyError, TypeError):
+        return False
+    return compute_dtype(t) == t
+
+
 def compare_reports(base: dict[str, Any], new: dict[str, Any], thresholds: Thresholds | None = None) -> Comparison:
     """Findings between two report documents."""
     th = thresholds or Thresholds()
     out = Comparison()
+    differences = platform_differences(
+        base.get("environment", {}).get("math_platform"), new.get("environment", {}).get("math_platform")
+    )
+    same_platform = not differences
+    if same_platform:
+        out.notes.append("same math platform: runs are bitwise reproducible, every row held to the thresholds")
+    else:
+        out.notes.append(
+            "math platform differs (" + "; ".join(differences) + "): fp32/fp64 rows, whose error is accumulation "
+            "rounding noise, are held to the two-bit rule only; narrower dtypes to every threshold"
+        )
     covered = set(new.get("config", {}).get("modules") or {r["module"] for r in new["rows"]})
     base_rows = {row_key(r): r for r in base["rows"]}
     new_rows = {row_key(r): r for r in new["rows"]}
     skipped = {r["module"] for r in base["rows"]} - covered
     if skipped:
         out.notes.append(f"not compared (the new report does not cover them): {', '.join(sorted(skipped))}")
-    for key in ("torch", "device", "platform", "fla-core"):
+    for key in ("torch", "device", "fla-core"):
         b, n = base.get("environment", {}).get(key), new.get("environment", {}).get(key)
         if b != n:
-            out.notes.append(f"environment differs: {key} {b} -> {n} (thresholds assume the same platform)")
+            out.notes.append(f"environment differs: {key} {b} -> {n}")
     for key, b in base_rows.items():
         if b["module"] not in covered:
             continue
@@ -100,7 +137,7 @@ def compare_reports(base: dict[str, Any], new: dict[str, Any], thresholds: Thres
             out.findings.append(Finding("row removed", row_subject(b), f"was {b['status']}", True))
             continue
         out.rows_compared += 1
-        out.findings += _compare_row(b, n, th)
+        out.findings += _compare_row(b, n, th, noise_only=not same_platform and rounding_noise_row(n["dtype"]))
     for key, n in new_rows.items():
         if key not in base_rows:
             regression = n["status"] == FAIL
@@ -108,7 +145,9 @@ def compare_reports(base: dict[str, Any], new: dict[str, Any], thresholds: Thres
     return out
 
 
-def _compare_row(b: dict[str, Any], n: dict[str, Any], th: Thresholds) -> list[Finding]:
+def _compare_row(b: dict[str, Any], n: dict[str, Any], th: Thresholds, *, noise_only: bool = False) -> list[Finding]:
+    """Findings for one matched row; ``noise_only``: the error is rounding noise redrawn on another
+    platform, so only growth beyond ``error_factor`` counts (see the module docstring)."""
     subject = row_subject(n)
     bs, ns = b["status"], n["status"]
     if bs != ns:
@@ -134,9 +173,9 @@ def _compare_row(b: dict[str, Any], n: dict[str, Any], th: Thresholds) -> list[F
         return findings
     metric = nv.get("metric", "err")
     detail = f"{metric} {e_b:.3e} -> {e_n:.3e} (x{_ratio(e_n, e_b):.3g}), margin {m_b:.3f} -> {m_n:.3f}"
-    if _worse(e_b, e_n, m_b, m_n, lim, th):
+    if _worse(e_b, e_n, m_b, m_n, lim, th, noise_only=noise_only):
         findings.append(Finding("error grew", subject, detail, True))
-    elif _worse(e_n, e_b, m_n, m_b, bv.get("limit") or lim, th):
+    elif _worse(e_n, e_b, m_n, m_b, bv.get("limit") or lim, th, noise_only=noise_only):
         findings.append(Finding("error shrank", subject, detail, False))
     return findings
 
@@ -147,10 +186,12 @@ def _ratio(new: float, base: float) -> float:
     return new / base
 
 
-def _worse(e_b: float, e_n: float, m_b: float, m_n: float, limit: float, th: Thresholds) -> bool:
-    """``e_n`` is worse than ``e_b`` beyond the thresholds."""
+def _worse(
+    e_b: float, e_n: float, m_b: float, m_n: float, limit: float, th: Thresholds, *, noise_only: bool = False
+) -> bool:
+    """``e_n`` is worse than ``e_b`` beyond the thresholds (only the two-bit one if ``noise_only``)."""
     growth = _ratio(e_n, e_b)
-    by_margin = growth > 1 + th.error_growth and (m_b - m_n) > th.margin_drop
+    by_margin = not noise_only and growth > 1 + th.error_growth and (m_b - m_n) > th.margin_drop
     significant = limit > 0 and math.isfinite(limit) and e_n >= th.significant * limit
     return by_margin or (growth > th.error_factor and significant)
 

@@ -1,10 +1,13 @@
-"""The environment a report or map was produced in: versions, device, git commit."""
+"""The environment a report or map was produced in: versions, device, git commit, and the
+math platform: what decides the bits of a CPU computation with the pinned wheels."""
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,5 +64,92 @@ def environment() -> dict[str, Any]:
     else:
         env["device"] = "cpu"
     env["triton_interpret"] = os.environ.get("TRITON_INTERPRET")
+    env["math_platform"] = math_platform()
     env.update(_git())
     return env
+
+
+# Environment variables that change which code path a math library takes on the same CPU.
+CODE_PATH_OVERRIDES = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+
+# Run in a fresh interpreter: MKL and oneDNN print the code path they chose (their verbose
+# header) once per process, on the first call that uses them.
+_PROBE = """
+import torch
+a = torch.ones(8, 8, dtype=torch.float64)
+a @ a
+b = torch.ones(64, 64, dtype=torch.bfloat16)
+b @ b
+"""
+
+
+def _cpu() -> str:
+    """Vendor, family/model/stepping and model name of the CPU (Linux), else ``platform.processor()``."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return platform.processor() or "unknown"
+    ident = "/".join(fields.get(k, "?") for k in ("cpu family", "model", "stepping"))
+    return f"{fields.get('vendor_id', '?')} {ident} {fields.get('model name', '?')}"
+
+
+@functools.cache
+def _library_code_paths() -> dict[str, str]:
+    """The code path MKL (BLAS) and oneDNN chose on this machine, as their verbose headers say.
+
+    On x86-64 the same torch wheel gives different bits on an Intel and an AMD CPU with the same
+    ATen capability, because MKL dispatches by vendor and ISA (AVX-512 kernels on one, AVX2 or
+    generic ones on the other); only the library can say which it picked.
+    """
+    env = dict(os.environ, MKL_VERBOSE="1", ONEDNN_VERBOSE="1", DNNL_VERBOSE="1", OMP_NUM_THREADS="1")
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return {"blas": f"unknown ({type(exc).__name__})", "onednn": "unknown"}
+    blas = re.search(r"^MKL_VERBOSE oneMKL .*? for (?:Intel\(R\) 64 architecture )?(.*?), Lnx", out, re.M) or re.search(
+        r"^MKL_VERBOSE (.*)$", out, re.M
+    )
+    isa = re.search(r"^(?:onednn|dnnl)_verbose,.*?isa:(.*)$", out, re.M)
+    blas_info = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    return {
+        "blas": f"mkl: {blas.group(1).strip()}" if blas else (blas_info.group(1) if blas_info else "unknown"),
+        "onednn": isa.group(1).strip() if isa else "not used",
+    }
+
+
+def math_platform(threads: int | None = None) -> dict[str, str]:
+    """What decides the bits of a CPU computation with the pinned wheels.
+
+    Two runs of the same code on the same inputs are bitwise identical when these records are
+    equal: the torch build, the CPU (vendor and model), ATen's vector capability, the code paths
+    MKL and oneDNN chose, any environment override of them, and the intra-op thread count
+    (reductions split their axis by thread). Where the records differ, results agree only to the
+    rounding of their dtype. ``threads`` defaults to torch's current setting.
+    """
+    record = {
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpu": _cpu(),
+        "aten_capability": torch.backends.cpu.get_cpu_capability(),
+        **_library_code_paths(),
+        "threads": str(threads if threads is not None else torch.get_num_threads()),
+    }
+    overrides = {k: os.environ[k] for k in CODE_PATH_OVERRIDES if k in os.environ}
+    if overrides:
+        record["overrides"] = " ".join(f"{k}={v}" for k, v in sorted(overrides.items()))
+    return record
+
+
+def platform_differences(a: dict[str, str] | None, b: dict[str, str] | None) -> list[str]:
+    """The fields in which two :func:`math_platform` records differ (``["missing"]`` if either is absent)."""
+    if not a or not b:
+        return ["missing"]
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]

@@ -20,7 +20,7 @@ The manifest's ``inputs`` layout says how to rebuild the case's ``inputs`` dict 
 Manifest (``manifest.json``, keys sorted, no timestamps so that it regenerates bit for bit)::
 
     {"format": "k3verify-golden", "manifest_version": 1, "generator_version": int, "seed": int,
-     "platform": {"torch", "machine", "cpu_capability"}, "reproducibility": str,
+     "platform": {math platform record, see below}, "reproducibility": str,
      "skipped": {"<module>/<case>": {"bytes", "reason"}},
      "files": {"<module>/<case>.safetensors": {
          "module", "case", "seed", "config" (the case's parameters), "generator_version",
@@ -28,9 +28,11 @@ Manifest (``manifest.json``, keys sorted, no timestamps so that it regenerates b
          "tensors": {key: {"sha256" (of the raw little-endian bytes), "dtype", "shape"}}}}}
 
 Reproducibility: generation runs with one intra-op thread, so the bits do not depend on the
-core count. They can still depend on the CPU's vector width and on the torch build (reduction
-order), so regeneration is bitwise identical on the same platform (same ``platform`` record)
-and equal to fp64 rounding elsewhere.
+core count. They still depend on the torch build, the CPU and the code paths its math libraries
+choose on it (MKL dispatches by vendor and ISA: an Intel and an AMD CPU with the same ATen
+capability give different fp64 bits, about 1e-14 apart). The ``platform`` record is
+:func:`~k3verify.harness.environment.math_platform` with one thread; regeneration is bitwise
+identical where that record is equal, and agrees to fp64 rounding (fp64-agreement) elsewhere.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ import dataclasses
 import hashlib
 import importlib
 import json
-import platform
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ from safetensors.torch import load_file, save_file
 
 from ..numerics import FAIL, fp64_agreement
 from . import registry, runner
+from .environment import math_platform
 from .registry import FP64_RULE, Case, Implementation, ModuleEntry
 from .report import json_safe
 
@@ -64,8 +66,9 @@ CASE_CAP_BYTES = 2_000_000
 ORACLE_KEY = "oracle"
 INPUT_PREFIX = "input."
 REPRODUCIBILITY = (
-    "bitwise identical when regenerated with the same torch version on the same machine type and CPU "
-    "capability (the platform record); elsewhere the inputs and oracle agree to fp64 rounding"
+    "bitwise identical when regenerated where the platform record is equal (torch build, CPU, ATen "
+    "capability, MKL and oneDNN code paths, one thread); elsewhere the inputs and oracle agree to fp64 "
+    "rounding (fp64-agreement)"
 )
 
 Progress = Callable[[str], None]
@@ -76,12 +79,8 @@ class GoldenError(Exception):
 
 
 def platform_record() -> dict[str, str]:
-    """What bitwise reproducibility of the goldens depends on."""
-    return {
-        "torch": torch.__version__,
-        "machine": platform.machine(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-    }
+    """What bitwise reproducibility of the goldens depends on (they are generated with one thread)."""
+    return math_platform(threads=1)
 
 
 # --- (de)serialisation of case inputs ---------------------------------------------------

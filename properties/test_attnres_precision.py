@@ -71,7 +71,9 @@ def test_bf16_logits_are_caught_at_large_logits() -> None:
 
 
 def test_naive_baseline_in_fp64_is_the_definition() -> None:
-    """Exact equality: with a dtype that loses nothing the baseline is the definition bit for bit."""
+    """Exact equality: with a dtype that loses nothing the baseline is the definition bit for bit
+    (on any host: rounding to fp64 is the identity, so both run the same operations on the same
+    shapes in one process)."""
     p = make_aggregation(5, 3, 16, seed=4)
     assert torch.equal(attnres.naive_baseline(*p.args, dtype="fp64"), attnres.aggregate(*p.args))
 

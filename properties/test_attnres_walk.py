@@ -115,8 +115,9 @@ def full_attnres(p: WalkProblem) -> torch.Tensor:
 
 @given(p=walks(max_block=1))
 def test_block_size_one_is_full_attnres(p: WalkProblem) -> None:
-    """Exact equality for the recurrent form (the same arithmetic), fp64-agreement for the
-    two-phase and tiled forms: block size 1 ≡ Full AttnRes."""
+    """Exact equality for the recurrent form (bitwise on any host: with blocks of one sublayer it
+    runs the same operations on the same shapes as the Full AttnRes above, in one process),
+    fp64-agreement for the two-phase and tiled forms: block size 1 ≡ Full AttnRes."""
     ref = full_attnres(p)
     assert torch.equal(p.run("recurrent").h, ref)
     for form in ("chunkwise", "tiled"):

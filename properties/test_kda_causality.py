@@ -1,9 +1,13 @@
 """Causality: perturbing tokens at positions >= P never changes outputs before P.
 
 Rule: exact equality (bit for bit) — a causal computation reads nothing from the future, so
-not even rounding may differ. Partial tail chunks and tiles are always present (T is drawn
-freely). The ``tile_middle`` anchor reads a future row's gate inside a diagonal tile; in low
-precision that leaks the future into earlier outputs (FLA issue #1240). That is recorded
+not even rounding may differ. This holds on any host: both runs are the same operations on
+tensors of the same shapes in one process (so every earlier element takes the same kernel path
+and summation order), and future values reach earlier rows only multiplied by exact zeros
+(masked decays e^{−inf} = 0, ``tril``), which add nothing in any order; the triangular solve
+forms each row from earlier rows only. Partial tail chunks and tiles are always present (T is
+drawn freely). The ``tile_middle`` anchor reads a future row's gate inside a diagonal tile; in
+low precision that leaks the future into earlier outputs (FLA issue #1240). That is recorded
 here as a finding: the pinned case must show the leak, and the harness must name the anchor
 row that caused it.
 """

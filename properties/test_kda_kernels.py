@@ -8,7 +8,10 @@ with that reason otherwise. Rules used:
   floor (``numerics.policy``); the chunk kernel is held to the naive chunkwise form, the
   decode kernel to the naive recurrence. Problems have >= 1024 outputs, as the rule needs.
 - ``bitwise``: two launches that do the same arithmetic on the same numbers (a packed batch
-  against its sequences one by one; a pool slot against a plain state) must agree exactly.
+  against its sequences one by one; a pool slot against a plain state) must agree exactly. On
+  any host: both launch the same kernels with the same compile-time sizes, every program runs
+  the same operations on operand blocks of the same shape holding the same numbers (masked
+  rows load as 0 in both), in one process; only the grid and the base offsets differ.
 - ``frontier``: the kernel's output is finite exactly where the tiled form's analytic
   prediction says (SPEC §1.6), for every anchor.
 """

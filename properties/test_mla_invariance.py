@@ -4,6 +4,10 @@ Reorganising the same arithmetic (chunk size, tile size, split count) is held to
 ``fp64-agreement`` rule in fp64. The paged layout is pure addressing, so page size, page
 placement and whatever sits in dead slots must give *bit-identical* outputs (exact equality),
 in every form and dtype, and dead slots poisoned with NaN/inf must never reach an output.
+Bitwise on any host: every form first gathers the live tokens into one ``[B, L, W]`` tensor
+(dead positions selected to exact zeros, never multiplied), which does not depend on the layout,
+and an fp8 cache is quantised per token (an exact amax, correctly rounded division and
+conversion); everything after is the same operations on the same shapes in one process.
 """
 
 from __future__ import annotations
@@ -97,7 +101,9 @@ def test_poison_in_dead_slots_is_never_read(p: MLAProblem, i: int) -> None:
 
 
 def test_empty_part_merges_without_nan() -> None:
-    """Exact equality: an empty part (no visible key) is (0, −inf) and leaves the other part unchanged."""
+    """Exact equality: an empty part (no visible key) is (0, −inf) and leaves the other part unchanged.
+    Exact by construction on any host: the empty part's weight is e^{−inf} = 0, the other's
+    e^{L − L} = 1, and log-sum-exp of (−inf, L) is L + log(1) = L."""
     s = torch.randn(2, 3, 5, dtype=torch.float64)
     v = torch.randn(2, 5, 4, dtype=torch.float64)
     o_empty, lse_empty = mla.partial_attention(s, torch.zeros(1, 1, 5, dtype=torch.bool), v)

@@ -13,7 +13,14 @@ import dataclasses
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
-from strategies.moe import MoEProblem, make_problem, moe_problems, one_thread  # noqa: F401
+from strategies.moe import (
+    MoEProblem,
+    fp64_score_spread,
+    make_problem,
+    moe_problems,
+    one_thread,  # noqa: F401
+    settled_choices,
+)
 
 from k3verify import moe
 from k3verify.moe import layer
@@ -70,26 +77,39 @@ def test_every_fp64_form_equals_the_recurrent_definition(p: MoEProblem, tile_m: 
 @given(p=moe_problems(min_T=2, bias_scale=biases), seed=st.integers(0, 1000),
        form=st.sampled_from(("recurrent", "chunkwise", "tiled")))
 def test_permuting_tokens_permutes_outputs(p: MoEProblem, seed: int, form: str) -> None:
-    """Exact for the routing (same experts per token) and fp64-agreement for the outputs: tokens
-    are independent, so the layer commutes with any permutation of them. (Not bit-exact: a row's
-    dot products may be summed differently at another row position of a BLAS call.)"""
+    """Tokens are independent, so the layer commutes with any permutation of them; not bit for
+    bit: a row's dot products may be summed differently at another row position of a BLAS call
+    (MKL's AVX2 path does), so the scores may move by a rounding.
+
+    Routing: the same experts per token as a set wherever the k-th minus the (k+1)-th biased
+    score exceeds twice the largest difference two fp64 router runs can have (a rounding bound,
+    ``fp64_score_spread``), and in the same order where every adjacent gap of the top k + 1 does;
+    only a token that close to a tie may pick otherwise. Outputs: fp64-agreement over the tokens
+    whose experts are settled so."""
     perm = torch.randperm(p.T, generator=torch.Generator().manual_seed(seed))
     x, w, cfg = p.args()
-    assert torch.equal(moe.route(x[perm], w.w_router, w.bias, cfg).indices,
-                       moe.route(x, w.w_router, w.bias, cfg).indices[perm])
+    r = moe.route(x, w.w_router, w.bias, cfg)
+    moved = moe.route(x[perm], w.w_router, w.bias, cfg)
+    same_set, same_order = (m[perm] for m in settled_choices(r.scores, w.bias, cfg.top_k,
+                                                              2 * fp64_score_spread(x, w)))
+    assert torch.equal(moved.indices.sort(-1).values[same_set], r.indices[perm].sort(-1).values[same_set])
+    assert torch.equal(moved.indices[same_order], r.indices[perm][same_order])
     opts = {"operand_dtype": "fp64", "tile_m": 3} if form == "tiled" else {}
     fn = getattr(moe, form)
-    _agree(fn(x[perm], w, cfg, **opts), fn(x, w, cfg, **opts)[perm])
+    if bool(same_set.any()):
+        _agree(fn(x[perm], w, cfg, **opts)[same_set], fn(x, w, cfg, **opts)[perm][same_set])
 
 
 @given(p=moe_problems(bias_scale=biases), form=st.sampled_from(("recurrent", "chunkwise", "tiled")))
 def test_given_routing_is_used_as_is(p: MoEProblem, form: str) -> None:
     """Exact: passing the router's own Routing gives the same bits as routing inside the form;
-    a Routing with other experts gives another output."""
+    a Routing with other experts gives another output. Bitwise on any host: the Routing is made
+    by the call the form makes itself (the fp32 router for bf16 operands, the fp64 one for fp64
+    forms), on the same tensors in one process, so every later operation sees the same numbers."""
     x, w, cfg = p.args()
     fn = getattr(moe, form)
     opts = {"operand_dtype": "bf16"} if form == "tiled" else {}
-    r = moe.route(x, w.w_router, w.bias, cfg)
+    r = moe.routing_for(x, w, cfg, None, torch.float32 if form == "tiled" else torch.float64)
     assert torch.equal(fn(x, w, cfg, routing=r, **opts), fn(x, w, cfg, **opts))
     if cfg.top_k < cfg.num_experts:
         shifted = moe.Routing((r.indices + 1) % cfg.num_experts, r.weights)

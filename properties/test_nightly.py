@@ -72,6 +72,7 @@ def test_search_maxima_replay_exactly() -> None:
     assert all(0 <= e["ratio"] <= 1 for e in result["per_implementation"].values())
     worst = result["worst"]
     replayed = worst_case.replay("kda", worst["params"])
+    # Bitwise: the replay runs the same computation on the same shapes in this process.
     assert replayed[worst["implementation"]] == worst["ratio"]
     assert worst["replay"].startswith("python properties/worst_case.py kda '")
     assert json.loads(worst["replay"].split(" ", 3)[3].strip("'")) == worst["params"]

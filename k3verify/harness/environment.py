@@ -10,6 +10,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -72,15 +73,37 @@ def environment() -> dict[str, Any]:
 # Environment variables that change which code path a math library takes on the same CPU.
 CODE_PATH_OVERRIDES = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
-# Run in a fresh interpreter: MKL and oneDNN print the code path they chose (their verbose
-# header) once per process, on the first call that uses them.
-_PROBE = """
-import torch
-a = torch.ones(8, 8, dtype=torch.float64)
-a @ a
-b = torch.ones(64, 64, dtype=torch.bfloat16)
-b @ b
-"""
+def _probe() -> None:
+    """One MKL and one oneDNN product with verbose output on: each library prints the code path
+    it chose (its verbose header) once per process, on the first such call."""
+    a = torch.ones(8, 8, dtype=torch.float64)
+    b = torch.ones(64, 64, dtype=torch.bfloat16)
+    with torch.backends.mkl.verbose(torch.backends.mkl.VERBOSE_ON):
+        a @ a
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        b @ b
+
+
+def _stdout_of_probe() -> str:
+    """What the probe prints on file descriptor 1, run in this process (the libraries write there,
+    below Python); a fresh interpreter runs it if this process printed the headers already."""
+    sys.stdout.flush()
+    with tempfile.TemporaryFile() as captured:
+        saved = os.dup(1)
+        os.dup2(captured.fileno(), 1)
+        try:
+            _probe()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        captured.seek(0)
+        text = captured.read().decode(errors="replace")
+    if "MKL_VERBOSE oneMKL" in text or "mkl" not in torch.__config__.show().lower():
+        return text
+    return subprocess.run(
+        [sys.executable, "-c", "from k3verify.harness.environment import _probe; _probe()"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout
 
 
 def _cpu() -> str:
@@ -107,12 +130,9 @@ def _library_code_paths() -> dict[str, str]:
     ATen capability, because MKL dispatches by vendor and ISA (AVX-512 kernels on one, AVX2 or
     generic ones on the other); only the library can say which it picked.
     """
-    env = dict(os.environ, MKL_VERBOSE="1", ONEDNN_VERBOSE="1", DNNL_VERBOSE="1", OMP_NUM_THREADS="1")
     try:
-        out = subprocess.run(
-            [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120, check=True
-        ).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
+        out = _stdout_of_probe()
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         return {"blas": f"unknown ({type(exc).__name__})", "onednn": "unknown"}
     blas = re.search(r"^MKL_VERBOSE oneMKL .*? for (?:Intel\(R\) 64 architecture )?(.*?), Lnx", out, re.M) or re.search(
         r"^MKL_VERBOSE (.*)$", out, re.M

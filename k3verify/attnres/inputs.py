@@ -42,9 +42,10 @@ from ..numerics.ops import RMS_NORM_EPS
 from ..numerics.trace import TracingRounder
 from ..numerics.validate import (
     FLOAT_DTYPES,
+    require_block,
     require_finite,
     require_float,
-    require_positive_int,
+    require_on_device,
     require_same,
     require_shape,
     require_tensor,
@@ -82,7 +83,7 @@ class Options:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stream_dtype", _optional_dtype("stream_dtype", self.stream_dtype))
         object.__setattr__(self, "logit_dtype", _optional_dtype("logit_dtype", self.logit_dtype))
-        require_positive_int("tile", self.tile)
+        require_block("tile", self.tile)
         if not isinstance(self.subtract_max, bool):
             raise TypeError(f"subtract_max must be a bool, got {type(self.subtract_max).__name__}")
         if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)):
@@ -127,6 +128,7 @@ def _floats_together(names: Sequence[str], values: Sequence[object]) -> list[tor
     tensors = [require_tensor(n, t) for n, t in zip(names, values)]
     for n, t in zip(names, tensors):
         require_float(n, t)
+        require_on_device(n, t)
     require_same(names, tensors, "dtype")
     require_same(names, tensors, "device")
     return tensors
@@ -214,8 +216,12 @@ def check_walk(embedding: torch.Tensor, weights: object, sublayers: object, sche
 
 
 def check_sublayer_output(index: int, y: object, like: torch.Tensor) -> torch.Tensor:
-    """A sublayer must return a float tensor shaped like its input."""
+    """A sublayer must return a float tensor shaped like its input, finite wherever its input is
+    (a non-finite input, from an overflowing mixture, may propagate; a sublayer that makes NaN
+    from finite numbers is a broken sublayer, not a result)."""
     y = require_tensor(f"sublayers({index}, x)", y)
     require_float(f"sublayers({index}, x)", y)
     require_shape(f"sublayers({index}, x)", y, tuple(like.shape), "T,d")
+    if bool(torch.isfinite(like).all()):
+        require_finite(f"sublayers({index}, x) (its input is finite)", y)
     return y

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..numerics import rounder, storage_for
-from ..numerics.validate import require_positive_int
+from ..numerics.validate import require_block
 from .inputs import check_inputs, from_chunks, initial, to_chunks, working_dtype
 
 # Sub-tile of the exact two-level split. Measured at T=4096, H=4, K=V=128, C=64 on two
@@ -51,7 +51,7 @@ def chunkwise(
     Same arguments and returns as :func:`k3verify.kda.recurrent`; fp64 stays fp64.
     """
     dims, scale = check_inputs(q, k, v, g, beta, initial_state, scale)
-    C = require_positive_int("chunk_size", chunk_size)
+    C = require_block("chunk_size", chunk_size)
     dtype = working_dtype(q)
     S = initial(initial_state, dims, dtype, q.device)
     if dims.T == 0:
@@ -87,7 +87,7 @@ def naive_chunk_baseline(
     Returns fp32 tensors holding ``dtype`` values (fp64 for ``dtype=fp64``).
     """
     dims, scale = check_inputs(q, k, v, g, beta, initial_state, scale)
-    C = require_positive_int("chunk_size", chunk_size)
+    C = require_block("chunk_size", chunk_size)
     rnd, storage = rounder(dtype), storage_for(dtype)
 
     def keep(name: str, x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,9 @@ from ..numerics import compute_dtype
 from ..numerics.validate import (
     require_finite,
     require_float,
+    require_on_device,
     require_same,
+    require_scale,
     require_shape,
     require_tensor,
 )
@@ -58,6 +60,7 @@ def check_inputs(
         tensors.append(require_tensor("initial_state", initial_state))
     for n, t in zip(names, tensors):
         require_float(n, t)
+        require_on_device(n, t)
     typed = [(n, t) for n, t in zip(names, tensors) if not (fp32_gates and n == "g")]
     require_same([n for n, _ in typed], [t for _, t in typed], "dtype")
     require_same(names, tensors, "device")
@@ -84,15 +87,19 @@ def check_inputs(
             f"g is a log-decay and must be <= 0; max g = {float(g.max()):.3g} "
             f"at index {tuple(int(i) for i in (g > 0).nonzero()[0])}"
         )
+    outside = (beta < 0) | (beta > 1)
+    if T and bool(outside.any()):
+        # K3's write strength is sigmoid(beta_raw) (SPEC 1.3); fla-core's 2*sigmoid variant for
+        # negative eigenvalues is not K3's and is not modelled here.
+        raise ValueError(
+            f"beta is a write strength in [0, 1]; {int(outside.sum())} value(s) outside, first "
+            f"{float(beta[outside][0]):.3g} at index {tuple(int(i) for i in outside.nonzero()[0])}"
+        )
     return Dims(B, T, H, K, V), _scale(scale, K)
 
 
 def _scale(scale: float | None, K: int) -> float:
-    if scale is None:
-        return K**-0.5
-    if not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive number, got {scale!r}")
-    return float(scale)
+    return K**-0.5 if scale is None else require_scale(scale)
 
 
 def working_dtype(x: torch.Tensor) -> torch.dtype:

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ..numerics import dtype_name, resolve_dtype
-from ..numerics.validate import require_finite, require_float, require_positive_int, require_tensor
+from ..numerics.validate import require_block, require_finite, require_float, require_tensor
 from .inputs import check_inputs
 from .tiled import ANCHORS, DEFAULT_ROW0_SHIFT
 
@@ -456,7 +456,7 @@ def chunk(
     ``validate=False`` skips the value scans (NaN, positive log-decay) that wait for the device.
     Returns ``o:[B,T,H,V]`` in ``operand_dtype`` and the final state (fp32) on the kernel's device.
     """
-    C = require_positive_int("chunk_size", chunk_size)
+    C = require_block("chunk_size", chunk_size)
     if tile != SUB_TILE:
         raise ValueError(f"the KDA chunk kernel is compiled for sub-tile {SUB_TILE}, got tile={tile}")
     if C not in (16, 32, 64):

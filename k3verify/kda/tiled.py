@@ -34,7 +34,7 @@ import torch
 from ..numerics import exp_fits, is_float8, resolve_dtype
 from ..numerics.rounding import OVERFLOW_MODES
 from ..numerics.trace import OverflowEvent, TracingRounder
-from ..numerics.validate import require_positive_int
+from ..numerics.validate import require_block
 from .chunkwise import decayed_products, tile_start_prefix, wy_pipeline
 from .inputs import Dims, check_inputs, from_chunks, initial, to_chunks
 
@@ -58,8 +58,8 @@ class TileConfig:
     overflow: str = "nonfinite"
 
     def __post_init__(self) -> None:
-        require_positive_int("chunk_size", self.chunk_size)
-        require_positive_int("tile", self.tile)
+        require_block("chunk_size", self.chunk_size)
+        require_block("tile", self.tile)
         if self.chunk_size % self.tile:
             raise ValueError(f"tile {self.tile} must divide chunk_size {self.chunk_size}")
         object.__setattr__(self, "operand_dtype", resolve_dtype(self.operand_dtype))

@@ -28,9 +28,10 @@ import torch
 from ..numerics import compute_dtype, resolve_dtype
 from ..numerics.rounding import OVERFLOW_MODES
 from ..numerics.validate import (
+    require_block,
     require_finite,
     require_float,
-    require_positive_int,
+    require_on_device,
     require_same,
     require_shape,
     require_tensor,
@@ -72,9 +73,9 @@ class FormOptions:
     overflow: str = "nonfinite"
 
     def __post_init__(self) -> None:
-        require_positive_int("chunk_size", self.chunk_size)
-        require_positive_int("tile", self.tile)
-        require_positive_int("num_splits", self.num_splits)
+        require_block("chunk_size", self.chunk_size)
+        require_block("tile", self.tile)
+        require_block("num_splits", self.num_splits)
         object.__setattr__(self, "operand_dtype", resolve_dtype(self.operand_dtype))
         if not isinstance(self.subtract_max, bool):
             raise TypeError(f"subtract_max must be a bool, got {type(self.subtract_max).__name__}")
@@ -105,6 +106,8 @@ def check_inputs(
         require_tensor(f"cache.{n}", getattr(cache, n))
     for n, t in zip(names, tensors):
         require_float(n, t)
+        require_on_device(n, t)
+    require_on_device("cache.pool", cache.pool)
     if cache.quantized:
         require_tensor("cache.scales", cache.scales)
         require_float("cache.pool", cache.pool, FP8_STORAGE)
@@ -159,6 +162,7 @@ def check_inputs(
 def _check_layout(cache: LatentCache, T: int, page_size: int, P: int) -> list[int]:
     lengths = cache.lengths
     room = cache.block_table.shape[1] * page_size
+    owner: dict[int, tuple[int, int]] = {}  # live page -> (request, block_table column)
     for b, n in enumerate(lengths):
         if n < T:
             raise ValueError(f"cache.seq_lens[{b}] = {n} is shorter than the {T} query tokens; "
@@ -171,6 +175,11 @@ def _check_layout(cache: LatentCache, T: int, page_size: int, P: int) -> list[in
             i = int(bad.nonzero()[0])
             raise ValueError(f"cache.block_table[{b}, {i}] = {int(pages[i])} points outside the pool of {P} pages "
                              f"(request {b} has {n} live tokens)")
+        for i, page in enumerate(pages.tolist()):
+            if page in owner:
+                raise ValueError(f"cache.block_table[{b}, {i}] = {page} is also cache.block_table"
+                                 f"[{owner[page][0]}, {owner[page][1]}]: two live positions would share one page")
+            owner[page] = (b, i)
     return lengths
 
 

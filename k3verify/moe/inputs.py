@@ -30,8 +30,10 @@ from ..numerics import compute_dtype, dtype_name, is_float8, resolve_dtype
 from ..numerics.ops import RMS_NORM_EPS
 from ..numerics.rounding import OVERFLOW_MODES
 from ..numerics.validate import (
+    require_block,
     require_finite,
     require_float,
+    require_on_device,
     require_positive_int,
     require_same,
     require_shape,
@@ -216,8 +218,8 @@ class FormOptions:
     overflow: str = "nonfinite"
 
     def __post_init__(self) -> None:
-        require_positive_int("tile_m", self.tile_m)
-        require_positive_int("tile_k", self.tile_k)
+        require_block("tile_m", self.tile_m)
+        require_block("tile_k", self.tile_k)
         object.__setattr__(self, "operand_dtype", resolve_dtype(self.operand_dtype))
         _require_choice("fp8_scaling", self.fp8_scaling, FP8_SCALINGS)
         _require_positive_float("fp8_static_scale", self.fp8_static_scale)
@@ -249,6 +251,7 @@ def check_inputs(x: torch.Tensor, weights: MoEWeights, config: MoEConfig, routin
     named = {"x": x} | {f"weights.{n}": require_tensor(f"weights.{n}", t) for n, t in weights.tensors().items()}
     for name, t in named.items():
         require_float(name, t)
+        require_on_device(name, t)
     require_same(list(named), list(named.values()), "dtype")
     require_same(list(named), list(named.values()), "device")
     d = config.hidden_size
@@ -283,6 +286,12 @@ def check_routing(routing: Routing, T: int, config: MoEConfig) -> None:
     require_float("routing.weights", wts)
     require_shape("routing.weights", wts, (T, config.top_k), "T,k")
     require_finite("routing.weights", wts)
+    negative = wts < 0
+    if bool(negative.any()):
+        # p = rho * s / sum(s) with sigmoid scores and rho > 0: a mixture weight is never negative.
+        t, j = (int(i) for i in negative.nonzero()[0])
+        raise ValueError(f"routing.weights has {int(negative.sum())} negative value(s) (first {float(wts[t, j]):.3g} "
+                         f"at token {t}, slot {j}); mixture weights are rho * s / sum(s) >= 0")
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= config.num_experts):
         raise ValueError(f"routing.indices must lie in [0, {config.num_experts}); got [{int(idx.min())}, "
                          f"{int(idx.max())}]")

@@ -6,6 +6,7 @@ form calls these before computing anything.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -50,8 +51,34 @@ def require_finite(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} has {count} non-finite value(s) (first at index {first})")
 
 
-def require_positive_int(name: str, value: object) -> int:
-    """``value`` as an int if it is a positive integer, else ``ValueError``."""
+# The largest chunk, tile or split count a form accepts. Beyond it the zero padding of a chunk
+# or tile, or the loop over splits, would allocate or run for minutes before computing anything
+# a smaller block does not already show; the check comes before any allocation.
+MAX_BLOCK = 4096
+
+
+def require_positive_int(name: str, value: object, maximum: int | None = None) -> int:
+    """``value`` as an int if it is a positive integer (at most ``maximum``), else ``ValueError``."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}={value} is larger than {maximum}, the largest k3verify accepts")
     return value
+
+
+def require_block(name: str, value: object) -> int:
+    """A chunk size, tile size or split count: a positive integer up to :data:`MAX_BLOCK`."""
+    return require_positive_int(name, value, MAX_BLOCK)
+
+
+def require_scale(value: object) -> float:
+    """A softmax or attention scale: a finite positive real number (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"scale must be a finite positive number, got {value!r}")
+    return float(value)
+
+
+def require_on_device(name: str, t: torch.Tensor) -> None:
+    """``t`` holds data on a real device (CPU or CUDA), not on ``meta``."""
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} is on device {t.device}; k3verify computes on cpu or cuda tensors with data")

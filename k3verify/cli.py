@@ -10,13 +10,16 @@
 
 Exit status: 0 when every verdict passes (a predicted and observed overflow counts as
 agreement, an unavailable implementation is reported but is not a verdict), 1 when any
-verdict fails, a golden file's hash does not match or a compare finds a regression, 2 for
-usage errors such as an unknown module or a missing file.
+verdict fails, the goldens do not check out or a compare finds a regression, 2 for usage and
+I/O errors (an unknown module, a bad argument, a missing, malformed or unwritable file or
+folder; checked before any long computation), 130 when interrupted (Ctrl-C): every write is
+atomic, so an interrupted command leaves what was there before.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -28,6 +31,7 @@ from rich.table import Table
 
 from .harness import compare, golden, registry, report, runner
 from .harness.environment import environment
+from .harness.files import UsageError, check_output_folder
 from .harness.overflow_map import MapOptions, agreement, write_map
 
 STATUS_STYLE = {"pass": "green", "fail": "bold red", "expected-nonfinite": "yellow", "unavailable": "dim"}
@@ -122,6 +126,7 @@ def _maps_dir(value: str | None) -> Path | None:
 def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Verify every registered implementation of the selected modules; write the report."""
     entries = registry.select(_module_list(args.modules))
+    check_output_folder(Path(args.out), "--out")
     planned = runner.plan(entries)
     rows = []
     start = time.perf_counter()
@@ -167,7 +172,8 @@ def cmd_overflow_map(args: argparse.Namespace, out: Console, err: Console) -> in
     """Sweep one module's overflow map and write JSON + PNG."""
     entry = registry.get(args.module)
     if entry.overflow_map is None:
-        raise SystemExit(f"module {entry.name!r} has no overflow map")
+        raise UsageError(f"module {entry.name!r} has no overflow map")
+    check_output_folder(Path(args.out), "--out")
     start = time.perf_counter()
     with _progress(err) as bar:
         task = bar.add_task(f"{entry.name} overflow map", total=None, current="")
@@ -213,6 +219,7 @@ def cmd_list(args: argparse.Namespace, out: Console, err: Console) -> int:
 def cmd_golden_generate(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Write every selected module's golden inputs and fp64 oracle outputs, and the manifest."""
     start = time.perf_counter()
+    check_output_folder(Path(args.dir), "--dir")
     manifest = golden.generate(
         Path(args.dir), modules=_module_list(args.modules), seed=args.seed, progress=lambda s: err.print(s)
     )
@@ -231,21 +238,22 @@ def cmd_golden_verify(args: argparse.Namespace, out: Console, err: Console) -> i
     """Check every golden file's hash, then judge every implementation on the goldens."""
     start = time.perf_counter()
     directory = Path(args.dir)
-    try:
-        problems = golden.check_hashes(directory)
-    except golden.GoldenError as exc:
-        err.print(f"k3verify: error: {exc}", highlight=False)
-        return 1
+    if args.out:
+        check_output_folder(Path(args.out), "--out")
+    modules = _module_list(args.modules)
+    registry.select(modules)  # an unknown name is a usage error before anything is read
+    problems = golden.check(directory)
     if problems:
         for p in problems:
-            err.print(f"k3verify: golden: {p}", highlight=False, soft_wrap=True)
-        err.print(f"[bold red]{len(problems)} golden file(s) do not match {directory / golden.MANIFEST}[/]")
+            err.print(f"k3verify: golden: {p}", markup=False, highlight=False, soft_wrap=True)
+        err.print(f"{len(problems)} problem(s): {directory} is not what `k3verify golden generate` wrote",
+                  style="bold red", markup=False, highlight=False)
         return 1
-    out.print(f"hashes: every file in {directory / golden.MANIFEST} matches")
+    out.print(f"goldens: every file, field and digest in {directory / golden.MANIFEST} checks out", markup=False)
     rows = []
     with _progress(err) as bar:
         task = bar.add_task("verifying goldens", total=None, current="")
-        for row in golden.verify_rows(directory, modules=_module_list(args.modules),
+        for row in golden.verify_rows(directory, modules=modules,
                                       progress=lambda label: bar.update(task, current=label)):
             rows.append(row)
     config = {"goldens": str(directory), "modules": sorted({r["module"] for r in rows}),
@@ -258,11 +266,7 @@ def cmd_report_compare(args: argparse.Namespace, out: Console, err: Console) -> 
     thresholds = compare.Thresholds(
         error_growth=args.error_growth, margin_drop=args.margin_drop, error_factor=args.error_factor
     )
-    try:
-        result = compare.compare_paths(Path(args.base), Path(args.new), thresholds)
-    except (FileNotFoundError, ValueError) as exc:
-        err.print(f"k3verify: error: {exc}", highlight=False)
-        return 2
+    result = compare.compare_paths(Path(args.base), Path(args.new), thresholds)
     for note in result.notes:
         out.print(f"[dim]note: {note}[/]", highlight=False)
     if result.findings:
@@ -281,13 +285,33 @@ def cmd_report_compare(args: argparse.Namespace, out: Console, err: Console) -> 
 
 def cmd_report_render(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Rewrite report.md and report.html of a report folder from its report.json."""
-    try:
-        paths = report.render(Path(args.dir), maps_dir=_maps_dir(args.maps))
-    except (FileNotFoundError, ValueError) as exc:
-        err.print(f"k3verify: error: {exc}", highlight=False)
-        return 2
+    paths = report.render(Path(args.dir), maps_dir=_maps_dir(args.maps))
     out.print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
+
+
+# Seeds feed torch.Generator.manual_seed (64 bits) after small offsets per case.
+SEED_LIMIT = 2**62
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"{text} is outside [0, 2**62)")
+    return value
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number >= 0")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -298,14 +322,14 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="verify every registered implementation (the main job)")
     r.add_argument("--modules", action="append", help="comma-separated module names (default: all)")
     r.add_argument("--out", default="reports/latest", help="report folder (default: reports/latest)")
-    r.add_argument("--seed", type=int, default=0, help="seed of the generated cases (default: 0)")
+    r.add_argument("--seed", type=_seed, default=0, help="seed of the generated cases (default: 0)")
     r.add_argument("--maps", help=MAPS_HELP)
     r.set_defaults(fn=cmd_run)
     m = sub.add_parser("overflow-map", help="map where a module's tiled form overflows or loses precision")
     m.add_argument("--module", required=True, help="module name, e.g. kda")
     m.add_argument("--out", default="reports/maps", help="output folder (default: reports/maps)")
     m.add_argument("--quick", action="store_true", help="coarse grid (seconds instead of minutes)")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=_seed, default=0)
     m.set_defaults(fn=cmd_overflow_map)
     ls = sub.add_parser("list", help="list modules and implementations")
     ls.add_argument("--modules", action="append")
@@ -316,7 +340,7 @@ def parser() -> argparse.ArgumentParser:
     gg = gsub.add_parser("generate", help="write golden inputs + fp64 oracle outputs and the manifest")
     gg.add_argument("--dir", default="golden", help="golden folder (default: golden)")
     gg.add_argument("--modules", action="append", help="comma-separated module names (default: all)")
-    gg.add_argument("--seed", type=int, default=0)
+    gg.add_argument("--seed", type=_seed, default=0)
     gg.set_defaults(fn=cmd_golden_generate)
     gv = gsub.add_parser("verify", help="check hashes, then every implementation against the goldens")
     gv.add_argument("--dir", default="golden", help="golden folder (default: golden)")
@@ -330,11 +354,11 @@ def parser() -> argparse.ArgumentParser:
     rc.add_argument("base", help="base report.json or its folder (e.g. reports/baseline/cpu)")
     rc.add_argument("new", help="new report.json or its folder (e.g. reports/latest)")
     defaults = compare.Thresholds()
-    rc.add_argument("--error-growth", type=float, default=defaults.error_growth,
+    rc.add_argument("--error-growth", type=_finite, default=defaults.error_growth,
                     help=f"relative error growth that counts with a margin drop (default {defaults.error_growth})")
-    rc.add_argument("--margin-drop", type=float, default=defaults.margin_drop,
+    rc.add_argument("--margin-drop", type=_finite, default=defaults.margin_drop,
                     help=f"margin drop that counts with that growth (default {defaults.margin_drop})")
-    rc.add_argument("--error-factor", type=float, default=defaults.error_factor,
+    rc.add_argument("--error-factor", type=_finite, default=defaults.error_factor,
                     help=f"error growth factor that counts on its own (default {defaults.error_factor})")
     rc.set_defaults(fn=cmd_report_compare)
     rr = rsub.add_parser("render", help="rewrite report.md and report.html from report.json")
@@ -357,9 +381,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     err = Console(stderr=True)
     try:
         return args.fn(args, out, err)
-    except registry.UnknownModuleError as exc:
-        err.print(f"k3verify: error: {exc}")
-        return 2
+    except (registry.UnknownModuleError, UsageError) as exc:
+        return _error(err, str(exc), 2)
+    except golden.GoldenError as exc:
+        return _error(err, str(exc), 1)
+    except OSError as exc:  # a full disk, a folder that vanished: name the path, keep what was there
+        where = f"{exc.filename}: " if exc.filename else ""
+        return _error(err, f"{where}{exc.strerror or exc}", 2)
+    except KeyboardInterrupt:
+        return _error(err, "interrupted; every write is atomic, so nothing was left half-written", 130)
+
+
+def _error(err: Console, message: str, code: int) -> int:
+    err.print(f"k3verify: error: {message}", markup=False, highlight=False, soft_wrap=True)
+    return code
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ from typing import Any
 
 from ..numerics import EXPECTED_NONFINITE, FAIL, PASS, compute_dtype, resolve_dtype
 from .environment import platform_differences
+from .files import UsageError
+from .overflow_map import load_map
 from .report import load
 from .runner import UNAVAILABLE
 
@@ -235,22 +237,52 @@ def _map_files(path: Path) -> dict[str, Path]:
     return {p.name: p for p in sorted(folder.glob(MAP_GLOB))}
 
 
+def check_thresholds(th: Thresholds) -> None:
+    """``UsageError`` unless every threshold is a finite number in its range (a NaN threshold
+    would silently disable its check)."""
+    for name, value, low in (("error_growth", th.error_growth, 0.0), ("margin_drop", th.margin_drop, 0.0),
+                             ("error_factor", th.error_factor, 1.0), ("significant", th.significant, 0.0)):
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
+            raise UsageError(f"threshold {name} = {value!r} must be a finite number >= {low:g}")
+
+
+def _judgeable(doc: dict[str, Any], path: Path) -> None:
+    """``UsageError`` for a report compare cannot judge: no rows, or a passing row whose error or
+    limit is missing (its growth could not be judged; a failing row's status says enough)."""
+    if not doc["rows"]:
+        raise UsageError(f"{path}: report has no rows; nothing to compare")
+    for row in doc["rows"]:
+        if row["status"] != PASS:
+            continue
+        v = row.get("verdict")
+        if not isinstance(v, dict) or not all(isinstance(v.get(k), (int, float)) and not isinstance(v.get(k), bool)
+                                              for k in ("err", "limit")):
+            raise UsageError(f"{path}: row {row_subject(row)} is {row['status']} but has no numeric err and limit")
+
+
 def compare_paths(base: Path, new: Path, thresholds: Thresholds | None = None) -> Comparison:
     """Compare two reports (``report.json`` or folders holding one) and the overflow maps that
-    lie in both folders."""
+    lie in both folders. ``UsageError`` for anything that cannot be judged: a missing or
+    malformed report, an empty one, a row with a verdict but no error, a map without cells,
+    a NaN threshold."""
+    th = thresholds or Thresholds()
+    check_thresholds(th)
     out = Comparison()
     base_has = (base / "report.json").exists() if base.is_dir() else base.exists()
     new_has = (new / "report.json").exists() if new.is_dir() else new.exists()
     if base_has and new_has:
-        out = compare_reports(load(base), load(new), thresholds)
+        docs = load(base), load(new)
+        for doc, path in zip(docs, (base, new)):
+            _judgeable(doc, path)
+        out = compare_reports(*docs, th)
     elif base_has or new_has:
-        raise FileNotFoundError(f"{new if base_has else base}: no report.json to compare against")
+        raise UsageError(f"{new if base_has else base}: no report.json to compare against")
     base_maps, new_maps = _map_files(base), _map_files(new)
     for name in sorted(set(base_maps) & set(new_maps)):
-        m = compare_maps(json.loads(base_maps[name].read_text()), json.loads(new_maps[name].read_text()))
+        m = compare_maps(load_map(base_maps[name]), load_map(new_maps[name]))
         out.findings += m.findings
         out.notes += m.notes
         out.cells_compared += m.cells_compared
     if not (base_has and new_has) and not (set(base_maps) & set(new_maps)):
-        raise FileNotFoundError(f"nothing to compare: no report.json or common {MAP_GLOB} in {base} and {new}")
+        raise UsageError(f"nothing to compare: no report.json or common {MAP_GLOB} in {base} and {new}")
     return out

@@ -2,9 +2,10 @@
 
 ``generate`` writes, for every registered module, each case of
 ``ModuleEntry.cases_for_goldens(seed)`` as one safetensors file
-``<dir>/<module>/<case>.safetensors`` plus ``<dir>/manifest.json``. ``verify`` checks every
-file's sha256 against the manifest, then judges every registered implementation on the stored
-inputs against the stored oracle output through the same runner and policy as ``k3verify run``.
+``<dir>/<module>/<case>.safetensors`` plus ``<dir>/manifest.json``. ``check`` proves the folder
+is what the generator wrote; ``verify_rows`` then judges every registered implementation on the
+stored inputs against the stored oracle output through the same runner and policy as
+``k3verify run``.
 
 Tensor keys inside a file::
 
@@ -15,17 +16,31 @@ Tensor keys inside a file::
 
 The manifest's ``inputs`` layout says how to rebuild the case's ``inputs`` dict from them:
 ``{"tensor": key}``, ``{"none": true}``, ``{"value": v}`` (a JSON scalar) or
-``{"dataclass": "module:QualName", "fields": {field: layout}}`` (only ``k3verify.*`` classes).
+``{"dataclass": "module:QualName", "fields": {field: layout}}``, where the class must be one a
+registered module declares in ``ModuleEntry.input_types``: the manifest is data, never code.
 
 Manifest (``manifest.json``, keys sorted, no timestamps so that it regenerates bit for bit)::
 
-    {"format": "k3verify-golden", "manifest_version": 1, "generator_version": int, "seed": int,
+    {"format": "k3verify-golden", "manifest_version": 2, "generator_version": int, "seed": int,
      "platform": {math platform record, see below}, "reproducibility": str,
-     "skipped": {"<module>/<case>": {"bytes", "reason"}},
+     "skipped": {"<module>/<case>": {"module", "case", "bytes", "reason"}},
      "files": {"<module>/<case>.safetensors": {
          "module", "case", "seed", "config" (the case's parameters), "generator_version",
          "torch", "sha256" (of the file), "bytes", "inputs" (layout above),
-         "tensors": {key: {"sha256" (of the raw little-endian bytes), "dtype", "shape"}}}}}
+         "tensors": {key: {"sha256" (of the raw little-endian bytes), "dtype", "shape"}}}},
+     "digests": {field path: sha256 of its canonical JSON}}
+
+Trust: a golden folder may arrive in a pull request, so :func:`check` accepts it only when
+
+- every path is a plain relative path inside the folder (no ``..``, no absolute path, no
+  symlink), every size is checked before reading, and no file lies outside the manifest;
+- every manifest field matches its digest (``digests``: each top-level field, and each field
+  of each file record, so an edit is named by file and field);
+- each file's sha256 and size match, and the record embedded in the file's own header
+  (everything but ``sha256`` and ``bytes``) equals the manifest's, tensor by tensor;
+- the generator, run again for the manifest's seed, makes exactly the listed cases with the
+  same configuration and input layout, stored inputs agree with regenerated ones
+  (fp64-agreement; integers exactly), and each skipped case really exceeds the size cap.
 
 Reproducibility: generation runs with one intra-op thread, so the bits do not depend on the
 core count. They still depend on the torch build, the CPU and the code paths its math libraries
@@ -33,49 +48,65 @@ choose on it (MKL dispatches by vendor and ISA: an Intel and an AMD CPU with the
 capability give different fp64 bits, about 1e-14 apart). The ``platform`` record is
 :func:`~k3verify.harness.environment.math_platform` with one thread; regeneration is bitwise
 identical where that record is equal, and agrees to fp64 rounding (fp64-agreement) elsewhere.
+Writing is atomic as a set (:func:`~k3verify.harness.files.staged_folder`): an interrupted
+``generate`` leaves the previous goldens.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save_file
 
 from ..numerics import FAIL, fp64_agreement
 from . import registry, runner
 from .environment import math_platform
+from .files import UsageError, check_relative, parse_json, read_confined, read_json, staged_folder
 from .registry import FP64_RULE, Case, Implementation, ModuleEntry
 from .report import json_safe
 
 # Bump when what a golden file holds changes (case generation, key scheme, oracle choice).
 GENERATOR_VERSION = 1
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 MANIFEST = "manifest.json"
+FILE_FORMAT = f"k3verify-golden/{MANIFEST_VERSION}"
 # A case larger than this is not stored (the goldens are committed; a few MB in all). The
 # manifest lists it under "skipped" and verification reports its rows as unavailable; a
 # module whose cases are larger gives ``ModuleEntry.golden_cases`` smaller slices.
 CASE_CAP_BYTES = 2_000_000
+# A stored file is its tensors (at most the cap, plus the oracle) and a JSON header.
+FILE_CAP_BYTES = 4 * CASE_CAP_BYTES
+MANIFEST_CAP_BYTES = 4_000_000
 ORACLE_KEY = "oracle"
+HEADER_KEY = "k3verify-golden"
 INPUT_PREFIX = "input."
 REPRODUCIBILITY = (
     "bitwise identical when regenerated where the platform record is equal (torch build, CPU, ATen "
     "capability, MKL and oneDNN code paths, one thread); elsewhere the inputs and oracle agree to fp64 "
     "rounding (fp64-agreement)"
 )
+_MODULE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+_LAYOUT_DEPTH = 4
+# The fields of a file record that its file's own header repeats (all but the file's hash and size).
+EMBEDDED_FIELDS = ("case", "config", "generator_version", "inputs", "module", "seed", "tensors", "torch")
+RECORD_FIELDS = (*EMBEDDED_FIELDS, "bytes", "sha256")
+MANIFEST_FIELDS = ("digests", "files", "format", "generator_version", "manifest_version", "platform",
+                   "reproducibility", "seed", "skipped")
 
 Progress = Callable[[str], None]
 
 
 class GoldenError(Exception):
-    """A golden directory that cannot be used: missing manifest, changed or missing files."""
+    """A golden folder that cannot be used as it is (exit 1: the goldens do not check out)."""
 
 
 def platform_record() -> dict[str, str]:
@@ -105,29 +136,62 @@ def _flatten_value(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> di
         cls = type(value)
         fields = {f.name: _flatten_value(getattr(value, f.name), f"{key}.{f.name}", tensors)
                   for f in dataclasses.fields(value)}
-        return {"dataclass": f"{cls.__module__}:{cls.__qualname__}", "fields": fields}
+        return {"dataclass": class_name(cls), "fields": fields}
     raise TypeError(f"cannot store input {key!r} of type {type(value).__name__} in a golden file")
 
 
-def unflatten(layout: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Rebuild a case's ``inputs`` from :func:`flatten`'s layout and the loaded tensors."""
-    return {name: _unflatten_value(spec, tensors) for name, spec in layout.items()}
+def class_name(cls: type) -> str:
+    """``module:QualName`` of a class, as the layout names it."""
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def _unflatten_value(spec: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
-    if "tensor" in spec:
+def input_classes() -> dict[str, type]:
+    """The dataclasses a golden layout may rebuild: those the registered modules declare."""
+    return {class_name(cls): cls for name in registry.module_names() for cls in registry.get(name).input_types}
+
+
+def unflatten(
+    layout: dict[str, Any], tensors: dict[str, torch.Tensor], allowed: dict[str, type] | None = None
+) -> dict[str, Any]:
+    """Rebuild a case's ``inputs`` from :func:`flatten`'s layout and the loaded tensors.
+
+    ``GoldenError`` for anything the layout grammar does not allow: an unknown shape of spec, a
+    class outside ``allowed`` (default :func:`input_classes`), fields that are not the class's,
+    a tensor key the file does not hold, or nesting deeper than four levels.
+    """
+    if not isinstance(layout, dict):
+        raise GoldenError(f"inputs layout is a {type(layout).__name__}, not an object")
+    allowed = input_classes() if allowed is None else allowed
+    return {name: _unflatten_value(spec, tensors, allowed, name, 0) for name, spec in layout.items()}
+
+
+def _unflatten_value(spec: Any, tensors: dict[str, torch.Tensor], allowed: dict[str, type], where: str,
+                     depth: int) -> Any:
+    if not isinstance(spec, dict) or depth > _LAYOUT_DEPTH:
+        raise GoldenError(f"input {where!r}: layout {str(spec)[:80]!r} is not a golden input layout")
+    keys = set(spec)
+    if keys == {"tensor"} and isinstance(spec["tensor"], str):
+        if spec["tensor"] not in tensors:
+            raise GoldenError(f"input {where!r}: tensor {spec['tensor']!r} is not in the file")
         return tensors[spec["tensor"]]
-    if spec.get("none"):
+    if keys == {"none"} and spec["none"] is True:
         return None
-    if "value" in spec:
+    if keys == {"value"} and isinstance(spec["value"], (bool, int, float, str)):
         return spec["value"]
-    module_name, qualname = spec["dataclass"].split(":")
-    if not module_name.startswith("k3verify."):
-        raise GoldenError(f"refusing to rebuild {spec['dataclass']}: only k3verify classes are allowed")
-    cls: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        cls = getattr(cls, part)
-    return cls(**{name: _unflatten_value(s, tensors) for name, s in spec["fields"].items()})
+    if keys == {"dataclass", "fields"} and isinstance(spec["fields"], dict):
+        cls = allowed.get(spec["dataclass"]) if isinstance(spec["dataclass"], str) else None
+        if cls is None:
+            raise GoldenError(
+                f"input {where!r}: refusing to rebuild {str(spec['dataclass'])[:80]!r}: only the input classes the "
+                f"registered modules declare are allowed ({', '.join(sorted(allowed)) or 'none'})"
+            )
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        if set(spec["fields"]) != names:
+            raise GoldenError(f"input {where!r}: {spec['dataclass']} has fields {sorted(names)}, "
+                              f"the layout gives {sorted(spec['fields'])}")
+        return cls(**{n: _unflatten_value(s, tensors, allowed, f"{where}.{n}", depth + 1)
+                      for n, s in spec["fields"].items()})
+    raise GoldenError(f"input {where!r}: layout {str(spec)[:80]!r} is not a golden input layout")
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -136,13 +200,26 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def file_sha256(path: Path) -> str:
-    """sha256 of a file's bytes."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
+
+
+def digests(manifest: dict[str, Any]) -> dict[str, str]:
+    """sha256 of every top-level field of ``manifest`` and of every field of every file record,
+    keyed ``<field>`` and ``files/<file>/<field>``."""
+    out = {key: _sha256(_canonical(value)) for key, value in manifest.items() if key != "digests"}
+    for rel, record in (manifest.get("files") or {}).items():
+        if isinstance(record, dict):
+            out |= {f"files/{rel}/{field}": _sha256(_canonical(v)) for field, v in record.items()}
+    return out
 
 
 # --- generate -----------------------------------------------------------------------------
@@ -153,43 +230,63 @@ def generate(
 ) -> dict[str, Any]:
     """Write every selected module's golden cases and ``manifest.json`` into ``out_dir``.
 
-    With ``modules``, the other modules' files and records are kept. Other ``*.safetensors``
-    files in the folders of the generated modules and of the modules the previous manifest
-    listed are removed (nothing outside them), so the directory matches the manifest. Returns
+    With ``modules``, the other modules' files and records are kept (the previous manifest must
+    then be readable). The folders of the generated modules are written anew, so no stale file
+    stays; nothing outside ``out_dir`` is touched, and the folder is replaced as a set. Returns
     the manifest.
     """
     entries = registry.select(modules)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    previous = _read_manifest(out_dir) if (out_dir / MANIFEST).exists() else {"files": {}}
-    folders = {e.name for e in entries} | {v["module"] for v in previous["files"].values()}
+    out_dir = Path(out_dir)
+    names = {e.name for e in entries}
+    kept_files: dict[str, Any] = {}
+    kept_skipped: dict[str, Any] = {}
+    replaced = set(names)
+    if modules is not None and (out_dir / MANIFEST).exists():
+        try:
+            previous = read_manifest(out_dir)
+        except GoldenError as exc:
+            raise UsageError(f"cannot keep the other modules' goldens: {exc}; regenerate every module") from None
+        kept_files = {k: v for k, v in previous["files"].items() if v["module"] not in names}
+        kept_skipped = {k: v for k, v in previous["skipped"].items() if v["module"] not in names}
+    elif (out_dir / MANIFEST).exists():
+        replaced |= _listed_modules(out_dir)
     files: dict[str, Any] = {}
     skipped: dict[str, Any] = {}
-    # Multi-threaded CPU reductions split the reduced axis by thread count; one thread makes
-    # the stored bits independent of how many cores the generating machine has.
-    with runner.one_thread():
-        for entry in entries:
-            written, too_large = _generate_module(entry, out_dir, seed, progress)
-            files |= written
-            skipped |= too_large
-    if modules is not None:  # keep the other modules' records from the previous manifest
-        names = {e.name for e in entries}
-        files = {k: v for k, v in previous["files"].items() if v["module"] not in names} | files
-        skipped = {k: v for k, v in previous.get("skipped", {}).items() if v["module"] not in names} | skipped
-    for stale in sorted(p for folder in folders for p in (out_dir / folder).glob("*.safetensors")):
-        if stale.relative_to(out_dir).as_posix() not in files:
-            stale.unlink()
-    manifest = {
-        "format": "k3verify-golden",
-        "manifest_version": MANIFEST_VERSION,
-        "generator_version": GENERATOR_VERSION,
-        "seed": seed,
-        "platform": platform_record(),
-        "reproducibility": REPRODUCIBILITY,
-        "skipped": dict(sorted(skipped.items())),
-        "files": dict(sorted(files.items())),
-    }
-    (out_dir / MANIFEST).write_text(json.dumps(json_safe(manifest), indent=1, sort_keys=True) + "\n")
+    with staged_folder(out_dir, carry=lambda name: name != MANIFEST and name not in replaced) as stage:
+        # Multi-threaded CPU reductions split the reduced axis by thread count; one thread makes
+        # the stored bits independent of how many cores the generating machine has.
+        with runner.one_thread():
+            for entry in entries:
+                written, too_large = _generate_module(entry, stage, seed, progress)
+                files |= written
+                skipped |= too_large
+        manifest = {
+            "format": "k3verify-golden",
+            "manifest_version": MANIFEST_VERSION,
+            "generator_version": GENERATOR_VERSION,
+            "seed": seed,
+            "platform": platform_record(),
+            "reproducibility": REPRODUCIBILITY,
+            "skipped": dict(sorted((kept_skipped | skipped).items())),
+            "files": dict(sorted((kept_files | files).items())),
+        }
+        manifest = json.loads(json.dumps(json_safe(manifest)))
+        manifest["digests"] = digests(manifest)
+        (stage / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
+
+
+def _listed_modules(out_dir: Path) -> set[str]:
+    """Module folders a previous manifest lists (plain names only), for a full regeneration to drop."""
+    try:
+        doc = read_json(out_dir / MANIFEST, what="golden manifest", max_bytes=MANIFEST_CAP_BYTES)
+    except UsageError:
+        return set()
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, dict):
+        return set()
+    return {str(r.get("module")) for r in files.values() if isinstance(r, dict)
+            and _MODULE_NAME.match(str(r.get("module")))}
 
 
 def _generate_module(
@@ -203,104 +300,286 @@ def _generate_module(
         tensors, layout = flatten(case.inputs)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         if size > CASE_CAP_BYTES:
-            skipped[f"{entry.name}/{name}"] = {
-                "module": entry.name,
-                "case": name,
-                "bytes": size,
-                "reason": f"inputs take {size / 1e6:.1f} MB > {CASE_CAP_BYTES / 1e6:.0f} MB per case; give the "
-                f"{entry.name} entry golden_cases with smaller slices",
-            }
+            skipped[f"{entry.name}/{name}"] = _skip_record(entry.name, name, size)
             continue
-        oracle = entry.oracle(case).detach().to("cpu", torch.float64).contiguous()
-        tensors[ORACLE_KEY] = oracle
+        tensors[ORACLE_KEY] = entry.oracle(case).detach().to("cpu", torch.float64).contiguous()
         rel = f"{entry.name}/{name}.safetensors"
-        path = out_dir / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path), metadata={"format": f"k3verify-golden/{GENERATOR_VERSION}"})
-        records[rel] = {
+        record = {
             "module": entry.name,
             "case": name,
             "seed": seed,
             "config": json.loads(json.dumps(json_safe(case.params), default=str)),
             "generator_version": GENERATOR_VERSION,
             "torch": torch.__version__,
-            "sha256": file_sha256(path),
-            "bytes": path.stat().st_size,
             "inputs": layout,
             "tensors": {
                 k: {"sha256": tensor_sha256(t), "dtype": _dtype(t), "shape": list(t.shape)}
                 for k, t in sorted(tensors.items())
             },
         }
+        path = out_dir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # One metadata key: safetensors writes its metadata map in no fixed order.
+        embedded = json.dumps({"format": FILE_FORMAT, "record": json_safe(record)}, sort_keys=True)
+        save_file(tensors, str(path), metadata={HEADER_KEY: embedded})
+        data = path.read_bytes()
+        records[rel] = record | {"sha256": _sha256(data), "bytes": len(data)}
     return records, skipped
+
+
+def _skip_record(module: str, case: str, size: int) -> dict[str, Any]:
+    return {
+        "module": module,
+        "case": case,
+        "bytes": size,
+        "reason": f"inputs take {size / 1e6:.1f} MB > {CASE_CAP_BYTES / 1e6:.0f} MB per case; give the "
+        f"{module} entry golden_cases with smaller slices",
+    }
+
+
+# --- check --------------------------------------------------------------------------------
+
+
+def read_manifest(golden_dir: Path) -> dict[str, Any]:
+    """The manifest, its shape validated (paths, names, types); ``GoldenError`` naming what is wrong."""
+    path = golden_dir / MANIFEST
+    if not path.exists():
+        raise GoldenError(f"{path}: no golden manifest; run `k3verify golden generate`")
+    try:
+        doc = parse_json(read_confined(golden_dir, MANIFEST, max_bytes=MANIFEST_CAP_BYTES, what="golden manifest"),
+                         path, "golden manifest")
+    except UsageError as exc:
+        raise GoldenError(str(exc)) from None
+    if not isinstance(doc, dict) or doc.get("format") != "k3verify-golden":
+        raise GoldenError(f"{path}: not a k3verify golden manifest")
+    if doc.get("manifest_version") != MANIFEST_VERSION:
+        raise GoldenError(f"{path}: manifest version {doc.get('manifest_version')!r}, this k3verify reads "
+                          f"{MANIFEST_VERSION}; run `k3verify golden generate`")
+    unknown = sorted(set(doc) - set(MANIFEST_FIELDS))
+    if unknown:
+        raise GoldenError(f"{path}: unknown field(s) {', '.join(map(repr, unknown))[:120]}")
+    for key, kind in (("files", dict), ("skipped", dict), ("digests", dict), ("seed", int), ("platform", dict)):
+        if not isinstance(doc.get(key), kind) or isinstance(doc.get(key), bool):
+            raise GoldenError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
+    for rel, record in doc["files"].items():
+        _check_file_record(path, rel, record)
+    for key, record in doc["skipped"].items():
+        if not isinstance(record, dict) or set(record) != {"module", "case", "bytes", "reason"}:
+            raise GoldenError(f"{path}: skipped entry {key!r} must hold exactly module, case, bytes and reason")
+        if key != f"{record['module']}/{record['case']}" or not _MODULE_NAME.match(str(record["module"])):
+            raise GoldenError(f"{path}: skipped entry {key!r} does not name its module and case")
+    return doc
+
+
+def _check_file_record(path: Path, rel: Any, record: Any) -> None:
+    try:
+        parts = check_relative(rel, "golden file").parts
+    except UsageError as exc:
+        raise GoldenError(f"{path}: {exc}") from None
+    if not isinstance(record, dict) or set(record) != set(RECORD_FIELDS):
+        have = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise GoldenError(f"{path}: record of {rel!r} has fields {have}; expected {sorted(RECORD_FIELDS)}")
+    if len(parts) != 2 or not rel.endswith(".safetensors") or parts[0] != record["module"] \
+            or rel != f"{record['module']}/{record['case']}.safetensors" or not _MODULE_NAME.match(parts[0]):
+        raise GoldenError(f"{path}: file {rel!r} is not <module>/<case>.safetensors of its record")
+    if not isinstance(record["bytes"], int) or isinstance(record["bytes"], bool) \
+            or not 0 < record["bytes"] <= FILE_CAP_BYTES:
+        raise GoldenError(f"{path}: {rel}: size {record['bytes']!r} is not a size up to {FILE_CAP_BYTES} bytes")
+    if not isinstance(record["tensors"], dict) or ORACLE_KEY not in record["tensors"]:
+        raise GoldenError(f"{path}: {rel}: no {ORACLE_KEY!r} tensor listed")
+
+
+def check(golden_dir: Path) -> list[str]:
+    """Problems with a golden folder, each naming its file and field; empty when it is exactly
+    what the generator wrote (see the module docstring). ``GoldenError`` when the manifest itself
+    cannot be used."""
+    manifest = read_manifest(golden_dir)
+    path = golden_dir / MANIFEST
+    problems = [f"{path}: field {field!r} does not match its digest (edited by hand?)"
+                for field in _changed_fields(manifest)]
+    for field, expected in (("generator_version", GENERATOR_VERSION), ("reproducibility", REPRODUCIBILITY)):
+        if manifest.get(field) != expected:
+            problems.append(f"{path}: field {field!r} is {str(manifest.get(field))[:60]!r}; this k3verify writes "
+                            f"{str(expected)[:60]!r}; run `k3verify golden generate`")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in manifest["platform"].items()):
+        problems.append(f"{path}: field 'platform' is not a record of names and values")
+    for rel, record in manifest["files"].items():
+        problems += _check_file(golden_dir, rel, record)
+    listed = {golden_dir / rel for rel in manifest["files"]}
+    on_disk = sorted(golden_dir.rglob("*.safetensors"))
+    problems += [f"{p}: not listed in {MANIFEST}" for p in on_disk if p not in listed]
+    problems += _check_against_generator(golden_dir, manifest)
+    return problems
+
+
+def _changed_fields(manifest: dict[str, Any]) -> list[str]:
+    stored, actual = manifest["digests"], digests(manifest)
+    return sorted(k for k in set(stored) | set(actual) if stored.get(k) != actual.get(k))
+
+
+def _check_file(golden_dir: Path, rel: str, record: dict[str, Any]) -> list[str]:
+    """The file's hash, size, embedded record and tensors against the manifest's record."""
+    path = golden_dir / rel
+    try:
+        data = read_confined(golden_dir, rel, max_bytes=FILE_CAP_BYTES, what="golden file")
+    except UsageError as exc:
+        return [str(exc)]
+    problems = []
+    if len(data) != record["bytes"]:
+        problems.append(f"{path}: has {len(data)} bytes, {MANIFEST} says {record['bytes']}")
+    embedded, tensors, error = _open(data)
+    if error:
+        return [*problems, f"{path}: unreadable safetensors file ({error})"]
+    for field in EMBEDDED_FIELDS:
+        if embedded.get(field) != record[field]:
+            problems.append(f"{path}: field {field!r} differs between {MANIFEST} and the file's own header")
+    changed = [k for k, meta in record["tensors"].items()
+               if not isinstance(meta, dict) or k not in tensors or _tensor_meta(tensors[k]) != meta]
+    extra = sorted(set(tensors) - set(record["tensors"]))
+    if changed or extra:
+        problems.append(f"{path}: tensors differ from {MANIFEST}: {', '.join(changed + extra)}")
+    if _sha256(data) != record["sha256"]:
+        where = ("the file's bytes changed" if problems else
+                 f"the file's tensors and header match every other field, so {MANIFEST}'s sha256 was edited")
+        problems.append(f"{path}: sha256 mismatch: {MANIFEST} has {str(record['sha256'])[:16]}…, the file has "
+                        f"{_sha256(data)[:16]}… ({where})")
+    return problems
+
+
+def _tensor_meta(t: torch.Tensor) -> dict[str, Any]:
+    return {"sha256": tensor_sha256(t), "dtype": _dtype(t), "shape": list(t.shape)}
+
+
+def _open(data: bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor], str | None]:
+    """``(embedded record, tensors, error)`` of a golden file's bytes."""
+    try:
+        tensors = load_tensors(data)
+        header_len = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + header_len])
+    except (SafetensorError, ValueError, RuntimeError, OSError) as exc:
+        return {}, {}, str(exc)[:200]
+    try:
+        meta = json.loads((header.get("__metadata__") or {}).get(HEADER_KEY, ""))
+    except (ValueError, AttributeError):
+        return {}, tensors, f"no {HEADER_KEY!r} record in its header"
+    if not isinstance(meta, dict) or meta.get("format") != FILE_FORMAT:
+        return {}, tensors, f"header format is not {FILE_FORMAT!r}"
+    embedded = meta.get("record")
+    return (embedded if isinstance(embedded, dict) else {}), tensors, None
+
+
+def _check_against_generator(golden_dir: Path, manifest: dict[str, Any]) -> list[str]:
+    """The listed and skipped cases are exactly what the generator makes for the manifest's seed,
+    with the same parameters, layout and (to fp64 rounding) inputs."""
+    problems = []
+    path = golden_dir / MANIFEST
+    seed = manifest["seed"]
+    listed: dict[str, dict[str, tuple[str, Any]]] = {}
+    for rel, record in manifest["files"].items():
+        listed.setdefault(record["module"], {})[record["case"]] = ("file", rel)
+    for key, record in manifest["skipped"].items():
+        listed.setdefault(record["module"], {})[record["case"]] = ("skipped", key)
+    for module, cases in sorted(listed.items()):
+        if module not in registry.module_names():
+            known = ", ".join(registry.module_names())
+            problems.append(f"{path}: module {module!r} is not registered (known: {known})")
+            continue
+        made = registry.get(module).cases_for_goldens(seed)
+        for name in sorted(set(made) - set(cases)):
+            problems.append(f"{path}: case {module}/{name} is neither stored nor skipped; "
+                            "run `k3verify golden generate`")
+        for name, (kind, key) in sorted(cases.items()):
+            if name not in made:
+                problems.append(f"{path}: {key}: the generator makes no case {name!r} for {module}")
+            elif kind == "skipped":
+                problems += _check_skipped(path, key, manifest["skipped"][key], made[name])
+            else:
+                problems += _check_regenerated(golden_dir, key, manifest["files"][key], made[name], seed)
+    return problems
+
+
+def _check_skipped(path: Path, key: str, record: dict[str, Any], case: Case) -> list[str]:
+    tensors, _ = flatten(case.inputs)
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    if size <= CASE_CAP_BYTES:
+        return [f"{path}: skipped {key}: its inputs take {size} bytes, within the {CASE_CAP_BYTES}-byte cap; "
+                "it must be stored"]
+    if record["bytes"] != size:
+        return [f"{path}: skipped {key}: field 'bytes' says {record['bytes']}, the case takes {size}"]
+    return []
+
+
+def _check_regenerated(golden_dir: Path, rel: str, record: dict[str, Any], case: Case, seed: int) -> list[str]:
+    path = golden_dir / rel
+    problems = []
+    if record["seed"] != seed:
+        problems.append(f"{path}: field 'seed' is {record['seed']!r}, the manifest's seed is {seed}")
+    config = json.loads(json.dumps(json_safe(case.params), default=str))
+    if record["config"] != config:
+        problems.append(f"{path}: field 'config' differs from what the generator makes for seed {seed}")
+    tensors, layout = flatten(case.inputs)
+    if record["inputs"] != layout:
+        problems.append(f"{path}: field 'inputs' differs from what the generator makes for seed {seed}")
+        return problems
+    try:
+        _, stored, error = _open(read_confined(golden_dir, rel, max_bytes=FILE_CAP_BYTES, what="golden file"))
+    except UsageError:
+        return problems  # reported by the file check
+    if error:
+        return problems
+    for key, fresh in tensors.items():
+        ok, why = _inputs_agree(fresh, stored.get(key))
+        if not ok:
+            problems.append(f"{path}: stored {key} does not regenerate for seed {seed}: {why}")
+    return problems
+
+
+def _inputs_agree(fresh: torch.Tensor, stored: torch.Tensor | None) -> tuple[bool, str]:
+    """Rule: integers exactly; floating data to fp64-agreement, non-finite entries (the NaN poison
+    of dead cache slots) in the same places and of the same kind."""
+    if stored is None:
+        return False, "missing"
+    if stored.dtype != fresh.dtype or stored.shape != fresh.shape:
+        return False, f"{stored.dtype} {list(stored.shape)} stored, {fresh.dtype} {list(fresh.shape)} generated"
+    if not fresh.is_floating_point():
+        return bool(torch.equal(fresh, stored)), "integer entries differ"
+    x, y = fresh.double(), stored.double()
+    finite = torch.isfinite(x)
+    if not torch.equal(finite, torch.isfinite(y)) or not torch.equal(x[~finite].nan_to_num(), y[~finite].nan_to_num()):
+        return False, "non-finite entries moved or changed"
+    verdict = fp64_agreement(torch.where(finite, x, 0.0), torch.where(finite, y, 0.0))
+    return verdict.passed, verdict.reason
 
 
 # --- verify ---------------------------------------------------------------------------------
 
 
-def _read_manifest(golden_dir: Path) -> dict[str, Any]:
-    path = golden_dir / MANIFEST
-    if not path.exists():
-        raise GoldenError(f"{path}: no golden manifest; run `k3verify golden generate`")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != "k3verify-golden" or manifest.get("manifest_version") != MANIFEST_VERSION:
-        raise GoldenError(f"{path}: not a k3verify golden manifest of version {MANIFEST_VERSION}")
-    return manifest
-
-
-def check_hashes(golden_dir: Path) -> list[str]:
-    """Problems with the stored files, each naming its file; empty when every hash matches.
-
-    A file whose sha256 differs from the manifest is reported with the tensors that changed
-    when it still loads, or as unreadable when its header was damaged.
-    """
-    manifest = _read_manifest(golden_dir)
-    problems = []
-    for rel, record in manifest["files"].items():
-        path = golden_dir / rel
-        if not path.exists():
-            problems.append(f"{path}: missing (listed in {MANIFEST})")
-            continue
-        digest = file_sha256(path)
-        if digest == record["sha256"]:
-            continue
-        problems.append(
-            f"{path}: sha256 mismatch: {MANIFEST} has {record['sha256'][:16]}…, the file has {digest[:16]}… "
-            f"({_what_changed(path, record)})"
-        )
-    listed = {golden_dir / rel for rel in manifest["files"]}
-    problems += [f"{p}: not listed in {MANIFEST}" for p in sorted(golden_dir.rglob("*.safetensors")) if p not in listed]
-    return problems
-
-
-def _what_changed(path: Path, record: dict[str, Any]) -> str:
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        return f"unreadable: {exc}"
-    changed = [
-        k for k, meta in record["tensors"].items() if k not in tensors or tensor_sha256(tensors[k]) != meta["sha256"]
-    ]
-    return f"changed tensors: {', '.join(changed)}" if changed else "tensor bytes intact, header changed"
-
-
 def load_cases(golden_dir: Path, module: str) -> list[tuple[str, Case, torch.Tensor]]:
-    """``(file, case, stored oracle)`` for every golden file of ``module`` (hashes not checked)."""
-    manifest = _read_manifest(golden_dir)
+    """``(file, case, stored oracle)`` for every golden file of ``module`` (run :func:`check` first)."""
+    manifest = read_manifest(golden_dir)
+    allowed = input_classes()
     out = []
     for rel, record in manifest["files"].items():
         if record["module"] != module:
             continue
-        tensors = load_file(str(golden_dir / rel))
-        case = Case(record["case"], unflatten(record["inputs"], tensors), dict(record["config"]))
-        out.append((rel, case, tensors[ORACLE_KEY]))
+        try:
+            data = read_confined(golden_dir, rel, max_bytes=FILE_CAP_BYTES, what="golden file")
+        except UsageError as exc:
+            raise GoldenError(str(exc)) from None
+        _, tensors, error = _open(data)
+        if error:
+            raise GoldenError(f"{golden_dir / rel}: unreadable safetensors file ({error})")
+        inputs = unflatten(record["inputs"], tensors, allowed)
+        if not isinstance(record["config"], dict):
+            raise GoldenError(f"{golden_dir / rel}: field 'config' is not an object")
+        out.append((rel, Case(record["case"], inputs, dict(record["config"])), tensors[ORACLE_KEY]))
     return out
 
 
 def verify_rows(
     golden_dir: Path, *, modules: list[str] | None = None, progress: Progress | None = None
 ) -> list[dict[str, Any]]:
-    """Rows judging every registered implementation on the goldens (call :func:`check_hashes` first).
+    """Rows judging every registered implementation on the goldens (call :func:`check` first).
 
     Per golden file: one ``oracle`` row (today's fp64 oracle on the stored inputs against the
     stored output, rule fp64-agreement: the definition has not drifted), then one row per
@@ -309,7 +588,7 @@ def verify_rows(
     is a failed row that says to regenerate.
     """
     rows = []
-    skipped = _read_manifest(golden_dir).get("skipped", {})
+    skipped = read_manifest(golden_dir)["skipped"]
     for entry in registry.select(modules):
         goldens = load_cases(golden_dir, entry.name)
         if not goldens and not any(s["module"] == entry.name for s in skipped.values()):

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .files import UsageError, read_json, require_keys, staged_folder
+
 REQUIRED_CELL_KEYS = ("module", "dtype", "tile", "finite", "predicted_finite", "rms_ratio")
 MAP_SCHEMA_VERSION = 1
 
@@ -121,7 +123,6 @@ def write_map(result: MapResult, out_dir: Path, environment: dict[str, Any]) -> 
     from .report import json_safe
 
     result.check()
-    out_dir.mkdir(parents=True, exist_ok=True)
     doc = {
         "schema_version": MAP_SCHEMA_VERSION,
         "module": result.module,
@@ -130,10 +131,26 @@ def write_map(result: MapResult, out_dir: Path, environment: dict[str, Any]) -> 
         "meta": result.meta,
         "cells": result.cells,
     }
-    json_path = out_dir / f"{result.module}_overflow_map.json"
-    json_path.write_text(json.dumps(json_safe(doc), indent=1, allow_nan=False) + "\n")
-    curves = []
-    for name, curve in result.meta.get("curves", {}).items():
-        curves.append(out_dir / name)
-        curves[-1].write_text(json.dumps(json_safe(curve), indent=1, allow_nan=False) + "\n")
-    return [json_path, *curves, *draw_map(result, out_dir)]
+    texts = {f"{result.module}_overflow_map.json": doc} | dict(result.meta.get("curves", {}))
+    prefix = f"{result.module}_overflow_map"
+    # This module's map files are replaced as a set; other modules' maps in the folder stay.
+    with staged_folder(out_dir, carry=lambda name: not name.startswith(prefix) and name not in texts) as stage:
+        for name, content in texts.items():
+            (stage / name).write_text(json.dumps(json_safe(content), indent=1, allow_nan=False) + "\n")
+        images = [out_dir / p.name for p in draw_map(result, stage)]
+    return [*(out_dir / name for name in texts), *images]
+
+
+def load_map(path: Path) -> dict[str, Any]:
+    """An overflow-map document (``<module>_overflow_map.json``); ``UsageError`` naming the path
+    unless it has a module, a spec naming its axes and at least one cell."""
+    doc = require_keys(read_json(path, what="overflow map"), {"module": str, "spec": dict, "cells": list}, path,
+                       "overflow map")
+    if not doc["cells"]:
+        raise UsageError(f"{path}: overflow map has no cells")
+    axes = [doc["spec"].get(k) for k in ("figure", "panel_row", "panel_col", "x", "y")]
+    if not all(isinstance(a, str) for a in axes):
+        raise UsageError(f"{path}: overflow map spec does not name its figure, panel and x/y axes")
+    for i, cell in enumerate(doc["cells"]):
+        require_keys(cell, {"finite": (bool, int), "predicted_finite": (bool, int)}, path, f"map cell {i}")
+    return doc

@@ -94,6 +94,9 @@ class ModuleEntry:
     # The axis of the oracle's output that indexes token position (KDA, MLA: 1 in
     # ``[B, T, H, V]``); when set, each row records its error at every position.
     position_axis: int | None = None
+    # Dataclasses among the cases' inputs (MLA's LatentCache). Goldens store them field by
+    # field and rebuild only these classes: a manifest is data and never names code to run.
+    input_types: tuple[type, ...] = ()
 
     def cases_for_goldens(self, seed: int) -> dict[str, Case]:
         """The cases ``k3verify golden generate`` stores for this module: ``golden_cases``, plus

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from . import plots
-from .overflow_map import MapResult, MapSpec
+from .files import read_json
+from .overflow_map import MapResult, MapSpec, load_map
 from .report import fmt, notes, params_text
 
 DEPTH_DRIFT = "attnres_depth_drift.json"
@@ -48,7 +49,7 @@ def collect_extras(report_dir: Path, maps_dir: Path | None) -> Extras:
     extras = Extras(maps_dir=maps_dir)
     nightly = report_dir / NIGHTLY
     if nightly.exists():
-        extras.nightly = json.loads(nightly.read_text())
+        extras.nightly = read_json(nightly, what="nightly results")
     if maps_dir is None or not maps_dir.is_dir():
         return extras
     for png in sorted(maps_dir.glob("*_overflow_map_*.png")):
@@ -57,16 +58,16 @@ def collect_extras(report_dir: Path, maps_dir: Path | None) -> Extras:
             extras.map_images.setdefault(m["module"], []).append((png.name, plots.compact_png(png.read_bytes())))
     summary = maps_dir / MAP_SUMMARY
     if summary.exists():
-        extras.map_agreement |= {k: v.get("agreement", {}) for k, v in json.loads(summary.read_text()).items()}
+        extras.map_agreement |= {k: v.get("agreement", {}) for k, v in read_json(summary, what="map summary").items()}
     for path in sorted(maps_dir.glob("*_overflow_map.json")):
-        doc = json.loads(path.read_text())
+        doc = load_map(path)
         module = doc["module"]
         extras.map_agreement[module] = doc.get("meta", {}).get("agreement", {})
         if module not in extras.map_images:
             extras.map_images[module] = _draw_map_doc(doc)
     for name in CURVE_FILES:
         if (maps_dir / name).exists():
-            extras.curves[name] = json.loads((maps_dir / name).read_text())
+            extras.curves[name] = read_json(maps_dir / name, what="curve file")
     return extras
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..numerics import EXPECTED_NONFINITE, FAIL, PASS
+from .files import UsageError, read_json, require_keys, staged_folder
 from .runner import UNAVAILABLE
 
 SCHEMA_VERSION = 1
@@ -65,41 +66,118 @@ def build(
     }
 
 
+REPORT_JSON, REPORT_MD, REPORT_HTML = "report.json", "report.md", "report.html"
+REPORT_FILES = (REPORT_JSON, REPORT_MD, REPORT_HTML)
+
+
 def write(doc: dict[str, Any], out_dir: Path, *, maps_dir: Path | None = None) -> list[Path]:
-    """Write ``report.json``, ``report.md`` and ``report.html`` into ``out_dir``; return the paths.
+    """Write ``report.json``, ``report.md`` and ``report.html`` into ``out_dir`` as one set (the
+    folder is swapped in whole: an interrupt leaves the previous three); return the paths.
 
     ``maps_dir`` is where overflow maps and curve files are looked for (see :func:`render`).
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / "report.json"
-    json_path.write_text(json.dumps(json_safe(doc), indent=1, allow_nan=False) + "\n")
-    return [json_path, *render(out_dir, maps_dir=maps_dir, doc=doc)]
+    return _write_set(out_dir, doc, maps_dir, with_json=True)
 
 
-def render(out_dir: Path, *, maps_dir: Path | None = None, doc: dict[str, Any] | None = None) -> list[Path]:
+def render(out_dir: Path, *, maps_dir: Path | None = None) -> list[Path]:
     """(Re)write ``report.md`` and ``report.html`` in ``out_dir`` from its ``report.json``.
 
     The pages also show what sits beside the report: ``nightly.json`` in ``out_dir``, and the
     overflow maps and curve files (``attnres_depth_drift.json``, ``moe_routing_flips.json``) in
     ``maps_dir``.
     """
+    return _write_set(out_dir, load(out_dir), maps_dir, with_json=False)
+
+
+def _write_set(out_dir: Path, doc: dict[str, Any], maps_dir: Path | None, *, with_json: bool) -> list[Path]:
     from .render import collect_extras, html_page
 
-    if doc is None:
-        doc = load(out_dir)
     extras = collect_extras(out_dir, maps_dir)
-    md_path, html_path = out_dir / "report.md", out_dir / "report.html"
-    md_path.write_text(markdown(doc, nightly=extras.nightly))
-    html_path.write_text(html_page(doc, extras))
-    return [md_path, html_path]
+    pages = {REPORT_MD: markdown(doc, nightly=extras.nightly), REPORT_HTML: html_page(doc, extras)}
+    if with_json:
+        pages[REPORT_JSON] = json.dumps(json_safe(doc), indent=1, allow_nan=False) + "\n"
+    with staged_folder(out_dir, carry=lambda name: name not in pages) as stage:
+        for name, text in pages.items():
+            (stage / name).write_text(text, encoding="utf-8")
+    return [out_dir / name for name in REPORT_FILES if name in pages]
+
+
+# What a row must hold for any reader (compare, render) to use it, and the types of the keys
+# readers look into when present (``None`` is always allowed: JSON's spelling of non-finite).
+ROW_KEYS: dict[str, type | tuple[type, ...]] = {
+    "module": str, "implementation": str, "form": str, "dtype": str, "case": str, "status": str, "rule": str,
+}
+_NUMBER = (int, float)
+OPTIONAL_ROW_KEYS: dict[str, type | tuple[type, ...]] = {
+    "params": dict, "case_params": dict, "verdict": dict, "metrics": dict, "baseline_metrics": dict,
+    "prediction": dict, "margin": _NUMBER, "reason": str, "overflow": list, "wall_s": _NUMBER,
+    "ulp_histogram": dict, "error_by_position": list, "baseline_error_by_position": list, "golden": str,
+}
+NESTED_KEYS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "verdict": {"err": _NUMBER, "limit": _NUMBER, "margin": _NUMBER, "baseline_err": _NUMBER, "floor": _NUMBER,
+                "k": _NUMBER, "metric": str, "reason": str, "rule": str, "status": str},
+    "metrics": {"nonfinite": int, "rms_ratio": _NUMBER, "max_abs": _NUMBER, "n": int},
+    "baseline_metrics": {"nonfinite": int, "rms_ratio": _NUMBER},
+    "prediction": {"finite": bool, "explanation": str},
+    "ulp_histogram": {"edges": list, "counts": list, "dtype": str},
+}
+LIST_ITEMS: dict[str, type | tuple[type, ...]] = {
+    "overflow": str, "error_by_position": _NUMBER, "baseline_error_by_position": _NUMBER,
+}
+
+
+def _check_row(row: Any, i: int, path: Path) -> None:
+    """``UsageError`` naming the row and key unless ``row`` has the keys and types readers use."""
+    require_keys(row, ROW_KEYS, path, f"row {i}")
+    if row["status"] not in STATUSES:
+        raise UsageError(f"{path}: row {i} has status {str(row['status'])[:40]!r}; known: {', '.join(STATUSES)}")
+    if "params" in row and not isinstance(row["params"], dict):
+        raise UsageError(f"{path}: row {i}'s 'params' is not an object")
+    for key, kind in OPTIONAL_ROW_KEYS.items():
+        value = row.get(key)
+        if not _typed(value, kind):
+            raise UsageError(f"{path}: row {i}'s {key!r} is a {type(value).__name__}")
+        for sub, sub_kind in NESTED_KEYS.get(key, {}).items():
+            item = value.get(sub) if isinstance(value, dict) else None
+            if not _typed(item, sub_kind):
+                raise UsageError(f"{path}: row {i}'s {key}.{sub} is a {type(item).__name__}")
+        if key in LIST_ITEMS and value is not None and not all(_typed(x, LIST_ITEMS[key]) for x in value):
+            raise UsageError(f"{path}: row {i}'s {key!r} holds an entry that is not a {LIST_ITEMS[key]}")
+
+
+def _typed(value: Any, kind: type | tuple[type, ...]) -> bool:
+    """``value`` is ``None`` or of ``kind`` (a bool counts as a bool only, never as a number)."""
+    if value is None:
+        return True
+    if isinstance(value, bool):
+        return kind is bool or (isinstance(kind, tuple) and bool in kind)
+    return isinstance(value, kind)
 
 
 def load(path: Path) -> dict[str, Any]:
-    """A report document from ``report.json`` or a folder holding one."""
-    path = path / "report.json" if path.is_dir() else path
-    doc = json.loads(path.read_text())
-    if doc.get("schema_version") not in READABLE_SCHEMAS:
-        raise ValueError(f"{path}: report schema {doc.get('schema_version')!r} is not one of {READABLE_SCHEMAS}")
+    """A report document from ``report.json`` or a folder holding one; ``UsageError`` naming the
+    path for anything that is not a readable report (malformed JSON, another schema, rows
+    without their keys, keys of the wrong type, an unknown status)."""
+    path = path / REPORT_JSON if path.is_dir() else path
+    doc = require_keys(read_json(path, what="report"), {"schema_version": int, "rows": list}, path, "report")
+    if doc["schema_version"] not in READABLE_SCHEMAS:
+        raise UsageError(f"{path}: report schema {doc['schema_version']!r} is not one of {READABLE_SCHEMAS}")
+    for i, row in enumerate(doc["rows"]):
+        _check_row(row, i, path)
+    for key in ("environment", "config", "summary"):
+        if not isinstance(doc.get(key, {}), dict):
+            raise UsageError(f"{path}: report's {key!r} is not an object")
+    env, config = doc.get("environment", {}), doc.get("config", {})
+    if not isinstance(env.get("math_platform") or {}, dict):
+        raise UsageError(f"{path}: report's environment.math_platform is not an object")
+    modules = config.get("modules")
+    if modules is not None and not (isinstance(modules, list) and all(isinstance(m, str) for m in modules)):
+        raise UsageError(f"{path}: report's config.modules is not a list of names")
+    for key in ("created",):
+        if not isinstance(doc.get(key, ""), str):
+            raise UsageError(f"{path}: report's {key!r} is not text")
+    if not isinstance(doc.get("command", []), list):
+        raise UsageError(f"{path}: report's 'command' is not a list")
     return doc
 
 

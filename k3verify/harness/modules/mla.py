@@ -372,5 +372,6 @@ register(
         overflow_map=overflow_map,
         golden_cases=golden_cases,
         position_axis=1,  # o: [B, T, H, Dv]
+        input_types=(mla.LatentCache,),
     )
 )

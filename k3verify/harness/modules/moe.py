@@ -399,5 +399,6 @@ register(
         implementations=implementations,
         overflow_map=overflow_map,
         position_axis=0,  # y:[T, d]; tokens are independent, so a routing flip shows as one bad position
+        input_types=(moe.MoEConfig, moe.MoEWeights, moe.Routing),
     )
 )

@@ -1,0 +1,117 @@
+"""Kill tests: SIGINT or SIGKILL at any point of ``k3verify run`` and ``k3verify golden generate``
+leaves the folder holding either the previous set of files or the new one, never a mix.
+
+Rule: structural. Each trial restores the previous set (made with ``--seed 0``), starts the
+command with ``--seed 1`` in a fresh process, kills it after a delay drawn between 30 % and
+105 % of an uninterrupted run's time (so most kills land while it computes or writes), and
+compares every file of the folder with the two sets. CI tries a few points per command and
+signal; ``-m slow`` tries many.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS: dict[str, Callable[[Path, int], list[str]]] = {
+    "run": lambda folder, seed: ["run", "--modules", "mla", "--out", str(folder), "--maps", str(folder.parent / "x"),
+                                 "--seed", str(seed)],
+    "golden generate": lambda folder, seed: ["golden", "generate", "--dir", str(folder), "--modules", "mla",
+                                             "--seed", str(seed)],
+}
+
+
+def _start(command: str, folder: Path, seed: int) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "k3verify", *COMMANDS[command](folder, seed)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _seeds(files: dict[str, bytes]) -> set[str]:
+    """The seed each report file says it was made with (a report's files carry the time they
+    were made, so a report set is recognised by its seed, not by its bytes)."""
+    seeds = set()
+    for name, data in files.items():
+        if name.endswith(".json"):
+            seeds.add(str(json.loads(data)["config"]["seed"]))
+        else:
+            seeds.add("1" if b"--seed 1" in data else "0" if b"--seed 0" in data else "?")
+    return seeds
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[float, Path, dict[str, bytes]]]:
+    """Per command: an uninterrupted run's time, a folder with the previous set (seed 0) and a
+    snapshot of the new set (seed 1)."""
+    out = {}
+    for command in COMMANDS:
+        base = tmp_path_factory.mktemp(command.replace(" ", "_"))
+        start = time.perf_counter()
+        assert _start(command, base / "new", 1).wait(timeout=300) == 0
+        duration = time.perf_counter() - start
+        assert _start(command, base / "old", 0).wait(timeout=300) == 0
+        out[command] = (duration, base / "old", _snapshot(base / "new"))
+    return out
+
+
+def _trials(command: str, sig: signal.Signals, n: int, tmp_path: Path,
+            sets: dict[str, tuple[float, Path, dict[str, bytes]]]) -> list[str]:
+    duration, pristine, new = sets[command]
+    old = _snapshot(pristine)
+    folder = tmp_path / "out"
+    rng = random.Random(f"{command}/{sig.name}/{n}")
+    outcomes = []
+    for _ in range(n):
+        if folder.exists():
+            shutil.rmtree(folder)
+        shutil.copytree(pristine, folder)
+        delay = rng.uniform(0.3, 1.05) * duration
+        proc = _start(command, folder, 1)
+        time.sleep(delay)
+        proc.send_signal(sig)
+        code = proc.wait(timeout=300)
+        err = proc.stderr.read().decode() if proc.stderr else ""
+        assert "Traceback" not in err, err
+        state = _snapshot(folder)
+        if command == "golden generate":
+            kind = "old" if state == old else "new" if state == new else "mix"
+        else:
+            same_names = set(state) == set(new) == set(old)
+            kind = "old" if same_names and _seeds(state) == {"0"} else "new" if same_names and _seeds(state) == {
+                "1"} else "mix"
+        assert kind != "mix", f"{command}: {sig.name} after {delay:.2f} s left {sorted(state)} (exit {code})"
+        if sig == signal.SIGINT and code != 0:
+            assert code == 130 and "interrupted" in err, (code, err)
+        if sig == signal.SIGINT:  # a clean exit leaves no staging folder behind
+            assert not [p for p in tmp_path.iterdir() if "staging" in p.name]
+        outcomes.append(f"{delay:.2f}s:{kind}")
+    return outcomes
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_kill_leaves_the_old_or_the_new_set(command: str, sig: signal.Signals, tmp_path: Path, sets: dict) -> None:
+    _trials(command, sig, 2, tmp_path, sets)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_many_kill_points(command: str, sig: signal.Signals, tmp_path: Path, sets: dict) -> None:
+    outcomes = _trials(command, sig, 25, tmp_path, sets)
+    print(f"{command} {sig.name}: {len(outcomes)} kill points: {' '.join(outcomes)}")

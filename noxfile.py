@@ -108,11 +108,10 @@ def report(session: nox.Session) -> None:
 
 @nox.session(name="overflow-map")
 def overflow_map(session: nox.Session) -> None:
-    """Full overflow maps of every module that has one (JSON + PNG under reports/maps/)."""
+    """Full overflow maps (JSON, PNGs and studies under reports/maps/) of every module that has one,
+    or of the modules given: ``nox -s overflow-map -- kda,mla``."""
     _install(session, "fla")
-    modules = session.posargs or ["kda", "mla"]
-    for module in modules:
-        session.run("k3verify", "overflow-map", "--module", module)
+    session.run("k3verify", "overflow-map", "--module", ",".join(session.posargs) or "all")
 
 
 @nox.session(venv_backend="none")

@@ -28,8 +28,8 @@ from triton.testing import do_bench
 from k3verify import kda
 from k3verify.adapters import fla
 from k3verify.harness.environment import environment
-from k3verify.harness.modules.kda import random_inputs
 from k3verify.kda import kernels
+from k3verify.kda.samples import random_inputs
 from k3verify.kda.tiled import ANCHORS
 from k3verify.numerics import compare
 

@@ -12,7 +12,7 @@ import torch
 
 from k3verify import kda
 from k3verify.adapters import fla
-from k3verify.harness.modules.kda import random_inputs
+from k3verify.kda.samples import random_inputs
 
 SHAPE = dict(B=1, T=4096, H=4, K=128, V=128)
 

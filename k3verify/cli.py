@@ -19,6 +19,7 @@ atomic, so an interrupted command leaves what was there before.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -26,13 +27,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .harness import compare, golden, registry, report, runner
 from .harness.environment import environment
 from .harness.files import UsageError, check_output_folder
-from .harness.overflow_map import MapOptions, agreement, write_map
+from .harness.map_files import write_map
+from .harness.overflow_map import MapOptions, agreement, sweep_map
+from .harness.render import render_report, write_report
 
 STATUS_STYLE = {"pass": "green", "fail": "bold red", "expected-nonfinite": "yellow", "unavailable": "dim"}
 
@@ -132,7 +136,8 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
     start = time.perf_counter()
     with _progress(err) as bar:
         task = bar.add_task("verifying", total=len(planned), current="")
-        for row in runner.run(entries, seed=args.seed, progress=lambda label: bar.update(task, current=label)):
+        for row in runner.run(entries, seed=args.seed, progress=lambda label: bar.update(task, current=label),
+                              orphans=args.modules is None):
             rows.append(row)
             bar.advance(task)
     wall = time.perf_counter() - start
@@ -147,7 +152,7 @@ def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path
     summary = doc["summary"]
     out.print(" · ".join(f"{k}: {v}" for k, v in summary.items()) + f" · wall {config['wall_s']:.1f} s")
     if out_dir is not None:
-        paths = report.write(doc, out_dir, maps_dir=maps_dir)
+        paths = write_report(doc, out_dir, maps_dir=maps_dir)
         out.print(f"wrote {', '.join(str(p) for p in paths)}")
     failed = summary["fail"]
     if failed:
@@ -169,49 +174,57 @@ def _print_table(out: Console, rows: list[dict]) -> None:
 
 
 def cmd_overflow_map(args: argparse.Namespace, out: Console, err: Console) -> int:
-    """Sweep one module's overflow map and write JSON + PNG."""
-    entry = registry.get(args.module)
-    if entry.overflow_map is None:
-        raise UsageError(f"module {entry.name!r} has no overflow map")
+    """Sweep the overflow map of each selected module (``all``: every module that has one) and
+    write its JSON, PNGs and studies; 1 if any cell disagrees with its prediction away from the frontier."""
+    if args.module.strip() == "all":
+        entries = [e for e in registry.select(None) if e.overflow_map is not None]
+    else:
+        entries = registry.select(_module_list([args.module]))
+        without = [e.name for e in entries if e.overflow_map is None]
+        if without:
+            raise UsageError(f"module(s) {', '.join(without)} have no overflow map")
     check_output_folder(Path(args.out), "--out")
-    start = time.perf_counter()
-    with _progress(err) as bar:
-        task = bar.add_task(f"{entry.name} overflow map", total=None, current="")
-
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        result = entry.overflow_map(MapOptions(quick=args.quick, seed=args.seed), progress)
-    result.meta["wall_s"] = round(time.perf_counter() - start, 2)
-    paths = write_map(result, Path(args.out), environment())
-    counts = agreement(result.cells)
-    out.print(
-        f"{entry.name}: {len(result.cells)} cells in {result.meta['wall_s']:.1f} s; prediction vs observation: "
-        f"{counts['agree']} agree, {counts['disagree_adjacent']} disagree next to the frontier, "
-        f"{counts['disagree_away']} disagree away from it"
-    )
-    for p in paths:
-        out.print(f"wrote {p}")
-    return 1 if counts["disagree_away"] else 0
+    failed = False
+    for entry in entries:
+        start = time.perf_counter()
+        with _progress(err) as bar:
+            task = bar.add_task(f"{entry.name} overflow map", total=None, current="")
+            result = sweep_map(entry, MapOptions(quick=args.quick, seed=args.seed),
+                               lambda done, total, t=task: bar.update(t, completed=done, total=total))
+        result.meta["wall_s"] = round(time.perf_counter() - start, 2)
+        paths = write_map(result, Path(args.out), environment())
+        counts = agreement(result.cells)
+        failed |= counts["disagree_away"] > 0
+        out.print(
+            f"{entry.name}: {len(result.cells)} cells in {result.meta['wall_s']:.1f} s; prediction vs observation: "
+            f"{counts['agree']} agree, {counts['disagree_adjacent']} disagree next to the frontier, "
+            f"{counts['disagree_away']} disagree away from it", markup=False, highlight=False,
+        )
+        for p in paths:
+            out.print(f"wrote {p}", markup=False, highlight=False)
+    return 1 if failed else 0
 
 
 def cmd_list(args: argparse.Namespace, out: Console, err: Console) -> int:
-    """Registered modules and what a run would verify."""
-    table = Table("module", "implementation", "form", "dtype", "params", "cases", "rule", "available")
-    for entry, impl, _ in {
-        (e.name, i.label): (e, i, c) for e, i, c in runner.plan(registry.select(_module_list(args.modules)))
-    }.values():
-        reason = impl.unavailable()
-        table.add_row(
-            entry.name,
-            impl.implementation,
-            impl.form,
-            impl.dtype,
-            " ".join(f"{k}={v}" for k, v in impl.params.items()),
-            ",".join(impl.cases),
-            impl.rule,
-            "yes" if reason is None else f"no: {reason}",
-        )
+    """Registered modules and what a run would verify, with where each implementation comes from
+    (``--json``: one object per implementation, for scripts)."""
+    selected = _module_list(args.modules)
+    impls = [impl for entry in registry.select(selected) for impl in entry.implementations()]
+    if selected is None:
+        impls += registry.orphan_implementations()
+    listed = [{"module": i.module, "implementation": i.implementation, "form": i.form, "dtype": i.dtype,
+               "params": {k: str(v) for k, v in i.params.items()}, "cases": list(i.cases), "rule": i.rule,
+               "source": i.source, "available": i.unavailable() is None, "reason": i.unavailable()}
+              for i in impls]
+    if args.json:
+        print(json.dumps(listed, indent=1))
+        return 0
+    table = Table("module", "implementation", "form", "dtype", "params", "cases", "rule", "source", "available")
+    for i in listed:
+        params = " ".join(f"{k}={v}" for k, v in i["params"].items())
+        cells = (i["module"], i["implementation"], i["form"], i["dtype"], params, ",".join(i["cases"]), i["rule"],
+                 i["source"], "yes" if i["available"] else f"no: {i['reason']}")
+        table.add_row(*(escape(str(c)) for c in cells))
     out.print(table)
     return 0
 
@@ -285,7 +298,7 @@ def cmd_report_compare(args: argparse.Namespace, out: Console, err: Console) -> 
 
 def cmd_report_render(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Rewrite report.md and report.html of a report folder from its report.json."""
-    paths = report.render(Path(args.dir), maps_dir=_maps_dir(args.maps))
+    paths = render_report(Path(args.dir), maps_dir=_maps_dir(args.maps))
     out.print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 
@@ -326,13 +339,14 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--maps", help=MAPS_HELP)
     r.set_defaults(fn=cmd_run)
     m = sub.add_parser("overflow-map", help="map where a module's tiled form overflows or loses precision")
-    m.add_argument("--module", required=True, help="module name, e.g. kda")
+    m.add_argument("--module", required=True, help="module name(s), comma-separated, e.g. kda; or all")
     m.add_argument("--out", default="reports/maps", help="output folder (default: reports/maps)")
     m.add_argument("--quick", action="store_true", help="coarse grid (seconds instead of minutes)")
     m.add_argument("--seed", type=_seed, default=0)
     m.set_defaults(fn=cmd_overflow_map)
     ls = sub.add_parser("list", help="list modules and implementations")
     ls.add_argument("--modules", action="append")
+    ls.add_argument("--json", action="store_true", help="one JSON object per implementation")
     ls.set_defaults(fn=cmd_list)
 
     g = sub.add_parser("golden", help="golden tensors: generate, or verify hashes and implementations")

@@ -1,9 +1,10 @@
-"""Block AttnRes as the harness sees it: registry rows, the precision map and the depth-drift curve.
+"""Block AttnRes as the harness sees it: registry rows, the precision map and the depth-drift study.
 
 Rows are judged by the runner under each implementation's rule (``fp64-agreement`` or
-``baseline``; a predicted overflow is ``expected-nonfinite``). The quick map must agree with its
-analytic prediction in every cell that is not frontier-adjacent and must contain both outcomes
-where the physics says it should.
+``baseline``; a predicted overflow is ``expected-nonfinite``), every named output on its own:
+``h`` on every case, ``blocks`` on walks. The quick map must agree with its analytic prediction
+in every cell that is not frontier-adjacent and must contain both outcomes where the physics
+says it should.
 """
 
 from __future__ import annotations
@@ -14,17 +15,26 @@ from pathlib import Path
 from registry_contract import passing_rows, quick_map
 from strategies.attnres import one_thread  # noqa: F401  (autouse fixture)
 
-from k3verify.harness.modules import attnres as entry_module
-from k3verify.harness.overflow_map import write_map
+from k3verify.attnres import samples
+from k3verify.harness import plots, registry, render
+from k3verify.harness.files import json_safe
+from k3verify.harness.map_files import write_map
+from k3verify.harness.overflow_map import MapOptions
 from k3verify.numerics import EXPECTED_NONFINITE
+
+DEPTH_DRIFT = "attnres_depth_drift.json"  # the file name the report has always read
 
 
 def test_every_registered_row_passes() -> None:
     """Runner verdicts: no row fails; fp64 rows within 1e-10; every form runs on an aggregation
-    and on a walk; the no-max softmax is an expected overflow on ``hot`` and a pass elsewhere."""
+    and on a walk, and every named output of the case is judged; the no-max softmax is an
+    expected overflow on ``hot`` and a pass elsewhere."""
     rows = passing_rows("attnres")
     for form in ("recurrent", "chunkwise", "tiled"):
         assert {"sources", "walk"} <= {r["case"] for r in rows if r["form"] == form}, form
+    for r in rows:  # aggregations make h only; walks h and their stored blocks
+        walk = r["case"] in samples.WALK_CASES
+        assert set(r["outputs"]) == ({"h", "blocks"} if walk else {"h"}), (r["case"], set(r["outputs"]))
     no_max = {r["case"]: r["status"] for r in rows if r["params"].get("subtract_max") is False}
     assert no_max == {"sources": "pass", "hot": EXPECTED_NONFINITE, "walk": "pass"}
     assert all(r["status"] == "pass" for r in rows if r["case"] == "hot" and r["params"].get("subtract_max", True))
@@ -34,8 +44,14 @@ def test_quick_map_agrees_with_its_prediction(tmp_path: Path) -> None:
     """Prediction vs observation: no disagreement away from the frontier; the no-max softmax
     overflows past ln(max fp32) with fp32 logits and past ln(65504) with fp16 ones, and not
     below; with max subtraction only fp16 logits overflow (past 65504); bf16 logits fail the
-    baseline rule somewhere in a bf16 stream and fp32 logits nowhere. JSON + PNG are written."""
+    baseline rule somewhere in a bf16 stream and fp32 logits nowhere. JSON + PNG are written,
+    and the depth-drift study beside them."""
     result = quick_map("attnres")
+    # Every point swept (the shared check: progress reaches its total), each with every form of
+    # ours and nothing else.
+    d, quick = registry.get("attnres").overflow_map, MapOptions(quick=True)
+    points = len(samples.QUICK_LOGIT_SCALES) * len(samples.QUICK_SOURCES)
+    assert len(d.points(quick)) == points and len(result.cells) == points * len(d.forms(quick))
 
     def finite(**where) -> dict[float, set[bool]]:
         out: dict[float, set[bool]] = {}
@@ -56,19 +72,27 @@ def test_quick_map_agrees_with_its_prediction(tmp_path: Path) -> None:
                for v in ("subtract_max", "no_max"))
     paths = write_map(result, tmp_path, {"test": True})
     assert paths[0].suffix == ".json" and any(p.suffix == ".png" for p in paths)
+    assert DEPTH_DRIFT in {p.name for p in paths}  # the study, written beside the map
 
 
-def test_depth_drift_curve(tmp_path: Path) -> None:
-    """Structural: one entry per call (186 sublayers + the output); the first call (the embedding
-    alone, bf16-representable) is exact; a bf16 stream is worse than an fp32 one at every other
-    call; the JSON carries the keys the report reads."""
-    drift = entry_module.depth_drift()
+def test_depth_drift_study(tmp_path: Path) -> None:
+    """Structural: the study is listed under its file name; one entry per call (186 sublayers +
+    the output); the first call (the embedding alone, bf16-representable) is exact; a bf16 stream
+    is worse than an fp32 one at every other call; the JSON carries the keys the report reads, the
+    title it shows, and draws as a figure against depth."""
+    studies = registry.get("attnres").studies
+    assert set(studies) == {DEPTH_DRIFT}
+    drift = studies[DEPTH_DRIFT](0, False)
+    assert studies[DEPTH_DRIFT](0, True) == drift  # the quick map asks for the same curve
     n = 187
     assert len(drift["layers"]) == len(drift["sublayer"]) == len(drift["error_bf16"]) == len(drift["error_fp32"]) == n
     assert drift["layers"][0] == 1 and drift["layers"][-1] == 93 and drift["sublayer"][-1] == "output"
     assert drift["error_bf16"][0] == drift["error_fp32"][0] == 0.0
     assert all(b > f > 0 for b, f in zip(drift["error_bf16"][1:], drift["error_fp32"][1:]))
-    paths = entry_module.write_depth_drift(tmp_path, drift)
-    doc = json.loads(paths[0].read_text())
-    assert paths[0].name == "attnres_depth_drift.json" and paths[1].suffix == ".png"
+    path = tmp_path / DEPTH_DRIFT
+    path.write_text(json.dumps(json_safe(drift), allow_nan=False))
+    doc = json.loads(path.read_text())
     assert {"layers", "sublayer", "error_bf16", "error_fp32", "metric"} <= doc.keys() and doc["metric"] == "rms_ratio"
+    title = render.curve_title(DEPTH_DRIFT, doc)
+    assert title == "Block AttnRes: error against depth"
+    assert plots.png_bytes(plots.depth_figure(doc, title)).startswith(b"\x89PNG")

@@ -212,7 +212,7 @@ def test_fuzzed_command_lines_end_in_an_exit_status(argv: list[str], monkeypatch
     handling, path checks and error reporting. Nothing is written outside the working folder."""
     row = {"module": "mla", "implementation": "i", "form": "f", "dtype": "fp64", "params": {}, "case": "c",
            "rule": "fp64-agreement", "status": "pass", "verdict": {"err": 0.0, "limit": 1e-10}, "margin": 1.0}
-    monkeypatch.setattr(runner, "run", lambda entries, seed, progress: iter([row]))
+    monkeypatch.setattr(runner, "run", lambda entries, seed, progress, **kw: iter([row]))
     monkeypatch.setattr(golden, "generate", _no_generate)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "a" / "b"

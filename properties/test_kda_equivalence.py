@@ -11,15 +11,9 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 from strategies.kda import KDAProblem, kda_problems, make_problem
+from verdicts import assert_fp64_agrees
 
 from k3verify import kda
-from k3verify.numerics import FP64_AGREEMENT_REL, relative_max_error
-
-
-def _agree(x: torch.Tensor, ref: torch.Tensor) -> None:
-    assert x.dtype == torch.float64, f"fp64 input came back as {x.dtype}"
-    err = relative_max_error(x, ref)
-    assert err <= FP64_AGREEMENT_REL, f"relative error {err:.3e} > {FP64_AGREEMENT_REL:.0e}"
 
 
 @given(p=kda_problems(max_T=150), chunk=st.sampled_from([1, 3, 16, 64, 100]))
@@ -30,8 +24,8 @@ def test_chunkwise_matches_recurrent(p: KDAProblem, chunk: int) -> None:
     """chunkwise(C) == recurrent for any T, chunk size, initial state; outputs and final state."""
     o_ref, s_ref = kda.recurrent(*p.args(), initial_state=p.state(), output_final_state=True)
     o, s = kda.chunkwise(*p.args(), initial_state=p.state(), output_final_state=True, chunk_size=chunk)
-    _agree(o, o_ref)
-    _agree(s, s_ref)
+    assert_fp64_agrees(o, o_ref)
+    assert_fp64_agrees(s, s_ref)
 
 
 @given(p=kda_problems(max_T=140), c1=st.sampled_from([2, 8, 32, 64]), c2=st.sampled_from([5, 16, 48, 128]))
@@ -39,7 +33,7 @@ def test_chunk_size_invariance(p: KDAProblem, c1: int, c2: int) -> None:
     """Two chunk sizes give the same outputs."""
     o1, _ = kda.chunkwise(*p.args(), initial_state=p.state(), chunk_size=c1)
     o2, _ = kda.chunkwise(*p.args(), initial_state=p.state(), chunk_size=c2)
-    _agree(o1, o2)
+    assert_fp64_agrees(o1, o2)
 
 
 @given(
@@ -62,8 +56,8 @@ def test_tiled_in_fp64_matches_recurrent(p: KDAProblem, tile: int, anchor: str) 
         operand_dtype=torch.float64,
         anchor=anchor,
     )
-    _agree(o, o_ref)
-    _agree(s, s_ref)
+    assert_fp64_agrees(o, o_ref)
+    assert_fp64_agrees(s, s_ref)
 
 
 @given(p=kda_problems(max_T=100))
@@ -72,8 +66,8 @@ def test_fp64_baselines_are_the_exact_forms(p: KDAProblem) -> None:
     o_ref, _ = kda.recurrent(*p.args(), initial_state=p.state())
     o_rec, _ = kda.naive_baseline(*p.args(), dtype="fp64", initial_state=p.state())
     o_chk, _ = kda.naive_chunk_baseline(*p.args(), dtype="fp64", initial_state=p.state())
-    _agree(o_rec, o_ref)
-    _agree(o_chk, o_ref)
+    assert_fp64_agrees(o_rec, o_ref)
+    assert_fp64_agrees(o_chk, o_ref)
 
 
 def test_empty_sequence_returns_the_initial_state() -> None:

@@ -73,7 +73,7 @@ def test_tiled_follows_its_frontier(p: KDAProblem, dtype: str, tile: int, anchor
         assert verdict.passed, verdict.reason
     else:
         assert m.nonfinite > 0, "finite output where the frontier predicts overflow"
-        events = kda.explain_overflow(*p.args(torch.float32), operand_dtype=dtype, **tiling)
+        events = kda.overflow_events(*p.args(torch.float32), operand_dtype=dtype, **tiling)
         assert events and "diagonal" in events[0].operand, [e.describe() for e in events]
 
 

@@ -8,11 +8,14 @@ both outcomes where the physics says it should (it is not allowed to be triviall
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from registry_contract import passing_rows, quick_map
 
-from k3verify.harness.overflow_map import write_map
+from k3verify.harness import registry
+from k3verify.harness.map_files import write_map
+from k3verify.harness.overflow_map import MapDefinition, MapOptions, sweep_map
 from k3verify.numerics import EXPECTED_NONFINITE
 
 
@@ -29,8 +32,16 @@ def test_every_registered_row_passes() -> None:
 def test_quick_overflow_map_agrees_with_its_prediction(tmp_path: Path) -> None:
     """Prediction vs observation: no disagreement away from the frontier; both outcomes present
     for the no-max softmax and for fp16 operands; the correct softmax in bf16 and with the fp8
-    cache never overflows on the grid; JSON + PNG are written from the MapSpec."""
+    cache never overflows on the grid; every cell keeps the old map's keys (the prediction's
+    score statistics among them); JSON + PNG are written from the MapSpec."""
+    assert isinstance(registry.get("mla").overflow_map, MapDefinition)
     result = quick_map("mla")
+    assert len(result.cells) == 2 * 4 * 4 * 3 * 2 * 2  # contexts x q x latent scales x dtypes x variants x tiles
+    keys = {"operand_dtype", "context", "variant", "setting", "log2_q_scale", "log2_latent_scale", "q_scale",
+            "latent_scale", "max_score", "score_bound", "min_row_max", "max_lse", "binding", "headroom",
+            "explanation"}
+    assert all(keys <= c.keys() for c in result.cells)
+    assert all("overflow" in c for c in result.cells if not c["finite"])
 
     def outcomes(**where) -> set[bool]:
         return {c["finite"] for c in result.cells if all(c[k] == v for k, v in where.items())}
@@ -42,3 +53,17 @@ def test_quick_overflow_map_agrees_with_its_prediction(tmp_path: Path) -> None:
     assert any(c["frontier_adjacent"] for c in result.cells)
     paths = write_map(result, tmp_path, {"test": True})
     assert paths[0].suffix == ".json" and any(p.suffix == ".png" for p in paths)
+
+
+def test_a_registered_in_map_implementation_joins_the_quick_map() -> None:
+    """A registered implementation with ``in_map`` (here our tiled bf16 form posing as a plugin)
+    gets a cell at every map point, keeps the point's context, is predicted by its own
+    ``predict`` and agrees with it away from the frontier."""
+    entry = registry.get("mla")
+    plugin = replace(next(i for i in entry.own_implementations() if i.form == "tiled" and i.dtype == "bf16"),
+                     implementation="plugin 0.1", source="plugin 0.1 (plugin)", in_map=True)
+    result = sweep_map(replace(entry, own_implementations=lambda: [plugin]), MapOptions(quick=True))
+    theirs = [c for c in result.cells if c.get("source") == plugin.source]
+    assert len(theirs) == 2 * 4 * 4 and {c["context"] for c in theirs} == {16, 128}
+    assert all("frontier_adjacent" in c for c in result.cells)
+    assert result.meta["agreement"]["all"]["disagree_away"] == 0

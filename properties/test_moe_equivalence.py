@@ -21,19 +21,14 @@ from strategies.moe import (
     one_thread,  # noqa: F401
     settled_choices,
 )
+from verdicts import assert_fp64_agrees
 
 from k3verify import moe
 from k3verify.moe import layer
-from k3verify.numerics import fp64_agreement
 
 activations = st.sampled_from(("situ", "swiglu"))
 biases = st.sampled_from((0.0, 0.1, 3.0))  # 3.0: a few experts win every token, the rest idle
 
-
-def _agree(x: torch.Tensor, ref: torch.Tensor) -> None:
-    assert x.dtype == torch.float64
-    verdict = fp64_agreement(x, ref)
-    assert verdict.passed, verdict.reason
 
 
 def dense_latent(p: MoEProblem, rho: float | None = None) -> torch.Tensor:
@@ -57,7 +52,7 @@ def test_recurrent_equals_the_dense_definition(p: MoEProblem) -> None:
     """fp64-agreement: the per-token loop == a dense mixture of all experts (independent oracle)."""
     x, w, cfg = p.args()
     dense = layer.latent_output(dense_latent(p), w, cfg) + layer.shared_output(x, w, cfg)
-    _agree(moe.recurrent(*p.args()), dense)
+    assert_fp64_agrees(moe.recurrent(*p.args()), dense)
 
 
 @given(p=moe_problems(activation=activations, bias_scale=biases), tile_m=st.integers(1, 20),
@@ -69,9 +64,9 @@ def test_every_fp64_form_equals_the_recurrent_definition(p: MoEProblem, tile_m: 
     at any tile sizes (padded tiles, partial K steps) and the naive baseline in fp64 all equal the
     recurrent definition; with idle experts too (one code path for any load)."""
     ref = moe.recurrent(*p.args())
-    _agree(moe.chunkwise(*p.args()), ref)
-    _agree(moe.tiled(*p.args(), operand_dtype="fp64", tile_m=tile_m, tile_k=tile_k), ref)
-    _agree(moe.naive_baseline(*p.args(), dtype="fp64"), ref)
+    assert_fp64_agrees(moe.chunkwise(*p.args()), ref)
+    assert_fp64_agrees(moe.tiled(*p.args(), operand_dtype="fp64", tile_m=tile_m, tile_k=tile_k), ref)
+    assert_fp64_agrees(moe.naive_baseline(*p.args(), dtype="fp64"), ref)
 
 
 @given(p=moe_problems(min_T=2, bias_scale=biases), seed=st.integers(0, 1000),
@@ -97,7 +92,7 @@ def test_permuting_tokens_permutes_outputs(p: MoEProblem, seed: int, form: str) 
     opts = {"operand_dtype": "fp64", "tile_m": 3} if form == "tiled" else {}
     fn = getattr(moe, form)
     if bool(same_set.any()):
-        _agree(fn(x[perm], w, cfg, **opts)[same_set], fn(x, w, cfg, **opts)[perm][same_set])
+        assert_fp64_agrees(fn(x[perm], w, cfg, **opts)[same_set], fn(x, w, cfg, **opts)[perm][same_set])
 
 
 @given(p=moe_problems(bias_scale=biases), form=st.sampled_from(("recurrent", "chunkwise", "tiled")))
@@ -125,7 +120,7 @@ def test_no_tokens_and_leading_axes() -> None:
         assert fn(x[:0], w, cfg).shape == (0, cfg.hidden_size)
     y = layer.forward(x.reshape(2, 3, -1), w, cfg, form=moe.chunkwise)
     assert y.shape == (2, 3, cfg.hidden_size)
-    _agree(y.reshape(6, -1), moe.recurrent(x, w, cfg))
+    assert_fp64_agrees(y.reshape(6, -1), moe.recurrent(x, w, cfg))
 
 
 @given(p=moe_problems(), rhos=st.tuples(st.floats(0.25, 4.0), st.floats(0.25, 4.0)),
@@ -152,7 +147,7 @@ def test_rmsnorm_makes_rho_irrelevant_only_when_the_latent_is_not_tiny(
     for rho in rhos:
         y = moe.recurrent(*q.with_config(routed_scaling_factor=rho).args())
         expected = (u1 / torch.sqrt(ms[:, None] + eps / rho**2) * q.weights.latent_norm) @ q.weights.w_latent_up
-        _agree(y, expected)
+        assert_fp64_agrees(y, expected)
         ys.append(y)
     lo, hi = min(rhos), max(rhos)
     if regime == "large":

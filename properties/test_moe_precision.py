@@ -76,8 +76,27 @@ def test_finiteness_follows_the_prediction(p: MoEProblem, log2_scale: float, set
     assert finite == prediction.finite, f"observed finite={finite}; predicted: {prediction.explanation()}"
     if not finite:
         assert events and events[0].describe()
+        lines = moe.explain_overflow(x, w, cfg, routing=routing, operand_dtype=dtype, fp8_scaling=scaling)
+        assert lines == [e.describe() for e in events]
     if cfg.activation == "situ":
         assert not any("hidden" in r for r in prediction.reasons), "SiTU's hidden is bounded by 100"
+
+
+def test_the_overflow_model_takes_the_forms_arguments() -> None:
+    """Structural: ``overflow_quantities`` and ``explain_overflow`` take a form's positional inputs
+    and keyword options, ``predict`` takes the options too and ignores the tiling (it does not
+    move the prediction); SwiGLU at 2^8 in fp16 is predicted to overflow and explained, line for
+    line the events of ``overflow_events``, starting with the expert hidden tensor."""
+    p = make_problem(8, E=8, k=2, d=16, H=8, seed=1, activation="swiglu")
+    x, w, cfg = p.args()
+    x = x * 2.0**8
+    opts = dict(operand_dtype="fp16", fp8_scaling="per_row", fp8_static_scale=1.0, tile_m=4, tile_k=8)
+    q = moe.overflow_quantities(x, w, cfg, **opts)
+    prediction = moe.predict(q, **opts)
+    assert prediction == moe.predict(q, operand_dtype="fp16")
+    lines = moe.explain_overflow(x, w, cfg, **opts)
+    assert lines == [e.describe() for e in moe.overflow_events(x, w, cfg, **opts)]
+    assert not prediction.finite and lines and "hidden" in lines[0], (prediction.explanation(), lines)
 
 
 @given(p=moe_problems(activation=st.just("situ"), rho=st.floats(0.5, 4.0)), log2_scale=st.floats(-4, 60))
@@ -107,7 +126,7 @@ def test_rmsnorm_sum_of_squares_overflow_zeroes_the_routed_output() -> None:
         y = moe.tiled(x, w, cfg, routing=routing, operand_dtype="bf16")
         assert prediction.finite and bool(torch.isfinite(y).all())
         zero_rows = (y == 0).all(-1)
-        assert prediction.zeroed == (activation == "swiglu") == bool(zero_rows.any())
+        assert prediction.predicted_zeroed == (activation == "swiglu") == bool(zero_rows.any())
         assert bool((q.oracle.abs().amax(-1) > 0).all())
         assert ("RMSNorm" in prediction.explanation()) == (activation == "swiglu")
 

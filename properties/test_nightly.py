@@ -23,7 +23,7 @@ from hypothesis import settings
 
 from k3verify.harness import registry
 from k3verify.harness.environment import environment
-from k3verify.harness.report import json_safe
+from k3verify.harness.files import json_safe
 
 NIGHTLY_SCHEMA = 1
 
@@ -97,8 +97,9 @@ def test_a_broken_implementation_fails_the_search(monkeypatch: pytest.MonkeyPatc
     """A bf16 tiled form that returns zeros has rms_ratio 1, far above its baseline-rule limit."""
     entry = registry.get("kda")
     good = next(i for i in entry.implementations() if i.form == "tiled" and i.dtype == "bf16")
-    broken = dataclasses.replace(good, run=lambda case: torch.zeros_like(entry.oracle(case)).to(torch.bfloat16))
-    monkeypatch.setitem(registry._REGISTRY, "kda", dataclasses.replace(entry, implementations=lambda: [broken]))
+    broken = dataclasses.replace(good, run=lambda case: {k: torch.zeros_like(v).to(torch.bfloat16)
+                                                         for k, v in entry.oracle(case).items()})
+    monkeypatch.setitem(registry._REGISTRY, "kda", dataclasses.replace(entry, own_implementations=lambda: [broken]))
     with pytest.raises(AssertionError, match="rms_ratio") as info:
         worst_case.search("kda", budget_s=60, run_seed=0, max_examples=2)
     partial = info.value.search_result

@@ -18,11 +18,14 @@ import torch
 from k3verify import kda
 from k3verify.cli import main
 from k3verify.harness import compare, report
-from k3verify.harness.overflow_map import MapResult, MapSpec, write_map
-from k3verify.harness.render import DEPTH_DRIFT, ROUTING_FLIPS
+from k3verify.harness.map_files import write_map
+from k3verify.harness.overflow_map import MapResult, MapSpec
+from k3verify.harness.render import write_report
 from k3verify.numerics import FAIL, PASS
 
 BASELINE = Path(__file__).resolve().parents[1] / "reports" / "baseline" / "cpu"
+# Two modules' study files, as their entries register them (the report shows any study it finds).
+DEPTH_DRIFT, ROUTING_FLIPS = "attnres_depth_drift.json", "moe_routing_flips.json"
 
 
 @pytest.fixture(scope="module")
@@ -61,23 +64,31 @@ def test_the_committed_baseline_compares_clean_with_itself() -> None:
     assert main(["report", "compare", str(BASELINE), str(BASELINE)]) == 0
 
 
+def _binding(row: dict[str, Any]) -> dict[str, Any]:
+    """The judged output that decides a row (its top-level verdict is a copy of this one's)."""
+    return row["outputs"][row["output"]]
+
+
 def _plant(doc: dict[str, Any], how: str) -> tuple[dict[str, Any], str]:
     """A copy of ``doc`` with one regression of kind ``how``; returns it and the row's subject."""
     new = copy.deepcopy(doc)
     row = _baseline_row(new)
-    v = row["verdict"]
+    judged = _binding(row)
+    v = judged["verdict"]
     if how == "error grew":  # x1.5 with the margin down by far more than 0.05
         v["err"] *= 1.5
-        row["margin"] = 1 - v["err"] / v["limit"]
+        judged["margin"] = 1 - v["err"] / v["limit"]
     elif how == "verdict flipped":
         row["status"], v["status"] = FAIL, FAIL
     elif how == "became non-finite":
-        row["metrics"]["nonfinite"] = 7
+        judged["metrics"]["nonfinite"] = 7
     elif how == "coverage lost":
         row["status"] = "unavailable"
     elif how == "row removed":
         new["rows"].remove(row)
-    return new, compare.row_subject(row)
+    # Findings about one output name it: "<row> [o]".
+    output = f" [{row['output']}]" if how in ("error grew", "became non-finite") else ""
+    return new, compare.row_subject(row) + output
 
 
 @pytest.mark.parametrize("how", ["error grew", "verdict flipped", "became non-finite", "coverage lost", "row removed"])
@@ -95,14 +106,13 @@ def test_a_planted_regression_is_flagged(
 def test_changes_within_the_thresholds_are_not_regressions(mla_report: Path) -> None:
     base = _doc(mla_report)
     new = copy.deepcopy(base)
-    row = _baseline_row(new)
-    row["verdict"]["err"] *= 1.2  # under the 25 % growth threshold
-    row["margin"] = 1 - row["verdict"]["err"] / row["verdict"]["limit"]
+    judged = _binding(_baseline_row(new))
+    judged["verdict"]["err"] *= 1.2  # under the 25 % growth threshold
+    judged["margin"] = 1 - judged["verdict"]["err"] / judged["verdict"]["limit"]
     assert compare.compare_reports(base, new).regressions == []
-    better = _baseline_row(copy.deepcopy(base))
     improved = copy.deepcopy(base)
-    improved["rows"][base["rows"].index(_baseline_row(base))] = better | {"verdict": better["verdict"] | {"err": 0.0},
-                                                                         "margin": 1.0}
+    better = _binding(_baseline_row(improved))
+    better["verdict"]["err"], better["margin"] = 0.0, 1.0
     findings = compare.compare_reports(base, improved).findings
     assert [f.kind for f in findings] == ["error shrank"] and not findings[0].regression
 
@@ -249,14 +259,15 @@ def maps_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec = MapSpec(x="g_min", y="tile", panel_row="dtype", panel_col="anchor", figure="input", x_label="|g_min|",
                    y_label="tile", title="toy")
     write_map(MapResult("kda", cells, spec), out, {})
-    (out / DEPTH_DRIFT).write_text(json.dumps({
+    (out / DEPTH_DRIFT).write_text(json.dumps({"title": "Block AttnRes: error against depth",
         "layers": list(range(1, 9)), "sublayer": ["attn", "mlp"] * 4, "metric": "rms_ratio",
         "error_bf16": [1e-3 * 1.2**i for i in range(8)], "error_fp32": [1e-7 * 1.1**i for i in range(8)],
         "error_bf16_naive": [2e-3 * 1.2**i for i in range(8)],
     }))
     flips = [{"log2_input_scale": e, "bf16_vs_fp32": {"changed_pairs": 0.01 * e, "changed_tokens": 0.1 * e}}
              for e in range(4)]
-    (out / ROUTING_FLIPS).write_text(json.dumps({"definition": "fractions", "by_scale": flips}))
+    (out / ROUTING_FLIPS).write_text(json.dumps({"title": "Stable LatentMoE: routing flips",
+                                                  "definition": "fractions", "by_scale": flips}))
     return out
 
 
@@ -293,10 +304,28 @@ def test_a_map_json_without_its_png_is_drawn(maps_dir: Path, mla_report: Path, t
     only_json.mkdir()
     (only_json / "kda_overflow_map.json").write_text((maps_dir / "kda_overflow_map.json").read_text())
     doc = report.load(mla_report)
-    paths = report.write(doc, tmp_path / "r", maps_dir=only_json)
+    paths = write_report(doc, tmp_path / "r", maps_dir=only_json)
     page = paths[-1].read_text()
     assert "kda_overflow_map_input-worst.png" in page and "Overflow map" in page
 
 
 def test_render_without_a_report_is_a_usage_error(tmp_path: Path) -> None:
     assert main(["report", "render", str(tmp_path)]) == 2
+
+
+def test_a_schema_1_baseline_still_compares_with_a_new_run(tmp_path: Path) -> None:
+    """The CPU baseline as it was committed before named outputs (schema 1: one unnamed output per
+    row; trimmed to the keys compare reads) against a fresh schema-2 run of MLA and MoE: every row
+    matches, the old top-level verdict is compared with the new primary output, and the new
+    secondary outputs are information, not regressions."""
+    old = json.loads((Path(__file__).parent / "data" / "report_schema1.json").read_text())
+    assert old["schema_version"] == 1
+    out = tmp_path / "new"
+    assert main(["run", "--modules", "mla,moe", "--out", str(out), "--maps", str(tmp_path / "none")]) == 0
+    new = _doc(out)
+    assert new["schema_version"] == 2
+    result = compare.compare_reports(old, new)
+    assert result.rows_compared == sum(r["module"] in ("mla", "moe") for r in old["rows"]) > 0
+    assert result.regressions == [], result.regressions
+    kinds = {f.kind for f in result.findings}
+    assert kinds <= {"new output", "error shrank", "error grew"} and "new output" in kinds

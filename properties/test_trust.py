@@ -134,9 +134,9 @@ def test_a_file_larger_than_its_record_is_not_read(g: Path, capsys: pytest.Captu
 # --- 5. every edit or removal is named ------------------------------------------------------
 
 EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
-    "tensors": lambda d: d["files"][REL]["tensors"]["oracle"].__setitem__("sha256", "0" * 64),
-    "tensors ": lambda d: d["files"][REL]["tensors"]["oracle"].__setitem__("shape", [1]),
-    "tensors  ": lambda d: d["files"][REL]["tensors"]["oracle"].__setitem__("dtype", "float32"),
+    "tensors": lambda d: d["files"][REL]["tensors"]["oracle.o"].__setitem__("sha256", "0" * 64),
+    "tensors ": lambda d: d["files"][REL]["tensors"]["oracle.o"].__setitem__("shape", [1]),
+    "tensors  ": lambda d: d["files"][REL]["tensors"]["oracle.o"].__setitem__("dtype", "float32"),
     "bytes": lambda d: d["files"][REL].__setitem__("bytes", d["files"][REL]["bytes"] - 1),
     "config": lambda d: d["files"][REL]["config"].__setitem__("seed", 7),
     "seed": lambda d: d["files"][REL].__setitem__("seed", 7),
@@ -288,7 +288,7 @@ def test_a_full_disk_keeps_the_previous_report(tmp_path: Path, monkeypatch: pyte
                                                capsys: pytest.CaptureFixture[str]) -> None:
     row = {"module": "mla", "implementation": "i", "form": "f", "dtype": "fp64", "params": {}, "case": "c",
            "rule": "fp64-agreement", "status": "pass", "verdict": {"err": 0.0, "limit": 1e-10}, "margin": 1.0}
-    monkeypatch.setattr(runner, "run", lambda entries, seed, progress: iter([row]))
+    monkeypatch.setattr(runner, "run", lambda entries, seed, progress, **kw: iter([row]))
     out, maps = tmp_path / "out", str(tmp_path / "none")
     assert main(["run", "--modules", "mla", "--out", str(out), "--maps", maps]) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -386,7 +386,7 @@ def test_a_map_without_cells_is_refused(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def _kda_inputs() -> dict[str, Any]:
-    from k3verify.harness.modules.kda import random_inputs
+    from k3verify.kda.samples import random_inputs
 
     return random_inputs(B=1, T=8, H=1, K=4, V=4)
 
@@ -459,7 +459,7 @@ def test_moe_rejects_negative_routing_weights() -> None:
 
 def test_attnres_names_a_sublayer_that_makes_nan() -> None:
     from k3verify import attnres
-    from k3verify.harness.modules.attnres import walk_inputs
+    from k3verify.attnres.samples import walk_inputs
 
     x = walk_inputs(attnres.Schedule.layers(12, num_layers=2), T=2, d=8, logit_scale=1.0)
     real = x["sublayers"]

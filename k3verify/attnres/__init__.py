@@ -7,6 +7,9 @@ schedule, stream_dtype, logit_dtype, tile, subtract_max, eps)`` and returns a :c
 One AttnRes call on its own is ``aggregate`` (the definition, the fp64 oracle),
 ``aggregate_two_phase`` and ``aggregate_tiled``, each ``(sources, w, gamma, *, <same options>)``.
 ``naive_baseline`` / ``naive_walk`` are the same-dtype baselines of the tolerance policy.
+The overflow model (``overflow_quantities``, ``predict``, ``explain_overflow``: the names every
+module package gives them) takes either level's positional arguments. Inputs are made in
+:mod:`k3verify.attnres.samples`, the depth-drift curve in :mod:`k3verify.attnres.studies`.
 """
 
 from .chunkwise import aggregate_two_phase, chunkwise, merge, mix_two_phase, phase1
@@ -17,6 +20,7 @@ from .schedule import Call, Schedule, Source
 from .tiled import (
     OverflowPrediction,
     OverflowQuantities,
+    WalkOverflowQuantities,
     aggregate_tiled,
     aggregate_tiled_traced,
     explain_overflow,
@@ -41,6 +45,7 @@ __all__ = [
     "Source",
     "StandInSublayers",
     "Walk",
+    "WalkOverflowQuantities",
     "aggregate",
     "aggregate_tiled",
     "aggregate_tiled_traced",

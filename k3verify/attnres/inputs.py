@@ -1,4 +1,5 @@
-"""Argument checking shared by the Block AttnRes forms, their options and their precision model.
+"""Argument checking shared by the Block AttnRes forms, their options and their precision model
+(the walk's own arguments are checked by :mod:`k3verify.attnres.layer`, which owns their types).
 
 Every form exists at two levels, each with one signature for all forms:
 
@@ -123,7 +124,7 @@ class Precision:
         return self.rounder("output h", x).to(self.stream)
 
 
-def _floats_together(names: Sequence[str], values: Sequence[object]) -> list[torch.Tensor]:
+def floats_together(names: Sequence[str], values: Sequence[object]) -> list[torch.Tensor]:
     """Each value a floating tensor, all of one dtype and device; errors name the argument."""
     tensors = [require_tensor(n, t) for n, t in zip(names, values)]
     for n, t in zip(names, tensors):
@@ -146,14 +147,14 @@ def check_sources(
         if not sources:
             raise ValueError("sources is empty; AttnRes needs at least one source")
         names = [f"sources[{i}]" for i in range(len(sources))]
-        items = _floats_together(names, sources)
+        items = floats_together(names, sources)
         for n, s in zip(names, items):
             if s.dim() != 2:
                 raise ValueError(f"{n} has shape {list(s.shape)}; expected [T, d]")
             require_shape(n, s, tuple(items[0].shape), "T,d")
         sources = torch.stack(items)
     names = ["sources", "w", "gamma"]
-    tensors = _floats_together(names, [sources, w, gamma])
+    tensors = floats_together(names, [sources, w, gamma])
     if sources.dim() != 3:
         raise ValueError(f"sources has shape {list(sources.shape)}; expected [N, T, d]")
     N, T, d = sources.shape
@@ -187,41 +188,3 @@ def prepare_sources(
     v, _ = check_sources(sources, w, gamma)
     prec = opts.precision(v.dtype, trace=trace)
     return prec.store("sources v", v), prec.store("pseudo-query w", w), prec.store("key gain gamma", gamma), prec
-
-
-def check_walk(embedding: torch.Tensor, weights: object, sublayers: object, schedule: object) -> None:
-    """Validate a walk: ``embedding:[T, d]``, weights shaped for ``schedule``, callable sublayers."""
-    from .layer import AttnResWeights  # the weights type lives with the walk
-    from .schedule import Schedule
-
-    if not isinstance(schedule, Schedule):
-        raise TypeError(f"schedule must be a k3verify.attnres.Schedule, got {type(schedule).__name__}")
-    if not isinstance(weights, AttnResWeights):
-        raise TypeError(f"weights must be a k3verify.attnres.AttnResWeights, got {type(weights).__name__}")
-    if not callable(sublayers):
-        raise TypeError(f"sublayers must be callable as sublayers(index, x), got {type(sublayers).__name__}")
-    names = ["embedding", "weights.w", "weights.gamma", "weights.norm"]
-    tensors = _floats_together(names, [embedding, weights.w, weights.gamma, weights.norm])
-    if embedding.dim() != 2:
-        raise ValueError(f"embedding has shape {list(embedding.shape)}; expected [T, d]")
-    d = embedding.shape[1]
-    if d == 0:
-        raise ValueError("embedding has width d = 0")
-    C, S = schedule.num_calls, schedule.num_sublayers
-    require_shape("weights.w", weights.w, (C, d), "calls,d")
-    require_shape("weights.gamma", weights.gamma, (C, d), "calls,d")
-    require_shape("weights.norm", weights.norm, (S, d), "sublayers,d")
-    for n, t in zip(names, tensors):
-        require_finite(n, t)
-
-
-def check_sublayer_output(index: int, y: object, like: torch.Tensor) -> torch.Tensor:
-    """A sublayer must return a float tensor shaped like its input, finite wherever its input is
-    (a non-finite input, from an overflowing mixture, may propagate; a sublayer that makes NaN
-    from finite numbers is a broken sublayer, not a result)."""
-    y = require_tensor(f"sublayers({index}, x)", y)
-    require_float(f"sublayers({index}, x)", y)
-    require_shape(f"sublayers({index}, x)", y, tuple(like.shape), "T,d")
-    if bool(torch.isfinite(like).all()):
-        require_finite(f"sublayers({index}, x) (its input is finite)", y)
-    return y

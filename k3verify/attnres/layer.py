@@ -31,7 +31,8 @@ import torch
 from ..numerics import round_to
 from ..numerics.ops import rms_norm
 from ..numerics.trace import OverflowEvent
-from .inputs import Options, Precision, Sublayers, check_sublayer_output, check_walk
+from ..numerics.validate import require_finite, require_float, require_shape, require_tensor
+from .inputs import Options, Precision, Sublayers, floats_together
 from .schedule import BLOCK, EMBEDDING, OUTPUT, PARTIAL, Call, Schedule, Source
 
 
@@ -114,6 +115,41 @@ class StandInSublayers:
         return torch.tanh(x @ w_in[s]) @ w_out[s]
 
 
+def check_walk(embedding: torch.Tensor, weights: object, sublayers: object, schedule: object) -> None:
+    """Validate a walk: ``embedding:[T, d]``, weights shaped for ``schedule``, callable sublayers."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a k3verify.attnres.Schedule, got {type(schedule).__name__}")
+    if not isinstance(weights, AttnResWeights):
+        raise TypeError(f"weights must be a k3verify.attnres.AttnResWeights, got {type(weights).__name__}")
+    if not callable(sublayers):
+        raise TypeError(f"sublayers must be callable as sublayers(index, x), got {type(sublayers).__name__}")
+    names = ["embedding", "weights.w", "weights.gamma", "weights.norm"]
+    tensors = floats_together(names, [embedding, weights.w, weights.gamma, weights.norm])
+    if embedding.dim() != 2:
+        raise ValueError(f"embedding has shape {list(embedding.shape)}; expected [T, d]")
+    d = embedding.shape[1]
+    if d == 0:
+        raise ValueError("embedding has width d = 0")
+    C, S = schedule.num_calls, schedule.num_sublayers
+    require_shape("weights.w", weights.w, (C, d), "calls,d")
+    require_shape("weights.gamma", weights.gamma, (C, d), "calls,d")
+    require_shape("weights.norm", weights.norm, (S, d), "sublayers,d")
+    for n, t in zip(names, tensors):
+        require_finite(n, t)
+
+
+def check_sublayer_output(index: int, y: object, like: torch.Tensor) -> torch.Tensor:
+    """A sublayer must return a float tensor shaped like its input, finite wherever its input is
+    (a non-finite input, from an overflowing mixture, may propagate; a sublayer that makes NaN
+    from finite numbers is a broken sublayer, not a result)."""
+    y = require_tensor(f"sublayers({index}, x)", y)
+    require_float(f"sublayers({index}, x)", y)
+    require_shape(f"sublayers({index}, x)", y, tuple(like.shape), "T,d")
+    if bool(torch.isfinite(like).all()):
+        require_finite(f"sublayers({index}, x) (its input is finite)", y)
+    return y
+
+
 @dataclass(frozen=True)
 class Walk:
     """Result of a depth walk.
@@ -122,21 +158,27 @@ class Walk:
     ``h:[2L + 1, T, d]``: every call's AttnRes output before its sublayer's input norm, in the
     compute dtype (the depth-drift curve is read from it).
     ``sources``: for every call, the sources it mixed, in order (as the form holds them).
+    ``blocks:[n, T, d]``: the stored block representations at the end of the walk, in the order
+    they were stored (``b_0``, the embedding, first), as the form holds them, in the stream dtype.
     ``events``: the first overflows of stored tensors (when traced).
     """
 
     output: torch.Tensor
     h: torch.Tensor
     sources: tuple[tuple[Source, ...], ...]
+    blocks: torch.Tensor
     events: tuple[OverflowEvent, ...] = ()
 
 
 class Mixer(Protocol):
-    """What a form supplies to the walk: each call's mixture, and how outputs join the stream."""
+    """What a form supplies to the walk: each call's mixture, how outputs join the stream, and
+    the stored blocks (values held in the compute dtype)."""
 
     def mix(self, call: Call) -> tuple[torch.Tensor, tuple[Source, ...]]: ...
 
     def push(self, s: int, y: torch.Tensor) -> None: ...
+
+    def stored(self) -> list[torch.Tensor]: ...
 
 
 MixerFactory = Callable[[torch.Tensor, AttnResWeights, Schedule, Precision, Options], Mixer]
@@ -169,7 +211,9 @@ def walk(
         x = prec.store("sublayer input", rms_norm(h, params.norm[s], eps=opts.eps))
         y = check_sublayer_output(s, sublayers(s, x), x)
         mixer.push(s, prec.store("sublayer output", y.to(prec.compute)))
-    return Walk(prec.output(hs[-1]), torch.stack(hs), tuple(used), tuple(prec.rounder.events))
+    # Stored blocks already hold stream values, so the cast to the stream dtype is exact.
+    blocks = torch.stack(mixer.stored()).to(prec.stream)
+    return Walk(prec.output(hs[-1]), torch.stack(hs), tuple(used), blocks, tuple(prec.rounder.events))
 
 
 class DepthStream:
@@ -196,6 +240,10 @@ class DepthStream:
             self.blocks.append(self.partial)
             self.block_refs.append(Source(BLOCK, first, s + 1))
             self.partial = self.partial_ref = None
+
+    def stored(self) -> list[torch.Tensor]:
+        """The stored blocks ``[b_0 …]`` so far."""
+        return list(self.blocks)
 
     def sources(self) -> tuple[list[torch.Tensor], tuple[Source, ...]]:
         """Every source of the next call, in order: stored blocks, then the partial sum if any."""

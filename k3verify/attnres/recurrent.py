@@ -27,7 +27,7 @@ from ..numerics import rounder
 from ..numerics.ops import RMS_NORM_EPS, rms_norm
 from .inputs import Options, Precision, Sublayers, check_sources, prepare_sources
 from .layer import AttnResWeights, Walk, walk
-from .schedule import EMBEDDING, Call, Schedule, Source
+from .schedule import BLOCK, EMBEDDING, Call, Schedule, Source
 
 
 def keys(v: torch.Tensor, gamma: torch.Tensor, eps: float = RMS_NORM_EPS) -> torch.Tensor:
@@ -131,7 +131,14 @@ class ExplicitSources:
 class _RecurrentMixer(ExplicitSources):
     def __init__(self, e: torch.Tensor, params: AttnResWeights, schedule: Schedule, prec: Precision, opts: Options):
         super().__init__(e, prec)
-        self.params, self.eps = params, opts.eps
+        self.params, self.eps, self.schedule = params, opts.eps, schedule
+
+    def stored(self) -> list[torch.Tensor]:
+        """The embedding and every completed block, resolved as the sums the schedule names
+        (memoised: the calls that mixed them formed them already)."""
+        B = self.schedule.block_sublayers
+        done = len(self.outputs) // B
+        return [self.embedding, *(self.resolve(Source(BLOCK, b * B, (b + 1) * B)) for b in range(done))]
 
     def mix(self, call: Call) -> tuple[torch.Tensor, tuple[Source, ...]]:
         s = call.index

@@ -44,7 +44,7 @@ from ..numerics.frontier import underflow_threshold
 from ..numerics.ops import RMS_NORM_EPS
 from ..numerics.trace import OverflowEvent
 from .inputs import Options, Precision, Sublayers, check_sources, prepare_sources
-from .layer import AttnResWeights, DepthStream, Walk, walk
+from .layer import AttnResWeights, DepthStream, Walk, check_walk, walk
 from .recurrent import logits, mix
 from .schedule import Call, Schedule, Source
 
@@ -119,13 +119,6 @@ def aggregate_tiled_traced(
     return prec.output(_online(v, w, gamma, prec, opts)), prec.rounder.events
 
 
-def explain_overflow(
-    sources: torch.Tensor | Sequence[torch.Tensor], w: torch.Tensor, gamma: torch.Tensor, **options: object
-) -> list[str]:
-    """One line per stored tensor that overflowed in :func:`aggregate_tiled`, in the order computed."""
-    return [e.describe() for e in aggregate_tiled_traced(sources, w, gamma, **options)[1]]
-
-
 class _TiledMixer(DepthStream):
     def __init__(self, e: torch.Tensor, params: AttnResWeights, schedule: Schedule, prec: Precision, opts: Options):
         super().__init__(e, schedule, prec)
@@ -158,13 +151,15 @@ def tiled(
 
 
 # ----------------------------------------------------------------------------------------------
-# Analytic overflow prediction
+# Analytic overflow prediction (the same three names in every module package). Each takes the
+# positional arguments of either level's forms: ``(sources, w, gamma)`` for one aggregation,
+# ``(embedding, weights, sublayers)`` for a walk.
 
 
 @dataclass(frozen=True)
 class OverflowQuantities:
     """Magnitudes an aggregation drives through the tiled form, computed exactly (fp64) from the
-    inputs as stored in the stream dtype. ``ln_*`` are natural logs of largest magnitudes.
+    inputs as stored in ``stream_dtype``. ``ln_*`` are natural logs of largest magnitudes.
 
     ``logit_bound = max ‖w⊙γ‖·sqrt(d)`` bounds every ``|ℓ|`` a priori; the prediction uses the
     realised logits, which reach it only for a source aligned with ``w⊙γ``.
@@ -181,10 +176,22 @@ class OverflowQuantities:
     ln_output: float
     logits: torch.Tensor  # [N, T] fp64
     output: torch.Tensor  # h [T, d] fp64: the oracle for these stored inputs
+    stream_dtype: torch.dtype  # the dtype the inputs were stored in
 
     def as_dict(self) -> dict[str, object]:
         """The scalar fields (for map cells and reports)."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("logits", "output")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("logits", "output", "stream_dtype")}
+
+
+@dataclass(frozen=True)
+class WalkOverflowQuantities:
+    """What bounds a depth walk's softmax before it runs: ``logit_bound = max_s ‖w_s⊙γ_s‖·sqrt(d)``
+    over every call's weights as stored in ``stream_dtype`` (every ``|ℓ|`` of the walk is below
+    it), and the most sources any call of the schedule mixes."""
+
+    logit_bound: float
+    max_sources: int
+    stream_dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -193,26 +200,36 @@ class OverflowPrediction(_Prediction):
     rounding may decide: ``near_frontier`` is true when some check is within its rounding band of
     its limit — the logits (and the inputs) are rounded before they are used, by up to half a
     spacing of their dtype, and a value within half a spacing above a format's maximum still
-    rounds to it.
+    rounds to it. ``max_logit`` and ``max_lse`` are the aggregation's largest logit and largest
+    ``log Σ e^ℓ`` (NaN for a walk, whose prediction uses the a-priori bound).
     """
 
     near_frontier: bool = False
+    max_logit: float = math.nan
+    max_lse: float = math.nan
 
 
 def overflow_quantities(
-    sources: torch.Tensor | Sequence[torch.Tensor],
-    w: torch.Tensor,
-    gamma: torch.Tensor,
+    first: torch.Tensor | Sequence[torch.Tensor],
+    second: torch.Tensor | AttnResWeights,
+    third: torch.Tensor | Sublayers,
     *,
+    schedule: Schedule | None = None,
     stream_dtype: torch.dtype | str | None = None,
     eps: float = RMS_NORM_EPS,
-) -> OverflowQuantities:
-    """:class:`OverflowQuantities` of these inputs stored in ``stream_dtype`` (default: their own)."""
-    v, dims = check_sources(sources, w, gamma)
+    **_: object,
+) -> OverflowQuantities | WalkOverflowQuantities:
+    """What the prediction reads from a call's inputs stored in ``stream_dtype`` (default: their
+    own): :class:`OverflowQuantities` of an aggregation ``(sources, w, gamma)``, or
+    :class:`WalkOverflowQuantities` of a walk ``(embedding, weights, sublayers)`` on ``schedule``
+    (default K3's). The forms' other options do not move it."""
+    if isinstance(second, AttnResWeights):
+        return _walk_quantities(first, second, third, schedule or Schedule(), stream_dtype)
+    v, dims = check_sources(first, second, third)
     stream = resolve_dtype(stream_dtype) if stream_dtype is not None else v.dtype
     prec = Options(stream_dtype=stream, eps=eps).precision(stream)
     # Inputs as the kernel reads them (rounded to the stream), then exact arithmetic.
-    v, w, gamma = (prec.rounder("input", t).to(torch.float64) for t in (v, w, gamma))
+    v, w, gamma = (prec.rounder("input", t).to(torch.float64) for t in (v, second, third))
     ell = logits(v, w, gamma, eps)
     lse = torch.logsumexp(ell, 0)
     weighted = torch.logsumexp(ell[..., None] + torch.log(v.abs()), 0)  # log(0) = −inf is fine here
@@ -229,17 +246,32 @@ def overflow_quantities(
         ln_output=_ln_abs_max(h),
         logits=ell,
         output=h,
+        stream_dtype=stream,
     )
 
 
+def _walk_quantities(embedding: torch.Tensor, weights: AttnResWeights, sublayers: Sublayers, schedule: Schedule,
+                     stream_dtype: torch.dtype | str | None) -> WalkOverflowQuantities:
+    check_walk(embedding, weights, sublayers, schedule)
+    stream = resolve_dtype(stream_dtype) if stream_dtype is not None else embedding.dtype
+    prec = Options(stream_dtype=stream).precision(stream)
+    w, gamma = (prec.rounder("input", t).to(torch.float64) for t in (weights.w, weights.gamma))
+    bound = float(((w * gamma).norm(dim=-1) * w.shape[-1] ** 0.5).max())
+    return WalkOverflowQuantities(bound, schedule.max_sources, stream)
+
+
 def predict(
-    quantities: OverflowQuantities,
+    quantities: OverflowQuantities | WalkOverflowQuantities,
     *,
-    stream_dtype: torch.dtype | str,
+    stream_dtype: torch.dtype | str | None = None,
     logit_dtype: torch.dtype | str | None = None,
     subtract_max: bool = True,
+    **_: object,
 ) -> OverflowPrediction:
-    """Will :func:`aggregate_tiled` with these settings return finite values for these inputs?
+    """Will the tiled form with these settings return finite values for these inputs?
+
+    ``stream_dtype`` defaults to the one the quantities were taken in; other options (``tile``,
+    ``eps``, ``schedule``) do not move the prediction. For an aggregation:
 
     Every stored tensor must fit the dtype it is stored in, which also needs the compute dtype
     (fp32) that forms it to hold it (``exp_fits``): the inputs in the stream dtype, the sum of
@@ -251,10 +283,16 @@ def predict(
     the logit and the compute dtype), else ``Z = 0`` and ``h = 0/0``.
 
     A check within its rounding band (see :class:`OverflowPrediction`) sets ``near_frontier``.
+
+    For a walk (stand-in sublayers keep the stream at O(1), so only the exponentials can
+    overflow): finite with max subtraction; without it, finite iff the a-priori row-sum bound
+    ``logit_bound + ln(max sources)`` stays below ``ln max`` of the logit and compute dtypes.
     """
-    stream = resolve_dtype(stream_dtype)
+    stream = resolve_dtype(stream_dtype) if stream_dtype is not None else quantities.stream_dtype
     acc = Options(stream_dtype=stream).precision(stream).compute
     logit = resolve_dtype(logit_dtype) if logit_dtype is not None else acc
+    if isinstance(quantities, WalkOverflowQuantities):
+        return _predict_walk(quantities, logit, acc, subtract_max)
     checks: list[tuple[str, bool, float, float]] = []  # (what, passes, headroom, band), in ln units
 
     def fits(what: str, ln_value: float, dtype: torch.dtype, band: float) -> None:
@@ -288,4 +326,34 @@ def predict(
     failing = tuple(what for what, ok, _, _ in checks if not ok)
     what, _, room, _ = min(checks, key=lambda c: c[2])
     near = any(abs(room_i) <= band for _, _, room_i, band in checks)
-    return OverflowPrediction(finite=not failing, reasons=failing, binding=what, headroom=room, near_frontier=near)
+    return OverflowPrediction(finite=not failing, reasons=failing, binding=what, headroom=room, near_frontier=near,
+                              max_logit=q.max_logit, max_lse=q.max_lse)
+
+
+def _predict_walk(q: WalkOverflowQuantities, logit: torch.dtype, acc: torch.dtype,
+                  subtract_max: bool) -> OverflowPrediction:
+    if subtract_max:
+        return OverflowPrediction(True, (), f"max subtraction keeps every P <= 1 (logit bound {q.logit_bound:.2f})",
+                                  math.inf)
+    limit = min(ln_max(logit), ln_max(acc))
+    value = q.logit_bound + math.log(q.max_sources)
+    what = (f"no-max row sum: logit bound max ‖w⊙γ‖·sqrt(d) {q.logit_bound:.2f} + ln({q.max_sources} sources) "
+            f"= {value:.2f} vs ln max {limit:.2f}")
+    finite = value < limit
+    return OverflowPrediction(finite, () if finite else (what,), what, limit - value)
+
+
+def explain_overflow(
+    first: torch.Tensor | Sequence[torch.Tensor],
+    second: torch.Tensor | AttnResWeights,
+    third: torch.Tensor | Sublayers,
+    **options: object,
+) -> list[str]:
+    """One line per stored tensor that overflowed in the tiled form, in the order computed: of
+    :func:`aggregate_tiled` for ``(sources, w, gamma)``, of :func:`tiled` (the first overflows of
+    the walk) for ``(embedding, weights, sublayers)``."""
+    if isinstance(second, AttnResWeights):
+        events = tiled(first, second, third, trace=True, **options).events  # type: ignore[arg-type]
+    else:
+        events = aggregate_tiled_traced(first, second, third, **options)[1]
+    return [e.describe() for e in events]

@@ -44,7 +44,7 @@ from typing import Any
 from ..numerics import EXPECTED_NONFINITE, FAIL, PASS, compute_dtype, resolve_dtype
 from .environment import platform_differences
 from .files import UsageError
-from .overflow_map import load_map
+from .map_files import load_map
 from .report import load
 from .runner import UNAVAILABLE
 
@@ -164,10 +164,36 @@ def _compare_row(b: dict[str, Any], n: dict[str, Any], th: Thresholds, *, noise_
             "coverage lost" if lost else "verdict changed")
         return [Finding(kind, subject, detail, flipped_to_fail or became_nonfinite or lost)]
     findings = []
+    base_outputs, new_outputs = outputs_of(b, n), outputs_of(n, n)
+    for name in base_outputs.keys() - new_outputs.keys():
+        findings.append(Finding("output removed", f"{subject} [{name}]", "no longer judged", True))
+    for name, nout in new_outputs.items():
+        if name not in base_outputs:
+            findings.append(Finding("new output", f"{subject} [{name}]", str(nout.get("status", "")), False))
+            continue
+        findings += _compare_output(base_outputs[name], nout, f"{subject} [{name}]", th, noise_only)
+    return findings
+
+
+def outputs_of(row: dict[str, Any], like: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A row's judged outputs: ``outputs`` (report schema 2), or for a schema-1 row its top-level
+    verdict, named after ``like``'s primary (first) output."""
+    if isinstance(row.get("outputs"), dict):
+        return {k: v for k, v in row["outputs"].items() if isinstance(v, dict)}
+    names = list(like.get("outputs") or {}) or ["-"]
+    return {names[0]: {"verdict": row.get("verdict"), "margin": row.get("margin"), "metrics": row.get("metrics")}}
+
+
+def _compare_output(b: dict[str, Any], n: dict[str, Any], subject: str, th: Thresholds,
+                    noise_only: bool) -> list[Finding]:
+    findings = []
     b_nf = (b.get("metrics") or {}).get("nonfinite") or 0
     n_nf = (n.get("metrics") or {}).get("nonfinite") or 0
     if b_nf == 0 and n_nf > 0:
         findings.append(Finding("became non-finite", subject, f"{n_nf} non-finite outputs", True))
+    if b.get("status") not in (None, FAIL) and n.get("status") == FAIL:
+        findings.append(Finding("verdict flipped", subject, f"{b.get('status')} -> fail: "
+                                f"{(n.get('verdict') or {}).get('reason', '')}", True))
     bv, nv = b.get("verdict") or {}, n.get("verdict") or {}
     e_b, e_n, lim = bv.get("err"), nv.get("err"), nv.get("limit")
     m_b, m_n = b.get("margin"), n.get("margin")

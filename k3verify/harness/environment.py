@@ -3,6 +3,7 @@ math platform: what decides the bits of a CPU computation with the pinned wheels
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import os
@@ -11,6 +12,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -173,3 +175,14 @@ def platform_differences(a: dict[str, str] | None, b: dict[str, str] | None) -> 
     if not a or not b:
         return ["missing"]
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block with one torch intra-op thread, then restore the previous setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -24,6 +24,7 @@ import ctypes.util
 import errno
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -136,6 +137,17 @@ def require_keys(doc: Any, keys: dict[str, type | tuple[type, ...]], path: Path 
         if not isinstance(doc[key], kind) or (kind is int and isinstance(doc[key], bool)):
             raise UsageError(f"{path}: {what}'s {key!r} is a {type(doc[key]).__name__}")
     return doc
+
+
+def json_safe(value: Any) -> Any:
+    """Replace inf/NaN floats by ``None`` recursively (JSON has no non-finite numbers)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 # --- writing ------------------------------------------------------------------------------

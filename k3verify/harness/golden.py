@@ -9,7 +9,7 @@ stored inputs against the stored oracle output through the same runner and polic
 
 Tensor keys inside a file::
 
-    oracle                       the fp64 oracle output
+    oracle.<output>              each named output of the fp64 oracle (KDA: o, final_state)
     input.<name>                 a tensor input
     input.<name>.<field>         a tensor field of a dataclass input (MLA's LatentCache: pool,
                                  block_table, seq_lens, scales), recursively for nested ones
@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -67,15 +68,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save_file
 
-from ..numerics import FAIL, fp64_agreement
+from ..numerics import FAIL, Verdict, fp64_agreement, mismatch_rule
 from . import registry, runner
-from .environment import math_platform
-from .files import UsageError, check_relative, parse_json, read_confined, read_json, staged_folder
-from .registry import FP64_RULE, Case, Implementation, ModuleEntry
-from .report import json_safe
+from .environment import math_platform, one_thread
+from .files import UsageError, check_relative, json_safe, parse_json, read_confined, read_json, staged_folder
+from .registry import FP64_RULE, Case, Implementation, ModuleEntry, Outputs, as_outputs
+from .runner import mismatch_fraction
 
 # Bump when what a golden file holds changes (case generation, key scheme, oracle choice).
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: the oracle's named outputs (oracle.<name>) instead of one "oracle"
 MANIFEST_VERSION = 2
 MANIFEST = "manifest.json"
 FILE_FORMAT = f"k3verify-golden/{MANIFEST_VERSION}"
@@ -86,7 +87,7 @@ CASE_CAP_BYTES = 2_000_000
 # A stored file is its tensors (at most the cap, plus the oracle) and a JSON header.
 FILE_CAP_BYTES = 4 * CASE_CAP_BYTES
 MANIFEST_CAP_BYTES = 4_000_000
-ORACLE_KEY = "oracle"
+ORACLE_PREFIX = "oracle."
 HEADER_KEY = "k3verify-golden"
 INPUT_PREFIX = "input."
 REPRODUCIBILITY = (
@@ -255,7 +256,7 @@ def generate(
     with staged_folder(out_dir, carry=lambda name: name != MANIFEST and name not in replaced) as stage:
         # Multi-threaded CPU reductions split the reduced axis by thread count; one thread makes
         # the stored bits independent of how many cores the generating machine has.
-        with runner.one_thread():
+        with one_thread():
             for entry in entries:
                 written, too_large = _generate_module(entry, stage, seed, progress)
                 files |= written
@@ -302,7 +303,8 @@ def _generate_module(
         if size > CASE_CAP_BYTES:
             skipped[f"{entry.name}/{name}"] = _skip_record(entry.name, name, size)
             continue
-        tensors[ORACLE_KEY] = entry.oracle(case).detach().to("cpu", torch.float64).contiguous()
+        oracle = as_outputs(entry.oracle(case), entry.outputs, f"the {entry.name} oracle")
+        tensors |= {ORACLE_PREFIX + n: t.detach().to("cpu").contiguous() for n, t in oracle.items()}
         rel = f"{entry.name}/{name}.safetensors"
         record = {
             "module": entry.name,
@@ -385,8 +387,8 @@ def _check_file_record(path: Path, rel: Any, record: Any) -> None:
     if not isinstance(record["bytes"], int) or isinstance(record["bytes"], bool) \
             or not 0 < record["bytes"] <= FILE_CAP_BYTES:
         raise GoldenError(f"{path}: {rel}: size {record['bytes']!r} is not a size up to {FILE_CAP_BYTES} bytes")
-    if not isinstance(record["tensors"], dict) or ORACLE_KEY not in record["tensors"]:
-        raise GoldenError(f"{path}: {rel}: no {ORACLE_KEY!r} tensor listed")
+    if not isinstance(record["tensors"], dict) or not any(str(k).startswith(ORACLE_PREFIX) for k in record["tensors"]):
+        raise GoldenError(f"{path}: {rel}: no {ORACLE_PREFIX}<output> tensor listed")
 
 
 def check(golden_dir: Path) -> list[str]:
@@ -555,7 +557,7 @@ def _inputs_agree(fresh: torch.Tensor, stored: torch.Tensor | None) -> tuple[boo
 
 
 def load_cases(golden_dir: Path, module: str) -> list[tuple[str, Case, torch.Tensor]]:
-    """``(file, case, stored oracle)`` for every golden file of ``module`` (run :func:`check` first)."""
+    """``(file, case, stored oracle outputs)`` for every golden file of ``module`` (run :func:`check` first)."""
     manifest = read_manifest(golden_dir)
     allowed = input_classes()
     out = []
@@ -572,7 +574,8 @@ def load_cases(golden_dir: Path, module: str) -> list[tuple[str, Case, torch.Ten
         inputs = unflatten(record["inputs"], tensors, allowed)
         if not isinstance(record["config"], dict):
             raise GoldenError(f"{golden_dir / rel}: field 'config' is not an object")
-        out.append((rel, Case(record["case"], inputs, dict(record["config"])), tensors[ORACLE_KEY]))
+        stored = {k.removeprefix(ORACLE_PREFIX): t for k, t in tensors.items() if k.startswith(ORACLE_PREFIX)}
+        out.append((rel, Case(record["case"], inputs, dict(record["config"])), stored))
     return out
 
 
@@ -613,8 +616,12 @@ def verify_rows(
     return rows
 
 
-def _oracle_row(entry: ModuleEntry, case: Case, stored: torch.Tensor, rel: str) -> dict[str, Any]:
-    verdict = fp64_agreement(entry.oracle(case).detach().to("cpu", torch.float64), stored)
+def _oracle_row(entry: ModuleEntry, case: Case, stored: Outputs, rel: str) -> dict[str, Any]:
+    """Today's oracle against the stored one, output by output (fp64-agreement; integer outputs
+    such as expert sets exactly); the row reports the worst."""
+    today = as_outputs(entry.oracle(case), entry.outputs, f"the {entry.name} oracle")
+    verdicts = [_agree(name, today.get(name), t) for name, t in stored.items()]
+    verdict = max(verdicts, key=lambda v: (v.status == FAIL, v.err))
     return {
         "module": entry.name,
         "implementation": "oracle",
@@ -631,18 +638,18 @@ def _oracle_row(entry: ModuleEntry, case: Case, stored: torch.Tensor, rel: str) 
     }
 
 
+def _agree(name: str, today: torch.Tensor | None, stored: torch.Tensor) -> Verdict:
+    if today is None:
+        return Verdict(FAIL, FP64_RULE, "rel_max", math.inf, 0.0, -math.inf, f"the oracle no longer makes {name!r}")
+    today = today.detach().cpu()
+    if not stored.is_floating_point():
+        return mismatch_rule(mismatch_fraction(today, stored), None)
+    return fp64_agreement(today.to(torch.float64), stored)
+
+
 def _unstored_row(impl: Implementation, case: str, reason: str) -> dict[str, Any]:
-    return {
-        "module": impl.module,
-        "implementation": impl.implementation,
-        "form": impl.form,
-        "dtype": impl.dtype,
-        "params": dict(impl.params),
-        "case": case,
-        "rule": impl.rule,
-        "status": runner.UNAVAILABLE,
-        "reason": f"golden case not stored: {reason}",
-    }
+    return runner.row_header(impl, Case(case, {})) | {"status": runner.UNAVAILABLE,
+                                                       "reason": f"golden case not stored: {reason}"}
 
 
 def _missing_row(module: str, case: str, reason: str) -> dict[str, Any]:

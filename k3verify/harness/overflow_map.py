@@ -9,13 +9,12 @@ JSON and PNG heatmaps.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
-from .files import UsageError, read_json, require_keys, staged_folder
+from ..numerics import compare
+from .registry import as_outputs
 
 REQUIRED_CELL_KEYS = ("module", "dtype", "tile", "finite", "predicted_finite", "rms_ratio")
 MAP_SCHEMA_VERSION = 1
@@ -115,42 +114,135 @@ def mark_frontier(cells: Sequence[dict[str, Any]], axes: dict[str, Sequence[Any]
         c["frontier_adjacent"] = adjacent
 
 
-def write_map(result: MapResult, out_dir: Path, environment: dict[str, Any]) -> list[Path]:
-    """Write ``<module>_overflow_map.json``, one PNG per figure value and every curve the
-    module put in ``meta["curves"]`` (file name -> JSON document, e.g. AttnRes's error against
-    depth) next to them; return the paths."""
-    from .plots import draw_map
-    from .report import json_safe
-
-    result.check()
-    doc = {
-        "schema_version": MAP_SCHEMA_VERSION,
-        "module": result.module,
-        "environment": environment,
-        "spec": asdict(result.spec),
-        "meta": result.meta,
-        "cells": result.cells,
-    }
-    texts = {f"{result.module}_overflow_map.json": doc} | dict(result.meta.get("curves", {}))
-    prefix = f"{result.module}_overflow_map"
-    # This module's map files are replaced as a set; other modules' maps in the folder stay.
-    with staged_folder(out_dir, carry=lambda name: not name.startswith(prefix) and name not in texts) as stage:
-        for name, content in texts.items():
-            (stage / name).write_text(json.dumps(json_safe(content), indent=1, allow_nan=False) + "\n")
-        images = [out_dir / p.name for p in draw_map(result, stage)]
-    return [*(out_dir / name for name in texts), *images]
+# --- the sweep engine ----------------------------------------------------------------------
 
 
-def load_map(path: Path) -> dict[str, Any]:
-    """An overflow-map document (``<module>_overflow_map.json``); ``UsageError`` naming the path
-    unless it has a module, a spec naming its axes and at least one cell."""
-    doc = require_keys(read_json(path, what="overflow map"), {"module": str, "spec": dict, "cells": list}, path,
-                       "overflow map")
-    if not doc["cells"]:
-        raise UsageError(f"{path}: overflow map has no cells")
-    axes = [doc["spec"].get(k) for k in ("figure", "panel_row", "panel_col", "x", "y")]
-    if not all(isinstance(a, str) for a in axes):
-        raise UsageError(f"{path}: overflow map spec does not name its figure, panel and x/y axes")
-    for i, cell in enumerate(doc["cells"]):
-        require_keys(cell, {"finite": (bool, int), "predicted_finite": (bool, int)}, path, f"map cell {i}")
-    return doc
+@dataclass(frozen=True)
+class SweptForm:
+    """One of a module's own forms at one point of its parameter grid (the map's rows).
+
+    ``params`` become cell keys (e.g. ``dtype``, ``tile``, ``anchor``); ``run(case)`` returns the
+    primary output and the overflow lines (operand, tile, magnitude; empty when none);
+    ``predict(case)`` is the module's analytic prediction (an ``OverflowPrediction``).
+    """
+
+    implementation: str
+    params: Mapping[str, Any]
+    dtype: str
+    run: Callable[[Any], tuple[Any, list[str]]]
+    predict: Callable[[Any], Any]
+    # Extra cell keys that need the observed output (e.g. a baseline rule's verdict in the cell):
+    # judge(case, output, reference) -> dict.
+    judge: Callable[[Any, Any, Any], dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class MapDefinition:
+    """A module's overflow map, declared: the engine (:func:`sweep_map`) does the sweeping.
+
+    ``points(options)`` lists the input points (their keys become cell keys, e.g. ``input`` and
+    ``g_min``); ``make_case(point, seed)`` builds the case at a point; ``reference(case)`` is
+    the fp64 primary output the cells are compared with; ``forms(options)`` the module's own
+    forms over their parameter grid. Every registered implementation with ``in_map`` (kernels,
+    third-party adapters, plugins) is also run at every point ``registered_on`` accepts, its cell
+    keyed by ``registered_keys(impl)`` and predicted by its own ``predict``. ``frontier_axes``
+    (cell key -> grid order) and ``fixed`` say which cells are neighbours for the frontier
+    excuse; ``meta(cells, options)`` adds what the JSON should record beyond the cells.
+    """
+
+    points: Callable[[MapOptions], list[dict[str, Any]]]
+    make_case: Callable[[dict[str, Any], int], Any]
+    reference: Callable[[Any], Any]
+    forms: Callable[[MapOptions], list[SweptForm]]
+    spec: MapSpec
+    frontier_axes: Callable[[list[dict[str, Any]]], dict[str, list[Any]]]
+    fixed: tuple[str, ...]
+    meta: Callable[[list[dict[str, Any]], MapOptions], dict[str, Any]] = lambda cells, options: {}
+    registered_on: Callable[[dict[str, Any]], bool] = lambda point: True
+    registered_keys: Callable[[Any], dict[str, Any]] | None = None
+
+
+def sweep(
+    points: Sequence[dict[str, Any]],
+    make_case: Callable[[dict[str, Any]], Any],
+    cells_at: Callable[[Any, dict[str, Any]], list[dict[str, Any]]],
+    progress: Progress = lambda done, total: None,
+) -> list[dict[str, Any]]:
+    """The one sweep loop: build each point's case once, collect the cells at it, report progress."""
+    cells: list[dict[str, Any]] = []
+    for i, point in enumerate(points):
+        cells += cells_at(make_case(point), point)
+        progress(i + 1, len(points))
+    return cells
+
+
+def sweep_map(entry: Any, options: MapOptions, progress: Progress = lambda done, total: None) -> MapResult:
+    """The overflow map of a registry entry: its own forms and every registered implementation
+    with ``in_map`` swept over the entry's map points, each cell with its analytic prediction."""
+    d: MapDefinition = entry.overflow_map
+    forms = d.forms(options)
+    impls = [i for i in entry.implementations() if i.in_map and i.unavailable() is None]
+
+    def cell(base: dict[str, Any], out: Any, lines: list[str], ref: Any, dtype: str, prediction: Any) -> dict:
+        m = compare(out, ref, ulp_dtype=dtype)
+        details = {k: v for k, v in asdict(prediction).items() if k not in ("finite", "reasons")} \
+            if prediction is not None and is_dataclass(prediction) else {}
+        if prediction is not None:
+            why = prediction.explanation
+            details["explanation"] = why() if callable(why) else why
+        made = base | details | {
+            "finite": m.nonfinite == 0,
+            "predicted_finite": True if prediction is None else bool(prediction.finite),
+            "rms_ratio": m.rms_ratio,
+            "max_abs": m.max_abs,
+            "nonfinite": m.nonfinite,
+        }
+        if m.nonfinite:
+            made["overflow"] = lines[0] if lines else "non-finite output with no operand overflow"
+        return made
+
+    def cells_at(case: Any, point: dict[str, Any]) -> list[dict[str, Any]]:
+        ref = d.reference(case)
+        out = []
+        for f in forms:
+            o, lines = f.run(case)
+            base = {"module": entry.name, "implementation": f.implementation, **point, **f.params}
+            made = cell(base, o, lines, ref, f.dtype, f.predict(case))
+            out.append(made | (f.judge(case, o, ref) if f.judge is not None else {}))
+        if d.registered_on(point):
+            for impl in impls:
+                out.append(_registered_cell(entry, impl, case, point, ref, d, cell))
+        return out
+
+    cells = sweep(d.points(options), lambda p: d.make_case(p, options.seed), cells_at, progress)
+    mark_frontier(cells, d.frontier_axes(cells), fixed=d.fixed)
+    for c in cells:  # a check within its own rounding band (the prediction says so) is at the frontier too
+        c["frontier_adjacent"] = c["frontier_adjacent"] or bool(c.get("near_frontier", False))
+    meta = d.meta(cells, options)
+    meta["agreement"] = {"all": agreement(cells), **meta.get("agreement", {})}
+    # The module's studies (curves that belong beside its map) are written with it.
+    meta["curves"] = {name: study(options.seed, options.quick) for name, study in entry.studies.items()}
+    return MapResult(entry.name, cells, d.spec, meta)
+
+
+def _registered_cell(entry: Any, impl: Any, case: Any, point: dict[str, Any], ref: Any, d: MapDefinition,
+                     cell: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+    """A registered implementation's cell: the point's keys, its own identity in the panel keys."""
+    params = " ".join(f"{k}={v}" for k, v in impl.params.items())
+    keys = d.registered_keys(impl) if d.registered_keys else {}
+    spec = d.spec
+    # The implementation's identity labels the panels whose keys the point does not set (a point's own
+    # axes, such as MLA's context, stay as they are: they place the cell on the grid).
+    labels = {spec.figure: f"{point.get(spec.figure, '')}, {impl.implementation} {impl.form}".strip(", "),
+              spec.panel_row: impl.dtype, spec.panel_col: params or impl.form}
+    base = {"module": entry.name, **{k: v for k, v in labels.items() if k not in point or k == spec.figure},
+            **{k: v for k, v in point.items() if k != spec.figure}, "implementation": f"{impl.implementation} "
+            f"{impl.form}", "source": impl.source} | keys
+    try:
+        out = as_outputs(impl.run(case), entry.outputs, impl.label)[entry.primary]
+    except Exception as exc:  # a crashing implementation is a cell that says so, not a crashed map
+        return base | {"finite": False, "predicted_finite": True, "rms_ratio": None, "max_abs": None,
+                       "nonfinite": None, "overflow": f"{type(exc).__name__}: {exc}"}
+    prediction = impl.predict(case) if impl.predict is not None else None
+    lines = impl.explain(case) if impl.explain is not None and not bool(out.isfinite().all()) else []
+    return cell(base, out.detach().cpu(), lines, ref, impl.dtype, prediction)

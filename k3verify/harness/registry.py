@@ -1,21 +1,38 @@
 """The registry: the only way the harness reaches implementations.
 
 A module entry says how to build its verification cases, how to compute the fp64 oracle and
-the same-dtype baseline, which implementations to verify, and how to sweep its overflow map.
-Entries live in :mod:`k3verify.harness.modules`; module packages know nothing of them.
+the same-dtype baseline (both as *named outputs*), which implementations to verify, and how to
+sweep its overflow map. Entries live in :mod:`k3verify.harness.modules` (every module there is
+loaded; there is no list to edit); module packages know nothing of them.
+
+Outside packages add implementations through the entry-point group ``k3verify.implementations``:
+an entry point names a callable that returns :class:`Implementation` objects (for one or several
+registered modules). They join the module's own implementations everywhere — runs, maps,
+goldens, ``k3verify list`` — with their package and version as their ``source``. A plugin that
+fails to import, raises while registering, returns something else or names an unknown module
+becomes an ``unavailable`` placeholder carrying the reason; it never stops a run or hides
+other rows. See ``docs/extending.md``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..numerics.frontier import OverflowPrediction
+
 FP64_RULE = "fp64-agreement"
 BASELINE_RULE = "baseline"
 RULES = (FP64_RULE, BASELINE_RULE)
+PLUGIN_GROUP = "k3verify.implementations"
+BUILTIN_SOURCE = "k3verify"
+
+Outputs = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -35,20 +52,32 @@ class Prediction:
     finite: bool
     explanation: str
 
+    @classmethod
+    def of(cls, p: OverflowPrediction) -> Prediction:
+        """The row's prediction from a module's :class:`OverflowPrediction`."""
+        return cls(p.finite, p.explanation())
+
+
+def _available() -> tuple[bool, str]:
+    return True, ""
+
 
 @dataclass(frozen=True)
 class Implementation:
     """One verifiable configuration: a form of a module at one dtype and parameter set.
 
-    ``run(case)`` returns the output tensor to compare against the oracle.
+    ``run(case)`` returns the module's named outputs (``{"o": ..., "final_state": ...}`` for
+    KDA; see ``ModuleEntry.outputs``), or one tensor, taken as the primary output.
     ``dtype`` is the comparison dtype (ULPs, noise floor and baseline are taken in it).
     ``predict(case)``, when given, is the analytic overflow prediction for this case.
-    ``unavailable()`` returns a reason string when the implementation cannot run here
-    (no GPU, optional package missing), else ``None``.
+    ``is_available()`` returns ``(ok, reason)``: whether it can run here (no GPU, an optional
+    package missing), as fla-core's backends say it.
     ``explain(case)`` returns human-readable lines on an overflow (operand, tile, magnitude).
     ``baseline`` names the algorithm family of the same-dtype baseline the ``baseline`` rule
     compares against (``"recurrent"``: the definition; ``"chunkwise"``: the chunk-parallel
     form), so a chunked kernel is held to what a plain chunked implementation achieves.
+    ``source`` says where it comes from (``k3verify``, an adapter, or a plugin's package and
+    version); ``in_map`` puts it in its module's overflow map, on the map's inputs.
     """
 
     module: str
@@ -57,12 +86,14 @@ class Implementation:
     dtype: str
     params: Mapping[str, Any]
     rule: str
-    run: Callable[[Case], torch.Tensor]
+    run: Callable[[Case], Outputs | torch.Tensor]
     predict: Callable[[Case], Prediction] | None = None
     explain: Callable[[Case], list[str]] | None = None
-    unavailable: Callable[[], str | None] = lambda: None
+    is_available: Callable[[], tuple[bool, str]] = _available
     cases: tuple[str, ...] = ("default",)
     baseline: str = "recurrent"
+    source: str = BUILTIN_SOURCE
+    in_map: bool = False
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -70,33 +101,104 @@ class Implementation:
 
     @property
     def label(self) -> str:
-        """Short unique label, e.g. ``kda/tiled[bf16 tile=16 anchor=tile_start]``."""
+        """Short unique label, e.g. ``kda/k3verify:tiled[bf16 tile=16 anchor=tile_start]``."""
         params = " ".join(f"{k}={v}" for k, v in self.params.items())
         return f"{self.module}/{self.implementation}:{self.form}[{self.dtype}{' ' + params if params else ''}]"
+
+    def unavailable(self) -> str | None:
+        """The reason it cannot run here, or ``None``."""
+        try:
+            ok, reason = self.is_available()
+        except Exception as exc:  # an availability probe that crashes is a reason, not a crash
+            return f"is_available() raised {type(exc).__name__}: {exc}"
+        return None if ok else (reason or "not available")
+
+
+def implementation(
+    module: str,
+    fn: Callable[..., Any],
+    *,
+    name: str,
+    form: str = "kernel",
+    dtype: str = "bf16",
+    cases: tuple[str, ...] = ("default",),
+    baseline: str = "recurrent",
+    in_map: bool = False,
+    predict: Callable[[Case], Prediction] | None = None,
+    is_available: Callable[[], tuple[bool, str]] = _available,
+    **options: Any,
+) -> Implementation:
+    """An implementation from a function with the module forms' signature (the way plugins and
+    users' tests bring their kernels): inputs are cast to ``dtype`` and ``options`` passed on;
+    the rule is fp64-agreement for ``fp64``, the baseline rule otherwise (see docs/extending.md)."""
+    torch_dtype = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+    def run(case: Case) -> Outputs:
+        entry = get(module)
+        if entry.call is None:
+            raise NotImplementedError(f"module {module!r} has no calling convention for functions")
+        return entry.call(fn, case, torch_dtype, **options)
+
+    return Implementation(module=module, implementation=name, form=form, dtype=dtype, params=dict(options),
+                          rule=FP64_RULE if dtype == "fp64" else BASELINE_RULE, run=run, predict=predict,
+                          is_available=is_available, cases=cases, baseline=baseline, in_map=in_map)
+
+
+def unavailable_as(reason: Callable[[], str | None]) -> Callable[[], tuple[bool, str]]:
+    """An ``is_available`` from a function returning a reason or ``None``."""
+
+    def probe() -> tuple[bool, str]:
+        why = reason()
+        return why is None, why or ""
+
+    return probe
 
 
 @dataclass(frozen=True)
 class ModuleEntry:
-    """Everything the harness needs to verify one module."""
+    """Everything the harness needs to verify one module.
+
+    ``oracle(case)`` and ``baseline(case, dtype, family)`` return named outputs; ``outputs``
+    lists the names, the primary one first (the one overflow predictions, positions and ULP
+    histograms refer to). ``call(fn, case, dtype, **options)`` runs a function with the module
+    forms' signature on a case's inputs cast to ``dtype`` and returns its named outputs: what
+    turns a user's kernel into an implementation (``k3verify.testing``, plugins).
+    """
 
     name: str
     title: str
     make_cases: Callable[[int], dict[str, Case]]
-    oracle: Callable[[Case], torch.Tensor]
-    baseline: Callable[[Case, str, str], torch.Tensor]  # (case, dtype, family)
-    implementations: Callable[[], list[Implementation]]
-    overflow_map: Callable[..., Any] | None = None
+    oracle: Callable[[Case], Outputs]
+    baseline: Callable[[Case, str, str], Outputs]  # (case, dtype, family)
+    own_implementations: Callable[[], list[Implementation]]
+    outputs: tuple[str, ...] = ("out",)
+    call: Callable[..., Outputs] | None = None
+    overflow_map: Any = None  # a harness.sweep.MapDefinition
     # Cases stored as golden tensors (``k3verify golden generate``): small configurations and
     # production-shape slices, a few hundred kB each. ``None`` stores ``make_cases(seed)``.
     # A golden case named ``c`` or ``c.<variant>`` is used for every implementation that
     # runs on case ``c`` (so ``default.production`` checks the rows that run on ``default``).
     golden_cases: Callable[[int], dict[str, Case]] | None = None
-    # The axis of the oracle's output that indexes token position (KDA, MLA: 1 in
+    # The axis of the primary output that indexes token position (KDA, MLA: 1 in
     # ``[B, T, H, V]``); when set, each row records its error at every position.
     position_axis: int | None = None
     # Dataclasses among the cases' inputs (MLA's LatentCache). Goldens store them field by
     # field and rebuild only these classes: a manifest is data and never names code to run.
     input_types: tuple[type, ...] = ()
+    # Module-specific studies, written beside the overflow map: file name -> function(seed, quick)
+    # -> JSON document (``quick``: the cheap version a quick map asks for).
+    studies: Mapping[str, Callable[[int, bool], dict[str, Any]]] = field(default_factory=dict)
+    # A Hypothesis strategy of (inputs, params) samples for users' property tests (k3verify.testing).
+    strategy: Callable[[], Any] | None = None
+
+    @property
+    def primary(self) -> str:
+        """The name of the output that predictions, positions and ULP histograms refer to."""
+        return self.outputs[0]
+
+    def implementations(self) -> list[Implementation]:
+        """The module's own implementations, then those plugins add (placeholders for broken ones)."""
+        return [*self.own_implementations(), *plugin_implementations(self.name)]
 
     def cases_for_goldens(self, seed: int) -> dict[str, Case]:
         """The cases ``k3verify golden generate`` stores for this module: ``golden_cases``, plus
@@ -111,6 +213,29 @@ class ModuleEntry:
             made = self.make_cases(seed)
             cases |= {name: made[name] for name in missing if name in made}
         return cases
+
+
+def cases_from(samples: Mapping[str, tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Case]:
+    """Cases from a module's samples (``name -> (inputs, params)``, see ``<module>/samples.py``)."""
+    return {name: Case(name, inputs, dict(params)) for name, (inputs, params) in samples.items()}
+
+
+def as_outputs(value: Outputs | torch.Tensor | tuple, names: tuple[str, ...], who: str) -> Outputs:
+    """Named outputs from what an implementation returned: a dict keyed by ``names``, a tuple in
+    ``names``' order, or one tensor (the primary output). ``TypeError`` naming ``who`` otherwise."""
+    if isinstance(value, torch.Tensor):
+        return {names[0]: value}
+    if isinstance(value, tuple) and all(isinstance(v, torch.Tensor) or v is None for v in value):
+        return {n: v for n, v in zip(names, value) if v is not None}
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise TypeError(f"{who} returned outputs {unknown}; this module's outputs are {list(names)}")
+        bad = [n for n, v in value.items() if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise TypeError(f"{who} returned non-tensor outputs {bad}")
+        return dict(value)
+    raise TypeError(f"{who} returned a {type(value).__name__}; expected a tensor, a tuple or a dict of {list(names)}")
 
 
 _REGISTRY: dict[str, ModuleEntry] = {}
@@ -178,3 +303,74 @@ class UnknownModuleError(KeyError):
         if not self.name:
             return f"no module name given; known modules: {', '.join(self.known)}"
         return f"unknown module {self.name!r}; known modules: {', '.join(self.known)}"
+
+
+# --- plugins ---------------------------------------------------------------------------------
+
+_PLUGINS: list[Implementation] | None = None
+
+
+def plugins() -> list[Implementation]:
+    """Every implementation the installed plugins register, loaded once per process; a broken
+    plugin (import error, exception, wrong return, unknown module) gives a placeholder whose
+    ``is_available()`` says why."""
+    global _PLUGINS
+    if _PLUGINS is None:
+        _load()
+        _PLUGINS = [impl for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP) for impl in _load_plugin(ep)]
+    return _PLUGINS
+
+
+def reload_plugins() -> list[Implementation]:
+    """Discover the plugins again (after installing one in a running process)."""
+    global _PLUGINS
+    _PLUGINS = None
+    importlib.invalidate_caches()
+    return plugins()
+
+
+def plugin_implementations(module: str) -> list[Implementation]:
+    """The plugins' implementations of ``module``."""
+    return [impl for impl in plugins() if impl.module == module]
+
+
+def orphan_implementations() -> list[Implementation]:
+    """Placeholders of plugins that name no registered module (shown in full runs and lists)."""
+    return [impl for impl in plugins() if impl.module not in _REGISTRY]
+
+
+def _source(ep: importlib.metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"{dist.name} {dist.version}" if dist is not None else f"entry point {ep.value}"
+
+
+def _load_plugin(ep: importlib.metadata.EntryPoint) -> list[Implementation]:
+    source = f"{_source(ep)} (plugin)"
+    try:
+        made = ep.load()()
+        impls = list(made) if not isinstance(made, Implementation) else [made]
+    except Exception as exc:  # a broken plugin is a row with its reason, never a crashed run
+        return [_placeholder(ep, source, f"plugin {ep.name!r} ({ep.value}) failed: {type(exc).__name__}: {exc}")]
+    out = []
+    for i, impl in enumerate(impls):
+        if not isinstance(impl, Implementation):
+            out.append(_placeholder(ep, source, f"plugin {ep.name!r} returned a {type(impl).__name__} at position {i}, "
+                                                "not a k3verify Implementation"))
+        elif impl.module not in _REGISTRY:
+            reason = f"plugin {ep.name!r} names module {impl.module!r}, which is not registered " \
+                     f"(known: {', '.join(_REGISTRY)})"
+            out.append(dataclasses.replace(impl, source=source, is_available=lambda r=reason: (False, r)))
+        else:
+            out.append(impl if impl.source != BUILTIN_SOURCE else dataclasses.replace(impl, source=source))
+    return out
+
+
+def _placeholder(ep: importlib.metadata.EntryPoint, source: str, reason: str) -> Implementation:
+    # Entry points are named after the module they extend; a broken one is shown under that name.
+    module = ep.name
+
+    def cannot_run(case: Case) -> Outputs:
+        raise RuntimeError(reason)
+
+    return Implementation(module=module, implementation=source, form=f"plugin:{ep.name}", dtype="-", params={},
+                          rule=BASELINE_RULE, run=cannot_run, is_available=lambda: (False, reason), source=source)

@@ -20,13 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from . import plots
-from .files import read_json
-from .overflow_map import MapResult, MapSpec, load_map
-from .report import fmt, notes, params_text
+from .files import json_safe, read_json, staged_folder
+from .map_files import load_map
+from .overflow_map import MapResult, MapSpec
+from .report import REPORT_FILES, REPORT_HTML, REPORT_JSON, REPORT_MD, fmt, load, markdown, notes, params_text
 
-DEPTH_DRIFT = "attnres_depth_drift.json"
-ROUTING_FLIPS = "moe_routing_flips.json"
-CURVE_FILES = {DEPTH_DRIFT: "Block AttnRes: error against depth", ROUTING_FLIPS: "Stable LatentMoE: routing flips"}
 NIGHTLY = "nightly.json"
 MAP_SUMMARY = "summary.json"
 _MAP_PNG = re.compile(r"^(?P<module>.+?)_overflow_map_.+\.png$")
@@ -65,10 +63,18 @@ def collect_extras(report_dir: Path, maps_dir: Path | None) -> Extras:
         extras.map_agreement[module] = doc.get("meta", {}).get("agreement", {})
         if module not in extras.map_images:
             extras.map_images[module] = _draw_map_doc(doc)
-    for name in CURVE_FILES:
-        if (maps_dir / name).exists():
-            extras.curves[name] = read_json(maps_dir / name, what="curve file")
+    # Every other JSON file beside the maps is a module's study (its curve): whatever the modules
+    # register is shown, under the title the file gives.
+    for path in sorted(maps_dir.glob("*.json")):
+        if not path.name.endswith("_overflow_map.json") and path.name != MAP_SUMMARY:
+            extras.curves[path.name] = read_json(path, what="study file")
     return extras
+
+
+def curve_title(name: str, doc: Any) -> str:
+    """A study's title: its own ``title``, else its file name in words."""
+    title = doc.get("title") if isinstance(doc, dict) else None
+    return str(title) if title else name.removesuffix(".json").replace("_", " ")
 
 
 def _draw_map_doc(doc: dict[str, Any]) -> list[tuple[str, bytes]]:
@@ -144,9 +150,8 @@ def html_page(doc: dict[str, Any], extras: Extras) -> str:
     ]
     for module in modules:
         parts.append(_module_section(module, [r for r in doc["rows"] if r["module"] == module], extras))
-    for name, title in CURVE_FILES.items():
-        if name in extras.curves:
-            parts.append(_curve_section(name, title, extras.curves[name], extras.maps_dir))
+    for name, study in extras.curves.items():
+        parts.append(_curve_section(name, curve_title(name, study), study, extras.maps_dir))
     if extras.nightly:
         parts.append(_nightly_section(extras.nightly))
     parts.append(_notes(doc["rows"]))
@@ -179,15 +184,16 @@ def _margin_cell(margin: Any) -> str:
 
 
 def _verdicts(rows: list[dict[str, Any]]) -> str:
-    header = ["module", "implementation", "form", "dtype", "params", "case", "rule", "err", "limit", "margin",
-              "status"]
+    header = ["module", "implementation", "form", "dtype", "params", "case", "output", "rule", "err", "limit",
+              "margin", "status"]
     body = []
     for r in rows:
         v = r.get("verdict") or {}
-        cells = [r["module"], r["implementation"], r["form"], r["dtype"], params_text(r), r["case"], r["rule"]]
-        # module, dtype and rule never wrap; the free-text columns may
+        cells = [r["module"], r["implementation"], r["form"], r["dtype"], params_text(r), r["case"],
+                 r.get("output", "-"), r["rule"]]
+        # module, dtype, output and rule never wrap; the free-text columns may
         tds = "".join(
-            f"<td{' class=nw' if i in (0, 3, 6) else ''}>{html.escape(str(c))}</td>" for i, c in enumerate(cells)
+            f"<td{' class=nw' if i in (0, 3, 6, 7) else ''}>{html.escape(str(c))}</td>" for i, c in enumerate(cells)
         )
         tds += f"<td class='num'>{fmt(v.get('err'))}</td><td class='num'>{fmt(v.get('limit'))}</td>"
         tds += _margin_cell(r.get("margin"))
@@ -233,7 +239,9 @@ def _module_section(module: str, rows: list[dict[str, Any]], extras: Extras) -> 
 def _curve_section(name: str, title: str, doc: Any, maps_dir: Path | None) -> str:
     parts = [f"<h2>{html.escape(title)}</h2><p class='muted'>{html.escape(str((maps_dir or Path()) / name))}</p>"]
     try:
-        fig = plots.depth_figure(doc, title) if name == DEPTH_DRIFT else plots.series_figure(doc, title)
+        # Curves against depth (a "layers" axis) are drawn as such; any other study as its series.
+        is_depth = isinstance(doc, dict) and "layers" in doc
+        fig = plots.depth_figure(doc, title) if is_depth else plots.series_figure(doc, title)
     except (KeyError, TypeError, ValueError) as exc:  # a curve file of another shape still shows as data
         fig, parts = None, [*parts, f"<p class='muted'>not drawn: {html.escape(repr(exc))}</p>"]
     parts.append(_figure(fig, title, html.escape(name)))
@@ -268,3 +276,36 @@ def _notes(rows: list[dict[str, Any]]) -> str:
         sub = "".join(f"<li><code>{html.escape(x)}</code></li>" for x in lines)
         lis.append(f"<li><b>{html.escape(head)}</b>: {html.escape(detail)}{f'<ul>{sub}</ul>' if sub else ''}</li>")
     return f"<h2>Notes</h2><ul>{''.join(lis)}</ul>"
+
+
+# --- the report set: report.json, report.md, report.html --------------------------------
+
+
+def write_report(doc: dict[str, Any], out_dir: Path, *, maps_dir: Path | None = None) -> list[Path]:
+    """Write ``report.json``, ``report.md`` and ``report.html`` into ``out_dir`` as one set (the
+    folder is swapped in whole: an interrupt leaves the previous three); return the paths.
+
+    ``maps_dir`` is where overflow maps and curve files are looked for (see :func:`render_report`).
+    """
+    return _write_set(out_dir, doc, maps_dir, with_json=True)
+
+
+def render_report(out_dir: Path, *, maps_dir: Path | None = None) -> list[Path]:
+    """(Re)write ``report.md`` and ``report.html`` in ``out_dir`` from its ``report.json``.
+
+    The pages also show what sits beside the report: ``nightly.json`` in ``out_dir``, and the
+    overflow maps and curve files (``attnres_depth_drift.json``, ``moe_routing_flips.json``) in
+    ``maps_dir``.
+    """
+    return _write_set(out_dir, load(out_dir), maps_dir, with_json=False)
+
+
+def _write_set(out_dir: Path, doc: dict[str, Any], maps_dir: Path | None, *, with_json: bool) -> list[Path]:
+    extras = collect_extras(out_dir, maps_dir)
+    pages = {REPORT_MD: markdown(doc, nightly=extras.nightly), REPORT_HTML: html_page(doc, extras)}
+    if with_json:
+        pages[REPORT_JSON] = json.dumps(json_safe(doc), indent=1, allow_nan=False) + "\n"
+    with staged_folder(out_dir, carry=lambda name: name not in pages) as stage:
+        for name, text in pages.items():
+            (stage / name).write_text(text, encoding="utf-8")
+    return [out_dir / name for name in REPORT_FILES if name in pages]

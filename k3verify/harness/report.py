@@ -2,47 +2,38 @@
 
 ``report.json``::
 
-    {"schema_version": 1, "created": ISO-8601, "command": [...], "environment": {...},
+    {"schema_version": 2, "created": ISO-8601, "command": [...], "environment": {...},
      "config": {"seed": int, "modules": [...]},
      "summary": {"rows": n, "pass": n, "fail": n, "expected-nonfinite": n, "unavailable": n},
      "rows": [{"module", "implementation", "form", "dtype", "params", "case", "rule",
                "status", "verdict", "margin", "metrics", "baseline_metrics"?, "prediction"?,
                "overflow"?, "reason"?, "wall_s"?, "ulp_histogram"?, "error_by_position"?,
-               "baseline_error_by_position"?, "golden"?}, ...]}
+               "baseline_error_by_position"?, "golden"?, "source", "output", "outputs": {name: {"status",
+               "verdict", "margin", "metrics", "baseline_metrics"?}}}, ...]}
 
 Non-finite floats are written as ``null``; ``metrics.nonfinite`` says when outputs overflowed.
 Keys marked ``?`` appear only where they apply; readers ignore keys they do not know, and
 ``schema_version`` changes only when a key they rely on changes meaning or disappears.
-``report.html`` (see :mod:`k3verify.harness.render`) adds the figures; ``report.md`` the tables.
+``report.md`` holds the tables (:func:`markdown`); ``report.html`` adds the figures and both are
+written with the JSON, as one set, by :mod:`k3verify.harness.render`.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from ..numerics import EXPECTED_NONFINITE, FAIL, PASS
-from .files import UsageError, read_json, require_keys, staged_folder
+from .files import UsageError, read_json, require_keys
 from .runner import UNAVAILABLE
 
-SCHEMA_VERSION = 1
-READABLE_SCHEMAS = (1,)
+# 2: named outputs (``outputs``, ``output``) per row; readers still take 1 (one unnamed output).
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
 STATUSES = (PASS, FAIL, EXPECTED_NONFINITE, UNAVAILABLE)
-
-
-def json_safe(value: Any) -> Any:
-    """Replace inf/NaN floats by ``None`` recursively (JSON has no non-finite numbers)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, int]:
@@ -70,38 +61,6 @@ REPORT_JSON, REPORT_MD, REPORT_HTML = "report.json", "report.md", "report.html"
 REPORT_FILES = (REPORT_JSON, REPORT_MD, REPORT_HTML)
 
 
-def write(doc: dict[str, Any], out_dir: Path, *, maps_dir: Path | None = None) -> list[Path]:
-    """Write ``report.json``, ``report.md`` and ``report.html`` into ``out_dir`` as one set (the
-    folder is swapped in whole: an interrupt leaves the previous three); return the paths.
-
-    ``maps_dir`` is where overflow maps and curve files are looked for (see :func:`render`).
-    """
-    return _write_set(out_dir, doc, maps_dir, with_json=True)
-
-
-def render(out_dir: Path, *, maps_dir: Path | None = None) -> list[Path]:
-    """(Re)write ``report.md`` and ``report.html`` in ``out_dir`` from its ``report.json``.
-
-    The pages also show what sits beside the report: ``nightly.json`` in ``out_dir``, and the
-    overflow maps and curve files (``attnres_depth_drift.json``, ``moe_routing_flips.json``) in
-    ``maps_dir``.
-    """
-    return _write_set(out_dir, load(out_dir), maps_dir, with_json=False)
-
-
-def _write_set(out_dir: Path, doc: dict[str, Any], maps_dir: Path | None, *, with_json: bool) -> list[Path]:
-    from .render import collect_extras, html_page
-
-    extras = collect_extras(out_dir, maps_dir)
-    pages = {REPORT_MD: markdown(doc, nightly=extras.nightly), REPORT_HTML: html_page(doc, extras)}
-    if with_json:
-        pages[REPORT_JSON] = json.dumps(json_safe(doc), indent=1, allow_nan=False) + "\n"
-    with staged_folder(out_dir, carry=lambda name: name not in pages) as stage:
-        for name, text in pages.items():
-            (stage / name).write_text(text, encoding="utf-8")
-    return [out_dir / name for name in REPORT_FILES if name in pages]
-
-
 # What a row must hold for any reader (compare, render) to use it, and the types of the keys
 # readers look into when present (``None`` is always allowed: JSON's spelling of non-finite).
 ROW_KEYS: dict[str, type | tuple[type, ...]] = {
@@ -112,6 +71,7 @@ OPTIONAL_ROW_KEYS: dict[str, type | tuple[type, ...]] = {
     "params": dict, "case_params": dict, "verdict": dict, "metrics": dict, "baseline_metrics": dict,
     "prediction": dict, "margin": _NUMBER, "reason": str, "overflow": list, "wall_s": _NUMBER,
     "ulp_histogram": dict, "error_by_position": list, "baseline_error_by_position": list, "golden": str,
+    "outputs": dict, "output": str, "source": str,
 }
 NESTED_KEYS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "verdict": {"err": _NUMBER, "limit": _NUMBER, "margin": _NUMBER, "baseline_err": _NUMBER, "floor": _NUMBER,
@@ -143,6 +103,15 @@ def _check_row(row: Any, i: int, path: Path) -> None:
                 raise UsageError(f"{path}: row {i}'s {key}.{sub} is a {type(item).__name__}")
         if key in LIST_ITEMS and value is not None and not all(_typed(x, LIST_ITEMS[key]) for x in value):
             raise UsageError(f"{path}: row {i}'s {key!r} holds an entry that is not a {LIST_ITEMS[key]}")
+    for name, judged in (row.get("outputs") or {}).items():
+        if not isinstance(judged, dict) or not _typed(judged.get("margin"), _NUMBER) \
+                or judged.get("status", PASS) not in STATUSES:
+            raise UsageError(f"{path}: row {i}'s output {str(name)[:40]!r} is not a judged output")
+        for key in ("verdict", "metrics", "baseline_metrics"):
+            value = judged.get(key)
+            if not _typed(value, dict) or any(not _typed((value or {}).get(sub), kind)
+                                              for sub, kind in NESTED_KEYS[key].items()):
+                raise UsageError(f"{path}: row {i}'s output {str(name)[:40]!r} has a malformed {key!r}")
 
 
 def _typed(value: Any, kind: type | tuple[type, ...]) -> bool:
@@ -208,6 +177,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
                 r["dtype"],
                 params_text(r),
                 r["case"],
+                r.get("output", "-"),
                 r["rule"],
                 fmt(v.get("err")),
                 fmt(v.get("limit")),
@@ -225,6 +195,7 @@ TABLE_HEADER = [
     "dtype",
     "params",
     "case",
+    "output",
     "rule",
     "err",
     "limit",

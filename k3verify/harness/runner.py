@@ -1,6 +1,6 @@
 """The verification run: case -> implementations -> metrics vs oracle -> verdict -> rows.
 
-Each row is a plain dict (JSON-ready after ``report.json_safe``) describing one
+Each row is a plain dict (JSON-ready after ``files.json_safe``) describing one
 (module, implementation, form, dtype, parameters, case) with its metrics, verdict and margin,
 plus two profiles of the error that the HTML report draws: ``ulp_histogram`` (how many
 outputs lie in each ULP band) and, for modules with a position axis, ``error_by_position``
@@ -9,7 +9,6 @@ outputs lie in each ULP band) and, for modules with a position axis, ``error_by_
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 import traceback
@@ -19,30 +18,21 @@ from typing import Any
 import torch
 
 from ..numerics import (
+    EXPECTED_NONFINITE,
     FAIL,
     baseline_rule,
     compare,
     expected_nonfinite,
     fp64_agreement,
+    mismatch_rule,
     noise_floor,
     spacing,
 )
-from .registry import FP64_RULE, Case, Implementation, ModuleEntry
+from .registry import FP64_RULE, Case, Implementation, ModuleEntry, Outputs, as_outputs, orphan_implementations
 
 UNAVAILABLE = "unavailable"
 
 Progress = Callable[[str], None]
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Run the block with one torch intra-op thread, then restore the previous setting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def plan(entries: list[ModuleEntry]) -> list[tuple[ModuleEntry, Implementation, str]]:
@@ -50,28 +40,34 @@ def plan(entries: list[ModuleEntry]) -> list[tuple[ModuleEntry, Implementation, 
     return [(e, impl, c) for e in entries for impl in e.implementations() for c in impl.cases]
 
 
-def run(entries: list[ModuleEntry], *, seed: int = 0, progress: Progress | None = None) -> Iterator[dict[str, Any]]:
-    """Verify every planned row; yields rows as they finish (``progress`` gets each label first)."""
+def run(entries: list[ModuleEntry], *, seed: int = 0, progress: Progress | None = None,
+        orphans: bool = False) -> Iterator[dict[str, Any]]:
+    """Verify every planned row; yields rows as they finish (``progress`` gets each label first).
+
+    An implementation that cannot run here yields its ``unavailable`` row without building its
+    case (a broken plugin may ask for a case its module does not make). ``orphans`` adds the
+    rows of plugins that name no registered module (a full run shows them)."""
     cases: dict[str, dict[str, Case]] = {}
-    for entry, impl, case_name in plan(entries):
+    planned = plan(entries)
+    if orphans:
+        planned += [(entries[0], impl, c) for impl in orphan_implementations() for c in impl.cases]
+    for entry, impl, case_name in planned:
+        if progress:
+            progress(f"{impl.label} on {case_name}")
+        reason = impl.unavailable()
+        if reason:
+            yield row_header(impl, Case(case_name, {})) | {"status": UNAVAILABLE, "reason": reason}
+            continue
         if entry.name not in cases:
             cases[entry.name] = entry.make_cases(seed)
         if case_name not in cases[entry.name]:
             raise KeyError(f"{impl.label} asks for case {case_name!r}, which {entry.name} does not make")
-        if progress:
-            progress(f"{impl.label} on {case_name}")
         yield verify(entry, impl, cases[entry.name][case_name])
 
 
-def verify(
-    entry: ModuleEntry, impl: Implementation, case: Case, *, oracle: torch.Tensor | None = None
-) -> dict[str, Any]:
-    """One row: run ``impl`` on ``case`` and judge it under its rule.
-
-    ``oracle`` replaces ``entry.oracle(case)`` (golden verification passes the stored fp64
-    output, so the row is judged against what was committed, not against today's oracle).
-    """
-    row: dict[str, Any] = {
+def row_header(impl: Implementation, case: Case) -> dict[str, Any]:
+    """What identifies a row: the implementation's module, name, form, dtype, params, rule and source, and the case."""
+    return {
         "module": impl.module,
         "implementation": impl.implementation,
         "form": impl.form,
@@ -80,14 +76,32 @@ def verify(
         "case": case.name,
         "case_params": dict(case.params),
         "rule": impl.rule,
+        "source": impl.source,
     }
+
+
+def verify(entry: ModuleEntry, impl: Implementation, case: Case, *, oracle: Outputs | None = None) -> dict[str, Any]:
+    """One row: run ``impl`` on ``case`` and judge each named output under its rule.
+
+    ``oracle`` replaces ``entry.oracle(case)`` (golden verification passes the stored fp64
+    outputs, so the row is judged against what was committed, not against today's oracle).
+    The row's ``outputs`` holds every output's verdict; its top-level ``verdict``, ``metrics``
+    and ``margin`` are those of the binding output (``output``): a failing one, else the one
+    with the least margin. Overflow predictions, positions and ULP histograms are the primary
+    output's.
+    """
+    row = row_header(impl, case)
     reason = impl.unavailable()
     if reason:
         return row | {"status": UNAVAILABLE, "reason": reason}
-    ref = entry.oracle(case) if oracle is None else oracle
+    ref = as_outputs(entry.oracle(case) if oracle is None else oracle, entry.outputs, f"the {entry.name} oracle")
     start = time.perf_counter()
     try:
-        out = impl.run(case)
+        out = as_outputs(impl.run(case), entry.outputs, impl.label)
+        missing = [n for n in ref if n not in out]
+        if missing:
+            raise ValueError(f"{impl.label} returned no {', '.join(missing)} (this module's outputs: "
+                             f"{', '.join(entry.outputs)})")
     except Exception as exc:  # a crashing implementation is a failed verdict, not a crashed run
         return row | {
             "status": FAIL,
@@ -95,39 +109,105 @@ def verify(
             "traceback": traceback.format_exc(limit=4),
         }
     row["wall_s"] = time.perf_counter() - start
-    metrics = compare(out, ref, ulp_dtype=impl.dtype)
-    row["metrics"] = metrics.as_dict()
-    if not metrics.nonfinite:
-        row["ulp_histogram"] = ulp_histogram(out, ref, impl.dtype)
-        if entry.position_axis is not None:
-            row["error_by_position"] = error_by_position(out, ref, entry.position_axis)
-    verdict = None
-    if impl.predict is not None:
-        prediction = impl.predict(case)
+    primary = next(n for n in entry.outputs if n in ref)
+    prediction = impl.predict(case) if impl.predict is not None else None
+    if prediction is not None:
         row["prediction"] = {"finite": prediction.finite, "explanation": prediction.explanation}
-        verdict = expected_nonfinite(metrics, predicted_finite=prediction.finite, explanation=prediction.explanation)
-    if verdict is None:
-        if impl.rule == FP64_RULE:
-            verdict = fp64_agreement(_as_fp64(out, impl), ref)
-        else:
-            base_out = entry.baseline(case, impl.dtype, impl.baseline)
-            base = compare(base_out, ref, ulp_dtype=impl.dtype)
-            row["baseline_form"] = impl.baseline
-            row["baseline_metrics"] = base.as_dict()
-            if entry.position_axis is not None and not base.nonfinite:
-                row["baseline_error_by_position"] = error_by_position(base_out, ref, entry.position_axis)
-            # The floor is what storing the oracle in the output's own dtype costs (an fp8 run
-            # that writes bf16 is floored at bf16, not fp8).
-            verdict = baseline_rule(metrics, base, noise_floor(ref, out.dtype))
-    if metrics.nonfinite and impl.explain is not None:
+    judged = {name: _judge(entry, impl, case, name, out[name], ref[name], prediction, name == primary)
+              for name in ref}
+    main = judged[primary]
+    if main["metrics"].get("nonfinite") == 0 and out[primary].is_floating_point():
+        row["ulp_histogram"] = ulp_histogram(out[primary], ref[primary], impl.dtype)
+        if entry.position_axis is not None:
+            row["error_by_position"] = error_by_position(out[primary], ref[primary], entry.position_axis)
+            if "baseline_out" in main and not main["baseline_metrics"]["nonfinite"]:
+                row["baseline_error_by_position"] = error_by_position(main["baseline_out"], ref[primary],
+                                                                      entry.position_axis)
+    if (main["metrics"].get("nonfinite") or 0) and impl.explain is not None:
         row["overflow"] = impl.explain(case)
-    row.update(status=verdict.status, verdict=verdict.as_dict(), margin=verdict.margin)
+    for j in judged.values():
+        j.pop("baseline_out", None)
+    binding = _binding(judged, primary)
+    status = FAIL if any(j["status"] == FAIL for j in judged.values()) else judged[binding]["status"]
+    if status != FAIL and main["status"] == EXPECTED_NONFINITE:
+        status, binding = EXPECTED_NONFINITE, primary
+    if "baseline_metrics" in judged[binding]:
+        row["baseline_form"] = impl.baseline
+        row["baseline_metrics"] = judged[binding]["baseline_metrics"]
+    row.update(outputs=judged, output=binding, status=status, verdict=judged[binding]["verdict"],
+               margin=judged[binding]["margin"], metrics=judged[binding]["metrics"])
     return row
 
 
-def _as_fp64(out: torch.Tensor, impl: Implementation) -> torch.Tensor:
+def _binding(judged: dict[str, dict[str, Any]], primary: str) -> str:
+    """The output that decides the row: the failing one with the least margin, else the least margin."""
+    def key(name: str) -> tuple[bool, float]:
+        m = judged[name]["margin"]
+        return judged[name]["status"] != FAIL, m if isinstance(m, float) and not math.isnan(m) else math.inf
+
+    names = [primary, *(n for n in judged if n != primary)]
+    return min(names, key=key)
+
+
+def _judge(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out: torch.Tensor, ref: torch.Tensor,
+           prediction: Any, primary: bool) -> dict[str, Any]:
+    """One output's verdict: the frontier where overflow is predicted, else the row's rule."""
+    out = out.detach().cpu()
+    if not ref.is_floating_point():
+        return _judge_discrete(entry, impl, case, name, out, ref)
+    metrics = compare(out, ref, ulp_dtype=impl.dtype)
+    judged: dict[str, Any] = {"metrics": metrics.as_dict()}
+    verdict = None
+    if prediction is not None:
+        verdict = expected_nonfinite(metrics, predicted_finite=prediction.finite, explanation=prediction.explanation)
+        # The frontier speaks of the primary output; another output that stays finite where the
+        # primary is predicted to overflow is held to the precision rule instead.
+        if verdict is not None and not primary and metrics.nonfinite == 0:
+            verdict = None
+    if verdict is None:
+        if impl.rule == FP64_RULE:
+            verdict = fp64_agreement(_as_fp64(out, impl, name), ref)
+        else:
+            base_out = _baseline(entry, case, impl)[name].detach().cpu()
+            base = compare(base_out, ref, ulp_dtype=impl.dtype)
+            judged.update(baseline_metrics=base.as_dict(), baseline_out=base_out)
+            # The floor is what storing the oracle in the output's own dtype costs (an fp8 run
+            # that writes bf16 is floored at bf16, not fp8).
+            verdict = baseline_rule(metrics, base, noise_floor(ref, out.dtype))
+    return judged | {"status": verdict.status, "verdict": verdict.as_dict(), "margin": verdict.margin}
+
+
+def _judge_discrete(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out: torch.Tensor,
+                    ref: torch.Tensor) -> dict[str, Any]:
+    """An integer output (MoE's expert sets): the fraction of rows that differ from the oracle's,
+    exactly 0 under fp64-agreement, else at most k times the same-dtype baseline's."""
+    err = mismatch_fraction(out, ref)
+    base_err = None
+    if impl.rule != FP64_RULE:
+        base_err = mismatch_fraction(_baseline(entry, case, impl)[name].detach().cpu(), ref)
+    verdict = mismatch_rule(err, base_err)
+    metrics = {"mismatch": err, "n": int(ref.shape[0]) if ref.dim() else 1, "nonfinite": 0}
+    return {"metrics": metrics, "status": verdict.status, "verdict": verdict.as_dict(), "margin": verdict.margin}
+
+
+def _baseline(entry: ModuleEntry, case: Case, impl: Implementation) -> Outputs:
+    return as_outputs(entry.baseline(case, impl.dtype, impl.baseline), entry.outputs, f"the {entry.name} baseline")
+
+
+def mismatch_fraction(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Fraction of rows (first axis) whose entries differ from ``ref``'s; 1 for a shape mismatch."""
+    if out.shape != ref.shape:
+        return 1.0
+    if ref.numel() == 0:
+        return 0.0
+    rows = (out != ref).reshape(ref.shape[0], -1).any(-1) if ref.dim() else (out != ref).reshape(1)
+    return float(rows.double().mean())
+
+
+def _as_fp64(out: torch.Tensor, impl: Implementation, name: str) -> torch.Tensor:
     if out.dtype != torch.float64:
-        raise TypeError(f"{impl.label} is judged by fp64-agreement but returned {out.dtype}; fp64 must stay fp64")
+        raise TypeError(f"{impl.label} is judged by fp64-agreement but returned {name} in {out.dtype}; "
+                        "fp64 must stay fp64")
     return out
 
 

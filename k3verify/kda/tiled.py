@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..numerics import exp_fits, is_float8, resolve_dtype
+from ..numerics import dtype_name, exp_fits, is_float8, ln_max, resolve_dtype
+from ..numerics.frontier import OverflowPrediction as _Prediction
 from ..numerics.rounding import OVERFLOW_MODES
 from ..numerics.trace import OverflowEvent, TracingRounder
 from ..numerics.validate import require_block
@@ -150,11 +151,24 @@ def tiled_traced(
     return o, caster.events
 
 
-def explain_overflow(
+def overflow_events(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, **kwargs: object
 ) -> list[OverflowEvent]:
     """The overflow events of :func:`tiled_traced` alone (same arguments)."""
     return tiled_traced(q, k, v, g, beta, **kwargs)[1]  # type: ignore[arg-type]
+
+
+def explain_overflow(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, **kwargs: object
+) -> list[str]:
+    """Each operand that overflowed in :func:`tiled` (same arguments, computed in fp32): which,
+    where (batch, head, chunk, tile) and by how much, one line each, in computing order."""
+    f32 = [t.float() if isinstance(t, torch.Tensor) else t for t in (q, k, v, g, beta)]
+    state = kwargs.pop("initial_state", None)
+    kwargs.pop("output_final_state", None)
+    if isinstance(state, torch.Tensor):
+        kwargs["initial_state"] = state.float()
+    return [e.describe() for e in overflow_events(*f32, **kwargs)]
 
 
 def _tiled(q, k, v, g, beta, scale: float, initial_state, dims: Dims, cfg: TileConfig, cast: TracingRounder):
@@ -272,3 +286,53 @@ def predicted_finite_for(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, **ti
         q, k, g, chunk_size=cfg.chunk_size, tile=cfg.tile, anchor=cfg.anchor, anchor_shift=cfg.anchor_shift
     )
     return exp_fits(exponent, torch.float32) and exp_fits(log_operand, cfg.operand_dtype)
+
+
+# --- the overflow model (the same three names in every module package) -----------------------
+
+
+@dataclass(frozen=True)
+class OverflowQuantities:
+    """What KDA's frontier reads from a call's inputs: ``q``, ``k`` and the log-decays ``g`` in fp64."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    g: torch.Tensor
+
+
+@dataclass(frozen=True)
+class OverflowPrediction(_Prediction):
+    """The frontier on the realized gates, with the largest diagonal exponent and ln|operand| it
+    met, and SPEC §1.6's bound evaluated at the smallest gate (``bound_finite``)."""
+
+    max_exponent: float = 0.0
+    max_log_operand: float = 0.0
+    bound_finite: bool = True
+
+
+def overflow_quantities(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        **_: object) -> OverflowQuantities:
+    """The inputs the frontier reads (the call's other arguments do not move it)."""
+    return OverflowQuantities(q.to(torch.float64), k.to(torch.float64), g.to(torch.float64))
+
+
+def predict(quantities: OverflowQuantities, **tiling: object) -> OverflowPrediction:
+    """Finite iff every diagonal-tile exponent fits the fp32 exponential and every ln|operand|
+    fits the operand dtype, on these inputs (``tiling``: the arguments of :class:`TileConfig`;
+    others are ignored). The fp32 diagonal path never splits and is always finite."""
+    cfg = TileConfig(**{k: v for k, v in tiling.items() if k in TileConfig.__dataclass_fields__})  # type: ignore[arg-type]
+    q, k, g = quantities.q, quantities.k, quantities.g
+    g_min = float(g.min()) if g.numel() else 0.0
+    bound = predicted_finite(g_min, tile=cfg.tile, operand_dtype=cfg.operand_dtype, anchor=cfg.anchor,
+                             anchor_shift=cfg.anchor_shift, diagonal=cfg.diagonal)
+    if cfg.diagonal == "fp32":
+        return OverflowPrediction(True, (), "fp32 diagonal path: no split exponentials", math.inf, bound_finite=bound)
+    exponent, log_operand = realized_log_magnitudes(q, k, g, chunk_size=cfg.chunk_size, tile=cfg.tile,
+                                                    anchor=cfg.anchor, anchor_shift=cfg.anchor_shift)
+    dt = dtype_name(cfg.operand_dtype)
+    checks = (("largest diagonal exponent vs ln(max fp32)", exponent, ln_max("fp32")),
+              (f"largest ln|operand| vs ln(max {dt})", log_operand, ln_max(cfg.operand_dtype)))
+    failing = tuple(f"{what}: {value:.2f} >= {limit:.2f}" for what, value, limit in checks if value >= limit)
+    what, value, limit = min(checks, key=lambda c: c[2] - c[1])
+    return OverflowPrediction(not failing, failing, what, limit - value, max_exponent=exponent,
+                              max_log_operand=log_operand, bound_finite=bound)

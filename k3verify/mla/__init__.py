@@ -4,10 +4,22 @@
 expanded chunked prefill and the FlashMLA-style tiled kernel; ``expanded`` is the definition
 (the fp64 oracle) and ``naive_baseline`` the same-dtype baseline of the tolerance policy. All
 take ``(q_nope, q_pe, cache, w_uk, w_uv, *, scale, chunk_size, tile, operand_dtype, num_splits,
-subtract_max, overflow)`` — see :mod:`k3verify.mla.inputs`.
+subtract_max, overflow)`` — see :mod:`k3verify.mla.inputs`. The overflow model has the names
+every module package gives it: ``overflow_quantities``, ``predict`` and ``explain_overflow``;
+:mod:`k3verify.mla.samples` makes the verification inputs.
 """
 
-from .cache import LatentCache, allocate, append, build, gather, quantize, quantize_entries, split_entry
+from .cache import (
+    LatentCache,
+    allocate,
+    append,
+    build,
+    gather,
+    live_entries,
+    quantize,
+    quantize_entries,
+    split_entry,
+)
 from .chunkwise import chunkwise
 from .layer import MLAConfig, MLAWeights, forward, init_weights, shard
 from .recurrent import absorb_output, absorb_query, recurrent
@@ -17,6 +29,7 @@ from .tiled import (
     OverflowPrediction,
     OverflowQuantities,
     explain_overflow,
+    overflow_events,
     overflow_quantities,
     predict,
     tiled,
@@ -41,8 +54,10 @@ __all__ = [
     "forward",
     "gather",
     "init_weights",
+    "live_entries",
     "merge_partials",
     "naive_baseline",
+    "overflow_events",
     "overflow_quantities",
     "partial_attention",
     "predict",

@@ -295,6 +295,17 @@ def gather(cache: LatentCache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     return torch.where(valid[..., None], values, torch.zeros((), dtype=dtype, device=values.device)), valid
 
 
+def live_entries(cache: LatentCache) -> torch.Tensor:
+    """The logical contents of the cache: every request's live entries in order, ``[B, Lmax, W]``,
+    zeros past each request's length (dead slots never show, NaN poison included).
+
+    An unquantised cache comes back in its pool's dtype; a quantised one as its codes times
+    their per-token scales, in fp64 (where that product of an fp8 code and an fp32 scale is
+    exact), so two caches holding the same codes and scales compare equal bit for bit.
+    """
+    return gather(cache, torch.float64 if cache.quantized else cache.pool.dtype)[0]
+
+
 def _check_append(cache: LatentCache, entries: torch.Tensor) -> tuple[int, int]:
     if not isinstance(cache, LatentCache):
         raise TypeError(f"cache must be a LatentCache, got {type(cache).__name__}")

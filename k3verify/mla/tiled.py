@@ -39,8 +39,9 @@ from dataclasses import dataclass
 import torch
 
 from ..numerics import exp_fits, facts, is_float8, ln_max, resolve_dtype
-from ..numerics.frontier import OverflowPrediction, underflow_threshold
+from ..numerics.frontier import OverflowPrediction as _Prediction
 from ..numerics.frontier import ln_abs_max as _ln_abs_max
+from ..numerics.frontier import underflow_threshold
 from ..numerics.trace import OverflowEvent, TracingRounder
 from .cache import LatentCache, gather, split_entry
 from .inputs import Dims, FormOptions, check_inputs, heads_first, key_mask
@@ -132,7 +133,7 @@ def tiled(
     return _tiled(q_nope, q_pe, cache, w_uk, w_uv, scale, dims, cfg, _Caster.make(cfg))
 
 
-def explain_overflow(
+def overflow_events(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
     cache: LatentCache,
@@ -149,6 +150,23 @@ def explain_overflow(
     return tiled_traced(q_nope, q_pe, cache, w_uk, w_uv, scale=scale, **tiling)[1]
 
 
+def explain_overflow(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: LatentCache,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    *,
+    scale: float | None = None,
+    **options: object,
+) -> list[str]:
+    """Each stored tensor that overflowed in :func:`tiled` with these arguments: which, where
+    and by how much, one line each, in computing order. Takes any of the forms' options; those
+    :func:`tiled` does not use (``chunk_size``) are ignored."""
+    tiling = {k: v for k, v in options.items() if k in TileConfig.__dataclass_fields__}
+    return [e.describe() for e in overflow_events(q_nope, q_pe, cache, w_uk, w_uv, scale=scale, **tiling)]
+
+
 def tiled_traced(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -159,7 +177,7 @@ def tiled_traced(
     scale: float | None = None,
     **tiling: object,
 ) -> tuple[torch.Tensor, list[OverflowEvent]]:
-    """:func:`tiled`'s output together with :func:`explain_overflow`'s events, from one run."""
+    """:func:`tiled`'s output together with :func:`overflow_events`' events, from one run."""
     cfg = TileConfig(**tiling)  # type: ignore[arg-type]
     dims, scale = check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
     caster = _Caster.make(cfg, trace=True)
@@ -266,11 +284,13 @@ def overflow_quantities(
     *,
     scale: float | None = None,
     num_splits: int = 1,
+    **_options: object,
 ) -> OverflowQuantities:
     """Compute :class:`OverflowQuantities` for these inputs in fp64 (dequantising an fp8 cache).
 
     Independent of the operand dtype and of the tile size, so one call serves a whole row of
-    an overflow map. ``num_splits`` decides the key ranges of the row statistics.
+    an overflow map. ``num_splits`` decides the key ranges of the row statistics; the forms'
+    other options do not move any quantity and are ignored.
     """
     dims, scale = check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
     f64 = torch.float64
@@ -323,11 +343,23 @@ def overflow_quantities(
     )
 
 
+@dataclass(frozen=True)
+class OverflowPrediction(_Prediction):
+    """The range checks' verdict with the score statistics it read: the realised largest score,
+    its Cauchy–Schwarz bound, the smallest row maximum and the largest row log-sum-exp."""
+
+    max_score: float = 0.0
+    score_bound: float = 0.0
+    min_row_max: float = 0.0
+    max_lse: float = 0.0
+
+
 def predict(
     quantities: OverflowQuantities,
     *,
     operand_dtype: torch.dtype | str = torch.bfloat16,
     subtract_max: bool = True,
+    **_options: object,
 ) -> OverflowPrediction:
     """Will :func:`tiled` with these settings return finite values for these inputs?
 
@@ -337,7 +369,8 @@ def predict(
     accumulator. Without max subtraction also ``P = e^{s}`` (``exp_fits(max_score, operand)``),
     the row sum ``l`` (``max_lse``), the accumulator (``ln_weighted_values``) and the underflow
     of a whole row (``min_row_max`` above :func:`underflow_threshold`). An fp8 cache's codes
-    cannot overflow (``amax / max`` scaling), so only its dequantised value is checked.
+    cannot overflow (``amax / max`` scaling), so only its dequantised value is checked. The
+    forms' other options (``tile``, ``num_splits``: already in ``quantities``) are ignored.
     """
     op = resolve_dtype(operand_dtype)
     acc = accumulator_of(op)
@@ -367,4 +400,6 @@ def predict(
     fits("output o", quantities.ln_output, out)
     failing = tuple(what for what, ok, _ in checks if not ok)
     what, _, room = min(checks, key=lambda c: c[2])
-    return OverflowPrediction(finite=not failing, reasons=failing, binding=what, headroom=room)
+    return OverflowPrediction(finite=not failing, reasons=failing, binding=what, headroom=room,
+                              max_score=quantities.max_score, score_bound=quantities.score_bound,
+                              min_row_max=quantities.min_row_max, max_lse=quantities.max_lse)

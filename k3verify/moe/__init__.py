@@ -1,9 +1,12 @@
-"""Stable LatentMoE: every form of SPEC §4 in one common signature.
+"""Stable LatentMoE: every form of SPEC §4 in one common signature, and its overflow model.
 
 ``from k3verify.moe import recurrent, chunkwise, tiled`` gives the per-token definition (the
 fp64 oracle), the expert-sorted dispatch with grouped matmuls, and the grouped-GEMM kernel with
 low-precision operands. All take ``(x, weights, config, *, routing=None, tile_m, tile_k,
 operand_dtype, fp8_scaling, fp8_static_scale, overflow)`` — see :mod:`k3verify.moe.inputs`.
+``overflow_quantities``, ``predict`` and ``explain_overflow`` are the overflow model under the
+names every module package gives them; :mod:`k3verify.moe.samples` makes the verification
+inputs and :mod:`k3verify.moe.studies` the routing-flips study.
 """
 
 from .balancing import expert_load, imbalance, quantile_balancing, quantile_thresholds
@@ -17,6 +20,7 @@ from .tiled import (
     OverflowPrediction,
     OverflowQuantities,
     explain_overflow,
+    overflow_events,
     overflow_quantities,
     predict,
     tiled,
@@ -45,6 +49,7 @@ __all__ = [
     "init_weights",
     "mixture_weights",
     "naive_baseline",
+    "overflow_events",
     "overflow_quantities",
     "parameter_counts",
     "predict",

@@ -16,9 +16,10 @@ operand dtype; bf16 for fp8). ``G``, ``U``, the routing weights and every sum st
 The router is the FP32 one of SPEC §4 on ``x`` as given; operand rounding never reaches it.
 
 Overflow is visible: an operand past its dtype's range becomes inf/NaN (``overflow="nonfinite"``)
-and :func:`explain_overflow` names it. One failure stays finite: when ``Σ u²`` of a token
-overflows fp32, the RMSNorm multiplies ``u`` by ``rsqrt(inf) = 0`` and the token's routed output
-becomes exactly 0; :func:`predict` reports it as ``zeroed``.
+and :func:`explain_overflow` names it (:func:`overflow_events` gives the events themselves). One
+failure stays finite: when ``Σ u²`` of a token overflows fp32, the RMSNorm multiplies ``u`` by
+``rsqrt(inf) = 0`` and the token's routed output becomes exactly 0; :func:`predict` reports it as
+``predicted_zeroed``.
 
 :func:`overflow_quantities` and :func:`predict` give the analytic prediction: every stored
 tensor's largest magnitude, computed exactly (fp64) for the given inputs, against the range of
@@ -79,11 +80,19 @@ def tiled_traced(
     return _tiled(x, weights, config, routing, dims, cast), cast.rounder.events
 
 
-def explain_overflow(
+def overflow_events(
     x: torch.Tensor, weights: MoEWeights, config: MoEConfig, *, routing: Routing | None = None, **tiling: object
 ) -> list[OverflowEvent]:
     """The overflow events of :func:`tiled_traced` alone (same arguments)."""
     return tiled_traced(x, weights, config, routing=routing, **tiling)[1]
+
+
+def explain_overflow(
+    x: torch.Tensor, weights: MoEWeights, config: MoEConfig, *, routing: Routing | None = None, **tiling: object
+) -> list[str]:
+    """Each stored tensor that overflowed in :func:`tiled` (same arguments): which, where and by
+    how much, one line each, in computing order."""
+    return [e.describe() for e in overflow_events(x, weights, config, routing=routing, **tiling)]
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, tile_k: int) -> torch.Tensor:
@@ -183,12 +192,13 @@ class OverflowQuantities:
 
 
 def overflow_quantities(
-    x: torch.Tensor, weights: MoEWeights, config: MoEConfig, *, routing: Routing | None = None
+    x: torch.Tensor, weights: MoEWeights, config: MoEConfig, *, routing: Routing | None = None, **_: object
 ) -> OverflowQuantities:
     """:class:`OverflowQuantities` of these inputs, computed in fp64.
 
     Without ``routing`` the experts are chosen as the low-precision forms choose them (the FP32
-    router on ``x`` as given). Independent of the operand dtype and of the tiling.
+    router on ``x`` as given). Independent of the operand dtype and of the tiling (the forms'
+    other keyword options are accepted and ignored).
     """
     dims = check_inputs(x, weights, config, routing)
     r = routing_for(x, weights, config, routing, torch.float32).to(torch.float64)
@@ -231,15 +241,34 @@ def overflow_quantities(
 
 @dataclass(frozen=True)
 class OverflowPrediction(RangePrediction):
-    """Finite or not, every failing range check, the tightest one, and the silent RMSNorm zeroing."""
+    """Finite or not, every failing range check, the tightest one, and the silent RMSNorm zeroing.
 
-    zeroed: bool  # some token's Σu² overflows fp32: its routed output becomes exactly 0 (finite, wrong)
+    ``predicted_zeroed``: some token's ``Σu²`` overflows fp32, so its routed output becomes exactly
+    0 (finite, wrong). The ``ln_*`` fields are the :class:`OverflowQuantities` the checks read
+    (natural logs of the largest magnitudes), so that a map cell records what decided it.
+    """
+
+    predicted_zeroed: bool = False
+    ln_logits: float = math.nan
+    ln_z: float = math.nan
+    ln_preact: float = math.nan
+    ln_hidden: float = math.nan
+    ln_expert_out: float = math.nan
+    ln_latent: float = math.nan
+    ln_sum_squares: float = math.nan
+    ln_normed: float = math.nan
+    ln_routed: float = math.nan
+    ln_shared_preact: float = math.nan
+    ln_shared_hidden: float = math.nan
+    ln_shared: float = math.nan
+    ln_output: float = math.nan
+    ln_situ_bound: float = math.nan
 
     def explanation(self) -> str:
         """One line: the failing checks (or the binding one and its headroom), and any zeroing."""
         text = "; ".join(self.reasons) if self.reasons else (
             f"all ranges fit; tightest: {self.binding} ({self.headroom:.2f} ln units of headroom)")
-        if self.zeroed:
+        if self.predicted_zeroed:
             text += "; RMSNorm's fp32 Σu² overflows: those tokens' routed output becomes 0"
         return text
 
@@ -250,13 +279,15 @@ def predict(
     operand_dtype: torch.dtype | str = torch.bfloat16,
     fp8_scaling: str = "per_row",
     fp8_static_scale: float = 1.0,
+    **_: object,
 ) -> OverflowPrediction:
     """Will :func:`tiled` with these settings return finite values for these inputs?
 
     Every stored tensor must fit its dtype (``ln|x| < ln max``, and the accumulator must hold it
     first): GEMM operands the operand dtype, results the output dtype, ``g, u`` and the sums the
     accumulator. An fp8 operand with a dynamic scale cannot overflow (only its fp32 value must be
-    finite); with the static scale ``s`` it must satisfy ``ln|x| − ln s < ln 448``.
+    finite); with the static scale ``s`` it must satisfy ``ln|x| − ln s < ln 448``. The tiling
+    (``tile_m``, ``tile_k``) and the forms' other options do not move it and are ignored.
     """
     opts = FormOptions(operand_dtype=operand_dtype, fp8_scaling=fp8_scaling, fp8_static_scale=fp8_static_scale)
     op, acc, out = resolve_dtype(opts.operand_dtype), opts.accumulator, opts.output_dtype
@@ -293,4 +324,6 @@ def predict(
     fits("output y", q.output, out)
     failing = tuple(what for what, ok, _ in checks if not ok)
     what, _, room = min(checks, key=lambda c: c[2])
-    return OverflowPrediction(finite=not failing, reasons=failing, binding=what, headroom=room, zeroed=zeroed)
+    read = {f"ln_{k}": v for k, v in q.as_dict().items() if k != "inputs"}
+    return OverflowPrediction(finite=not failing, reasons=failing, binding=what, headroom=room, predicted_zeroed=zeroed,
+                              **read)

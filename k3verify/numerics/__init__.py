@@ -16,6 +16,7 @@ from .policy import (
     baseline_rule,
     expected_nonfinite,
     fp64_agreement,
+    mismatch_rule,
     noise_floor,
 )
 from .rounding import OVERFLOW_MODES, round_to, round_to_reference, rounder, spacing, storage_for
@@ -41,6 +42,7 @@ __all__ = [
     "headroom",
     "is_float8",
     "ln_max",
+    "mismatch_rule",
     "noise_floor",
     "relative_max_error",
     "resolve_dtype",

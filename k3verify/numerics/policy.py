@@ -144,3 +144,18 @@ def expected_nonfinite(impl: Metrics, *, predicted_finite: bool, explanation: st
         else (f"{impl.nonfinite} non-finite outputs where the frontier predicts finite")
     )
     return Verdict(FAIL, "frontier", "nonfinite", float(impl.nonfinite), math.nan, -math.inf, f"{what}: {explanation}")
+
+
+def mismatch_rule(err: float, baseline_err: float | None, *, k: float = BASELINE_K) -> Verdict:
+    """Verdict for a discrete output (which experts a token chose): ``err`` is the fraction of rows
+    that differ from the oracle's. Without a baseline (``exact``) it must be 0; with one
+    (``baseline``) at most ``k`` times the same-dtype baseline's fraction (no floor: the oracle's
+    choices are exact)."""
+    if baseline_err is None:
+        ok = err == 0
+        return Verdict(PASS if ok else FAIL, "exact", "mismatch", err, 0.0, 1.0 if ok else -math.inf,
+                       f"mismatch {err:.3g} {'==' if ok else '>'} 0")
+    limit = k * baseline_err
+    ok = err <= limit
+    return Verdict(PASS if ok else FAIL, "baseline", "mismatch", err, limit, _margin(err, limit),
+                   f"mismatch {err:.3g} {'<=' if ok else '>'} {k:g}x{baseline_err:.3g}", baseline_err, 0.0, k)

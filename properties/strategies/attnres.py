@@ -2,7 +2,7 @@
 
 Sizes are drawn directly (they shrink toward one source, one token, width 1, one layer, block
 size 1); tensor values come from a drawn seed, so a failing example replays exactly from its
-printed ``make_*`` call. Aggregations use the harness's :func:`controlled_sources`, whose
+printed ``make_*`` call. Aggregations use :func:`k3verify.attnres.samples.controlled_sources`, whose
 largest logit per token equals the drawn logit scale ``‖w⊙γ‖·sqrt(d)``.
 """
 
@@ -15,7 +15,8 @@ import torch
 from hypothesis import strategies as st
 
 from k3verify import attnres
-from k3verify.harness.modules.attnres import controlled_sources, single_thread, walk_inputs
+from k3verify.attnres.samples import controlled_sources, walk_inputs
+from k3verify.harness.environment import one_thread as single_thread
 
 # Every form of one aggregation, with the options that make it what it is.
 FORMS = {

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from k3verify.harness.modules.kda import random_inputs, saturated_inputs
+from k3verify.kda.samples import random_inputs, saturated_inputs
 
 
 @dataclass

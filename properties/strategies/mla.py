@@ -1,9 +1,10 @@
 """Hypothesis strategies for Gated MLA problems.
 
 Sizes are drawn directly (so they shrink toward one request, one head, one token, page size 1);
-tensor values come from a drawn seed, so a failing example replays exactly from its printed
-sizes and seed. Dimensions keep K3's proportions: ``R = 8 Dr`` (512 : 64), ``Dn = 2 Dr``
-(128 : 64). Cached entries look like the layer's: ``ĉ`` RMS-normalised, ``k^p`` raw.
+tensor values come from a drawn seed (through :func:`k3verify.mla.samples.random_inputs`), so a
+failing example replays exactly from its printed sizes and seed. Dimensions keep K3's
+proportions: ``R = 8 Dr`` (512 : 64), ``Dn = 2 Dr`` (128 : 64). Cached entries look like the
+layer's: ``ĉ`` RMS-normalised, ``k^p`` raw.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import torch
 from hypothesis import strategies as st
 
 from k3verify import mla
-from k3verify.mla.layer import rms_norm
+from k3verify.mla.samples import PAGE_SIZES, random_inputs
 
-PAGE_SIZES = (1, 2, 3, 4, 8, 16)
+__all__ = ["PAGE_SIZES", "MLAProblem", "make_problem", "mla_problems"]
 
 
 @dataclass
@@ -33,7 +34,7 @@ class MLAProblem:
     seed: int
     q_scale: float
     latent_scale: float
-    entries: torch.Tensor = field(repr=False)  # [B, Lmax, R + Dr] logical cache contents
+    entries: torch.Tensor = field(repr=False)  # [B, Lmax, R + Dr] logical cache contents, 0 past each length
     q_nope: torch.Tensor = field(repr=False)
     q_pe: torch.Tensor = field(repr=False)
     w_uk: torch.Tensor = field(repr=False)
@@ -73,24 +74,12 @@ class MLAProblem:
 
 def make_problem(contexts: tuple[int, ...] = (3,), T: int = 2, *, H: int = 2, Dr: int = 2, Dv: int | None = None,
                  page_size: int = 4, seed: int = 0, q_scale: float = 1.0, latent_scale: float = 1.0) -> MLAProblem:
-    """A problem built directly (for pinned examples and plain tests)."""
-    B = len(contexts)
-    R, Dn, Dv = 8 * Dr, 2 * Dr, (2 * Dr if Dv is None else Dv)
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=gen, dtype=torch.float64)
-
-    lengths = [c + T for c in contexts]
-    L = max(lengths)
-    c_hat = rms_norm(randn(B, L, R), torch.ones(R, dtype=torch.float64))
-    entries = torch.cat([c_hat, randn(B, L, Dr)], dim=-1) * latent_scale
-    cache = mla.build(entries, lengths, page_size, generator=gen, spare_pages=1)
+    """A problem built directly (for pinned examples and plain tests): :func:`k3verify.mla.samples.random_inputs`."""
+    x = random_inputs(contexts, T, H=H, Dr=Dr, Dv=Dv, page_size=page_size, seed=seed, q_scale=q_scale,
+                      latent_scale=latent_scale)
     return MLAProblem(
-        B=B, T=T, H=H, Dr=Dr, Dv=Dv, contexts=tuple(contexts), page_size=page_size, seed=seed, q_scale=q_scale,
-        latent_scale=latent_scale, entries=entries,
-        q_nope=randn(B, T, H, Dn) * q_scale, q_pe=randn(B, T, H, Dr) * q_scale,
-        w_uk=randn(H, R, Dn) * R**-0.5, w_uv=randn(H, R, Dv) * R**-0.5, cache=cache,
+        B=len(contexts), T=T, H=H, Dr=Dr, Dv=x["w_uv"].shape[-1], contexts=tuple(contexts), page_size=page_size,
+        seed=seed, q_scale=q_scale, latent_scale=latent_scale, entries=mla.live_entries(x["cache"]), **x,
     )
 
 

@@ -16,7 +16,8 @@ import torch
 from hypothesis import strategies as st
 
 from k3verify import moe
-from k3verify.harness.runner import one_thread as _one_thread
+from k3verify.harness.environment import one_thread as _one_thread
+from k3verify.moe import samples
 
 
 @dataclass
@@ -63,15 +64,12 @@ class MoEProblem:
 def make_problem(T: int = 8, *, E: int = 8, k: int = 2, d: int = 16, H: int = 8, seed: int = 0,
                  x_scale: float = 1.0, activation: str = "situ", rho: float = 1.0,
                  bias_scale: float = 0.1) -> MoEProblem:
-    """A problem built directly (for pinned examples and plain tests); bias ~ N(0, bias_scale²)."""
+    """A problem built directly (for pinned examples and plain tests) by
+    :func:`k3verify.moe.samples.random_inputs`: bias ~ N(0, bias_scale²), x ~ N(0, x_scale²)."""
     cfg = moe.MoEConfig(hidden_size=d, num_experts=E, top_k=k, latent_size=d // 2, expert_hidden=H,
                         routed_scaling_factor=rho, activation=activation)
-    w = moe.init_weights(cfg, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    bias = bias_scale * torch.randn(E, generator=gen, dtype=torch.float64)
-    x = x_scale * torch.randn(T, d, generator=gen, dtype=torch.float64)
-    return MoEProblem(T, E, k, d, H, seed, x_scale, activation, rho, bias_scale, cfg,
-                      dataclasses.replace(w, bias=bias), x)
+    made = samples.random_inputs(cfg, T, seed=seed, x_scale=x_scale, bias_scale=bias_scale)
+    return MoEProblem(T, E, k, d, H, seed, x_scale, activation, rho, bias_scale, cfg, made["weights"], made["x"])
 
 
 @st.composite

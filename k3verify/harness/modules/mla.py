@@ -1,220 +1,167 @@
-"""Registry entry for Gated MLA: cases, oracle, baseline, implementations and the overflow map."""
+"""Registry entry for Gated MLA: named outputs ``o`` and ``cache``, the implementations and the
+overflow map, declared; inputs come from :mod:`k3verify.mla.samples`."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 from collections.abc import Callable
-from functools import partial
+from functools import lru_cache, partial, wraps
 from typing import Any
 
 import torch
 
 from ... import mla
-from ...mla import layer
-from ...numerics import compare, dtype_name
-from ..overflow_map import MapOptions, MapResult, MapSpec, agreement, mark_frontier
-from ..registry import BASELINE_RULE, FP64_RULE, Case, Implementation, ModuleEntry, Prediction, register
-from ..runner import one_thread
+from ...mla import samples
+from ...mla.samples import PAGE_SIZE
+from ...numerics import dtype_name, is_float8, resolve_dtype
+from ..environment import one_thread
+from ..overflow_map import MapDefinition, MapOptions, MapSpec, SweptForm, agreement
+from ..registry import (
+    BASELINE_RULE,
+    FP64_RULE,
+    Case,
+    Implementation,
+    ModuleEntry,
+    Outputs,
+    Prediction,
+    cases_from,
+    register,
+)
 
-CONFIG = layer.MLAConfig.small()  # K3's proportions (512:64, 128:64, v = 128), 4 heads
-PAGE_SIZE = 16
+OUTPUTS = ("o", "cache")
 CHUNK = 8
 TILE = 16
 SPLITS = 4
-# A cache dtype: the latent cache in fp8 e4m3 with per-token scales, bf16 everywhere else.
+# The fp8 dtype of a row means the latent cache in fp8 e4m3 with per-token scales, every other
+# tensor in bf16 (what fp8-cache MLA kernels do).
 FP8_CACHE = "fp8_e4m3"
 FP8_CACHE_OPERANDS = "bf16"
-# Query scale of the "hot" case: scores ~ N(0, 32^2); the largest (176) passes ln(max bf16) = 88.7.
-HOT_QUERY_SCALE = 32.0
-
-CASES = {
-    # Chunked prefill: 24 new tokens after 37, 16 and 0 cached ones (the last request's first
-    # chunk has an empty prefix), pages shuffled, dead slots NaN.
-    "default": dict(lengths=(61, 40, 24), T=24),
-    # Decode: one new token per request, lengths not multiples of the page size.
-    "decode": dict(lengths=(77, 18, 33, 50, 5, 64, 29, 41), T=1),
-}
 
 
-def layer_inputs(
-    cfg: layer.MLAConfig,
-    lengths: tuple[int, ...],
-    T: int,
-    *,
-    seed: int = 0,
-    page_size: int = PAGE_SIZE,
-    spare_pages: int = 2,
-) -> dict[str, Any]:
-    """fp64 form inputs as the layer makes them: random ``x`` -> latents of every token into a
-    paged cache (shuffled pages, NaN in dead slots) and queries of the last ``T`` tokens."""
-    w = layer.init_weights(cfg, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    B, L = len(lengths), max(lengths)
-    x = torch.randn(B, L, cfg.hidden_size, generator=gen, dtype=torch.float64)
-    cache = mla.build(layer.project_latent(x, w, cfg), lengths, page_size, generator=gen, spare_pages=spare_pages)
-    last = torch.tensor(lengths)[:, None] - T + torch.arange(T)[None, :]
-    q_nope, q_pe = layer.project_query(torch.gather(x, 1, last[..., None].expand(-1, -1, x.shape[-1])), w, cfg)
-    return dict(q_nope=q_nope, q_pe=q_pe, cache=cache, w_uk=w.w_uk, w_uv=w.w_uv)
+def form_args(inputs: dict[str, Any], dtype: torch.dtype | str) -> tuple[Any, ...]:
+    """``(q_nope, q_pe, cache, w_uk, w_uv)`` in ``dtype``: an fp8 ``dtype`` quantises the cache per
+    token to it (a quantised cache stays as it is) and casts the rest to bf16. The cache is a
+    copy, so a function that writes into it cannot change the case."""
+    dt = resolve_dtype(dtype)
+    cache: mla.LatentCache = inputs["cache"]
+    if is_float8(dt):
+        cache = cache if cache.quantized else mla.quantize(cache, dt)
+        dt = resolve_dtype(FP8_CACHE_OPERANDS)
+    else:
+        cache = cache.to(dt)
+    cache = mla.LatentCache(*(None if t is None else t.clone()
+                              for t in (cache.pool, cache.block_table, cache.seq_lens, cache.scales)))
+    x = {n: inputs[n].to(dt) for n in ("q_nope", "q_pe", "w_uk", "w_uv")}
+    return x["q_nope"], x["q_pe"], cache, x["w_uk"], x["w_uv"]
 
 
-def make_cases(seed: int = 0) -> dict[str, Case]:
-    """``default`` (chunked prefill), ``decode`` (one token per request) and ``hot`` (the
-    default case with queries scaled so that scores pass ln(max bf16))."""
-    dims = dict(heads=CONFIG.num_heads, R=CONFIG.kv_lora_rank, Dr=CONFIG.qk_rope_head_dim,
-                Dn=CONFIG.qk_nope_head_dim, Dv=CONFIG.v_head_dim, page_size=PAGE_SIZE, seed=seed)
-    cases = {}
-    for name, spec in CASES.items():
-        inputs = layer_inputs(CONFIG, spec["lengths"], spec["T"], seed=seed)
-        cases[name] = Case(name, inputs, dict(dims, lengths=list(spec["lengths"]), T=spec["T"]))
-    hot = dict(cases["default"].inputs)
-    hot["q_nope"], hot["q_pe"] = hot["q_nope"] * HOT_QUERY_SCALE, hot["q_pe"] * HOT_QUERY_SCALE
-    cases["hot"] = Case("hot", hot, dict(cases["default"].params, query_scale=HOT_QUERY_SCALE))
-    return cases
+def call(fn: Callable, case: Case, dtype: torch.dtype | str, **options: Any) -> Outputs:
+    """``fn`` with the MLA forms' signature on the case's inputs in ``dtype`` (see :func:`form_args`):
+    ``{"o": [B, T, H, Dv], "cache": [B, Lmax, R + Dr]}``. ``cache`` is the live contents of the
+    cache ``fn`` leaves behind (:func:`k3verify.mla.live_entries`): the one it was given, written
+    in place or not, or the :class:`~k3verify.mla.LatentCache` it returns as ``(o, cache)``."""
+    args = form_args(case.inputs, dtype)
+    result = fn(*args, **options)
+    o, cache = result if isinstance(result, tuple) else (result, None)
+    return {"o": o, "cache": mla.live_entries(args[2] if cache is None else cache)}
 
 
-# A production-shape slice for the goldens: K3's latent (512 + 64) and head dims (128 + 64,
-# v 128), one head; the hidden size does not reach the forms' inputs, so it stays small. One
-# chunked prefill (8 new tokens after 33 cached, across three pages) runs every form,
-# absorbed and expanded; its weights alone take 1 MB in fp64, so there is no second slice.
-PRODUCTION_SLICE = dataclasses.replace(layer.MLAConfig.production(), num_heads=1, hidden_size=1024)
-GOLDEN_PRODUCTION_CASES = {"default.production": dict(lengths=(41,), T=8)}
-
-
-def golden_cases(seed: int = 0) -> dict[str, Case]:
-    """The default cases (small configuration) plus the production-shape slices."""
-    cases = make_cases(seed)
-    cfg = PRODUCTION_SLICE
-    dims = dict(heads=cfg.num_heads, R=cfg.kv_lora_rank, Dr=cfg.qk_rope_head_dim, Dn=cfg.qk_nope_head_dim,
-                Dv=cfg.v_head_dim, page_size=PAGE_SIZE, seed=seed, slice="production")
-    for name, spec in GOLDEN_PRODUCTION_CASES.items():
-        inputs = layer_inputs(cfg, spec["lengths"], spec["T"], seed=seed, spare_pages=1)
-        cases[name] = Case(name, inputs, dict(dims, lengths=list(spec["lengths"]), T=spec["T"]))
-    return cases
-
-
-def _args(case: Case, dtype: torch.dtype, *, fp8_cache: bool = False) -> tuple[Any, ...]:
-    x = case.inputs
-    cache = mla.quantize(x["cache"], FP8_CACHE) if fp8_cache else x["cache"].to(dtype)
-    return x["q_nope"].to(dtype), x["q_pe"].to(dtype), cache, x["w_uk"].to(dtype), x["w_uv"].to(dtype)
-
-
-def oracle(case: Case) -> torch.Tensor:
-    """The expanded definition in fp64 (cached on the case)."""
+def oracle(case: Case) -> Outputs:
+    """The expanded definition in fp64 and the case's fp64 cache entries (cached on the case)."""
     if "oracle" not in case.cache:
-        case.cache["oracle"] = mla.expanded(*_args(case, torch.float64))
+        case.cache["oracle"] = call(mla.expanded, case, torch.float64)
     return case.cache["oracle"]
 
 
-def baseline(case: Case, dtype: str, family: str = "recurrent") -> torch.Tensor:
-    """The plain definition with every stored tensor in ``dtype`` (cached per dtype).
-
-    MLA has one baseline family, the definition (``family`` is accepted for the registry's
-    signature and must be ``"recurrent"``). For ``fp8_e4m3`` the baseline stores what an
-    fp8-cache kernel stores: the latent cache quantised per token (the same quantiser), every
-    other tensor in bf16.
-    """
-    if family != "recurrent":
-        raise ValueError(f"MLA has a single baseline family 'recurrent' (the definition), got {family!r}")
-    key = f"baseline:{dtype}"
+def _exact_args(case: Case, cache_storage: str | None = None) -> tuple[Any, ...]:
+    """fp64 inputs, the cache quantised to ``cache_storage`` when given: what predictions read
+    (the exact magnitudes a kernel meets, with the fp8 cache it stores)."""
+    key = f"exact:{cache_storage}"
     if key not in case.cache:
-        if dtype_name(dtype) == FP8_CACHE:
-            args = _args(case, torch.float64, fp8_cache=True)
-            case.cache[key] = mla.naive_baseline(*args, dtype=FP8_CACHE_OPERANDS)
-        else:
-            case.cache[key] = mla.naive_baseline(*_args(case, torch.float64), dtype=dtype)
+        x = case.inputs
+        cache = mla.quantize(x["cache"], cache_storage) if cache_storage else x["cache"]
+        case.cache[key] = (x["q_nope"], x["q_pe"], cache, x["w_uk"], x["w_uv"])
     return case.cache[key]
 
 
-def _tiled_options(case: Case, tiling: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    opts = dict(tiling)
-    fp8_cache = opts.pop("cache", None) == FP8_CACHE
-    return _args(case, torch.float64, fp8_cache=fp8_cache), opts
+def baseline(case: Case, dtype: str, family: str = "recurrent") -> Outputs:
+    """The plain definition with every stored tensor in ``dtype`` and the cache such an
+    implementation stores (cached per dtype). For an fp8 ``dtype``: the cache quantised per
+    token (the same quantiser), every other tensor in bf16.
 
-
-def _tiled_predict(case: Case, **tiling: Any) -> Prediction:
-    args, opts = _tiled_options(case, tiling)
-    key = f"quantities:{tiling.get('cache')}:{opts.get('num_splits', 1)}"
+    MLA has one baseline family, the definition (``family`` must be ``"recurrent"``).
+    """
+    if family != "recurrent":
+        raise ValueError(f"MLA has a single baseline family 'recurrent' (the definition), got {family!r}")
+    name = dtype_name(dtype)
+    key = f"baseline:{name}"
     if key not in case.cache:
-        case.cache[key] = mla.overflow_quantities(*args, num_splits=opts.get("num_splits", 1))
-    q = case.cache[key]
-    p = mla.predict(q, operand_dtype=opts["operand_dtype"], subtract_max=opts.get("subtract_max", True))
+        fp8 = is_float8(name)
+        o = mla.naive_baseline(*_exact_args(case, name if fp8 else None), dtype=FP8_CACHE_OPERANDS if fp8 else name)
+        case.cache[key] = {"o": o, "cache": mla.live_entries(form_args(case.inputs, name)[2])}
+    return case.cache[key]
+
+
+def _quantities(case: Case, cache_storage: str | None, num_splits: int = 1) -> mla.OverflowQuantities:
+    key = f"quantities:{cache_storage}:{num_splits}"
+    if key not in case.cache:
+        case.cache[key] = mla.overflow_quantities(*_exact_args(case, cache_storage), num_splits=num_splits)
+    return case.cache[key]
+
+
+def _predict(case: Case, dtype: str, **options: Any) -> Prediction:
+    q = _quantities(case, dtype if is_float8(dtype) else None, options.get("num_splits", 1))
+    p = mla.predict(q, **options)
     return Prediction(p.finite, f"max score {q.max_score:.2f} (bound {q.score_bound:.2f}); {p.explanation()}")
 
 
-def _tiled_explain(case: Case, **tiling: Any) -> list[str]:
-    args, opts = _tiled_options(case, tiling)
-    return [e.describe() for e in mla.explain_overflow(*args, **opts)[:3]]
+def _explain(case: Case, dtype: str, **options: Any) -> list[str]:
+    return mla.explain_overflow(*form_args(case.inputs, dtype), **options)[:3]
 
 
-def _tiled(dtype: str, cases: tuple[str, ...] = ("default", "decode"), **extra: Any) -> Implementation:
-    """A tiled row; ``dtype`` is the comparison dtype (``fp8_e4m3`` = fp8 cache, bf16 operands)."""
-    tiling = dict(tile=TILE) | extra
-    if dtype == FP8_CACHE:
-        tiling |= dict(operand_dtype=FP8_CACHE_OPERANDS, cache=FP8_CACHE)
-    else:
-        tiling |= dict(operand_dtype=dtype)
-
-    def run(case: Case) -> torch.Tensor:
-        args, opts = _tiled_options(case, tiling)
-        return mla.tiled(*args, **opts)
-
-    shown = {k: v for k, v in tiling.items() if k != "operand_dtype"}
-    if dtype == FP8_CACHE:
-        shown["operands"] = FP8_CACHE_OPERANDS
+def _form(form: str, dtype: str, cases: tuple[str, ...] = ("default", "decode"), **options: Any) -> Implementation:
+    """One of our forms on the case's inputs in ``dtype``; ``tiled`` rounds its operands to
+    ``dtype`` (bf16 with an fp8 cache), and splits the keys when ``num_splits`` is given."""
+    fp8 = dtype == FP8_CACHE
+    tiled = form == "tiled"
+    shown = dict(options)
+    if tiled:
+        shown = dict(tile=TILE) | options | (dict(cache=FP8_CACHE, operands=FP8_CACHE_OPERANDS) if fp8 else {})
+        options = dict(tile=TILE) | options | dict(operand_dtype=FP8_CACHE_OPERANDS if fp8 else dtype)
+        form = "tiled" if options.get("num_splits", 1) == 1 else "tiled:split-kv"
     exact = dtype == "fp64"
     return Implementation(
-        module="mla",
-        implementation="k3verify",
-        form="tiled" if tiling.get("num_splits", 1) == 1 else "tiled:split-kv",
-        dtype=dtype,
-        params=shown,
+        module="mla", implementation="k3verify", form=form, dtype=dtype, params=shown,
         rule=FP64_RULE if exact else BASELINE_RULE,
-        run=run,
-        predict=None if exact else partial(_tiled_predict, **tiling),
-        explain=partial(_tiled_explain, **tiling),
+        run=partial(call, getattr(mla, "tiled" if tiled else form), dtype=dtype, **options),
+        predict=partial(_predict, dtype=dtype, **options) if tiled and not exact else None,
+        explain=partial(_explain, dtype=dtype, **options) if tiled else None,
         cases=cases,
     )
 
 
-def _reference_form(form: str, dtype: str, cases: tuple[str, ...] = ("default", "decode"), **kw: Any) -> Implementation:
-    fn = getattr(mla, form)
-    torch_dtype = {"fp64": torch.float64, "fp32": torch.float32}[dtype]
-    return Implementation(
-        module="mla",
-        implementation="k3verify",
-        form=form,
-        dtype=dtype,
-        params=kw,
-        rule=FP64_RULE if dtype == "fp64" else BASELINE_RULE,
-        run=lambda case: fn(*_args(case, torch_dtype), **kw),
-        cases=cases,
-    )
-
-
-def implementations() -> list[Implementation]:
+def own_implementations() -> list[Implementation]:
     """What ``k3verify run`` verifies for Gated MLA."""
     return [
-        _reference_form("recurrent", "fp64"),
-        _reference_form("chunkwise", "fp64", chunk_size=CHUNK),
-        _tiled("fp64"),
-        _tiled("fp64", num_splits=SPLITS, cases=("decode",)),
-        _reference_form("recurrent", "fp32"),
-        _reference_form("chunkwise", "fp32", chunk_size=CHUNK),
-        _tiled("bf16", cases=("default", "decode", "hot")),
-        _tiled("fp16"),
-        _tiled(FP8_CACHE),
-        _tiled("bf16", num_splits=SPLITS),
+        _form("recurrent", "fp64"),
+        _form("chunkwise", "fp64", chunk_size=CHUNK),
+        _form("tiled", "fp64"),
+        _form("tiled", "fp64", ("decode",), num_splits=SPLITS),
+        _form("recurrent", "fp32"),
+        _form("chunkwise", "fp32", chunk_size=CHUNK),
+        _form("tiled", "bf16", ("default", "decode", "hot")),
+        _form("tiled", "fp16"),
+        _form("tiled", FP8_CACHE),
+        _form("tiled", "bf16", num_splits=SPLITS),
         # The known-bad softmax without max subtraction: fine at unit scores, predicted and
         # observed non-finite on the hot case (an expected-nonfinite row, not a failure).
-        _tiled("bf16", subtract_max=False, cases=("default", "hot")),
+        _form("tiled", "bf16", ("default", "hot"), subtract_max=False),
     ]
 
 
 # --- overflow map ---------------------------------------------------------------------
 
-MAP_CONFIG = dataclasses.replace(CONFIG, num_heads=2)
 MAP_DTYPES = ("bf16", "fp16", FP8_CACHE)
 MAP_VARIANTS = ("subtract_max", "no_max")
 MAP_SCALE_EXPONENTS = tuple(range(0, 19, 2))  # 2^0 .. 2^18: past fp16's 65504 for the operands
@@ -223,85 +170,89 @@ MAP_TILES = (16, 64, 256)
 QUICK_SCALE_EXPONENTS = (0, 6, 12, 18)
 QUICK_CONTEXTS = (16, 128)
 QUICK_TILES = (16, 64)
+MAP_FORM = "k3verify tiled"
+NO_OVERFLOW_EVENT = "non-finite output with no stored tensor overflowing"
 
 
-def _map_inputs(context: int, seed: int) -> dict[str, Any]:
-    """One request, a full prefill of ``context`` tokens, 2 heads of the small configuration."""
-    return layer_inputs(MAP_CONFIG, (context,), context, seed=seed, spare_pages=1)
-
-
-def _scaled(base: dict[str, Any], q_exp: float, latent_exp: float, fp8_cache: bool) -> tuple[Any, ...]:
-    qs, ls = 2.0**q_exp, 2.0**latent_exp
-    c = base["cache"]
-    cache = mla.LatentCache(c.pool * ls, c.block_table, c.seq_lens)  # NaN poison stays NaN
-    if fp8_cache:
-        cache = mla.quantize(cache, FP8_CACHE)
-    return base["q_nope"] * qs, base["q_pe"] * qs, cache, base["w_uk"], base["w_uv"]
-
-
-
-
-def overflow_map(options: MapOptions, progress: Callable[[int, int], None] = lambda done, total: None) -> MapResult:
-    """Sweep query scale x latent scale x context x operand dtype x tile x softmax variant.
-
-    ``options.x_values`` overrides the query-scale exponents (log2). Every cell runs
-    :func:`k3verify.mla.tiled` on one prefill whose queries are multiplied by ``2^q`` and
-    whose cached entries by ``2^l``, and compares against the fp64 oracle; its prediction comes
-    from :func:`k3verify.mla.predict` on the exact magnitudes of the same inputs.
-    """
+def _single_threaded(fn: Callable) -> Callable:
     # The map's tensors are small (at most 512 x 72), so a second thread gains nothing, and when
     # another process competes for the cores OpenMP's spin-waiting made the quick map 4x slower
     # (measured on two cores with one busy process: 11.6 s with two threads, 2.7 s with one).
-    with one_thread():
-        return _overflow_map(options, progress)
+    @wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with one_thread():
+            return fn(*args, **kwargs)
+
+    return run
 
 
-def _overflow_map(options: MapOptions, progress: Callable[[int, int], None]) -> MapResult:
-    start = time.perf_counter()
+def _map_points(options: MapOptions) -> list[dict[str, Any]]:
+    """Every (context, query scale, latent scale); ``options.x_values`` overrides the query
+    scale exponents (log2)."""
     q_exps = list(options.x_values) if options.x_values is not None else list(
         QUICK_SCALE_EXPONENTS if options.quick else MAP_SCALE_EXPONENTS)
-    l_exps = list(QUICK_SCALE_EXPONENTS if options.quick else MAP_SCALE_EXPONENTS)
+    l_exps = QUICK_SCALE_EXPONENTS if options.quick else MAP_SCALE_EXPONENTS
     contexts = QUICK_CONTEXTS if options.quick else MAP_CONTEXTS
+    return [{"context": c, "log2_q_scale": q, "log2_latent_scale": la, "q_scale": 2.0**q, "latent_scale": 2.0**la}
+            for c in contexts for q, la in itertools.product(q_exps, l_exps)]
+
+
+@lru_cache(maxsize=2)
+def _map_base(context: int, seed: int) -> dict[str, Any]:
+    return samples.map_inputs(context, seed)
+
+
+@_single_threaded
+def _map_case(point: dict[str, Any], seed: int) -> Case:
+    inputs = samples.scaled(_map_base(point["context"], seed), point["log2_q_scale"], point["log2_latent_scale"])
+    return Case("map", inputs, dict(point, seed=seed))
+
+
+@_single_threaded
+def _map_reference(case: Case) -> torch.Tensor:
+    # An fp8 cell is predicted from the dequantised latents the kernel reads, but judged against
+    # the oracle of the unquantised inputs (storage error included).
+    return _quantities(case, None).output
+
+
+def _map_forms(options: MapOptions) -> list[SweptForm]:
+    """The tiled form on fp64 inputs (so an input that overflows its operand dtype is traced as
+    such), the cache quantised first for the fp8 rows."""
     tiles = QUICK_TILES if options.quick else MAP_TILES
-    per_input = list(itertools.product(MAP_DTYPES, MAP_VARIANTS, tiles))
-    total, done = len(contexts) * len(q_exps) * len(l_exps) * len(per_input), 0
-    cells: list[dict[str, Any]] = []
-    for context in contexts:
-        base = _map_inputs(context, options.seed)
-        for q_exp, l_exp in itertools.product(q_exps, l_exps):
-            oracle_output = None
-            for fp8_cache in (False, True):
-                args = _scaled(base, q_exp, l_exp, fp8_cache)
-                # An fp8 cell is predicted from the dequantised latents the kernel reads, but
-                # judged against the oracle of the unquantised inputs (storage error included).
-                quantities = mla.overflow_quantities(*args)
-                oracle_output = quantities.output if oracle_output is None else oracle_output
-                for dtype, variant, tile in per_input:
-                    if (dtype == FP8_CACHE) != fp8_cache:
-                        continue
-                    cells.append(_map_cell(args, quantities, oracle_output, context, q_exp, l_exp, dtype, variant,
-                                           tile))
-                    done += 1
-                    progress(done, total)
-    axes = {"log2_q_scale": q_exps, "log2_latent_scale": l_exps, "context": list(contexts), "tile": list(tiles)}
-    mark_frontier(cells, axes, fixed=("dtype", "variant"))
-    spec = MapSpec(
-        x="log2_q_scale",
-        y="log2_latent_scale",
-        panel_row="dtype",
-        panel_col="context",
-        figure="setting",
-        x_label="log2 query scale",
-        y_label="log2 latent scale",
-        title="Gated MLA tiled (latent) form: overflow and error vs the fp64 oracle",
-    )
-    meta = {
-        "config": dataclasses.asdict(MAP_CONFIG),
+    forms = []
+    for dtype, variant, tile in itertools.product(MAP_DTYPES, MAP_VARIANTS, tiles):
+        storage = dtype if is_float8(dtype) else None
+        tiling = dict(tile=tile, operand_dtype=FP8_CACHE_OPERANDS if storage else dtype,
+                      subtract_max=variant == "subtract_max")
+
+        @_single_threaded
+        def run(case: Case, storage: str | None = storage, tiling: dict[str, Any] = tiling) -> tuple[Any, list[str]]:
+            o, events = mla.tiled_traced(*_exact_args(case, storage), **tiling)
+            lines = [e.describe() for e in events[:1]] or ([] if bool(o.isfinite().all()) else [NO_OVERFLOW_EVENT])
+            return o, lines
+
+        params = {"dtype": dtype, "operand_dtype": tiling["operand_dtype"], "tile": tile, "variant": variant,
+                  "setting": f"{variant}_tile{tile}"}
+        forms.append(SweptForm(MAP_FORM, params, tiling["operand_dtype"], run=run,
+                               predict=_single_threaded(lambda case, s=storage, t=tiling: mla.predict(
+                                   _quantities(case, s), **t))))
+    return forms
+
+
+def _grid(cells: list[dict[str, Any]], key: str) -> list[Any]:
+    # Numbers in order, then any label a registered implementation's cell carries on that axis.
+    return sorted({c[key] for c in cells}, key=lambda v: (isinstance(v, str), v))
+
+
+def _map_meta(cells: list[dict[str, Any]], options: MapOptions) -> dict[str, Any]:
+    own = [c for c in cells if c["implementation"] == MAP_FORM]
+    return {
+        "config": dataclasses.asdict(samples.MAP_CONFIG),
         "page_size": PAGE_SIZE,
-        "log2_q_scale": q_exps,
-        "log2_latent_scale": l_exps,
-        "contexts": list(contexts),
-        "tiles": list(tiles),
+        "log2_q_scale": _grid(own, "log2_q_scale"),
+        "log2_latent_scale": _grid(own, "log2_latent_scale"),
+        "contexts": _grid(own, "context"),
+        "tiles": _grid(own, "tile"),
         "dtypes": {"bf16": "bf16 operands", "fp16": "fp16 operands",
                    FP8_CACHE: f"fp8 e4m3 latent cache (per-token amax/448 scales), {FP8_CACHE_OPERANDS} operands"},
         "variants": {"subtract_max": "online softmax with running max (FlashAttention)",
@@ -315,63 +266,49 @@ def _overflow_map(options: MapOptions, progress: Callable[[int, int], None]) -> 
                       "(fp64) ones of the cell's inputs.",
         "score_bound": "|s| <= τ max‖[q̃;q^p]‖ max‖[ĉ;k^p]‖ (Cauchy–Schwarz), recorded per cell as score_bound",
         "agreement": {
-            "all": agreement(cells),
             **{v: agreement(cells, only=lambda c, v=v: c["variant"] == v) for v in MAP_VARIANTS},
             **{d: agreement(cells, only=lambda c, d=d: c["dtype"] == d) for d in MAP_DTYPES},
         },
-        "runtime_s": time.perf_counter() - start,
     }
-    return MapResult("mla", cells, spec, meta)
 
 
-def _map_cell(args: tuple[Any, ...], quantities: mla.OverflowQuantities, oracle_output: torch.Tensor, context: int,
-              q_exp: float, l_exp: float, dtype: str, variant: str, tile: int) -> dict[str, Any]:
-    operand = FP8_CACHE_OPERANDS if dtype == FP8_CACHE else dtype
-    subtract_max = variant == "subtract_max"
-    o, events = mla.tiled_traced(*args, tile=tile, operand_dtype=operand, subtract_max=subtract_max)
-    m = compare(o, oracle_output, ulp_dtype=dtype_name(o.dtype))
-    p = mla.predict(quantities, operand_dtype=operand, subtract_max=subtract_max)
-    cell = {
-        "module": "mla",
-        "dtype": dtype,
-        "operand_dtype": operand,
-        "tile": tile,
-        "context": context,
-        "variant": variant,
-        "setting": f"{variant}_tile{tile}",
-        "log2_q_scale": q_exp,
-        "log2_latent_scale": l_exp,
-        "q_scale": 2.0**q_exp,
-        "latent_scale": 2.0**l_exp,
-        "finite": m.nonfinite == 0,
-        "predicted_finite": p.finite,
-        "rms_ratio": m.rms_ratio,
-        "max_abs": m.max_abs,
-        "nonfinite": m.nonfinite,
-        "max_score": quantities.max_score,
-        "score_bound": quantities.score_bound,
-        "min_row_max": quantities.min_row_max,
-        "max_lse": quantities.max_lse,
-        "binding": p.binding,
-        "headroom": p.headroom,
-        "explanation": p.explanation(),
-    }
-    if m.nonfinite:
-        cell["overflow"] = events[0].describe() if events else "non-finite output with no stored tensor overflowing"
-    return cell
+MAP = MapDefinition(
+    points=_map_points,
+    make_case=_map_case,
+    reference=_map_reference,
+    forms=_map_forms,
+    spec=MapSpec(
+        x="log2_q_scale",
+        y="log2_latent_scale",
+        panel_row="dtype",
+        panel_col="context",
+        figure="setting",
+        x_label="log2 query scale",
+        y_label="log2 latent scale",
+        title="Gated MLA tiled (latent) form: overflow and error vs the fp64 oracle",
+    ),
+    frontier_axes=lambda cells: {k: _grid(cells, k) for k in ("log2_q_scale", "log2_latent_scale", "context", "tile")},
+    fixed=("implementation", "dtype", "variant"),
+    meta=_map_meta,
+    registered_keys=lambda impl: {"tile": impl.params.get("tile", TILE),
+                                  "variant": "subtract_max" if impl.params.get("subtract_max", True) else "no_max"},
+)
 
 
 register(
     ModuleEntry(
         name="mla",
         title="Gated MLA",
-        make_cases=make_cases,
+        make_cases=lambda seed: cases_from(samples.make_cases(seed)),
         oracle=oracle,
         baseline=baseline,
-        implementations=implementations,
-        overflow_map=overflow_map,
-        golden_cases=golden_cases,
+        own_implementations=own_implementations,
+        outputs=OUTPUTS,
+        call=call,
+        overflow_map=MAP,
+        golden_cases=lambda seed: cases_from(samples.golden_cases(seed)),
         position_axis=1,  # o: [B, T, H, Dv]
         input_types=(mla.LatentCache,),
+        strategy=samples.strategy,
     )
 )

@@ -1,20 +1,20 @@
-"""Registry entry for Stable LatentMoE: cases, oracle, baseline, implementations and the overflow map.
+"""Registry entry for Stable LatentMoE: named outputs ``y`` (the layer output) and ``experts``
+(each token's routed expert set), the implementations, the overflow map and the routing-flips
+study, declared; inputs come from :mod:`k3verify.moe.samples`.
 
 Routing is discontinuous: a form that picks another expert for a near-tied token is off by O(1)
 on that token. Every form routes with SPEC's FP32 router on the layer input as given (operand
 rounding never reaches it), so a low-precision row can differ from the fp64 oracle's choices
 only where fp32 rounding of the logits crosses a top-k boundary; each case records the smallest
 top-k gap of its biased scores and whether fp32 and fp64 choose alike (they do on every built-in
-case). What bf16 logits would change is measured apart, as a changed-choice fraction
-(``meta["routing_flips"]`` of the map).
+case). ``experts`` makes a changed choice a verdict of its own; what bf16 logits would change is
+measured apart (:func:`k3verify.moe.studies.routing_flips`, ``moe_routing_flips.json``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -22,94 +22,70 @@ from typing import Any
 import torch
 
 from ... import moe
-from ...numerics import compare, dtype_name
-from ..overflow_map import MapOptions, MapResult, MapSpec, agreement, mark_frontier
-from ..registry import BASELINE_RULE, FP64_RULE, Case, Implementation, ModuleEntry, Prediction, register
-from ..runner import one_thread as _one_thread
+from ...moe import samples, studies
+from ...numerics import compute_dtype, dtype_name, resolve_dtype
+from ..environment import one_thread
+from ..overflow_map import MapDefinition, MapOptions, MapSpec, SweptForm, agreement
+from ..registry import (
+    BASELINE_RULE,
+    FP64_RULE,
+    Case,
+    Implementation,
+    ModuleEntry,
+    Outputs,
+    Prediction,
+    as_outputs,
+    cases_from,
+    register,
+)
 
-# The small layer with ρ = 2.827 (the public test's value) so that ρ is exercised.
-CONFIG = moe.MoEConfig.small(routed_scaling_factor=2.827)
-TOKENS = 64
-CALIBRATION_TOKENS = 512
-BALANCING_STEPS = 3
+OUTPUTS = ("y", "experts")
 TILING = dict(tile_m=16, tile_k=16)
-HOT_EXPERTS = 4  # the skewed case sends every token to these
-HOT_BIAS = 8.0  # > the range of σ, so the bias alone decides
-# Input scale of the "scaled" cases: SwiGLU's hidden g σ(g) u reaches ~1e6 > 65504 (fp16) while
-# x and z (~1e3) still fit fp16 and SiTU's hidden stays within 100.
-SCALED_EXPONENT = 8
+ALL_CASES = ("default", "decode", "skewed", "scaled", "scaled_swiglu")
+TORCH_DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 
 
-def calibrated_weights(cfg: moe.MoEConfig, *, seed: int = 0, tokens: int = CALIBRATION_TOKENS,
-                       steps: int = BALANCING_STEPS) -> moe.MoEWeights:
-    """Random weights whose bias is trained by Quantile Balancing on ``steps`` fresh batches of
-    unit-scale tokens (each step computed on one batch and applied to the next)."""
-    w = moe.init_weights(cfg, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1000)
-    bias = w.bias
-    for _ in range(steps):
-        x = torch.randn(tokens, cfg.hidden_size, generator=gen, dtype=torch.float64)
-        scores = torch.sigmoid(moe.router_logits(x, w.w_router, cfg))
-        bias = moe.quantile_balancing(scores, bias, cfg.top_k)
-    return dataclasses.replace(w, bias=bias)
+def expert_sets(indices: torch.Tensor) -> torch.Tensor:
+    """Each token's selected experts ``[T, k]`` as int64 sorted ascending, so that two
+    implementations choosing the same set in another order agree."""
+    return indices.to(torch.int64).sort(-1).values
 
 
-def _routing_params(x: torch.Tensor, w: moe.MoEWeights, cfg: moe.MoEConfig) -> dict[str, Any]:
-    """How safe the case's routing is: smallest top-k gap, and fp32 vs fp64 choices."""
-    r64 = moe.routing_for(x, w, cfg, None, torch.float64)
-    r32 = moe.routing_for(x, w, cfg, None, torch.float32)
-    gap = moe.topk_gap(r64.scores, w.bias, cfg.top_k)
-    load = moe.expert_load(r64.indices, cfg.num_experts)
-    return {
-        "min_topk_gap": float(gap.min()) if gap.numel() else math.inf,
-        "fp32_routing_equals_fp64": bool(torch.equal(r32.indices, r64.indices)),
-        "idle_experts": int((load == 0).sum()),
-        "load_imbalance": moe.imbalance(load),
-    }
+def call(fn: Callable[..., Any], case: Case, dtype: torch.dtype, *, router_dtype: torch.dtype | None = None,
+         **options: Any) -> Outputs:
+    """``fn(x, weights, config, *, routing, **options)`` on the case's inputs cast to ``dtype``:
+    ``{"y": [T, d], "experts": [T, k] int64}``.
+
+    The routing is made first, by SPEC's router in ``router_dtype`` (default: the forms' rule,
+    fp64 for fp64 operands and fp32 otherwise, the operands being ``options["operand_dtype"]``
+    when given, else ``dtype``), and passed in, so ``experts`` are the choices ``y`` was computed
+    with. A function that returns its own ``experts`` (``(y, experts)`` or a dict) reports those.
+
+    The router reads the case's inputs as given, like the forms and the baseline (operand
+    rounding never reaches it): a bf16 call would otherwise route on bf16 router weights, which
+    changes a near-tied token's experts (one token of ``default``) where the baseline does not.
+    For fp64 and fp32 inputs (every built-in row) this is the routing the form makes itself, bit
+    for bit: the router casts to ``router_dtype`` first.
+    """
+    given = case.inputs
+    x, w, cfg = given["x"].to(dtype), given["weights"].to(dtype), given["config"]
+    if router_dtype is None:
+        router_dtype = compute_dtype(resolve_dtype(options.get("operand_dtype", dtype)))
+    routing = moe.routing_for(given["x"], given["weights"], cfg, None, router_dtype)
+    out = as_outputs(fn(x, w, cfg, routing=routing, **options), OUTPUTS, getattr(fn, "__name__", repr(fn)))
+    return {"y": out["y"], "experts": expert_sets(out.get("experts", routing.indices))}
 
 
-def make_cases(seed: int = 0) -> dict[str, Case]:
-    """``default`` (64 tokens), ``decode`` (one token), ``skewed`` (every token to the same 4
-    experts, 12 idle), ``scaled`` / ``scaled_swiglu`` (inputs × 2^8, SiTU and SwiGLU)."""
-    w = calibrated_weights(CONFIG, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(TOKENS, CONFIG.hidden_size, generator=gen, dtype=torch.float64)
-    hot = w.bias.clone()
-    hot[:HOT_EXPERTS] += HOT_BIAS
-    swiglu = dataclasses.replace(CONFIG, activation="swiglu")
-    scale = 2.0**SCALED_EXPONENT
-    specs = {
-        "default": (x, w, CONFIG, {}),
-        "decode": (x[:1], w, CONFIG, {}),
-        "skewed": (x, dataclasses.replace(w, bias=hot), CONFIG, {"hot_experts": HOT_EXPERTS}),
-        "scaled": (x * scale, w, CONFIG, {"input_scale": scale}),
-        "scaled_swiglu": (x * scale, w, swiglu, {"input_scale": scale}),
-    }
-    base = dict(E=CONFIG.num_experts, k=CONFIG.top_k, d=CONFIG.hidden_size, Dl=CONFIG.latent_size,
-                H=CONFIG.expert_hidden, Hs=CONFIG.shared_hidden, rho=CONFIG.routed_scaling_factor, seed=seed,
-                bias="Quantile Balancing, 3 steps of 512 tokens")
-    cases = {}
-    for name, (xc, wc, cfg, extra) in specs.items():
-        params = base | {"T": xc.shape[0], "activation": cfg.activation} | extra | _routing_params(xc, wc, cfg)
-        cases[name] = Case(name, {"x": xc, "weights": wc, "config": cfg}, params)
-    return cases
-
-
-def _call(form: Callable[..., Any], case: Case, input_dtype: torch.dtype, **kw: Any) -> Any:
-    """``form(x, weights, config, **kw)`` on the case's inputs cast to ``input_dtype``."""
-    x = case.inputs
-    return form(x["x"].to(input_dtype), x["weights"].to(input_dtype), x["config"], **kw)
-
-
-def oracle(case: Case) -> torch.Tensor:
-    """The recurrent definition in fp64 (cached on the case)."""
+def oracle(case: Case) -> Outputs:
+    """The recurrent definition in fp64, routed in fp64 (cached on the case)."""
     if "oracle" not in case.cache:
-        case.cache["oracle"] = _call(moe.recurrent, case, torch.float64)
+        case.cache["oracle"] = call(moe.recurrent, case, torch.float64)
     return case.cache["oracle"]
 
 
-def baseline(case: Case, dtype: str, family: str = "recurrent") -> torch.Tensor:
-    """The definition with every stored tensor in ``dtype`` (cached per dtype and family).
+def baseline(case: Case, dtype: str, family: str = "recurrent") -> Outputs:
+    """The definition with every stored tensor in ``dtype``, routed by its own FP32 router (fp64
+    for ``dtype=fp64``); cached per dtype and family.
 
     ``family`` is ``"recurrent"`` or, for fp8 rows, ``"recurrent/<fp8_scaling>"``: the baseline
     quantises its fp8 operands exactly as the row's kernel does (the same quantiser).
@@ -119,86 +95,65 @@ def baseline(case: Case, dtype: str, family: str = "recurrent") -> torch.Tensor:
         raise ValueError(f"MoE baselines are the recurrent definition, got family {family!r}")
     key = f"baseline:{family}:{dtype}"
     if key not in case.cache:
-        case.cache[key] = _call(moe.naive_baseline, case, torch.float64, dtype=dtype,
-                                fp8_scaling=scaling or "per_row")
+        naive = partial(moe.naive_baseline, dtype=dtype, fp8_scaling=scaling or "per_row")
+        case.cache[key] = call(naive, case, torch.float64, router_dtype=compute_dtype(resolve_dtype(dtype)))
     return case.cache[key]
+
+
+def _inputs(case: Case) -> list[Any]:
+    return [case.inputs[n] for n in samples.INPUT_NAMES]
 
 
 def _quantities(case: Case) -> moe.OverflowQuantities:
     if "quantities" not in case.cache:
-        case.cache["quantities"] = _call(moe.overflow_quantities, case, torch.float64)
+        case.cache["quantities"] = moe.overflow_quantities(*_inputs(case))
     return case.cache["quantities"]
 
 
-def _tiled_predict(case: Case, **tiling: Any) -> Prediction:
-    q = _quantities(case)
-    p = moe.predict(q, operand_dtype=tiling["operand_dtype"], fp8_scaling=tiling.get("fp8_scaling", "per_row"),
-                    fp8_static_scale=tiling.get("fp8_static_scale", 1.0))
-    return Prediction(p.finite, p.explanation())
+def _predict(case: Case, **tiling: Any) -> Prediction:
+    return Prediction.of(moe.predict(_quantities(case), **tiling))
 
 
-def _tiled_explain(case: Case, **tiling: Any) -> list[str]:
-    return [e.describe() for e in _call(moe.explain_overflow, case, torch.float64, **tiling)[:3]]
+def _explain(case: Case, **tiling: Any) -> list[str]:
+    return moe.explain_overflow(*_inputs(case), **tiling)[:3]
 
 
-ALL_CASES = ("default", "decode", "skewed", "scaled", "scaled_swiglu")
-
-
-def _tiled(dtype: str, cases: tuple[str, ...] = ALL_CASES, **extra: Any) -> Implementation:
-    tiling = dict(TILING, operand_dtype=dtype) | extra
-    exact = dtype == "fp64"
-    scaling = tiling.get("fp8_scaling", "per_row")
+def _form(form: str, dtype: str, cases: tuple[str, ...] = ALL_CASES, **extra: Any) -> Implementation:
+    """One of our own forms: ``tiled`` on fp64 inputs with operands rounded to ``dtype`` (an fp64
+    run is the exact tile algebra), or a reference form run on inputs in ``dtype``."""
+    tiled = form == "tiled"
+    options = dict(TILING, operand_dtype=dtype) | extra if tiled else {}
+    scaling = options.get("fp8_scaling", "per_row")
     return Implementation(
-        module="moe",
-        implementation="k3verify",
-        form="tiled",
-        dtype=dtype,
-        params={k: v for k, v in tiling.items() if k != "operand_dtype"},
-        rule=FP64_RULE if exact else BASELINE_RULE,
-        run=lambda case: _call(moe.tiled, case, torch.float64, **tiling),
-        predict=None if exact else partial(_tiled_predict, **tiling),
-        explain=partial(_tiled_explain, **tiling),
-        cases=cases,
-        baseline=f"recurrent/{scaling}" if dtype == "fp8_e4m3" else "recurrent",
-    )
-
-
-def _reference_form(form: str, dtype: str, cases: tuple[str, ...] = ALL_CASES) -> Implementation:
-    fn = getattr(moe, form)
-    torch_dtype = {"fp64": torch.float64, "fp32": torch.float32}[dtype]
-    return Implementation(
-        module="moe",
-        implementation="k3verify",
-        form=form,
-        dtype=dtype,
-        params={},
+        module="moe", implementation="k3verify", form=form, dtype=dtype,
+        params={k: v for k, v in options.items() if k != "operand_dtype"},
         rule=FP64_RULE if dtype == "fp64" else BASELINE_RULE,
-        run=lambda case: _call(fn, case, torch_dtype),
-        cases=cases,
+        run=partial(call, getattr(moe, form), dtype=torch.float64 if tiled else TORCH_DTYPES[dtype], **options),
+        predict=partial(_predict, **options) if tiled and dtype != "fp64" else None,
+        explain=partial(_explain, **options) if tiled else None,
+        cases=cases, baseline=f"recurrent/{scaling}" if dtype == "fp8_e4m3" else "recurrent",
     )
 
 
-def implementations() -> list[Implementation]:
+def own_implementations() -> list[Implementation]:
     """What ``k3verify run`` verifies for Stable LatentMoE."""
     return [
-        _reference_form("chunkwise", "fp64"),
-        _tiled("fp64"),
-        _tiled("fp64", cases=("default", "skewed"), tile_m=1, tile_k=7),  # one-row tiles, a partial last K step
-        _reference_form("recurrent", "fp32"),
-        _reference_form("chunkwise", "fp32"),
-        _tiled("bf16"),
-        _tiled("fp16"),  # scaled_swiglu: SwiGLU's hidden passes 65504 — predicted and observed overflow
-        _tiled("fp8_e4m3", cases=("default", "skewed", "scaled", "scaled_swiglu")),
-        _tiled("fp8_e4m3", cases=("default",), fp8_scaling="per_tensor"),
+        _form("chunkwise", "fp64"),
+        _form("tiled", "fp64"),
+        _form("tiled", "fp64", ("default", "skewed"), tile_m=1, tile_k=7),  # one-row tiles, a partial last K step
+        _form("recurrent", "fp32"),
+        _form("chunkwise", "fp32"),
+        _form("tiled", "bf16"),
+        _form("tiled", "fp16"),  # scaled_swiglu: SwiGLU's hidden passes 65504 — predicted and observed overflow
+        _form("tiled", "fp8_e4m3", ("default", "skewed", "scaled", "scaled_swiglu")),
+        _form("tiled", "fp8_e4m3", ("default",), fp8_scaling="per_tensor"),
         # A static activation scale of 1: fine at unit inputs; x × 2^8 passes 448 (expected overflow).
-        _tiled("fp8_e4m3", cases=("default", "scaled"), fp8_scaling="static"),
+        _form("tiled", "fp8_e4m3", ("default", "scaled"), fp8_scaling="static"),
     ]
 
 
 # --- overflow map ---------------------------------------------------------------------
 
-MAP_CONFIG = moe.MoEConfig.small()
-MAP_TOKENS = 64
 # (label, operand dtype, fp8 scaling); the label is the panel row.
 MAP_SETTINGS = (
     ("fp16", "fp16", "per_row"),
@@ -207,131 +162,44 @@ MAP_SETTINGS = (
     ("fp8_e4m3 per_row", "fp8_e4m3", "per_row"),
 )
 MAP_ACTIVATIONS = ("situ", "swiglu")
-MAP_INPUTS = ("gaussian", "outlier")
-OUTLIER_CHANNELS = 2
-OUTLIER_SIZE = 32.0
-MAP_EXPONENTS = (*range(0, 21), *range(24, 69, 4))  # fine where fp16/fp8 break, coarse up to fp32's
-QUICK_EXPONENTS = (0, 4, 8, 12, 16, 24, 32, 48, 64)
-# The changed-choice measurement uses the production router's sizes; only logits are needed.
-FLIP_CONFIG = moe.MoEConfig.production()
-FLIP_TOKENS, QUICK_FLIP_TOKENS = 1024, 256
 
 
-def map_inputs(kind: str, seed: int) -> torch.Tensor:
-    """Unit-scale tokens: ``gaussian``, or ``outlier`` (the same with 2 channels × 32, the
-    activation outliers SiTU is meant to tame)."""
-    gen = torch.Generator().manual_seed(seed + 7)
-    x = torch.randn(MAP_TOKENS, MAP_CONFIG.hidden_size, generator=gen, dtype=torch.float64)
-    if kind == "outlier":
-        x[:, :OUTLIER_CHANNELS] *= OUTLIER_SIZE
-    return x
+def _map_points(options: MapOptions) -> list[dict[str, Any]]:
+    grid = list(options.x_values) if options.x_values is not None else samples.log2_scale_grid(options.quick)
+    return [{"input": kind, "activation": act, "log2_input_scale": e, "input_scale": 2.0**e}
+            for kind, e, act in itertools.product(samples.MAP_INPUTS, grid, MAP_ACTIVATIONS)]
 
 
-def overflow_map(options: MapOptions, progress: Callable[[int, int], None] = lambda done, total: None) -> MapResult:
-    """Sweep input scale (powers of two) × activation (SiTU, SwiGLU) × operand/hidden dtype
-    (fp16, bf16, fp8 e4m3 static and dynamic per-row) × input (gaussian, outlier).
-
-    ``options.x_values`` overrides the log2 input scales. Each cell runs :func:`k3verify.moe.tiled`
-    with the fp64 oracle's routing (so the error measures the arithmetic, not a near-tie) and
-    compares with the fp64 output; its prediction is :func:`k3verify.moe.predict` on the exact
-    magnitudes of the same inputs. ``meta["routing_flips"]`` holds the changed-choice fractions.
-
-    Runs with one intra-op thread (measured on two shared cores: about 8 ms per cell with one
-    thread, 100 ms with two).
-    """
-    with _one_thread():
-        return _overflow_map(options, progress)
+def _map_case(point: dict[str, Any], seed: int) -> Case:
+    """The point's inputs, routed once by the fp64 oracle's router: every cell uses those choices,
+    so its error measures the arithmetic, not a near-tie."""
+    # One intra-op thread: tiny tensors, and two threads spin-wait on shared cores (about 8 ms
+    # per cell with one thread, 100 ms with two).
+    with one_thread():
+        inputs, params = samples.map_inputs(point["input"], point["log2_input_scale"], point["activation"], seed)
+        case = Case(point["input"], inputs, params)
+        routing = moe.routing_for(*_inputs(case), None, torch.float64)
+        case.cache["routing"] = routing
+        case.cache["quantities"] = moe.overflow_quantities(*_inputs(case), routing=routing)
+    return case
 
 
-def _overflow_map(options: MapOptions, progress: Callable[[int, int], None]) -> MapResult:
-    start = time.perf_counter()
-    exps = list(options.x_values) if options.x_values is not None else list(
-        QUICK_EXPONENTS if options.quick else MAP_EXPONENTS)
-    w = calibrated_weights(MAP_CONFIG, seed=options.seed)  # the router does not depend on the activation
-    combos = list(itertools.product(MAP_INPUTS, exps, MAP_ACTIVATIONS))
-    total, done = len(combos) * len(MAP_SETTINGS), 0
-    cells: list[dict[str, Any]] = []
-    for kind, e, act in combos:
-        cfg = dataclasses.replace(MAP_CONFIG, activation=act)
-        x = map_inputs(kind, options.seed) * 2.0**e
-        routing = moe.routing_for(x, w, cfg, None, torch.float64)
-        q = moe.overflow_quantities(x, w, cfg, routing=routing)
-        for label, dtype, scaling in MAP_SETTINGS:
-            cells.append(_map_cell(x, w, cfg, routing, q, kind, e, label, dtype, scaling))
-            done += 1
-            progress(done, total)
-    mark_frontier(cells, {"log2_input_scale": exps}, fixed=("setting", "activation", "input"))
-    spec = MapSpec(
-        x="log2_input_scale",
-        y="activation",
-        panel_row="setting",
-        panel_col="input",
-        figure="module",
-        x_label="log2 input scale",
-        y_label="activation",
-        title="Stable LatentMoE tiled form: overflow and error vs the fp64 oracle",
-    )
-    meta = {
-        "config": dataclasses.asdict(MAP_CONFIG),
-        "tokens": MAP_TOKENS,
-        "tiling": TILING,
-        "log2_input_scale": exps,
-        "settings": {label: {"operand_dtype": d, "fp8_scaling": s if d.startswith("fp8") else None}
-                     for label, d, s in MAP_SETTINGS},
-        "inputs": {"gaussian": "x ~ N(0, 1) per entry, times 2^scale",
-                   "outlier": f"the same with {OUTLIER_CHANNELS} channels x {OUTLIER_SIZE:g}, times 2^scale"},
-        "routing": "every cell uses the fp64 oracle's routing at its own scale; bias from Quantile Balancing",
-        "prediction": "finite iff every stored tensor fits its dtype (exact fp64 magnitudes): x, z, the hidden "
-                      "act(g, u) and the normalised latent in the operand dtype (fp8 static: |x|/scale < 448; "
-                      "fp8 dynamic scales cannot overflow), g, u and sums in fp32, expert outputs, u, y_r, y_s, y in "
-                      "the output dtype. predicted_zeroed: some token's Σu² overflows fp32, so RMSNorm returns 0.",
-        "situ": "|SiTU| <= 100 for every input: the hidden never overflows fp16, bf16 or fp8 e4m3 (448); each "
-                "expert output is bounded by 100 max‖W2[:, c]‖₁ (situ_bound, ln units) whatever the input",
-        "agreement": {
-            "all": agreement(cells),
-            **{a: agreement(cells, only=lambda c, a=a: c["activation"] == a) for a in MAP_ACTIVATIONS},
-            **{s: agreement(cells, only=lambda c, s=s: c["setting"] == s) for s, _, _ in MAP_SETTINGS},
-        },
-        "frontier": frontier_summary(cells),
-        "routing_flips": routing_flips(exps, seed=options.seed,
-                                       tokens=QUICK_FLIP_TOKENS if options.quick else FLIP_TOKENS),
-        "runtime_s": time.perf_counter() - start,
-    }
-    # Written beside the map as its own file (harness.overflow_map.write_map).
-    meta["curves"] = {"moe_routing_flips.json": meta["routing_flips"]}
-    return MapResult("moe", cells, spec, meta)
+def _traced(case: Case, **tiling: Any) -> tuple[torch.Tensor, list[str]]:
+    with one_thread():
+        y, events = moe.tiled_traced(*_inputs(case), routing=case.cache["routing"], **TILING, **tiling)
+    return y, [e.describe() for e in events[:1]]
 
 
-def _map_cell(x: torch.Tensor, w: moe.MoEWeights, cfg: moe.MoEConfig, routing: moe.Routing,
-              q: moe.OverflowQuantities, kind: str, e: float, label: str, dtype: str, scaling: str) -> dict[str, Any]:
-    o, events = moe.tiled_traced(x, w, cfg, routing=routing, operand_dtype=dtype, fp8_scaling=scaling, **TILING)
-    m = compare(o, q.oracle, ulp_dtype=dtype_name(o.dtype))
-    p = moe.predict(q, operand_dtype=dtype, fp8_scaling=scaling)
-    cell = {
-        "module": "moe",
-        "dtype": dtype,
-        "fp8_scaling": scaling if dtype.startswith("fp8") else None,
-        "setting": label,
-        "tile": TILING["tile_m"],
-        "tile_k": TILING["tile_k"],
-        "input": kind,
-        "activation": cfg.activation,
-        "log2_input_scale": e,
-        "input_scale": 2.0**e,
-        "finite": m.nonfinite == 0,
-        "predicted_finite": p.finite,
-        "predicted_zeroed": p.zeroed,
-        "rms_ratio": m.rms_ratio,
-        "max_abs": m.max_abs,
-        "nonfinite": m.nonfinite,
-        "binding": p.binding,
-        "headroom": p.headroom,
-        "explanation": p.explanation(),
-        **{f"ln_{k}": v for k, v in q.as_dict().items() if k != "inputs"},
-    }
-    if m.nonfinite:
-        cell["overflow"] = events[0].describe() if events else "non-finite output with no stored tensor overflowing"
-    return cell
+def _map_forms(options: MapOptions) -> list[SweptForm]:
+    forms = []
+    for label, dtype, scaling in MAP_SETTINGS:
+        tiling = dict(operand_dtype=dtype, fp8_scaling=scaling)
+        params = {"setting": label, "dtype": dtype, "fp8_scaling": scaling if dtype.startswith("fp8") else None,
+                  "tile": TILING["tile_m"], "tile_k": TILING["tile_k"]}
+        output_dtype = dtype_name(moe.FormOptions(operand_dtype=dtype).output_dtype)
+        forms.append(SweptForm("k3verify tiled", params, output_dtype, run=partial(_traced, **tiling),
+                               predict=lambda case, t=tiling: moe.predict(case.cache["quantities"], **t)))
+    return forms
 
 
 def frontier_summary(cells: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -342,63 +210,82 @@ def frontier_summary(cells: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         key = f"{c['setting']} | {c['input']} | {c['activation']}"
         entry = out.setdefault(key, {"first_nonfinite": None, "first_predicted_nonfinite": None,
                                      "first_predicted_zeroed": None})
-        for field, hit in (("first_nonfinite", not c["finite"]), ("first_predicted_nonfinite",
-                                                                   not c["predicted_finite"]),
-                           ("first_predicted_zeroed", c["predicted_zeroed"])):
+        for field, hit in (("first_nonfinite", not c["finite"]),
+                           ("first_predicted_nonfinite", not c["predicted_finite"]),
+                           ("first_predicted_zeroed", c.get("predicted_zeroed", False))):
             if hit and entry[field] is None:
                 entry[field] = c["log2_input_scale"]
     return out
 
 
-def routing_flips(exponents: list[float], *, seed: int = 0, tokens: int = FLIP_TOKENS) -> dict[str, Any]:
-    """Changed expert choices of the production-size router (d 7168, 896 experts, top 16) at
-    each input scale 2^e: bf16 logits vs the spec's fp32 logits, and each vs fp64.
-
-    Logits of ``2^e x`` are ``2^e`` times those of ``x`` exactly in every dtype here (scaling by a
-    power of two is exact and commutes with rounding), so one GEMM per dtype serves all scales.
-    The bias is trained by Quantile Balancing on unit-scale tokens.
-    """
-    cfg = FLIP_CONFIG
-    gen = torch.Generator().manual_seed(seed + 11)
-    w_router = torch.randn(cfg.hidden_size, cfg.num_experts, generator=gen, dtype=torch.float64)
-    w_router *= cfg.hidden_size**-0.5
-    calib = torch.randn(tokens, cfg.hidden_size, generator=gen, dtype=torch.float64)
-    bias = moe.quantile_balancing(torch.sigmoid(calib @ w_router), torch.zeros(cfg.num_experts,
-                                                                                 dtype=torch.float64), cfg.top_k)
-    x = torch.randn(tokens, cfg.hidden_size, generator=gen, dtype=torch.float64)
-    l64 = moe.router_logits(x, w_router, cfg)
-    l32 = moe.router_logits(x.float(), w_router.float(), cfg)
-    bf16_cfg = dataclasses.replace(cfg, logits_dtype="bf16")
-    lbf = moe.router_logits(x.float(), w_router.float(), bf16_cfg)
-    rows = []
-    for e in exponents:
-        s = 2.0**e
-        picks = {n: moe.select(torch.sigmoid(l * s), bias.to(l.dtype), cfg.top_k, cfg.tie_break)
-                 for n, l in (("fp64", l64), ("fp32", l32), ("bf16", lbf))}
-        row: dict[str, Any] = {"log2_input_scale": e}
-        for a, b in (("bf16", "fp32"), ("bf16", "fp64"), ("fp32", "fp64")):
-            pairs, toks = moe.changed_choices(picks[a], picks[b])
-            row[f"{a}_vs_{b}"] = {"changed_pairs": pairs, "changed_tokens": toks}
-        rows.append(row)
+def _map_meta(cells: list[dict[str, Any]], options: MapOptions) -> dict[str, Any]:
     return {
-        "router": {"hidden_size": cfg.hidden_size, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
-                   "tokens": tokens, "tie_break": cfg.tie_break},
-        "definition": "changed_pairs: fraction of selected (token, expert) pairs the other router did not select; "
-                      "changed_tokens: fraction of tokens with any changed choice",
-        "by_scale": rows,
+        "config": dataclasses.asdict(samples.MAP_CONFIG),
+        "tokens": samples.MAP_TOKENS,
+        "tiling": TILING,
+        "log2_input_scale": list(dict.fromkeys(c["log2_input_scale"] for c in cells)),
+        "settings": {label: {"operand_dtype": d, "fp8_scaling": s if d.startswith("fp8") else None}
+                     for label, d, s in MAP_SETTINGS},
+        "inputs": {"gaussian": "x ~ N(0, 1) per entry, times 2^scale",
+                   "outlier": f"the same with {samples.OUTLIER_CHANNELS} channels x {samples.OUTLIER_SIZE:g}, "
+                              "times 2^scale"},
+        "routing": "every cell uses the fp64 oracle's routing at its own scale; bias from Quantile Balancing",
+        "prediction": "finite iff every stored tensor fits its dtype (exact fp64 magnitudes): x, z, the hidden "
+                      "act(g, u) and the normalised latent in the operand dtype (fp8 static: |x|/scale < 448; "
+                      "fp8 dynamic scales cannot overflow), g, u and sums in fp32, expert outputs, u, y_r, y_s, y in "
+                      "the output dtype. predicted_zeroed: some token's Σu² overflows fp32, so RMSNorm returns 0.",
+        "situ": "|SiTU| <= 100 for every input: the hidden never overflows fp16, bf16 or fp8 e4m3 (448); each "
+                "expert output is bounded by 100 max‖W2[:, c]‖₁ (situ_bound, ln units) whatever the input",
+        "agreement": {
+            **{a: agreement(cells, only=lambda c, a=a: c["activation"] == a) for a in MAP_ACTIVATIONS},
+            **{s: agreement(cells, only=lambda c, s=s: c["setting"] == s) for s, _, _ in MAP_SETTINGS},
+        },
+        "frontier": frontier_summary(cells),
     }
+
+
+MAP = MapDefinition(
+    points=_map_points,
+    make_case=_map_case,
+    reference=lambda case: case.cache["quantities"].oracle,  # y in fp64 with the same routing
+    forms=_map_forms,
+    spec=MapSpec(
+        x="log2_input_scale",
+        y="activation",
+        panel_row="setting",
+        panel_col="input",
+        figure="module",
+        x_label="log2 input scale",
+        y_label="activation",
+        title="Stable LatentMoE tiled form: overflow and error vs the fp64 oracle",
+    ),
+    frontier_axes=lambda cells: {"log2_input_scale": list(dict.fromkeys(c["log2_input_scale"] for c in cells))},
+    fixed=("setting", "activation", "input"),
+    meta=_map_meta,
+    # Registered kernels run on the gaussian input, one panel per parameter set beside ours
+    # (panel row: their dtype); they route themselves.
+    registered_on=lambda point: point["input"] == "gaussian",
+    registered_keys=lambda impl: {"module": "moe", "dtype": impl.dtype,
+                                  "tile": impl.params.get("tile_m", TILING["tile_m"])},
+)
 
 
 register(
     ModuleEntry(
         name="moe",
         title="Stable LatentMoE",
-        make_cases=make_cases,
+        make_cases=lambda seed: cases_from(samples.make_cases(seed)),
         oracle=oracle,
         baseline=baseline,
-        implementations=implementations,
-        overflow_map=overflow_map,
+        own_implementations=own_implementations,
+        outputs=OUTPUTS,
+        call=call,
+        overflow_map=MAP,
         position_axis=0,  # y:[T, d]; tokens are independent, so a routing flip shows as one bad position
         input_types=(moe.MoEConfig, moe.MoEWeights, moe.Routing),
+        studies={"moe_routing_flips.json": lambda seed, quick: studies.routing_flips(
+            seed, exponents=samples.log2_scale_grid(quick=quick),
+            tokens=studies.QUICK_FLIP_TOKENS if quick else studies.FLIP_TOKENS)},
+        strategy=samples.strategy,
     )
 )

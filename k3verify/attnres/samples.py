@@ -1,0 +1,172 @@
+"""Block AttnRes's verification inputs: aggregations whose logits are set by construction, depth
+walks with stand-in sublayers, and the named cases a run, the goldens and the overflow map use.
+
+A sample is ``(inputs, params)``: ``inputs`` the form arguments by name — ``sources, w, gamma``
+for one aggregation, ``embedding, weights, sublayers, schedule`` for a walk — and ``params``
+what generated them (JSON-ready). Nothing here knows the harness.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..numerics import round_to
+from .layer import StandInSublayers, init_weights
+from .schedule import Schedule
+
+AGGREGATION = dict(N=9, T=32, d=256)  # K3's largest source set
+DEFAULT_LOGIT_SCALE = 8.0
+# Past ln(max fp32) = 88.72: the softmax without max subtraction overflows, the correct one must not.
+HOT_LOGIT_SCALE = 96.0
+LOGIT_SPREAD = 4.0  # logits of a token's sources lie within this many units below the largest
+WALK = dict(T=8, d=64, logit_scale=16.0)
+AGGREGATION_CASES = ("sources", "hot")
+WALK_CASES = ("walk", "walk_full")
+
+# Golden slices of the walk: 14 layers cross one 12-layer block boundary (K3's blocks, a
+# 2-layer tail), and Full AttnRes over 6 layers; the stand-in sublayers of the full 93-layer
+# walk would take 12.5 MB per case.
+# T = 32 tokens give 1024 outputs: the baseline rule compares two RMS errors, and over 128
+# outputs (T = 4) their ratio scattered past 2 for 3 of 30 seeds (worst 1.25x the limit), where
+# over 1024 the worst of 30 seeds is 0.61x (recurrent, chunkwise and tiled bf16 alike).
+GOLDEN_WALK = dict(T=32, d=32, logit_scale=WALK["logit_scale"])
+GOLDEN_SCHEDULES = {
+    "walk.small": Schedule.layers(12, num_layers=14),
+    "walk_full.small": Schedule.full(num_layers=6),
+}
+
+# The overflow map: 16 tokens of width 64, logit scale x number of sources.
+MAP_SHAPE = dict(T=16, d=64)
+MAP_LOGIT_SCALES = (1, 2, 4, 8, 11, 12, 16, 32, 64, 80, 85, 88, 90, 96, 128, 256, 4096, 32768, 65536, 131072)
+MAP_SOURCES = (1, 2, 3, 5, 9, 33, 187)
+QUICK_LOGIT_SCALES = (4, 12, 85, 96, 131072)
+QUICK_SOURCES = (1, 9)
+
+Sample = tuple[dict[str, Any], dict[str, Any]]
+
+
+def controlled_sources(
+    N: int, T: int, d: int, *, logit_scale: float, spread: float = LOGIT_SPREAD, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """fp64 ``sources:[N, T, d]``, ``w, gamma:[d]`` whose logits are set by construction.
+
+    ``w ⊙ γ = (logit_scale / sqrt(d)) u`` for a random unit ``u``, so ``logit_scale`` is the
+    a-priori bound ``‖w⊙γ‖·sqrt(d)``. Source ``i`` of token ``t`` is ``s (c u + sqrt(1 − c²) n)
+    sqrt(d)`` with ``n ⊥ u`` random, a log-normal RMS ``s`` and cosine ``c``, so its logit is
+    ``logit_scale · c · s / sqrt(s² + ε)``: one source per token has ``c = 1`` (the logit reaches
+    the bound), the others ``c = 1 − U · min(1.5, spread / logit_scale)``, ``U ~ U(0, 1)`` (logits
+    within ``spread`` below the largest at large scale, so several sources carry weight; at
+    small scale they span ``[-0.5, 1]`` of it). Source order is shuffled per token. With ``d = 1``
+    there is no direction orthogonal to ``u`` and every logit is ``±logit_scale``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen, dtype=torch.float64)
+
+    gamma = 1 + 0.1 * randn(d)
+    u = randn(d)
+    u = u / u.norm()
+    w = logit_scale * d**-0.5 * u / gamma
+    U = torch.rand(N, T, generator=gen, dtype=torch.float64)
+    U[0] = 0
+    c = (1 - U * min(1.5, spread / logit_scale))[..., None]
+    n = randn(N, T, d)
+    n = n - (n @ u)[..., None] * u
+    n = n / n.norm(dim=-1, keepdim=True).clamp(min=1e-300)  # d = 1 leaves no orthogonal direction: n = 0
+    s = torch.exp(0.5 * randn(N, T))[..., None]
+    v = s * d**0.5 * (c * u + (1 - c * c).clamp(min=0).sqrt() * n)
+    order = torch.argsort(torch.rand(N, T, generator=gen), dim=0)
+    v = torch.gather(v, 0, order[..., None].expand(-1, -1, d))
+    return dict(sources=v, w=w, gamma=gamma)
+
+
+def walk_inputs(schedule: Schedule, *, T: int, d: int, logit_scale: float, seed: int = 0) -> dict[str, Any]:
+    """A depth walk's inputs: fp64 ``embedding:[T, d]``, :class:`AttnResWeights` with every
+    ``‖w_s⊙γ_s‖·sqrt(d) = logit_scale``, :class:`StandInSublayers` and the ``schedule``; values
+    bf16-representable (the same at every precision, so a low-precision run differs only by its
+    arithmetic)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    embedding = round_to(torch.randn(T, d, generator=gen, dtype=torch.float64), "bf16")
+    return dict(
+        embedding=embedding,
+        weights=init_weights(schedule, d, logit_scale=logit_scale, seed=seed),
+        sublayers=StandInSublayers.make(schedule.num_sublayers, d, seed=seed),
+        schedule=schedule,
+    )
+
+
+def aggregation_sample(N: int, T: int, d: int, *, logit_scale: float, seed: int = 0) -> Sample:
+    """:func:`controlled_sources` with the params that made them (``kind="aggregation"``)."""
+    inputs = controlled_sources(N, T, d, logit_scale=logit_scale, seed=seed)
+    return inputs, dict(N=N, T=T, d=d, kind="aggregation", logit_scale=logit_scale, logit_spread=LOGIT_SPREAD,
+                        seed=seed)
+
+
+def walk_sample(schedule: Schedule, *, T: int, d: int, logit_scale: float, seed: int = 0) -> Sample:
+    """:func:`walk_inputs` with the params that made them (``kind="walk"``)."""
+    inputs = walk_inputs(schedule, T=T, d=d, logit_scale=logit_scale, seed=seed)
+    return inputs, dict(T=T, d=d, logit_scale=logit_scale, kind="walk", num_layers=schedule.num_layers,
+                        block_sublayers=schedule.block_sublayers, seed=seed)
+
+
+def make_cases(seed: int = 0) -> dict[str, Sample]:
+    """Aggregation cases over K3's largest source set (9 sources): ``sources`` (largest logit 8)
+    and ``hot`` (96, past ``ln(max fp32)``); walk cases over 93 layers: ``walk`` (K3's blocks of
+    12 layers) and ``walk_full`` (Full AttnRes, up to 187 sources)."""
+    cases = {name: aggregation_sample(**AGGREGATION, logit_scale=scale, seed=seed)
+             for name, scale in (("sources", DEFAULT_LOGIT_SCALE), ("hot", HOT_LOGIT_SCALE))}
+    for name, schedule in (("walk", Schedule()), ("walk_full", Schedule.full())):
+        cases[name] = walk_sample(schedule, **WALK, seed=seed)
+    return cases
+
+
+def golden_cases(seed: int = 0) -> dict[str, Sample]:
+    """The aggregation cases as they are, and the two walk kinds on short, narrow walks."""
+    made = make_cases(seed)
+    cases = {name: made[name] for name in AGGREGATION_CASES}
+    for name, schedule in GOLDEN_SCHEDULES.items():
+        cases[name] = walk_sample(schedule, **GOLDEN_WALK, seed=seed)
+    return cases
+
+
+def map_inputs(logit_scale: float, sources: int, seed: int = 0) -> Sample:
+    """The overflow map's aggregation at one point: ``sources`` sources of :data:`MAP_SHAPE`
+    whose largest logit per token is ``logit_scale``."""
+    return aggregation_sample(sources, **MAP_SHAPE, logit_scale=logit_scale, seed=seed)
+
+
+def map_grid(quick: bool) -> tuple[list[float], list[int]]:
+    """The map's logit scales (1 to 2^17) and source counts (1 to 187; Full AttnRes's 187)."""
+    if quick:
+        return list(QUICK_LOGIT_SCALES), list(QUICK_SOURCES)
+    return list(MAP_LOGIT_SCALES), list(MAP_SOURCES)
+
+
+def strategy(kind: str | None = None) -> Any:
+    """A Hypothesis strategy of Block AttnRes samples ``(inputs, params)``: aggregations (``kind=
+    "aggregation"``), walks (``"walk"``) or either (``None``). Sizes shrink toward one source, one
+    token, width 1, one layer and block size 1; the logit scale is drawn in [0.25, 40] (for users'
+    property tests; needs ``hypothesis``)."""
+    from hypothesis import strategies as st
+
+    if kind not in (None, "aggregation", "walk"):
+        raise ValueError(f"kind must be 'aggregation', 'walk' or None, got {kind!r}")
+    seeds, scales = st.integers(0, 2**16), st.floats(0.25, 40.0)
+
+    @st.composite
+    def aggregation(d: Any) -> Sample:
+        return aggregation_sample(d(st.integers(1, 12)), d(st.integers(1, 4)), d(st.sampled_from((1, 2, 3, 8, 16))),
+                                  logit_scale=d(scales), seed=d(seeds))
+
+    @st.composite
+    def walk(d: Any) -> Sample:
+        schedule = Schedule(d(st.integers(1, 8)), d(st.integers(1, 20)))
+        return walk_sample(schedule, T=d(st.integers(1, 3)), d=d(st.sampled_from((1, 2, 8, 16))),
+                           logit_scale=d(scales), seed=d(seeds))
+
+    if kind is None:
+        return st.one_of(aggregation(), walk())
+    return aggregation() if kind == "aggregation" else walk()

@@ -1,0 +1,136 @@
+"""KDA's verification inputs: fp64 tensors drawn as the layer produces them, the worst case of
+SPEC §1.6, and the named cases a run, the goldens and the overflow map use.
+
+A case is ``(inputs, params)``: ``inputs`` the form arguments by name (``q, k, v, g, beta,
+initial_state``), ``params`` what generated them (JSON-ready). Nothing here knows the harness.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .gate import l2norm, lower_bound_gate
+
+G_MIN = -5.0
+CHUNK = 64
+TILE = 16
+INPUT_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+# The default case: K3's head dim, chunk, sub-tile and gate bound; T not a multiple of 64 so
+# the partial last chunk and partial last tile are always exercised.
+DEFAULT_SHAPE = dict(B=2, T=200, H=2, K=128, V=128)
+# The interpreter runs a kernel program by program in numpy: keep its cases small.
+SMALL_SHAPE = dict(B=2, T=72, H=1, K=32, V=32)
+DECODE_SHAPE = dict(B=8, T=1, H=2, K=128, V=128)
+# Golden slices: a small configuration, and a production-shape slice (K3's head dims 128/128,
+# one head, one full chunk plus a partial one), each as random and as saturated gates, and a
+# decode slice (two requests, one head). The default case above (T = 200, two heads) would take
+# 4.7 MB, the decode case's eight states 2 MB.
+GOLDEN_SHAPES = {"small": dict(B=1, T=72, H=2, K=16, V=16), "production": dict(B=1, T=80, H=1, K=128, V=128)}
+GOLDEN_DECODE_SHAPE = dict(B=2, T=1, H=1, K=128, V=128)
+# The overflow map's inputs: one chunk pair, two heads, head dim 32.
+MAP_SHAPE = dict(B=1, T=128, H=2, K=32, V=32)
+
+Sample = tuple[dict[str, Any], dict[str, Any]]
+
+
+def random_inputs(
+    B: int, T: int, H: int, K: int, V: int, *, g_min: float = G_MIN, seed: int = 0, initial_state: bool = True
+) -> dict[str, torch.Tensor | None]:
+    """fp64 inputs drawn as the layer produces them: l2-normalised q/k, K3's bounded gate."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen, dtype=torch.float64)
+
+    q, k = l2norm(randn(B, T, H, K)), l2norm(randn(B, T, H, K))
+    v = randn(B, T, H, V)
+    g = lower_bound_gate(randn(B, T, H, K), torch.zeros(H, dtype=torch.float64), randn(H * K), g_min=g_min)
+    beta = torch.sigmoid(randn(B, T, H))
+    s0 = 0.1 * randn(B, H, K, V) if initial_state else None
+    return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=s0)
+
+
+def saturated_inputs(
+    B: int, T: int, H: int, K: int, V: int, *, g_min: float = G_MIN, seed: int = 0, one_hot: bool = True
+) -> dict[str, torch.Tensor | None]:
+    """SPEC §1.6's worst case: every gate exactly ``g_min``.
+
+    With ``one_hot`` the q/k rows are unit basis vectors, so an operand's largest entry is
+    exactly its decay factor and the frontier is sharp; otherwise l2-normalised random rows.
+    """
+    x = random_inputs(B, T, H, K, V, g_min=g_min, seed=seed, initial_state=False)
+    if one_hot:
+        basis = torch.nn.functional.one_hot(torch.arange(T) % K, K).to(torch.float64)
+        x["q"] = basis[None, :, None, :].expand(B, T, H, K).contiguous()
+        x["k"] = x["q"].clone()
+    x["g"] = torch.full((B, T, H, K), g_min, dtype=torch.float64)
+    return x
+
+
+def make_cases(seed: int = 0) -> dict[str, Sample]:
+    """``default`` (random, bounded gates, initial state), ``saturated`` (gates at g_min),
+    ``small`` (the chunk kernel under Triton's interpreter: a full and a partial chunk) and
+    ``decode`` (one token per request on a carried state)."""
+    params = dict(DEFAULT_SHAPE, g_min=G_MIN, seed=seed)
+    cases = {
+        "default": (random_inputs(**DEFAULT_SHAPE, seed=seed), params),
+        "saturated": (saturated_inputs(**DEFAULT_SHAPE, seed=seed + 1, one_hot=False),
+                      dict(params, gates="all at g_min")),
+    }
+    for name, shape in (("small", SMALL_SHAPE), ("decode", DECODE_SHAPE)):
+        cases[name] = (random_inputs(**shape, seed=seed + 2), dict(shape, g_min=G_MIN, seed=seed + 2))
+    return cases
+
+
+def golden_cases(seed: int = 0) -> dict[str, Sample]:
+    """``default.<slice>`` and ``saturated.<slice>`` for every slice of :data:`GOLDEN_SHAPES`, and
+    ``decode.production``; other case kinds are stored as :func:`make_cases` makes them."""
+    shape = GOLDEN_DECODE_SHAPE
+    cases = {"decode.production": (random_inputs(**shape, seed=seed + 2),
+                                   dict(shape, g_min=G_MIN, seed=seed + 2, slice="production"))}
+    for variant, shape in GOLDEN_SHAPES.items():
+        params = dict(shape, g_min=G_MIN, seed=seed, slice=variant)
+        cases[f"default.{variant}"] = (random_inputs(**shape, seed=seed), params)
+        cases[f"saturated.{variant}"] = (saturated_inputs(**shape, seed=seed + 1, one_hot=False),
+                                         dict(params, gates="all at g_min"))
+    return cases
+
+
+def map_inputs(kind: str, g_min: float, seed: int = 0) -> Sample:
+    """The overflow map's input at ``g_min``: ``worst`` (every gate at g_min, one-hot q/k rows so
+    an operand's largest entry is its decay factor) or ``random`` (the bounded gate with random
+    logits); no initial state."""
+    make = saturated_inputs if kind == "worst" else random_inputs
+    x = make(**MAP_SHAPE, g_min=g_min, seed=seed)
+    x["initial_state"] = None
+    return x, dict(MAP_SHAPE, input=kind, g_min=g_min, seed=seed)
+
+
+def g_min_grid(quick: bool) -> list[float]:
+    """-0.5 to -20: every 0.1 (196 values), or every 0.5 for a quick map."""
+    step = 0.5 if quick else 0.1
+    n = round((20 - 0.5) / step)
+    return [round(-0.5 - i * step, 4) for i in range(n + 1)]
+
+
+def strategy() -> Any:
+    """A Hypothesis strategy of KDA samples ``(inputs, params)``: sizes that shrink toward the
+    smallest case with at least 1024 outputs (the baseline rule compares two RMS errors, which
+    scatter on fewer), a drawn gate bound in [-8, -0.1], random or saturated gates, with or
+    without an initial state (for users' property tests; needs ``hypothesis``)."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw(d: Any) -> Sample:
+        shape = dict(B=d(st.integers(1, 2)), T=d(st.integers(64, 160)), H=d(st.integers(1, 2)),
+                     K=d(st.sampled_from((16, 32))), V=d(st.sampled_from((16, 32))))
+        g_min = d(st.floats(-8.0, -0.1).map(lambda x: round(x, 2)))
+        seed, saturated, state = d(st.integers(0, 2**31 - 1)), d(st.booleans()), d(st.booleans())
+        x = (saturated_inputs(**shape, g_min=g_min, seed=seed, one_hot=False) if saturated
+             else random_inputs(**shape, g_min=g_min, seed=seed, initial_state=state))
+        return x, dict(shape, g_min=g_min, seed=seed, gates="all at g_min" if saturated else "random")
+
+    return draw()

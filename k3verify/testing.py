@@ -1,0 +1,153 @@
+"""Assertions for your own test suite, in the spirit of ``torch.testing.assert_close``: judge a
+kernel against k3verify's fp64 oracle under the same policy as ``k3verify run``.
+
+    import torch
+    from k3verify.testing import assert_matches_oracle
+
+    def test_my_kda_kernel():
+        assert_matches_oracle(my_kda, module="kda", dtype=torch.bfloat16)
+
+``fn`` takes the module forms' signature (KDA: ``fn(q, k, v, g, beta, *, scale=None,
+initial_state=None, output_final_state=False, **options) -> (o, final_state)``; see
+``docs/modules/<module>.md``). Every named output is judged (KDA's ``o`` and ``final_state``):
+by the ``baseline`` rule against the naive same-dtype form for narrow dtypes, by
+fp64-agreement for fp64. A failure raises ``AssertionError`` naming the case, the output, the
+rule, err, limit and margin, the worst element (index, got, expected) and the mismatch
+fraction (elements off by more than the allowed RMS error). ``strategy(module)`` gives a
+Hypothesis strategy of cases, and the pytest plugin (installed with k3verify) a fixture:
+
+    from hypothesis import given
+    from k3verify.testing import assert_matches_oracle, strategy
+
+    @given(case=strategy("kda"))
+    def test_my_kda_kernel_on_any_case(case):
+        assert_matches_oracle(my_kda, module="kda", dtype=torch.bfloat16, cases=[case])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from .harness import registry, runner
+from .harness.registry import BASELINE_RULE, FP64_RULE, Case, Implementation, as_outputs
+from .numerics import FAIL, dtype_name, resolve_dtype
+
+__all__ = ["assert_matches_oracle", "cases", "strategy"]
+
+
+def cases(module: str, names: Sequence[str] | None = None, *, seed: int = 0) -> list[Case]:
+    """The module's built-in cases (all of them, or those named), as ``k3verify run`` makes them."""
+    made = registry.get(module).make_cases(seed)
+    if names is None:
+        return list(made.values())
+    unknown = [n for n in names if n not in made]
+    if unknown:
+        raise KeyError(f"{module} has no case {', '.join(map(repr, unknown))}; its cases: {', '.join(made)}")
+    return [made[n] for n in names]
+
+
+def strategy(module: str) -> Any:
+    """A Hypothesis strategy of ``module``'s cases (sizes shrink toward the smallest; needs
+    ``hypothesis``)."""
+    entry = registry.get(module)
+    if entry.strategy is None:
+        raise NotImplementedError(f"module {module!r} has no case strategy")
+    return entry.strategy().map(lambda sample: Case("drawn", sample[0], dict(sample[1])))
+
+
+def _as_cases(module: str, given: Iterable[Case | str | tuple] | None, seed: int) -> list[Case]:
+    if given is None:
+        made = registry.get(module).make_cases(seed)
+        return [made["default"]] if "default" in made else [next(iter(made.values()))]
+    out = []
+    for c in given:
+        if isinstance(c, Case):
+            out.append(c)
+        elif isinstance(c, str):
+            out += cases(module, [c], seed=seed)
+        elif isinstance(c, tuple) and len(c) == 2:
+            out.append(Case("given", c[0], dict(c[1])))
+        else:
+            kind = type(c).__name__
+            raise TypeError(f"a case is a k3verify Case, a case name or an (inputs, params) pair; got {kind}")
+    return out
+
+
+def assert_matches_oracle(
+    fn: Callable[..., Any],
+    module: str,
+    dtype: torch.dtype | str = torch.bfloat16,
+    cases: Iterable[Case | str | tuple] | None = None,
+    *,
+    baseline: str = "recurrent",
+    seed: int = 0,
+    **options: Any,
+) -> list[dict[str, Any]]:
+    """Run ``fn`` on each case with inputs in ``dtype`` and judge every named output against the
+    fp64 oracle; raise ``AssertionError`` describing every failing output, else return the rows.
+
+    ``baseline`` names the algorithm family of the same-dtype baseline (``"chunkwise"`` holds a
+    chunked kernel to what a plain chunked implementation achieves); ``options`` go to ``fn``.
+    """
+    entry = registry.get(module)
+    if entry.call is None:
+        raise NotImplementedError(f"module {module!r} has no calling convention for user functions")
+    torch_dtype = resolve_dtype(dtype)
+    name = dtype_name(torch_dtype)
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    def run(case: Case) -> dict[str, torch.Tensor]:
+        out = as_outputs(entry.call(fn, case, torch_dtype, **options), entry.outputs, _name(fn))
+        seen[id(case)] = {k: v.detach().cpu() for k, v in out.items()}
+        return out
+
+    impl = Implementation(module=module, implementation=_name(fn), form="user", dtype=name, params=dict(options),
+                          rule=FP64_RULE if name == "fp64" else BASELINE_RULE, run=run, baseline=baseline)
+    chosen = _as_cases(module, cases, seed)
+    rows = [runner.verify(entry, impl, case) for case in chosen]
+    problems = []
+    for case, row in zip(chosen, rows):
+        if row["status"] != FAIL:
+            continue
+        if "outputs" not in row:  # it raised, or returned the wrong outputs
+            problems.append(f"case {case.name!r}: {row.get('reason')}")
+            continue
+        ref = as_outputs(entry.oracle(case), entry.outputs, "the oracle")
+        for out_name, judged in row["outputs"].items():
+            if judged["status"] == FAIL:
+                problems.append(_describe(case, out_name, judged, seen[id(case)].get(out_name), ref[out_name]))
+    if problems:
+        raise AssertionError(f"{_name(fn)} does not match the {module} oracle in {name}:\n" + "\n".join(problems))
+    return rows
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def _describe(case: Case, output: str, judged: dict[str, Any], got: torch.Tensor | None, ref: torch.Tensor) -> str:
+    """One failing output: rule, err, limit, margin, worst element, mismatch fraction."""
+    v = judged["verdict"]
+    head = (f"case {case.name!r}, output {output!r}: rule {v['rule']}: {v['reason']} "
+            f"(err {_f(v['err'])}, limit {_f(v['limit'])}, margin {_f(v['margin'])})")
+    if got is None or got.shape != ref.shape:
+        return head + f"; shape {None if got is None else list(got.shape)} vs expected {list(ref.shape)}"
+    x, r = got.to(torch.float64), ref.to(torch.float64)
+    diff = (x - r).abs()
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
+    flat = int(diff.reshape(-1).argmax()) if diff.numel() else 0
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), r.shape)) if r.numel() else ()
+    allowed = (v["limit"] if isinstance(v.get("limit"), float) and math.isfinite(v["limit"]) else 0.0) * \
+        float(r.pow(2).mean().sqrt()) if r.is_floating_point() and r.numel() else 0.0
+    fraction = float((diff > allowed).double().mean()) if diff.numel() else 0.0
+    worst = (f"; worst element at {index}: got {_f(float(x.reshape(-1)[flat]))}, expected "
+             f"{_f(float(r.reshape(-1)[flat]))} (|diff| {_f(float(diff.reshape(-1)[flat]))})") if r.numel() else ""
+    return head + worst + f"; mismatch fraction {fraction:.3%} (elements off by more than limit x rms(oracle))"
+
+
+def _f(x: Any) -> str:
+    return f"{x:.4g}" if isinstance(x, (int, float)) and x is not None else str(x)

@@ -486,3 +486,16 @@ def test_seeds_that_failed_their_own_goldens_pass(seed: int, tmp_path: Path) -> 
     failed = [(r["implementation"], r["form"], r["dtype"], r["case"], (r.get("verdict") or {}).get("reason"))
               for r in rows if r["status"] == "fail"]
     assert not failed, failed
+
+
+def test_config_floats_agree_to_fp64_not_bitwise() -> None:
+    """Rule: fp64-agreement for measured parameters (MoE records its smallest top-k gap, which MKL's
+    generic path moves by ~1e-16 relative); keys, strings, integers and flags stay exact."""
+    from k3verify.harness.golden import _same_config
+
+    stored = {"min_topk_gap": 0.0123456789, "T": 64, "kind": "default", "safe": True, "grid": [1.5, 2.5]}
+    assert _same_config(stored, stored | {"min_topk_gap": 0.0123456789 * (1 + 1e-15)})
+    for changed in ({"min_topk_gap": 0.0123456789 * (1 + 1e-6)}, {"T": 65}, {"kind": "other"}, {"safe": False},
+                    {"grid": [1.5]}, {"T": 64.0}):
+        assert not _same_config(stored, stored | changed), changed
+    assert not _same_config(stored, {k: v for k, v in stored.items() if k != "T"})

@@ -7,6 +7,7 @@ every run uses the same versions. ``session.posargs`` go to the underlying tool.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import nox
@@ -123,7 +124,8 @@ def gpu(session: nox.Session) -> None:
     out = session.posargs[0] if session.posargs else "reports/latest/gpu"
     python = sys.executable
     tests = ("properties/test_kda_kernels.py", "properties/test_kda_gpu.py")
-    session.run(python, "-m", "pytest", *tests, "-q", "-rs", env={"HYPOTHESIS_PROFILE": "gpu"})
+    profile = os.environ.get("HYPOTHESIS_PROFILE", "gpu")  # gpu-explore for a nightly search
+    session.run(python, "-m", "pytest", *tests, "-q", "-rs", env={"HYPOTHESIS_PROFILE": profile})
     session.run(python, "-m", "k3verify", "overflow-map", "--module", "kda", "--quick", "--out", f"{out}/maps")
     session.run(python, "-m", "k3verify", "run", "--modules", "kda", "--out", out)
 

@@ -41,7 +41,11 @@ settings.register_profile(
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
     **_COMMON,
 )
-settings.register_profile("gpu", max_examples=300, **_COMMON)
+# The GPU session users run in CI is derandomised like ``ci``: the same examples on every
+# device, so a red run is a change in the code or the device, never a new draw. Exploring
+# draws fresh examples (nightly on a GPU).
+settings.register_profile("gpu", derandomize=True, max_examples=100, **_COMMON)
+settings.register_profile("gpu-explore", max_examples=1000, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 NIGHTLY_BUDGET_S = 1800.0

@@ -34,6 +34,24 @@ def test_run_exits_zero_and_writes_the_report(kda_report) -> None:
     assert "| module |" in md
 
 
+def test_commit_without_git_comes_from_the_environment_or_a_stamp(monkeypatch, tmp_path) -> None:
+    """Rule: structural. A tree copied without ``.git`` still names its commit; junk does not."""
+    from k3verify.harness import environment as env
+
+    monkeypatch.setattr(env, "_git_checkout", lambda root: {"git_commit": None, "git_dirty": None})
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv(env.COMMIT_VARIABLE, f"{commit} dirty")
+    assert env._git() == {"git_commit": commit, "git_dirty": True, "git_commit_source": "environment"}
+    monkeypatch.setenv(env.COMMIT_VARIABLE, "$(rm -rf /)")
+    assert env._git()["git_commit"] is None
+    monkeypatch.delenv(env.COMMIT_VARIABLE)
+    root = tmp_path / "a" / "b"
+    (root / "k3verify" / "harness").mkdir(parents=True)
+    monkeypatch.setattr(env, "__file__", str(root / "k3verify" / "harness" / "environment.py"))
+    (root / env.STAMP).write_text(commit[:12] + "\n")
+    assert env._git() == {"git_commit": commit[:12], "git_dirty": False, "git_commit_source": "stamp"}
+
+
 def test_report_rows_cover_every_form(kda_report) -> None:
     _, doc, _ = kda_report
     rows = [r for r in doc["rows"] if r["implementation"] == "k3verify"]

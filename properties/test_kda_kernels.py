@@ -39,7 +39,9 @@ BF16_REASON = kernels.unavailable_reason(torch.bfloat16)
 needs_fp32 = pytest.mark.skipif(FP32_REASON is not None, reason=str(FP32_REASON))
 needs_bf16 = pytest.mark.skipif(BF16_REASON is not None, reason=str(BF16_REASON))
 # The interpreter runs every program in numpy, about a second per small launch: few examples.
-FEW = settings(max_examples=4 if kernels.interpreted() else 40)
+# The interpreter runs a few examples (CPU time); on a GPU the profile decides (``gpu``: 100
+# derandomised, ``gpu-explore``: 1000 fresh ones).
+FEW = settings(max_examples=4) if kernels.interpreted() else settings()
 
 
 @st.composite
@@ -70,9 +72,10 @@ def _chunk(p: KDAProblem, dtype: torch.dtype, **kw):
 @needs_fp32
 @FEW
 @given(p=kernel_problems(K=(16, 32), V=16, max_T=100), anchor=st.sampled_from(ANCHORS))
-# On an H200 this case failed (2.25x the baseline) while the kernel used the GPU's fast exp,
-# whose error grows with |x| and the shifted anchor puts factors at |x| near 15.
+# Both failed (2.25x and 2.44x the baseline; the second on the interpreter too) while the
+# shifted anchor's exponent (G_r - G_0) + 15 was rounded near 15 before exp.
 @example(p=make_problem(1, 64, 1, 16, 16, g_min=-0.5, seed=0), anchor="row0_shift")
+@example(p=make_problem(2, 32, 1, 16, 16, g_min=-0.5, seed=0), anchor="row0_shift")
 def test_chunk_kernel_fp32_within_policy(p: KDAProblem, anchor: str) -> None:
     """Rule: baseline (naive chunkwise fp32)."""
     o, _ = _chunk(p, torch.float32, anchor=anchor)

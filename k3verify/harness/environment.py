@@ -28,9 +28,30 @@ def _version(name: str) -> str | None:
         return None
 
 
+STAMP = ".k3verify-commit"
+COMMIT_VARIABLE = "K3VERIFY_GIT_COMMIT"
+
+
 def _git() -> dict[str, Any]:
-    """Commit and dirty flag of the checkout holding this package, if it is one."""
+    """Commit and dirty flag of the checkout holding this package; where the tree travelled
+    without ``.git`` (a copy sent to a GPU machine), the commit named by ``$K3VERIFY_GIT_COMMIT``
+    or by a ``.k3verify-commit`` file at the root (``git rev-parse HEAD > .k3verify-commit``,
+    optionally followed by `` dirty``). ``git_commit_source`` says which one answered."""
     root = Path(__file__).resolve().parents[2]
+    found = _git_checkout(root)
+    if found["git_commit"]:
+        return {**found, "git_commit_source": "git"}
+    words = os.environ.get(COMMIT_VARIABLE, "").split()
+    source = "environment"
+    if not words and (root / STAMP).is_file():
+        words, source = (root / STAMP).read_text(encoding="ascii", errors="replace").split()[:2], "stamp"
+    if words and all(c in "0123456789abcdef" for c in words[0].lower()) and 7 <= len(words[0]) <= 64:
+        return {"git_commit": words[0].lower(), "git_dirty": words[1:] == ["dirty"], "git_commit_source": source}
+    return {**found, "git_commit_source": None}
+
+
+def _git_checkout(root: Path) -> dict[str, Any]:
+    """``git rev-parse HEAD`` and ``git status`` in ``root``; ``None`` for both when they fail."""
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True

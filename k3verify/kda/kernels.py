@@ -100,13 +100,29 @@ def _exp(x, ACCURATE: tl.constexpr):
     factors). ``ACCURATE`` (fp32 operands) reduces the argument first, ``x = n ln 2 + r`` with
     ``ln 2`` split in two (Cody and Waite), so only the small ``r`` is rounded; ``2^n`` is
     applied in two halves so results up to fp32's largest finite value stay finite."""
+    return _exp_split(x, 0.0, ACCURATE)
+
+
+@triton.jit
+def _exp_split(x, x_lo, ACCURATE: tl.constexpr):
+    """``exp(x + x_lo)`` for an exponent held as a rounded value ``x`` and its rounding error
+    ``x_lo`` (``|x_lo| <= ulp(x) / 2``): the error joins the reduced argument, where it is not
+    rounded away. Without ``ACCURATE`` ``x_lo`` is ignored (16-bit operands cannot hold it)."""
     if ACCURATE:
         n = tl.floor(x * 1.4426950408889634 + 0.5)
-        r = (x - n * 0.693359375) + n * 2.1219444005469057e-4
+        r = ((x - n * 0.693359375) + n * 2.1219444005469057e-4) + x_lo
         half = tl.floor(n * 0.5)
         return tl.exp2(r * 1.4426950408889634) * tl.exp2(half) * tl.exp2(n - half)
     else:
         return tl.exp(x)
+
+
+@triton.jit
+def _two_sum(a, b):
+    """``a + b`` as the rounded sum and its exact rounding error (Knuth's TwoSum)."""
+    s = a + b
+    b_virtual = s - a
+    return s, (a - (s - b_virtual)) + (b - b_virtual)
 
 
 @triton.jit
@@ -192,20 +208,25 @@ def _intra_kernel(
         bi = tl.load(beta + (start + row0 + r) * H + h, mask=ok, other=0.0).to(tl.float32)
         _store_rows(QG, qi * _exp(Gi, IEEE), start, row0, length, h, 0, H, K, BC, BK)
         # s, the prefix at the tile's start boundary, is the split of every off-diagonal block.
+        # Diagonal block: exp(G_r - G_c) = exp(G_r - a) exp(a - G_c), one product.
         if ANCHOR == 0:
-            a = s
+            d = Gi - s[None, :]
+            d_lo = tl.zeros_like(d)
         elif ANCHOR == 1:
             # A partial tail tile reads the padded rows' prefix, i.e. the last real one.
-            a = _pick_row(Gi, r, tl.minimum(BC // 2, length - 1 - row0))
+            d = Gi - _pick_row(Gi, r, tl.minimum(BC // 2, length - 1 - row0))[None, :]
+            d_lo = tl.zeros_like(d)
         else:
-            a = _pick_row(Gi, r, 0) - anchor_offset
-
-        # Diagonal block: exp(G_r - G_c) = exp(G_r - a) exp(a - G_c), one product.
+            # G_r - a = (G_r - G_0) + offset sits near the offset (15 at BC = 16) even for
+            # neighbouring rows: rounded there, the factors of a product exp(G_r - G_c) that is
+            # near 1 carry errors up to 2^-24 * 16 each. The sum's rounding error is kept.
+            d, d_lo = _two_sum(Gi - _pick_row(Gi, r, 0)[None, :], anchor_offset)
         # Padded rows get exponent 0 (their q, k are 0): no spurious inf * 0 there.
-        d = tl.where(ok[:, None], Gi - a[None, :], 0.0)
-        q_d = (qi * _exp(d, IEEE)).to(OP)
-        k_r = (ki * _exp(d, IEEE)).to(OP)
-        k_d = (ki * _exp(-d, IEEE)).to(OP)
+        d = tl.where(ok[:, None], d, 0.0)
+        d_lo = tl.where(ok[:, None], d_lo, 0.0)
+        q_d = (qi * _exp_split(d, d_lo, IEEE)).to(OP)
+        k_r = (ki * _exp_split(d, d_lo, IEEE)).to(OP)
+        k_d = (ki * _exp_split(-d, -d_lo, IEEE)).to(OP)
         A_q = _dot(q_d, tl.trans(k_d), IEEE)
         A_k = _dot(k_r, tl.trans(k_d), IEEE)
         A_q = tl.where(r[:, None] >= r[None, :], A_q * scale, 0.0)

@@ -38,12 +38,14 @@ def test_commit_without_git_comes_from_the_environment_or_a_stamp(monkeypatch, t
     """Rule: structural. A tree copied without ``.git`` still names its commit; junk does not."""
     from k3verify.harness import environment as env
 
-    monkeypatch.setattr(env, "_git_checkout", lambda root: {"git_commit": None, "git_dirty": None})
     commit = "0123456789abcdef0123456789abcdef01234567"
+    # Declared beats a checkout: a copied tree may hold another commit's .git.
     monkeypatch.setenv(env.COMMIT_VARIABLE, f"{commit} dirty")
     assert env._git() == {"git_commit": commit, "git_dirty": True, "git_commit_source": "environment"}
-    monkeypatch.setenv(env.COMMIT_VARIABLE, "$(rm -rf /)")
-    assert env._git()["git_commit"] is None
+    monkeypatch.setattr(env, "_git_checkout", lambda root: {"git_commit": None, "git_dirty": None})
+    for junk in ("$(rm -rf /)", f"{commit} clean", f"{commit} dirty extra", "abc"):
+        monkeypatch.setenv(env.COMMIT_VARIABLE, junk)
+        assert env._git()["git_commit"] is None, junk
     monkeypatch.delenv(env.COMMIT_VARIABLE)
     root = tmp_path / "a" / "b"
     (root / "k3verify" / "harness").mkdir(parents=True)

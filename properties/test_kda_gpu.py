@@ -36,8 +36,9 @@ def _bf16(p: KDAProblem):
     return q.bfloat16(), k.bfloat16(), v.bfloat16(), g.float(), beta.bfloat16()
 
 
-# Few distinct shapes: every new (T, K) costs fla-core an autotuning pass of about a minute.
-GPU_PROBLEMS = dict(min_T=200, max_T=200, K=(128,), V=(128,))
+# One shape (two sequences, two heads): every new shape costs fla-core an autotuning pass of
+# about a minute; values, gates, seeds and initial states vary.
+GPU_PROBLEMS = dict(min_T=200, max_T=200, K=(128,), V=(128,), B=(2,), H=(2,))
 
 
 @settings(max_examples=8)

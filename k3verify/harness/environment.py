@@ -33,21 +33,34 @@ COMMIT_VARIABLE = "K3VERIFY_GIT_COMMIT"
 
 
 def _git() -> dict[str, Any]:
-    """Commit and dirty flag of the checkout holding this package; where the tree travelled
-    without ``.git`` (a copy sent to a GPU machine), the commit named by ``$K3VERIFY_GIT_COMMIT``
-    or by a ``.k3verify-commit`` file at the root (``git rev-parse HEAD > .k3verify-commit``,
-    optionally followed by `` dirty``). ``git_commit_source`` says which one answered."""
+    """The commit the code came from, and whether it was edited: ``$K3VERIFY_GIT_COMMIT`` when
+    set (a tree copied to another machine may carry a ``.git`` of another commit), else the
+    checkout holding this package, else a ``.k3verify-commit`` file at the root (``git rev-parse
+    HEAD > .k3verify-commit``). Either names the commit, optionally followed by `` dirty``;
+    ``git_commit_source`` says which one answered."""
     root = Path(__file__).resolve().parents[2]
+    declared = _declared_commit(os.environ.get(COMMIT_VARIABLE, ""))
+    if declared:
+        return {**declared, "git_commit_source": "environment"}
     found = _git_checkout(root)
     if found["git_commit"]:
         return {**found, "git_commit_source": "git"}
-    words = os.environ.get(COMMIT_VARIABLE, "").split()
-    source = "environment"
-    if not words and (root / STAMP).is_file():
-        words, source = (root / STAMP).read_text(encoding="ascii", errors="replace").split()[:2], "stamp"
-    if words and all(c in "0123456789abcdef" for c in words[0].lower()) and 7 <= len(words[0]) <= 64:
-        return {"git_commit": words[0].lower(), "git_dirty": words[1:] == ["dirty"], "git_commit_source": source}
+    stamped = _declared_commit((root / STAMP).read_text(encoding="ascii", errors="replace")) if (
+        root / STAMP).is_file() else None  # fmt: skip
+    if stamped:
+        return {**stamped, "git_commit_source": "stamp"}
     return {**found, "git_commit_source": None}
+
+
+def _declared_commit(text: str) -> dict[str, Any] | None:
+    """``"<hex commit> [dirty]"`` as the report's fields; ``None`` for anything else."""
+    words = text.split()
+    if not words or len(words) > 2 or words[1:] not in ([], ["dirty"]):
+        return None
+    commit = words[0].lower()
+    if not 7 <= len(commit) <= 64 or any(c not in "0123456789abcdef" for c in commit):
+        return None
+    return {"git_commit": commit, "git_dirty": words[1:] == ["dirty"]}
 
 
 def _git_checkout(root: Path) -> dict[str, Any]:

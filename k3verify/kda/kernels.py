@@ -7,7 +7,8 @@ launches:
    ``G``, then for each 16-row sub-tile ``i`` the blocks ``A_qk[i, j]`` and ``A_kk[i, j]``
    (``j <= i``) as operand-dtype matrix products with fp32 accumulation, and the pseudo-key/value
    rows ``W_i, U_i`` by blocked forward substitution:
-   ``X_i = (I + A_kk[i,i])^{-1} (beta_i [exp(G_i) k_i ; v_i] - sum_{j<i} A_kk[i,j] X_j)``.
+   ``X_i = (I + A_kk[i,i])^{-1} (beta_i [exp(G_i) k_i ; v_i] - sum_{j<i} A_kk[i,j] X_j)``,
+   each diagonal inverse an fp32 product of powers of ``A_kk[i,i]`` (it is nilpotent).
    Off-diagonal blocks split the decay at the query tile's start, so both factors are
    ``<= 1``; diagonal blocks split it at the anchor chosen at compile time
    (``tile_start``, ``tile_middle`` or ``row0_shift``, as in :mod:`k3verify.kda.tiled`).
@@ -161,14 +162,21 @@ def _state_offsets(iv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: t
 
 @triton.jit
 def _unit_lower_inverse(N, BC: tl.constexpr):
-    """``(I + N)^{-1}`` for strictly lower triangular ``N:[BC, BC]`` (fp32), by forward
-    substitution: row ``r`` of the inverse is ``e_r - N[r, :] X`` over rows already final."""
+    """``(I + N)^{-1}`` for strictly lower triangular ``N:[BC, BC]`` (fp32).
+
+    ``N`` is nilpotent (``N^BC = 0``), so the inverse is the finite series ``sum_k (-N)^k =
+    (I - N)(I + N^2)(I + N^4)(I + N^8)`` at ``BC = 16``: six fp32 products whose chain is three
+    squarings deep, where forward substitution makes 15 dependent row steps (measured on an
+    H200 at T = 8192, H = 96: 3.04 ms a prefill call against 3.08 at 2 warps, 3.26 against 3.79
+    at 4)."""
+    tl.static_assert(BC == 16, "the product is written out for 16-row sub-tiles")
     rows = tl.arange(0, BC)
-    X = (rows[:, None] == rows[None, :]).to(tl.float32)
-    for r in range(1, BC):
-        n_r = tl.sum(tl.where(rows[:, None] == r, N, 0.0), axis=0)
-        x_r = tl.sum(n_r[:, None] * X, axis=0)
-        X = tl.where(rows[:, None] == r, X - x_r[None, :], X)
+    eye = (rows[:, None] == rows[None, :]).to(tl.float32)
+    X = eye - N
+    P = N
+    for _ in tl.static_range(3):  # with N^2, N^4, N^8
+        P = tl.dot(P, P, input_precision="ieee")
+        X = tl.dot(X, eye + P, input_precision="ieee")
     return X
 
 

@@ -78,15 +78,17 @@ def kda_problems(
     K: tuple[int, ...] = (4, 8, 16),
     V: tuple[int, ...] = (4, 6, 16),
     initial_state: bool | None = None,
+    B: tuple[int, ...] = (1, 2),
+    H: tuple[int, ...] = (1, 2),
 ) -> KDAProblem:
     """Random KDA problems; ``T`` is often not a multiple of any chunk or tile size."""
-    B = draw(st.integers(1, 2))
+    batch = draw(st.sampled_from(B))
     T = draw(st.integers(min_T, max_T))
-    H = draw(st.integers(1, 2))
+    heads = draw(st.sampled_from(H))
     k = draw(st.sampled_from(K))
     v = draw(st.sampled_from(V))
     gm = draw(g_min if g_min is not None else st.floats(-8.0, -0.5).map(lambda x: round(x, 2)))
     seed = draw(st.integers(0, 2**16))
     kind = draw(st.sampled_from(kinds))
     with_state = draw(st.booleans()) if initial_state is None else initial_state
-    return make_problem(B, T, H, k, v, g_min=gm, seed=seed, kind=kind, initial_state=with_state)
+    return make_problem(batch, T, heads, k, v, g_min=gm, seed=seed, kind=kind, initial_state=with_state)

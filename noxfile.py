@@ -92,11 +92,22 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks (pytest-benchmark); prints each speed ratio against its named peer."""
+    """Benchmarks (pytest-benchmark); prints each speed ratio against its named peer, saves the
+    run under .benchmarks/ and compares it with the newest saved run there, if any
+    (pytest-benchmark keeps one folder per OS and Python version). The comparison is information,
+    never a failure: times taken under another load or on another host are not a verdict."""
     _install(session, "test,fla")
+    compare = ["--benchmark-compare"] if _saved_benchmarks() else []
     session.run(
-        "pytest", "benchmarks", "--benchmark-enable", "--benchmark-only", "-p", "no:cacheprovider", *session.posargs
-    )
+        "pytest", "benchmarks", "--benchmark-enable", "--benchmark-only", "--benchmark-autosave",
+        "--benchmark-columns=min,median,iqr,max,rounds", *compare, "-p", "no:cacheprovider", *session.posargs,
+    )  # fmt: skip
+
+
+def _saved_benchmarks() -> bool:
+    from pathlib import Path
+
+    return any(Path(".benchmarks").glob("*/*.json"))
 
 
 @nox.session

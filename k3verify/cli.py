@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -142,35 +143,57 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
             bar.advance(task)
     wall = time.perf_counter() - start
     config = {"seed": args.seed, "modules": [e.name for e in entries], "wall_s": round(wall, 2)}
-    return _finish(rows, config, Path(args.out), _maps_dir(args.maps), out)
+    return _finish(rows, config, Path(args.out), _maps_dir(args.maps), out, args)
 
 
-def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path | None, out: Console) -> int:
-    """Print the verdict table and summary, write the report when ``out_dir`` is given; 1 on a failure."""
+def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path | None, out: Console,
+            args: argparse.Namespace) -> int:
+    """Print the verdicts in ``--format``, write the report when ``out_dir`` is given; 1 on a failure.
+
+    The table ends with what needs reading (overflows, unavailable rows grouped by reason,
+    then every failed output with its reason, one line each) so a CI log's tail says what broke."""
     doc = report.build(rows, environment=environment(), config=config, command=["k3verify", *sys.argv[1:]])
-    _print_table(out, rows)
-    summary = doc["summary"]
-    out.print(" · ".join(f"{k}: {v}" for k, v in summary.items()) + f" · wall {config['wall_s']:.1f} s")
-    if out_dir is not None:
-        paths = write_report(doc, out_dir, maps_dir=maps_dir)
-        out.print(f"wrote {', '.join(str(p) for p in paths)}")
-    failed = summary["fail"]
+    paths = write_report(doc, out_dir, maps_dir=maps_dir) if out_dir is not None else []
+    failed = doc["summary"]["fail"]
+    if args.format != "table":  # verbatim: no markup, no wrapping
+        text = json.dumps(doc, indent=1, default=str) if args.format == "json" else report.markdown(doc)
+        out.file.write(text + "\n")
+        return 1 if failed else 0
+    if not args.quiet:
+        _print_table(out, rows)
+    _print_attention(out, rows)
+    plain = dict(markup=False, highlight=False, soft_wrap=True)  # one log line each, whatever the width
+    out.print(" · ".join(f"{k}: {v}" for k, v in doc["summary"].items()) + f" · wall {config['wall_s']:.1f} s",
+              **plain)  # fmt: skip
+    if paths:
+        out.print(f"wrote {', '.join(str(p) for p in paths)}", **plain)
     if failed:
-        out.print(f"[bold red]{failed} verdict(s) failed[/]")
+        out.print(f"{failed} verdict(s) failed", style="bold red", **plain)
     return 1 if failed else 0
 
 
 def _print_table(out: Console, rows: list[dict]) -> None:
     table = Table(*report.TABLE_HEADER, title="k3verify verdicts", show_lines=False)
+    for column in table.columns:  # fold long cells onto more lines; never cut a number to "4.1…"
+        column.overflow = "fold"
     for cells, row in zip(report.table_rows(rows), rows):
-        style = STATUS_STYLE.get(row["status"], "")
-        table.add_row(*cells[:-1], f"[{style}]{cells[-1]}[/]")
+        status = f"[{STATUS_STYLE.get(row['status'], '')}]{escape(cells[-1])}[/]"
+        table.add_row(*(escape(c) for c in cells[:-1]), status)
     out.print(table)
+
+
+def _print_attention(out: Console, rows: list[dict]) -> None:
+    """Overflow explanations, unavailable rows (one line per distinct reason), then failures."""
+    plain = dict(markup=False, highlight=False, soft_wrap=True)
     for row in rows:
         for line in row.get("overflow", [])[:1]:
-            out.print(f"[yellow]{row['module']} {row['form']} {row['dtype']} {report.params_text(row)}:[/] {line}")
-        if row["status"] in ("fail", "unavailable") and row.get("reason"):
-            out.print(f"[dim]{row['module']} {row['implementation']} {row['form']} {row['dtype']}: {row['reason']}[/]")
+            out.print(f"overflow: {report.row_heading(row)}: {line}", style="yellow", **plain)
+    for reason, headings in report.unavailable_groups(rows):
+        out.print(f"unavailable ({len(headings)}): {reason}", style="dim", **plain)
+        for heading in headings:
+            out.print(f"  - {heading}", style="dim", **plain)
+    for line in report.failure_lines(rows):
+        out.print(f"FAIL {line}", style="bold red", **plain)
 
 
 def cmd_overflow_map(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -271,7 +294,7 @@ def cmd_golden_verify(args: argparse.Namespace, out: Console, err: Console) -> i
             rows.append(row)
     config = {"goldens": str(directory), "modules": sorted({r["module"] for r in rows}),
               "wall_s": round(time.perf_counter() - start, 2)}
-    return _finish(rows, config, Path(args.out) if args.out else None, None, out)
+    return _finish(rows, config, Path(args.out) if args.out else None, None, out, args)
 
 
 def cmd_report_compare(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -280,20 +303,66 @@ def cmd_report_compare(args: argparse.Namespace, out: Console, err: Console) -> 
         error_growth=args.error_growth, margin_drop=args.margin_drop, error_factor=args.error_factor
     )
     result = compare.compare_paths(Path(args.base), Path(args.new), thresholds)
-    for note in result.notes:
-        out.print(f"[dim]note: {note}[/]", highlight=False)
-    if result.findings:
-        table = Table("", "kind", "what", "detail", title=f"{args.base} -> {args.new}")
-        for f in sorted(result.findings, key=lambda f: not f.regression):
-            table.add_row("[bold red]REGRESSION[/]" if f.regression else "[dim]info[/]", f.kind, f.subject, f.detail)
-        out.print(table)
-    n = len(result.regressions)
-    out.print(
+    groups = result.groups()
+    n = len(groups["regressions"])
+    if args.format == "json":
+        out.file.write(json.dumps({"base": args.base, "new": args.new, "rows_compared": result.rows_compared,
+                          "cells_compared": result.cells_compared, "notes": result.notes,
+                          **{k: [vars(f) for f in v] for k, v in groups.items()}}, indent=1) + "\n")  # fmt: skip
+    elif args.format == "md":
+        out.file.write(compare_markdown(args.base, args.new, result) + "\n")
+    else:
+        plain = dict(markup=False, highlight=False, soft_wrap=True)
+        for note in result.notes:
+            out.print(f"note: {note}", style="dim", **plain)
+        shown = [f for key in ("changes", "improvements", "regressions") for f in groups[key]]
+        if shown:
+            table = Table("", "kind", "what", "detail", title=escape(f"{args.base} -> {args.new}"))
+            for column in table.columns:
+                column.overflow = "fold"
+            for f in shown:
+                table.add_row("[bold red]REGRESSION[/]" if f.regression else "[dim]info[/]", *map(escape, (
+                    f.kind, f.subject, f.detail)))  # fmt: skip
+            out.print(table)
+        if groups["within_thresholds"]:
+            out.print(f"{len(groups['within_thresholds'])} row output(s) moved within the thresholds "
+                      "(--format md or json lists them)", style="dim", **plain)  # fmt: skip
+        for f in groups["regressions"]:  # the log's tail names each regression on one line
+            out.print(f"REGRESSION {f.kind}: {f.subject}: {f.detail}", style="bold red", **plain)
+    (err if args.format != "table" else out).print(
         f"compared {result.rows_compared} rows and {result.cells_compared} map cells: "
         + (f"[bold red]{n} regression(s)[/]" if n else "[green]no regressions[/]")
-        + f", {len(result.findings) - n} other change(s)"
+        + f", {len(result.findings) - n} other change(s)", highlight=False,
     )
     return 1 if n else 0
+
+
+def compare_markdown(base: str, new: str, result: compare.Comparison) -> str:
+    """A compare as a pull-request comment: regressions and improvements as tables, the rest
+    collapsed."""
+    groups = result.groups()
+    n = len(groups["regressions"])
+    lines = [f"### k3verify: {n} regression(s)" if n else "### k3verify: no regressions", "",
+             f"`{base}` → `{new}`: {result.rows_compared} rows and {result.cells_compared} map cells compared.", ""]
+    lines += [f"> {note}" for note in result.notes] + ([""] if result.notes else [])
+    titles = {"regressions": "Regressions", "improvements": "Improvements", "changes": "Other changes",
+              "within_thresholds": "Moved within the thresholds"}
+    for key, title in titles.items():
+        found = groups[key]
+        if not found:
+            continue
+        table = ["| kind | what | detail |", "|---|---|---|"] + [
+            f"| {_md(f.kind)} | {_md(f.subject)} | {_md(f.detail)} |" for f in found]  # fmt: skip
+        if key in ("regressions", "improvements"):
+            lines += [f"**{title}** ({len(found)})", "", *table, ""]
+        else:
+            lines += [f"<details><summary>{title} ({len(found)})</summary>", "", *table, "", "</details>", ""]
+    return "\n".join(lines)
+
+
+def _md(text: str) -> str:
+    """A table cell: pipes escaped, no line breaks."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def cmd_report_render(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -337,6 +406,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="reports/latest", help="report folder (default: reports/latest)")
     r.add_argument("--seed", type=_seed, default=0, help="seed of the generated cases (default: 0)")
     r.add_argument("--maps", help=MAPS_HELP)
+    _output_options(r)
     r.set_defaults(fn=cmd_run)
     m = sub.add_parser("overflow-map", help="map where a module's tiled form overflows or loses precision")
     m.add_argument("--module", required=True, help="module name(s), comma-separated, e.g. kda; or all")
@@ -360,6 +430,7 @@ def parser() -> argparse.ArgumentParser:
     gv.add_argument("--dir", default="golden", help="golden folder (default: golden)")
     gv.add_argument("--modules", action="append", help="comma-separated module names (default: all)")
     gv.add_argument("--out", help="also write report.json/.md/.html of the verdicts here")
+    _output_options(gv)
     gv.set_defaults(fn=cmd_golden_verify)
 
     rp = sub.add_parser("report", help="compare two reports, or re-render one")
@@ -375,11 +446,23 @@ def parser() -> argparse.ArgumentParser:
     rc.add_argument("--error-factor", type=_finite, default=defaults.error_factor,
                     help=f"error growth factor that counts on its own (default {defaults.error_factor})")
     rc.set_defaults(fn=cmd_report_compare)
+    rc.add_argument("--format", choices=FORMATS, default="table",
+                    help="table (default), md (a pull-request comment) or json (for bots) on stdout")
     rr = rsub.add_parser("render", help="rewrite report.md and report.html from report.json")
     rr.add_argument("dir", help="report folder (holding report.json)")
     rr.add_argument("--maps", help=MAPS_HELP)
     rr.set_defaults(fn=cmd_report_render)
     return p
+
+
+FORMATS = ("table", "md", "json")
+
+
+def _output_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", choices=FORMATS, default="table",
+                   help="table (default; failures last, one line each), md or json (the whole report) on stdout")
+    p.add_argument("--quiet", action="store_true", help="no table: only overflows, unavailable rows, failures "
+                   "and the summary")  # fmt: skip
 
 
 MAPS_HELP = (
@@ -391,7 +474,8 @@ MAPS_HELP = (
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     # Piped output (CI logs, files) gets a wide fixed width instead of rich's 80 columns.
-    out = Console() if sys.stdout.isatty() else Console(width=170)
+    # A log gets a wide fixed width instead of rich's 80 columns, unless COLUMNS says otherwise.
+    out = Console() if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit() else Console(width=170)
     err = Console(stderr=True)
     try:
         return args.fn(args, out, err)

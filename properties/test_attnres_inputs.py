@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 from strategies.attnres import FORMS, make_aggregation, make_walk
+from verdicts import assert_identical
 
 from k3verify import attnres
 
@@ -82,7 +83,7 @@ def test_valid_aggregation_and_source_list(form) -> None:
     listed = fn(list(args["sources"]), args["w"], args["gamma"], **opts)
     # Bitwise on any host: stacking the list rebuilds the same contiguous [N, T, d] tensor, so
     # both calls run the same operations on the same shapes in one process.
-    assert torch.equal(stacked, listed)
+    assert_identical(stacked, listed)
 
 
 def _walk() -> dict:

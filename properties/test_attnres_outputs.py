@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import example, given
 from strategies.attnres import WalkProblem, make_walk, one_thread, walks  # noqa: F401  (one_thread: autouse)
+from verdicts import assert_identical
 
 from k3verify import attnres
 from k3verify.harness import registry, runner
@@ -51,7 +52,7 @@ def test_blocks_are_the_stored_sums(p: WalkProblem) -> None:
     bits: ``blocks`` is the stored blocks in the order they were stored, ``b_0`` first."""
     ref = stored_sums(p)
     assert ref.shape == (1 + p.schedule.num_sublayers // p.schedule.block_sublayers, p.T, p.d)
-    assert torch.equal(p.run("recurrent").blocks, ref)
+    assert_identical(p.run("recurrent").blocks, ref)
     for form in ("chunkwise", "tiled"):
         v = fp64_agreement(p.run(form).blocks, ref)
         assert v.passed, f"{form}: {v.reason}"
@@ -67,7 +68,7 @@ def test_blocks_are_held_in_the_stream_dtype(form: str, stream: str) -> None:
     naive = attnres.naive_walk(x["embedding"], x["weights"], x["sublayers"], dtype=stream, schedule=p.schedule)
     for blocks in (p.run(form, stream_dtype=stream).blocks, naive.blocks):
         assert blocks.dtype == resolve_dtype(stream) and blocks.shape == (4, 2, 8)
-        assert torch.equal(blocks[0].double(), x["embedding"])
+        assert_identical(blocks[0].double(), x["embedding"])
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
@@ -93,7 +94,7 @@ def test_call_runs_either_level() -> None:
     x = cases["sources"].inputs
     got = entry.call(attnres.aggregate_tiled, cases["sources"], torch.float32, tile=2)
     assert set(got) == {"h"}
-    assert torch.equal(got["h"], attnres.aggregate_tiled(x["sources"].float(), x["w"].float(), x["gamma"].float(),
+    assert_identical(got["h"], attnres.aggregate_tiled(x["sources"].float(), x["w"].float(), x["gamma"].float(),
                                                           tile=2))
     x = cases["walk"].inputs
     got = entry.call(attnres.chunkwise, cases["walk"], torch.bfloat16)

@@ -23,6 +23,7 @@ from strategies.attnres import (
     make_walk,
     one_thread,  # noqa: F401  (autouse fixture)
 )
+from verdicts import assert_identical
 
 from k3verify import attnres
 from k3verify.numerics import FAIL, baseline_rule, compare, noise_floor
@@ -75,7 +76,7 @@ def test_naive_baseline_in_fp64_is_the_definition() -> None:
     (on any host: rounding to fp64 is the identity, so both run the same operations on the same
     shapes in one process)."""
     p = make_aggregation(5, 3, 16, seed=4)
-    assert torch.equal(attnres.naive_baseline(*p.args, dtype="fp64"), attnres.aggregate(*p.args))
+    assert_identical(attnres.naive_baseline(*p.args, dtype="fp64"), attnres.aggregate(*p.args))
 
 
 @pytest.mark.parametrize(("form", "opts"), [("recurrent", {}), ("chunkwise", {}), ("tiled", {"tile": 4}),

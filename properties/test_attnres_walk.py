@@ -22,6 +22,7 @@ from strategies.attnres import (
     one_thread,  # noqa: F401  (autouse fixture)
     walks,
 )
+from verdicts import assert_identical
 
 from k3verify import attnres
 from k3verify.numerics import fp64_agreement, resolve_dtype
@@ -119,7 +120,7 @@ def test_block_size_one_is_full_attnres(p: WalkProblem) -> None:
     runs the same operations on the same shapes as the Full AttnRes above, in one process),
     fp64-agreement for the two-phase and tiled forms: block size 1 ≡ Full AttnRes."""
     ref = full_attnres(p)
-    assert torch.equal(p.run("recurrent").h, ref)
+    assert_identical(p.run("recurrent").h, ref)
     for form in ("chunkwise", "tiled"):
         v = fp64_agreement(p.run(form).h, ref)
         assert v.passed, f"{form}: {v.reason}"
@@ -150,7 +151,7 @@ def test_first_call_and_output_dtype(form: str, stream: str) -> None:
     """Exact: call 0 mixes the embedding alone and returns it; the output is in the stream dtype."""
     p = make_walk(2, 3, d=8, T=2, seed=5)
     w = p.run(form, stream_dtype=stream)
-    assert torch.equal(w.h[0], p.inputs["embedding"].to(w.h.dtype))  # bf16-representable embedding
+    assert_identical(w.h[0], p.inputs["embedding"].to(w.h.dtype))  # bf16-representable embedding
     assert w.output.dtype == resolve_dtype(stream) and w.h.shape == (p.schedule.num_calls, 2, 8)
 
 

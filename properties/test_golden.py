@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from verdicts import assert_identical
 
 from k3verify import mla
 from k3verify.cli import main
@@ -122,14 +123,14 @@ def test_regeneration_agrees_with_the_committed_goldens_to_fp64(regenerated: tup
             x, y = new[key], old[key]
             assert x.dtype == y.dtype and x.shape == y.shape, f"{rel}:{key} dtype or shape differs"
             if not x.is_floating_point():
-                assert torch.equal(x, y), f"{rel}:{key} (integer data) differs"
+                assert_identical(x, y, f"{rel}:{key} (integer data) differs")
                 continue
             x, y = x.double(), y.double()
             # Non-finite entries (the NaN poison of dead cache slots) must sit in the same places
             # and be of the same kind; the finite rest is held to fp64-agreement.
             finite = torch.isfinite(x)
-            assert torch.equal(finite, torch.isfinite(y)), f"{rel}:{key}: non-finite entries moved"
-            assert torch.equal(x[~finite].nan_to_num(), y[~finite].nan_to_num()), f"{rel}:{key}: inf/NaN differ"
+            assert_identical(finite, torch.isfinite(y), f"{rel}:{key}: non-finite entries moved")
+            assert_identical(x[~finite].nan_to_num(), y[~finite].nan_to_num(), f"{rel}:{key}: inf/NaN differ")
             v = fp64_agreement(torch.where(finite, x, 0.0), torch.where(finite, y, 0.0))
             assert v.passed, f"{rel}:{key}: {v.reason}"
 

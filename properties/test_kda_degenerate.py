@@ -13,9 +13,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies.kda import KDAProblem, kda_problems, make_problem
+from verdicts import assert_rel_within
 
 from k3verify import kda
-from k3verify.numerics import FP64_AGREEMENT_REL, relative_max_error
+from k3verify.numerics import FP64_AGREEMENT_REL
 
 FORMS = {
     "recurrent": lambda *a, **kw: kda.recurrent(*a, **kw),
@@ -36,7 +37,7 @@ def test_beta_zero_only_decays_the_initial_state(p: KDAProblem, form: str, zero_
     q, k, v, g, beta = p.args()
     g = torch.zeros_like(g) if zero_gate else g
     o, _ = FORMS[form](q, k, v, g, torch.zeros_like(beta), initial_state=p.state())
-    assert relative_max_error(o, _closed_form_no_writes(p, g)) <= FP64_AGREEMENT_REL
+    assert_rel_within(o, _closed_form_no_writes(p, g), FP64_AGREEMENT_REL)
 
 
 @given(p=kda_problems(max_T=90), form=st.sampled_from(sorted(FORMS)))
@@ -52,7 +53,7 @@ def test_zero_gate_is_the_plain_delta_rule(p: KDAProblem, form: str) -> None:
         err = v[:, t] - torch.einsum("bhk,bhkv->bhv", kt, S)
         S = S + torch.einsum("bhk,bhv->bhkv", kt * beta[:, t, :, None], err)
         ref[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t] * p.K**-0.5, S)
-    assert relative_max_error(o, ref) <= FP64_AGREEMENT_REL
+    assert_rel_within(o, ref, FP64_AGREEMENT_REL)
 
 
 def test_zero_gate_is_finite_in_every_tiled_dtype() -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from strategies.kda import KDAProblem, kda_problems, make_problem
+from verdicts import assert_rel_within
 
 from k3verify import kda
 from k3verify.adapters import fla
@@ -32,16 +33,16 @@ def test_recurrent_and_chunkwise_match_fla_naive_recurrent(p: KDAProblem) -> Non
     o_fla, s_fla = fla.naive_recurrent(*p.args(), initial_state=p.state(), output_final_state=True)
     for form in (kda.recurrent, kda.chunkwise):
         o, s = form(*p.args(), initial_state=p.state(), output_final_state=True)
-        assert relative_max_error(o, o_fla) <= FLA_REL, form.__name__
-        assert relative_max_error(s, s_fla.double()) <= FLA_REL, form.__name__
+        assert_rel_within(o, o_fla, FLA_REL, form.__name__)
+        assert_rel_within(s, s_fla.double(), FLA_REL, form.__name__)
 
 
 def test_chunkwise_matches_fla_naive_chunk() -> None:
     p = make_problem(2, 150, 2, 16, 8, seed=9)
     o_fla, s_fla = fla.naive_chunk(*p.args(), initial_state=p.state(), output_final_state=True)
     o, s = kda.chunkwise(*p.args(), initial_state=p.state(), output_final_state=True)
-    assert relative_max_error(o, o_fla) <= FLA_REL
-    assert relative_max_error(s, s_fla.double()) <= FLA_REL
+    assert_rel_within(o, o_fla, FLA_REL)
+    assert_rel_within(s, s_fla.double(), FLA_REL)
 
 
 def test_fla_sees_the_same_scale_and_layout() -> None:
@@ -49,7 +50,7 @@ def test_fla_sees_the_same_scale_and_layout() -> None:
     p = make_problem(1, 20, 1, 8, 4, seed=2)
     o_fla, _ = fla.naive_recurrent(*p.args(), initial_state=p.state(), scale=0.5)
     o, _ = kda.recurrent(*p.args(), initial_state=p.state(), scale=0.5)
-    assert relative_max_error(o, o_fla) <= FLA_REL
+    assert_rel_within(o, o_fla, FLA_REL)
     o_default, _ = kda.recurrent(*p.args(), initial_state=p.state())
     assert relative_max_error(o_default, o_fla) > 1e-2
 
@@ -67,4 +68,4 @@ def test_padding_keeps_fla_naive_chunk_exact(T: int) -> None:
     o_pad, _ = fla.naive_chunk(*p.args(), initial_state=p.state())
     o_rec, _ = fla.naive_recurrent(*p.args(), initial_state=p.state())
     assert o_pad.shape == o_rec.shape
-    assert relative_max_error(o_pad, o_rec) <= FLA_REL
+    assert_rel_within(o_pad, o_rec, FLA_REL)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from strategies.kda import make_problem
+from verdicts import assert_identical
 
 from k3verify import kda
 
@@ -86,4 +87,4 @@ def test_inputs_are_not_modified() -> None:
     for form in FORMS:
         form(*args, initial_state=state, output_final_state=True)
     for a, b in zip([*args, state], before):
-        assert torch.equal(a, b)  # bitwise: the clones are copies, no arithmetic
+        assert_identical(a, b)  # bitwise: the clones are copies, no arithmetic

@@ -28,6 +28,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from strategies.kda import KDAProblem, make_problem
+from verdicts import assert_identical
 
 from k3verify import kda
 from k3verify.kda import kernels
@@ -152,8 +153,8 @@ def _packed_matches_one_by_one(dtype: torch.dtype) -> None:
     o, S = kernels.chunk(*packed, initial_state=states, output_final_state=True, cu_seqlens=cu, operand_dtype=dtype)
     for i, p in enumerate(parts):
         o_i, S_i = _chunk(p, dtype, output_final_state=True)
-        assert torch.equal(o[:, cu[i] : cu[i + 1]], o_i), f"sequence {i} (length {lengths[i]}) output differs"
-        assert torch.equal(S[i], S_i[0]), f"sequence {i} (length {lengths[i]}) final state differs"
+        assert_identical(o[:, cu[i] : cu[i + 1]], o_i, f"sequence {i} (length {lengths[i]}) output differs")
+        assert_identical(S[i], S_i[0], f"sequence {i} (length {lengths[i]}) final state differs")
 
 
 @needs_fp32
@@ -175,9 +176,9 @@ def _pool_matches_plain_state(dtype: torch.dtype) -> None:
     o, pool_out = kernels.fused_recurrent(*args, initial_state=pool, state_indices=torch.tensor([4, 0, 2, -1]),
                                           operand_dtype=dtype)  # fmt: skip
     assert pool_out is pool, "the pool is updated in place"
-    assert torch.equal(o[:3], o_plain), "pooled requests must compute exactly what plain states do"
-    assert torch.equal(pool[slots.to(dev)], S_plain), "each request's slot holds its new state"
-    assert torch.equal(pool[[1, 3, 5]], untouched), "slots no request names stay as they were"
+    assert_identical(o[:3], o_plain, "pooled requests must compute exactly what plain states do")
+    assert_identical(pool[slots.to(dev)], S_plain, "each request's slot holds its new state")
+    assert_identical(pool[[1, 3, 5]], untouched, "slots no request names stay as they were")
     assert not o[3].any(), "a padding request (index -1) writes zeros"
 
 
@@ -281,7 +282,7 @@ def test_bad_arguments_are_named() -> None:
 
 @pytest.mark.skipif(BF16_REASON is None, reason="a CUDA device is present: bf16 runs there")
 def test_interpreter_refuses_bf16_with_the_reason() -> None:
-    """Where only the interpreter runs, asking for bf16 is an error that names SPEC §5."""
+    """Where only the interpreter runs, asking for bf16 is an error that says why (docs/gpu.md)."""
     p = make_problem(1, 20, 1, 16, 16)
     with pytest.raises(RuntimeError, match="not faithful for bf16"):
         kernels.chunk(*p.args())

@@ -13,9 +13,10 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from verdicts import assert_identical, assert_rel_within
 
 from k3verify.kda.layer import PACKED_ORDER, KDAConfig, KDALayer, init_weights, local_shapes, short_conv
-from k3verify.numerics import FP64_AGREEMENT_REL, relative_max_error
+from k3verify.numerics import FP64_AGREEMENT_REL
 
 
 def test_tp8_shapes_match_the_seed() -> None:
@@ -54,11 +55,11 @@ def test_short_conv_cache_holds_the_last_inputs(T: int, width: int, seed: int) -
     y_all, c_all = short_conv(x, w, empty)
     y1, c1 = short_conv(x[:, :T], w, empty)
     y2, c2 = short_conv(x[:, T:], w, c1)
-    assert relative_max_error(torch.cat([y1, y2], 1), y_all) <= FP64_AGREEMENT_REL
+    assert_rel_within(torch.cat([y1, y2], 1), y_all, FP64_AGREEMENT_REL)
     # Bitwise on any host: the cache is a copy of input columns, no arithmetic touches it.
-    assert torch.equal(c2, c_all)
+    assert_identical(c2, c_all)
     history = torch.cat([empty.transpose(1, 2), x], 1)
-    assert torch.equal(c_all, history[:, -(width - 1) :].transpose(1, 2))
+    assert_identical(c_all, history[:, -(width - 1) :].transpose(1, 2))
 
 
 @given(T=st.integers(1, 140), k=st.integers(1, 6), seed=st.integers(0, 1000), tp=st.sampled_from([1, 2, 4]))
@@ -72,12 +73,12 @@ def test_prefill_then_decode_equals_longer_prefill(T: int, k: int, seed: int, tp
     for t in range(T, T + k):
         y_t, state = layer.decode(x[:, t : t + 1], state)
         steps.append(y_t)
-    assert relative_max_error(torch.cat(steps, 1), y_ref) <= FP64_AGREEMENT_REL
+    assert_rel_within(torch.cat(steps, 1), y_ref, FP64_AGREEMENT_REL)
     # The conv cache holds projections of the last inputs: computed by a one-row product in
     # decode and a T-row one in prefill, which BLAS may sum in another order (MKL's AVX2 and
     # generic paths do), so fp64-agreement, not equality.
-    assert relative_max_error(state.conv, state_ref.conv) <= FP64_AGREEMENT_REL
-    assert relative_max_error(state.recurrent, state_ref.recurrent) <= FP64_AGREEMENT_REL
+    assert_rel_within(state.conv, state_ref.conv, FP64_AGREEMENT_REL)
+    assert_rel_within(state.recurrent, state_ref.recurrent, FP64_AGREEMENT_REL)
 
 
 def test_decode_takes_one_token() -> None:

@@ -16,6 +16,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 from strategies.mla import PAGE_SIZES, MLAProblem, make_problem, mla_problems
+from verdicts import assert_identical
 
 from k3verify import mla
 from k3verify.mla.cache import live_slots
@@ -44,7 +45,7 @@ def _run(p: MLAProblem, i: int, cache: mla.LatentCache) -> torch.Tensor:
 def _identical(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert a.dtype == b.dtype and a.shape == b.shape
     assert bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all()), f"{what}: non-finite output"
-    assert torch.equal(a, b), f"{what}: max difference {float((a.double() - b.double()).abs().max()):.3e}"
+    assert_identical(a, b, f"{what}: max difference {float((a.double() - b.double()).abs().max()):.3e}")
 
 
 @given(p=mla_problems(max_T=12), a=st.integers(1, 12), b=st.integers(1, 12))

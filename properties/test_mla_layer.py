@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
+from verdicts import assert_identical
 
 from k3verify import mla
 from k3verify.mla import layer
@@ -75,7 +76,7 @@ def test_shared_key_part_is_shared_unnormalised_and_unrotated() -> None:
     c_hat, k_pe = split_entry(entries, SMALL.kv_lora_rank)
     K, _ = mla.expand(entries, w.w_uk, w.w_uv)  # [1, H, T, Dn + Dr]
     for h in range(SMALL.num_heads):  # bitwise: expand copies k^p into every head, no arithmetic
-        assert torch.equal(K[:, h, :, SMALL.qk_nope_head_dim:], k_pe), f"head {h} does not share k^p"
+        assert_identical(K[:, h, :, SMALL.qk_nope_head_dim:], k_pe, f"head {h} does not share k^p")
     # Not normalised: k^p(c x) = c k^p(x); the normalised part keeps RMS(ĉ / γ) = sqrt(ms / (ms + ε)).
     c = 1000.0
     scaled = layer.project_latent(c * x, w, SMALL)
@@ -111,7 +112,7 @@ def test_gate_is_taken_from_x_and_applied_before_o_proj() -> None:
     other_context = _x(1, 2, seed=6)
     b = layer.forward(x[:, 2:], w, SMALL, layer.forward(other_context, w, SMALL, _empty_cache(1, 6, 4)).cache)
     assert not torch.allclose(a.o, b.o), "the test needs different attention outputs"
-    assert torch.equal(a.gate, b.gate)
+    assert_identical(a.gate, b.gate)
     _agree(a.gate, torch.sigmoid(torch.einsum("btd,dhv->bthv", x[:, 2:], w.w_g)))
     _agree(a.y, torch.einsum("bthv,hvd->btd", a.gate * a.o, w.w_o))
 
@@ -159,7 +160,7 @@ def test_tensor_parallel_partial_outputs_sum_to_the_layer() -> None:
     parts = [layer.forward(x, layer.shard(w, cfg, r), cfg, _empty_cache(2, 5, 4)) for r in range(cfg.tp_size)]
     _agree(sum(p.y for p in parts), full.y)
     for p in parts:
-        assert torch.equal(p.entries, full.entries)
+        assert_identical(p.entries, full.entries)
 
 
 def test_seed_view_is_the_concatenation() -> None:
@@ -172,6 +173,6 @@ def test_seed_view_is_the_concatenation() -> None:
     stored, _ = mla.gather(out.cache, torch.float64)
     c_hat, k_pe = split_entry(stored, SMALL.kv_lora_rank)
     raw = x @ w.w_dkv
-    assert torch.equal(k_pe, raw[..., SMALL.kv_lora_rank:])
-    assert torch.equal(c_hat, rms_norm(raw[..., : SMALL.kv_lora_rank], w.kv_norm, eps=SMALL.rms_norm_eps))
-    assert torch.equal(torch.cat([c_hat, k_pe], -1), stored)
+    assert_identical(k_pe, raw[..., SMALL.kv_lora_rank:])
+    assert_identical(c_hat, rms_norm(raw[..., : SMALL.kv_lora_rank], w.kv_norm, eps=SMALL.rms_norm_eps))
+    assert_identical(torch.cat([c_hat, k_pe], -1), stored)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from hypothesis import given
+from verdicts import assert_identical
 
 from k3verify import mla
 from k3verify.harness import registry, runner
@@ -94,9 +95,9 @@ def test_call_returns_what_the_same_dtype_baseline_stores(case: Case, dtype: tor
     the per-token quantised cache, dequantised exactly) and, in fp64, the oracle's
     (fp64-agreement holds with 0 error). Dead positions are exact zeros."""
     out = ENTRY.call(mla.recurrent, case, dtype)
-    assert torch.equal(out["cache"], ENTRY.baseline(case, dtype_name(dtype), "recurrent")["cache"])
+    assert_identical(out["cache"], ENTRY.baseline(case, dtype_name(dtype), "recurrent")["cache"])
     if dtype == torch.float64:
-        assert torch.equal(out["cache"], ENTRY.oracle(case)["cache"])
+        assert_identical(out["cache"], ENTRY.oracle(case)["cache"])
     lens = case.params["lengths"]
     assert out["cache"].shape == (len(lens), max(lens), case.inputs["cache"].width)
     for b, n in enumerate(lens):
@@ -119,7 +120,7 @@ def test_call_sees_what_a_cache_writing_kernel_leaves(case: Case) -> None:
 
     row = runner.verify(ENTRY, _impl(lambda c: ENTRY.call(writes_in_place, c, torch.float64), "fp64", FP64_RULE), case)
     assert row["status"] == FAIL and row["output"] == "cache" and row["outputs"]["o"]["status"] == PASS, row
-    assert torch.equal(case.inputs["cache"].pool.nan_to_num(7.0), before.nan_to_num(7.0))
+    assert_identical(case.inputs["cache"].pool.nan_to_num(7.0), before.nan_to_num(7.0))
 
     def appends(q_nope, q_pe, cache, w_uk, w_uv, **options):
         o = mla.recurrent(q_nope, q_pe, cache, w_uk, w_uv, **options)
@@ -127,7 +128,7 @@ def test_call_sees_what_a_cache_writing_kernel_leaves(case: Case) -> None:
 
     grown = ENTRY.call(appends, case, torch.float64)["cache"]
     assert grown.shape[1] == max(case.params["lengths"]) + 1
-    assert torch.equal(grown[:, :-1], ENTRY.oracle(case)["cache"])
+    assert_identical(grown[:, :-1], ENTRY.oracle(case)["cache"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float8_e4m3fn])

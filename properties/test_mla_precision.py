@@ -17,6 +17,7 @@ import torch
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from strategies.mla import MLAProblem, make_problem, mla_problems
+from verdicts import assert_identical
 
 from k3verify import mla
 from k3verify.numerics import baseline_rule, compare, facts, fp64_agreement, noise_floor, round_to, spacing
@@ -62,7 +63,7 @@ def test_naive_baseline_in_fp64_is_the_definition() -> None:
     (on any host: rounding to fp64 is the identity, so both run the same operations on the same
     shapes in one process)."""
     p = make_problem((9, 4), 5, H=2, Dr=2, page_size=4, seed=2)
-    assert torch.equal(mla.naive_baseline(*p.args(), dtype="fp64"), mla.expanded(*p.args()))
+    assert_identical(mla.naive_baseline(*p.args(), dtype="fp64"), mla.expanded(*p.args()))
 
 
 def _underflow_problem() -> MLAProblem:
@@ -141,10 +142,10 @@ def test_fp8_cache_quantiser(p: MLAProblem, latent_exp: int) -> None:
     f = facts("fp8_e4m3")
     amax = x.abs().amax(-1)
     # Bitwise on any host: amax is exact and the division correctly rounded.
-    assert torch.equal(scales, torch.where(amax > 0, amax / f.max, torch.ones_like(amax)))
+    assert_identical(scales, torch.where(amax > 0, amax / f.max, torch.ones_like(amax)))
     c = codes.to(torch.float32)
     assert float(c.abs().max()) <= f.max
-    assert torch.equal(round_to(c, "fp8_e4m3"), c)
+    assert_identical(round_to(c, "fp8_e4m3"), c)
     err = (x.double() - c.double() * scales.double()[..., None]).abs()
     # Half a spacing of the code, plus the fp32 rounding of x / s (relative 2^-24 of the code).
     allowed = scales.double()[..., None] * (spacing(c, "fp8_e4m3") / 2 + c.double().abs() * 2.0**-23)

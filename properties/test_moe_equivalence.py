@@ -21,7 +21,7 @@ from strategies.moe import (
     one_thread,  # noqa: F401
     settled_choices,
 )
-from verdicts import assert_fp64_agrees
+from verdicts import assert_fp64_agrees, assert_identical
 
 from k3verify import moe
 from k3verify.moe import layer
@@ -87,8 +87,8 @@ def test_permuting_tokens_permutes_outputs(p: MoEProblem, seed: int, form: str) 
     moved = moe.route(x[perm], w.w_router, w.bias, cfg)
     same_set, same_order = (m[perm] for m in settled_choices(r.scores, w.bias, cfg.top_k,
                                                               2 * fp64_score_spread(x, w)))
-    assert torch.equal(moved.indices.sort(-1).values[same_set], r.indices[perm].sort(-1).values[same_set])
-    assert torch.equal(moved.indices[same_order], r.indices[perm][same_order])
+    assert_identical(moved.indices.sort(-1).values[same_set], r.indices[perm].sort(-1).values[same_set])
+    assert_identical(moved.indices[same_order], r.indices[perm][same_order])
     opts = {"operand_dtype": "fp64", "tile_m": 3} if form == "tiled" else {}
     fn = getattr(moe, form)
     if bool(same_set.any()):
@@ -105,7 +105,7 @@ def test_given_routing_is_used_as_is(p: MoEProblem, form: str) -> None:
     fn = getattr(moe, form)
     opts = {"operand_dtype": "bf16"} if form == "tiled" else {}
     r = moe.routing_for(x, w, cfg, None, torch.float32 if form == "tiled" else torch.float64)
-    assert torch.equal(fn(x, w, cfg, routing=r, **opts), fn(x, w, cfg, **opts))
+    assert_identical(fn(x, w, cfg, routing=r, **opts), fn(x, w, cfg, **opts))
     if cfg.top_k < cfg.num_experts:
         shifted = moe.Routing((r.indices + 1) % cfg.num_experts, r.weights)
         assert not torch.equal(fn(x, w, cfg, routing=shifted, **opts), fn(x, w, cfg, **opts))

@@ -16,6 +16,7 @@ import torch
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from strategies.moe import MoEProblem, make_problem, moe_problems, one_thread  # noqa: F401
+from verdicts import assert_identical
 
 from k3verify import moe
 from k3verify.moe.inputs import FormOptions
@@ -152,5 +153,5 @@ def test_fp8_operands_are_scaled_codes(setting: tuple[str, str], weight: bool, l
     scale = t.abs().amax(dim=dims, keepdim=True) / f.max
     codes = round_to(t / scale, dtype)
     assert bool(torch.isfinite(v).all())
-    assert torch.equal(v, codes * scale)
-    assert torch.equal(codes.abs().amax(dim=dims), torch.full_like(codes.abs().amax(dim=dims), f.max))
+    assert_identical(v, codes * scale)
+    assert_identical(codes.abs().amax(dim=dims), torch.full_like(codes.abs().amax(dim=dims), f.max))

@@ -18,6 +18,7 @@ from hypothesis import given
 from registry_contract import passing_rows
 from registry_contract import quick_map as contract_quick_map
 from strategies.moe import one_thread  # noqa: F401
+from verdicts import assert_identical
 
 from k3verify import moe
 from k3verify.harness import registry, runner
@@ -91,7 +92,7 @@ def test_call_reports_the_routing_the_form_computed_with() -> None:
         out = entry.call(fn, case, dtype, **opts)
         chosen = moe.routing_for(x, w, cfg, None, router).indices
         assert out["experts"].dtype == torch.int64 and torch.equal(out["experts"], chosen.sort(-1).values)
-        assert torch.equal(out["y"], fn(x.to(dtype), w.to(dtype), cfg, **opts))
+        assert_identical(out["y"], fn(x.to(dtype), w.to(dtype), cfg, **opts))
     fp64 = moe.routing_for(x, w, cfg, None, torch.float64)
     shifted = moe.Routing((fp64.indices + 1) % cfg.num_experts, fp64.weights)
 
@@ -99,9 +100,9 @@ def test_call_reports_the_routing_the_form_computed_with() -> None:
         return moe.recurrent(x, w, c, routing=shifted), shifted.indices.flip(-1)
 
     out = entry.call(own_routing, case, torch.float64)
-    assert torch.equal(out["experts"], shifted.indices.sort(-1).values)
+    assert_identical(out["experts"], shifted.indices.sort(-1).values)
     assert not torch.equal(out["experts"], entry.oracle(case)["experts"])
-    assert torch.equal(out["y"], moe.recurrent(x, w, cfg, routing=shifted))
+    assert_identical(out["y"], moe.recurrent(x, w, cfg, routing=shifted))
 
 
 def test_a_bf16_call_routes_like_the_baseline() -> None:
@@ -129,7 +130,7 @@ def test_drawn_samples_run_through_the_entry(sample: tuple[dict, dict]) -> None:
     T, k = sample[1]["T"], sample[1]["k"]
     assert ref["experts"].shape == (T, k) and ref["experts"].dtype == torch.int64
     assert bool((ref["experts"].diff(dim=-1) > 0).all())
-    assert torch.equal(out["experts"], ref["experts"])
+    assert_identical(out["experts"], ref["experts"])
     verdict = fp64_agreement(out["y"], ref["y"])
     assert verdict.passed, verdict.reason
 

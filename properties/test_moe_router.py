@@ -22,6 +22,7 @@ from strategies.moe import (
     one_thread,  # noqa: F401
     settled_choices,
 )
+from verdicts import assert_identical
 
 from k3verify import moe
 from k3verify.numerics import facts
@@ -58,12 +59,12 @@ def test_weights_use_unbiased_scores_and_sum_to_rho(p: MoEProblem) -> None:
     changes no positive sum."""
     r = moe.route(p.x, p.weights.w_router, p.weights.bias, p.cfg)
     s = torch.sigmoid(p.x @ p.weights.w_router)
-    assert torch.equal(r.scores, s)
+    assert_identical(r.scores, s)
     picked = s.gather(-1, r.indices)
-    assert torch.equal(r.weights, picked / picked.sum(-1, keepdim=True) * p.cfg.routed_scaling_factor)
+    assert_identical(r.weights, picked / picked.sum(-1, keepdim=True) * p.cfg.routed_scaling_factor)
     assert torch.allclose(r.weights.sum(-1), torch.full((p.T,), p.cfg.routed_scaling_factor, dtype=torch.float64),
                           rtol=1e-14, atol=0)
-    assert torch.equal(r.indices, moe.select(s, p.weights.bias, p.cfg.top_k))
+    assert_identical(r.indices, moe.select(s, p.weights.bias, p.cfg.top_k))
 
 
 @given(p=moe_problems(), delta=st.floats(-1.0, 1.0), form=st.sampled_from(sorted(FORMS)))
@@ -80,8 +81,8 @@ def test_bias_changes_only_the_selection(p: MoEProblem, delta: float, form: str)
     r_p = moe.routing_for(p.x, p.weights, p.cfg, None, router_dtype)
     r_q = moe.routing_for(q.x, q.weights, q.cfg, None, router_dtype)
     if torch.equal(r_p.indices, r_q.indices):
-        assert torch.equal(r_p.weights, r_q.weights)
-        assert torch.equal(fn(*p.args(), **opts), fn(*q.args(), **opts))
+        assert_identical(r_p.weights, r_q.weights)
+        assert_identical(fn(*p.args(), **opts), fn(*q.args(), **opts))
 
 
 @given(p=moe_problems(max_k=3), forced=st.integers(0, 15))
@@ -96,7 +97,7 @@ def test_a_large_bias_forces_an_expert_without_boosting_its_weight(p: MoEProblem
     assert bool((r.indices[:, 0] == j).all())
     s = torch.sigmoid(p.x @ p.weights.w_router)
     picked = s.gather(-1, r.indices)
-    assert torch.equal(r.weights[:, 0], (picked / picked.sum(-1, keepdim=True))[:, 0] * p.cfg.routed_scaling_factor)
+    assert_identical(r.weights[:, 0], (picked / picked.sum(-1, keepdim=True))[:, 0] * p.cfg.routed_scaling_factor)
 
 
 # Dyadic values on a 2^-20 grid with |v| < 2^11: every sum below is exact in fp64.
@@ -117,8 +118,8 @@ def test_routing_is_invariant_to_a_constant_added_to_the_bias(T: int, E: int, k:
     else:
         s = torch.tensor(data.draw(st.lists(dyadic, min_size=T * E, max_size=T * E)), dtype=torch.float64).view(T, E)
         b = torch.tensor(data.draw(st.lists(dyadic, min_size=E, max_size=E)), dtype=torch.float64)
-    assert torch.equal(moe.select(s, b + c, k), moe.select(s, b, k))
-    assert torch.equal(moe.select(s, b + c, k, "highest_index"), moe.select(s, b, k, "highest_index"))
+    assert_identical(moe.select(s, b + c, k), moe.select(s, b, k))
+    assert_identical(moe.select(s, b + c, k, "highest_index"), moe.select(s, b, k, "highest_index"))
 
 
 @given(p=moe_problems(max_T=24, bias_scale=st.sampled_from((0.0, 0.01, 0.1))),
@@ -173,5 +174,5 @@ def test_fp32_router_agrees_with_fp64_away_from_ties(p: MoEProblem) -> None:
     bound = (p.d + 2) * eps32 * (p.x.abs() @ p.weights.w_router.abs()).amax(-1) / 4 + 4 * eps32
     safe, ordered = settled_choices(r64.scores, p.weights.bias, p.k, bound)
     assume(bool(safe.any()))
-    assert torch.equal(r32.indices.sort(-1).values[safe], r64.indices.sort(-1).values[safe])
-    assert torch.equal(r32.indices[ordered], r64.indices[ordered])
+    assert_identical(r32.indices.sort(-1).values[safe], r64.indices.sort(-1).values[safe])
+    assert_identical(r32.indices[ordered], r64.indices[ordered])

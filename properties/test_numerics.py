@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from verdicts import assert_identical
 
 from k3verify.numerics import (
     EXPECTED_NONFINITE,
@@ -108,7 +109,7 @@ def test_rounding_is_idempotent_and_nearest(x: float, name: str) -> None:
     t = torch.tensor([x], dtype=torch.float64)
     r = round_to(t, name)
     if torch.isfinite(r).all():
-        assert torch.equal(round_to(r, name), r)
+        assert_identical(round_to(r, name), r)
         assert abs(r.item() - x) <= spacing(r, name).item() / 2
 
 
@@ -163,3 +164,22 @@ def test_expected_nonfinite_verdicts() -> None:
 def test_unknown_dtype_is_named() -> None:
     with pytest.raises(ValueError, match="int4"):
         resolve_dtype("int4")
+
+
+def test_the_test_helpers_say_what_differs() -> None:
+    """Rule: structural. The shared assertions fail with the mismatch count, the greatest
+    difference and its index, not a bare ``assert False``."""
+    from verdicts import assert_rel_within
+
+    a = torch.zeros(3, 4, dtype=torch.float64)
+    b = a.clone()
+    b[2, 1] = 1e-3
+    with pytest.raises(AssertionError, match=r"state: not bitwise identical; 1 of 12 elements differ; "
+                                             r"greatest difference 1\.000e-03 at \(2, 1\)"):  # fmt: skip
+        assert_identical(a, b, "state")
+    with pytest.raises(AssertionError, match=r"shapes differ: \[3, 4\] vs \[4, 3\]"):
+        assert_identical(a, b.T)
+    with pytest.raises(AssertionError, match=r"relative max error 1\.000e\+00 > 1\.0e-10; .* at \(2, 1\)"):
+        assert_rel_within(a, b, 1e-10)
+    assert_identical(a, a.clone())
+    assert_rel_within(b, b.clone(), 0.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from k3verify.numerics import Verdict, fp64_agreement
+from k3verify.numerics import Verdict, fp64_agreement, relative_max_error
 
 
 def where_worst(x: torch.Tensor, ref: torch.Tensor) -> str:
@@ -36,3 +36,32 @@ def assert_fp64_agrees(x: torch.Tensor, ref: torch.Tensor, what: str = "") -> No
     """Rule fp64-agreement: fp64 stays fp64, and the normwise relative max error is <= 1e-10."""
     assert x.dtype == torch.float64, f"{what + ': ' if what else ''}fp64 input came back as {x.dtype}"
     assert_verdict(fp64_agreement(x, ref), x, ref, what)
+
+
+def assert_identical(x: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
+    """Bitwise equality (``torch.equal``: same shape and values, NaN never equal); a failure
+    gives the mismatch count, the greatest difference and where, as ``assert_close`` would.
+    Use it only where equality holds on any host (copies, permutations, selections, the same
+    kernel on the same inputs); the reason belongs in a comment or in ``what``."""
+    if torch.equal(x, ref):
+        return
+    head = f"{what + ': ' if what else ''}not bitwise identical"
+    if x.shape != ref.shape:
+        raise AssertionError(f"{head}; shapes differ: {list(x.shape)} vs {list(ref.shape)}")
+    a, b = x.detach().cpu(), ref.detach().cpu()
+    if a.dtype == torch.bool or b.dtype == torch.bool:
+        a, b = a.to(torch.int8), b.to(torch.int8)
+    differ = (a != b) | a.isnan() if a.is_floating_point() else a != b
+    dtypes = f" ({a.dtype} vs {b.dtype})" if a.dtype != b.dtype else ""
+    count = f"{int(differ.sum())} of {differ.numel()} elements differ"
+    raise AssertionError(f"{head}{dtypes}; {count}; {where_worst(a, b)}")
+
+
+def assert_rel_within(x: torch.Tensor, ref: torch.Tensor, limit: float, what: str = "") -> None:
+    """Normwise relative max error ``<= limit`` (the limit's rule is named at the call); a
+    failure says by how much and where."""
+    err = relative_max_error(x, ref)
+    if err <= limit:
+        return
+    raise AssertionError(f"{what + ': ' if what else ''}relative max error {err:.3e} > {limit:.1e}; "
+                         f"{where_worst(x, ref)}")

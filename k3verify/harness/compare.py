@@ -61,6 +61,10 @@ class Thresholds:
     significant: float = 0.01  # ... when err is at least this share of the limit
 
 
+IMPROVED = "error shrank"
+WITHIN = "moved within thresholds"
+
+
 @dataclass(frozen=True)
 class Finding:
     """One difference between base and new."""
@@ -83,6 +87,16 @@ class Comparison:
     @property
     def regressions(self) -> list[Finding]:
         return [f for f in self.findings if f.regression]
+
+    def groups(self) -> dict[str, list[Finding]]:
+        """Findings by what a reviewer does with them: ``regressions``, ``improvements``,
+        ``changes`` (new rows and outputs, ...) and ``within_thresholds`` (err moved, no rule hit)."""
+        out: dict[str, list[Finding]] = {"regressions": [], "improvements": [], "changes": [], "within_thresholds": []}
+        for f in self.findings:
+            key = ("regressions" if f.regression else "improvements" if f.kind == IMPROVED
+                   else "within_thresholds" if f.kind == WITHIN else "changes")  # fmt: skip
+            out[key].append(f)
+        return out
 
 
 def row_key(row: dict[str, Any]) -> tuple[str, ...]:
@@ -204,7 +218,9 @@ def _compare_output(b: dict[str, Any], n: dict[str, Any], subject: str, th: Thre
     if _worse(e_b, e_n, m_b, m_n, lim, th, noise_only=noise_only):
         findings.append(Finding("error grew", subject, detail, True))
     elif _worse(e_n, e_b, m_n, m_b, bv.get("limit") or lim, th, noise_only=noise_only):
-        findings.append(Finding("error shrank", subject, detail, False))
+        findings.append(Finding(IMPROVED, subject, detail, False))
+    elif e_n != e_b:
+        findings.append(Finding(WITHIN, subject, detail, False))
     return findings
 
 

@@ -281,6 +281,35 @@ def _position_cells(row: dict[str, Any]) -> list[str]:
             fmt(errs[0]), fmt(errs[-1]), fmt(worst), str(at)]
 
 
+def row_heading(row: dict[str, Any]) -> str:
+    """``module implementation form dtype params (case)``: one row's name in a log line."""
+    words = [row["module"], row["implementation"], row["form"], row["dtype"], params_text(row), f"({row['case']})"]
+    return " ".join(w for w in words if w)
+
+
+def failure_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per failed output: the row, the output and the verdict's reason."""
+    lines = []
+    for r in rows:
+        if r.get("status") != FAIL:
+            continue
+        outputs = r.get("outputs") or {r.get("output", "-"): {"status": FAIL, "verdict": r.get("verdict")}}
+        for name, o in outputs.items():
+            if o.get("status") == FAIL:
+                reason = (o.get("verdict") or {}).get("reason") or r.get("reason") or "failed"
+                lines.append(f"{row_heading(r)} [{name}]: {reason}")
+    return lines
+
+
+def unavailable_groups(rows: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """``(reason, row headings)`` for unavailable rows, one group per distinct reason."""
+    groups: dict[str, list[str]] = {}
+    for r in rows:
+        if r.get("status") == "unavailable":
+            groups.setdefault(r.get("reason") or "no reason given", []).append(row_heading(r))
+    return list(groups.items())
+
+
 def notes(rows: list[dict[str, Any]]) -> list[tuple[str, str, list[str]]]:
     """``(row heading, reason, overflow lines)`` for every row with a reason, an overflow or a failure."""
     out = []

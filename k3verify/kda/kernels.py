@@ -74,7 +74,7 @@ def unavailable_reason(operand_dtype: torch.dtype | str = torch.bfloat16) -> str
         if dt != torch.float32:
             return (
                 f"Triton's CPU interpreter is not faithful for {dtype_name(dt)} (it truncates fp32 -> bf16 and "
-                "its bf16 tl.dot is wrong, SPEC §5); a CUDA device is needed"
+                "its bf16 tl.dot is wrong: docs/gpu.md); a CUDA device is needed"
             )
         return None
     if not torch.cuda.is_available():

@@ -233,7 +233,7 @@ def _map_meta(cells: list[dict[str, Any]], options: MapOptions) -> dict[str, Any
         "logit_scales": list(dict.fromkeys(c["logit_scale"] for c in cells)),
         "sources": list(dict.fromkeys(c["sources"] for c in cells)),
         "stream_dtypes": list(MAP_STREAMS),
-        "logit_dtypes": {"fp32": "logits and exponentials in fp32 (SPEC)", "bf16": "stored in bf16 (known bad)",
+        "logit_dtypes": {"fp32": "logits and exponentials in fp32 (K3's design)", "bf16": "stored in bf16 (known bad)",
                          "fp16": "stored in fp16"},
         "variants": {"subtract_max": "online softmax with a running max", "no_max": "P = exp(ℓ) (known bad)"},
         "inputs": "controlled_sources: per token one source with logit = scale, the others within "

@@ -8,20 +8,24 @@ operands, K = V = 128, gates pre-computed in fp32. Every row names its peer and 
 (fp32 state read and written once per step) against the device's copy bandwidth measured in
 the same run. Accuracy rows give each kernel's RMS error ratio against the fp64 oracle and
 the naive chunkwise bf16 baseline's, as the policy compares them. Our kernels are timed with
-``validate=False`` (no NaN / sign scans of the inputs), since fla-core checks no values either. Writes ``kda_gpu.json``
-and ``kda_gpu.md`` under ``--out``.
+``validate=False`` (no NaN / sign scans of the inputs), since fla-core checks no values either.
+Writes ``kda_gpu.json`` and ``kda_gpu.md`` under ``--out``, and every timing's repetitions as
+``kda_gpu_benchmark.json`` in pytest-benchmark's shape (``pytest-benchmark compare`` reads it
+beside the CPU benchmarks' saved runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import benchmark_json
 import torch
 from triton.testing import do_bench
 
@@ -52,8 +56,17 @@ def _inputs(B: int, T: int, H: int, seed: int = 0) -> list[torch.Tensor]:
     return [q.bfloat16(), k.bfloat16(), randn(B, T, H, D).bfloat16(), g, beta.bfloat16()]
 
 
-def _ms(fn) -> float:
-    return float(do_bench(fn, warmup=25, rep=100))
+# Every timing's repetitions, for kda_gpu_benchmark.json (pytest-benchmark's shape).
+SAMPLES: list[dict[str, Any]] = []
+
+
+def _ms(fn, group: str | None = None, name: str | None = None, **params: Any) -> float:
+    """Median of ``do_bench``'s repetitions (ms); with a ``group`` and ``name`` the repetitions
+    are kept for the pytest-benchmark JSON."""
+    times = [float(t) for t in do_bench(fn, warmup=25, rep=100, return_mode="all")]
+    if group is not None:
+        SAMPLES.append(benchmark_json.entry(group, name or "run", times, params))
+    return float(statistics.median(times))
 
 
 def launch_split(fn, repeats: int = 20) -> dict[str, float]:
@@ -113,16 +126,16 @@ def copy_bandwidth() -> float:
     """Device-to-device copy of 2 GiB, bytes read plus written per second (TB/s)."""
     src = torch.empty(2**29, dtype=torch.float32, device="cuda")
     dst = torch.empty_like(src)
-    ms = _ms(lambda: dst.copy_(src))
+    ms = _ms(lambda: dst.copy_(src), "copy", "torch copy_ 2 GiB")
     return 2 * src.numel() * 4 / (ms * 1e-3) / 1e12
 
 
 def _sweep(run, configs: list[dict[str, int]], label: str, log) -> tuple[float, float, dict[str, int]]:
     """``run(**config)`` timed at the defaults and at every config: (default, best, best config)."""
-    default = _ms(run)
+    default = _ms(run, label, "ours")
     timings = []
     for config in configs:
-        timings.append((_ms(partial(run, **config)), config))
+        timings.append((_ms(partial(run, **config), label, "ours", **config), config))
         log(f"{label} {config}: {timings[-1][0]:.4f} ms")
     best_ms, best = min(timings, key=lambda t: t[0], default=(default, {}))
     if default <= best_ms:
@@ -140,7 +153,7 @@ def prefill_rows(sweep: bool, log) -> list[dict[str, Any]]:
     rows = []
     for shape in PREFILL:
         x = _inputs(**shape)
-        theirs = _ms(partial(fla.chunk_gpu, *x, safe_gate=True, lower_bound=G_MIN))
+        theirs = _ms(partial(fla.chunk_gpu, *x, safe_gate=True, lower_bound=G_MIN), f"prefill {shape}", "fla-core")
         default, best, config = _sweep(partial(kernels.chunk, *x, validate=False), configs, f"prefill {shape}", log)
         rows.append(_row("prefill", shape, "fla-core chunk_kda(safe_gate=True, lower_bound=-5)", theirs, default,
                          best, config))  # fmt: skip
@@ -157,7 +170,8 @@ def decode_rows(copy_tbps: float, sweep: bool, log) -> list[dict[str, Any]]:
         pool = torch.randn(B, H, D, D, device="cuda") * 0.1
         slots = torch.arange(B, device="cuda")
         state = pool.clone()
-        theirs = _ms(partial(fla.fused_recurrent_gpu, *x, initial_state=state, output_final_state=True))
+        theirs = _ms(partial(fla.fused_recurrent_gpu, *x, initial_state=state, output_final_state=True),
+                     f"decode {shape}", "fla-core")  # fmt: skip
         step = partial(kernels.fused_recurrent, *x, initial_state=pool, state_indices=slots, validate=False)
         default, best, config = _sweep(step, configs, f"decode {shape}", log)
         row = _row("decode", shape, "fla-core fused_recurrent_kda (fp32 state, final state in place)", theirs,
@@ -262,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     rows += split_rows(log, peers=True)
     result = dict(device=torch.cuda.get_device_name(0), copy_tbps=copy_tbps, rows=rows, environment=environment())
     (out / "kda_gpu.json").write_text(json.dumps(result, indent=2, default=str))
+    env = result["environment"]
+    bench = benchmark_json.document(SAMPLES, device=result["device"], commit=env.get("git_commit"),
+                                    dirty=env.get("git_dirty"))  # fmt: skip
+    (out / "kda_gpu_benchmark.json").write_text(json.dumps(bench, indent=1))
     (out / "kda_gpu.md").write_text(markdown(result))
     print(markdown(result))
     return 0

@@ -50,6 +50,10 @@ class MapSpec:
     title: str
     frontier_key: str = "predicted_finite"
     x_descending: bool = False  # draw the largest x first (KDA: g_min from -0.5 down to -20)
+    # K3's operating point on the map's axes ({axis key: value}), drawn in every panel: a star
+    # where both axes are given, a line where one is; and what it is, for the legend.
+    operating_point: tuple[tuple[str, Any], ...] = ()
+    operating_label: str = "K3"
 
 
 @dataclass

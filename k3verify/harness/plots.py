@@ -101,6 +101,7 @@ def _draw_figure(cells: list[dict[str, Any]], result: MapResult, title: str, pat
             image = ax.pcolormesh(x_edges, y_edges, np.ma.masked_invalid(err), cmap=cmap, vmin=vmin, vmax=vmax)
             ax.pcolormesh(x_edges, y_edges, np.ma.masked_invalid(over), cmap=overflow_cmap, vmin=0, vmax=1)
             _draw_frontier(ax, pred, x_edges)
+            _draw_operating_point(ax, dict(spec.operating_point), spec, xs, ys, x_pos)
             ax.set_title(f"{spec.panel_row}={rv}, {spec.panel_col}={cv}", fontsize=9)
             ax.set_yticks(range(len(ys)), [str(y) for y in ys])
             if not numeric_x:
@@ -111,13 +112,36 @@ def _draw_figure(cells: list[dict[str, Any]], result: MapResult, title: str, pat
                 ax.set_ylabel(spec.y_label)
             if numeric_x:
                 ax.set_xlim(x_edges[0], x_edges[-1])  # keeps a descending axis descending
+    marked = f"   magenta: {spec.operating_label}" if spec.operating_point else ""
     fig.suptitle(
-        title + "\nred: overflow (inf/NaN)   black line: analytic frontier   x: prediction missed", fontsize=10
+        title + f"\nred: overflow (inf/NaN)   black line: analytic frontier   x: prediction missed{marked}", fontsize=10
     )
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.6, label="log10 rms_ratio vs fp64 oracle")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def _draw_operating_point(ax: Any, point: dict[str, Any], spec: Any, xs: list[Any], ys: list[Any],
+                          x_pos: list[Any]) -> None:
+    """K3's operating point: a star where both of the panel's axes are given, else a line along
+    the one that is. Nothing for an axis value the map does not span."""
+    x = y = None
+    if spec.x in point:
+        value = point[spec.x]
+        if value in xs:
+            x = x_pos[xs.index(value)]
+        elif all(isinstance(v, (int, float)) for v in xs) and min(xs) <= value <= max(xs):
+            x = value
+    if spec.y in point and point[spec.y] in ys:
+        y = ys.index(point[spec.y])
+    style = dict(color="magenta", lw=1.4, ls="--")
+    if x is not None and y is not None:
+        ax.plot(x, y, marker="*", color="magenta", markersize=13, markeredgecolor="white", mew=0.8)
+    elif x is not None:
+        ax.axvline(x, **style)
+    elif y is not None:
+        ax.axhline(y, **style)
 
 
 def _draw_frontier(ax: Any, pred: np.ndarray, x_edges: np.ndarray) -> None:
@@ -159,9 +183,10 @@ def compact_png(png: bytes) -> bytes:
     return buf.getvalue()
 
 
-def row_label(row: dict[str, Any]) -> str:
-    """``implementation form dtype params`` of a report row, for legends and axis ticks."""
-    params = " ".join(f"{k}={v}" for k, v in row.get("params", {}).items() if k != "chunk_size")
+def row_label(row: dict[str, Any], *, every_param: bool = False) -> str:
+    """``implementation form dtype params`` of a report row, for legends and axis ticks
+    (``chunk_size`` left out unless ``every_param``: it does not change a position curve)."""
+    params = " ".join(f"{k}={v}" for k, v in row.get("params", {}).items() if every_param or k != "chunk_size")
     impl = "" if row["implementation"] == "k3verify" else f"{row['implementation']} "
     return f"{impl}{row['form']} {row['dtype']}{' ' + params if params else ''}"
 
@@ -194,8 +219,12 @@ def position_figure(rows: list[dict[str, Any]], title: str) -> Any | None:
             if r.get("baseline_error_by_position"):
                 label = f"baseline {r.get('baseline_form', '')} {r['dtype']}"
                 baselines.setdefault(label, r["baseline_error_by_position"])
+        # Baselines: dark colours and dashes of their own, so each is told apart from the rows
+        # and from the other baselines.
+        dark = matplotlib.colormaps["Dark2"].colors
+        dashes = ("--", ":", "-.", (0, (5, 1, 1, 1)))
         for j, (label, series) in enumerate(baselines.items()):
-            ax.plot(_positive(series), color="black", lw=0.9, ls=("--", ":", "-.")[j % 3], alpha=0.7, label=label)
+            ax.plot(_positive(series), color=dark[j % len(dark)], lw=1.0, ls=dashes[j % 4], label=label)
         ax.set_yscale("log")
         ax.set_title(f"case {case}", fontsize=10)
         ax.set_xlabel("token position t")
@@ -219,7 +248,9 @@ def ulp_figure(rows: list[dict[str, Any]], title: str) -> Any | None:
     image = ax.imshow(
         np.ma.masked_equal(share, 0), aspect="auto", cmap="magma_r", norm=LogNorm(1e-4, 1)
     )
-    ax.set_yticks(range(len(rows)), [f"{row_label(r)} | {r['case']}" for r in rows], fontsize=7)
+    labels = [f"{row_label(r, every_param=True)} | {r['case']} | {r.get('output', '-')}" for r in rows]
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("row | case | output")
     names = ["0", *(_ulp_tick(e) for e in edges[1:-1])]
     ax.set_xticks(np.arange(len(names)) - 0.5, names, fontsize=7, rotation=90)
     ax.set_xlabel("|error| in ULPs of the row's dtype (band lower edge)")
@@ -266,6 +297,11 @@ def depth_figure(doc: dict[str, Any], title: str) -> Any:
     return fig
 
 
+def _words(key: str) -> str:
+    """A JSON key as a label: ``bf16_vs_fp32.changed_pairs`` -> ``bf16 vs fp32: changed pairs``."""
+    return key.replace(".", ": ").replace("_", " ")
+
+
 def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -305,8 +341,10 @@ def series_figure(doc: dict[str, Any], title: str) -> Any | None:
     (x_key, xs), *ys = series.items()
     fig, ax = plt.subplots(figsize=(10, 3.6), layout="constrained")
     for key, values in ys:
-        ax.plot(xs, values, lw=1.2, marker=".", label=key)
-    ax.set_xlabel(x_key)
+        ax.plot(xs, values, lw=1.2, marker=".", label=_words(key))
+    ax.set_xlabel(_words(x_key))
+    shares = all(0 <= v <= 1 for _, values in ys for v in values)
+    ax.set_ylabel(str(doc.get("y_label") or ("fraction" if shares else "value")))
     ax.set_title(title, fontsize=11)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))

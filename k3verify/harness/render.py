@@ -37,6 +37,7 @@ class Extras:
     maps_dir: Path | None = None
     map_images: dict[str, list[tuple[str, bytes]]] = field(default_factory=dict)  # module -> [(name, png)]
     map_agreement: dict[str, dict[str, Any]] = field(default_factory=dict)  # module -> agreement counts
+    map_commits: dict[str, str | None] = field(default_factory=dict)  # module -> commit the map was made from
     curves: dict[str, Any] = field(default_factory=dict)  # curve file name -> its JSON
     nightly: dict[str, Any] | None = None
 
@@ -56,11 +57,14 @@ def collect_extras(report_dir: Path, maps_dir: Path | None) -> Extras:
             extras.map_images.setdefault(m["module"], []).append((png.name, plots.compact_png(png.read_bytes())))
     summary = maps_dir / MAP_SUMMARY
     if summary.exists():
-        extras.map_agreement |= {k: v.get("agreement", {}) for k, v in read_json(summary, what="map summary").items()}
+        summaries = read_json(summary, what="map summary")
+        extras.map_agreement |= {k: v.get("agreement", {}) for k, v in summaries.items()}
+        extras.map_commits |= {k: (v.get("environment") or {}).get("git_commit") for k, v in summaries.items()}
     for path in sorted(maps_dir.glob("*_overflow_map.json")):
         doc = load_map(path)
         module = doc["module"]
         extras.map_agreement[module] = doc.get("meta", {}).get("agreement", {})
+        extras.map_commits[module] = (doc.get("environment") or {}).get("git_commit")
         if module not in extras.map_images:
             extras.map_images[module] = _draw_map_doc(doc)
     # Every other JSON file beside the maps is a module's study (its curve): whatever the modules
@@ -125,6 +129,8 @@ figure{margin:10px 0} figure img{max-width:100%;border:1px solid #eee}
 figcaption{font-size:12px;color:#555}
 details{margin:6px 0} code,pre{font-size:12px}
 .muted{color:#777;font-size:12px}
+.warn{background:#fff3cd;border-left:4px solid #d39e00;padding:4px 8px;font-size:13px}
+.ok{background:#eef7ee;border-left:4px solid #4c9a2a;padding:4px 8px;font-size:13px}
 """
 
 
@@ -149,7 +155,8 @@ def html_page(doc: dict[str, Any], extras: Extras) -> str:
         m for m in extras.map_images if m not in {r["module"] for r in doc["rows"]}
     ]
     for module in modules:
-        parts.append(_module_section(module, [r for r in doc["rows"] if r["module"] == module], extras))
+        module_rows = [r for r in doc["rows"] if r["module"] == module]
+        parts.append(_module_section(module, module_rows, extras, doc["environment"].get("git_commit")))
     for name, study in extras.curves.items():
         parts.append(_curve_section(name, curve_title(name, study), study, extras.maps_dir))
     if extras.nightly:
@@ -203,13 +210,13 @@ def _verdicts(rows: list[dict[str, Any]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
-def _module_section(module: str, rows: list[dict[str, Any]], extras: Extras) -> str:
+def _module_section(module: str, rows: list[dict[str, Any]], extras: Extras, report_commit: str | None) -> str:
     parts = [f"<h2 id='module-{html.escape(module)}'>{html.escape(module)}</h2>"]
     parts.append(_figure(
         plots.position_figure(rows, f"{module}: error against token position"),
         f"{module} error against position",
-        "RMS ratio of each position's output against the fp64 oracle; dashed black: the same-dtype naive "
-        "baselines the baseline rule compares against. fp64 rows and single-token cases are left out.",
+        "RMS ratio of each position's output against the fp64 oracle; dashed, in colours of their own: the "
+        "same-dtype naive baselines the baseline rule compares against. fp64 rows and single-token cases are left out.",
         "Error against token position",
     ))
     parts.append(_figure(
@@ -221,7 +228,7 @@ def _module_section(module: str, rows: list[dict[str, Any]], extras: Extras) -> 
     ))
     images = extras.map_images.get(module, [])
     if images:
-        parts.append(f"<h3>Overflow map</h3><p class='muted'>from {html.escape(str(extras.maps_dir))}</p>")
+        parts.append("<h3>Overflow map</h3>" + _map_provenance(module, extras, report_commit))
         agreement = extras.map_agreement.get(module)
         if agreement:
             table = [[k, v.get("cells"), v.get("agree"), v.get("disagree_adjacent"), v.get("disagree_away")]
@@ -234,6 +241,22 @@ def _module_section(module: str, rows: list[dict[str, Any]], extras: Extras) -> 
             for name, png in images
         ]
     return "\n".join(p for p in parts if p)
+
+
+def _map_provenance(module: str, extras: Extras, report_commit: str | None) -> str:
+    """Where a module's maps come from, and whether they describe the code this report ran: a
+    warning for committed baseline maps or maps made from another commit."""
+    where = html.escape(str(extras.maps_dir))
+    commit = extras.map_commits.get(module)
+    redo = f"<code>k3verify overflow-map --module {html.escape(module)}</code> maps the code under test"
+    if extras.maps_dir is not None and "baseline" in extras.maps_dir.resolve().parts:
+        return (f"<p class='warn'>Committed baseline maps from {where}, not made by this run: they show the "
+                f"code of commit {html.escape(str(commit or 'unknown')[:10])}. {redo}.</p>")
+    if commit and report_commit and commit != report_commit:
+        return (f"<p class='warn'>Maps from {where}, made from commit {html.escape(commit[:10])}; this report ran "
+                f"commit {html.escape(report_commit[:10])}. {redo}.</p>")
+    made = f", made from this report's commit {html.escape(commit[:10])}" if commit and commit == report_commit else ""
+    return f"<p class='ok'>Maps from {where}{made}.</p>"
 
 
 def _curve_section(name: str, title: str, doc: Any, maps_dir: Path | None) -> str:

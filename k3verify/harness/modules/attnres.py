@@ -267,6 +267,8 @@ MAP = MapDefinition(
         x_label="log2 logit scale ‖w⊙γ‖·sqrt(d)",
         y_label="number of sources",
         title="Block AttnRes tiled form (tile 4): overflow and error vs the fp64 definition",
+        operating_point=(("sources", 9),),
+        operating_label="K3 (at most 9 sources: 8 stored blocks and the partial sum)",
     ),
     frontier_axes=lambda cells: {"logit_scale": list(dict.fromkeys(c["logit_scale"] for c in cells)),
                                  "sources": list(dict.fromkeys(c["sources"] for c in cells))},

@@ -253,6 +253,8 @@ MAP = MapDefinition(
         y_label="sub-tile BC",
         title="KDA tiled form: overflow and error vs the fp64 oracle (chunk 64)",
         x_descending=True,
+        operating_point=(("g_min", -5.0), ("tile", 16)),
+        operating_label="K3 (g_min = -5, gate_lower_bound; sub-tile 16)",
     ),
     # Adjacent along g_min only: a neighbour in sub-tile size does not excuse a disagreement.
     frontier_axes=lambda cells: {"g_min": sorted({c["g_min"] for c in cells}, reverse=True)},

@@ -286,6 +286,8 @@ MAP = MapDefinition(
         x_label="log2 query scale",
         y_label="log2 latent scale",
         title="Gated MLA tiled (latent) form: overflow and error vs the fp64 oracle",
+        operating_point=(("log2_q_scale", 0), ("log2_latent_scale", 0)),
+        operating_label="K3 (queries and latents at the layer's own scale)",
     ),
     frontier_axes=lambda cells: {k: _grid(cells, k) for k in ("log2_q_scale", "log2_latent_scale", "context", "tile")},
     fixed=("implementation", "dtype", "variant"),

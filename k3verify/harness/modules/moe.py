@@ -258,6 +258,8 @@ MAP = MapDefinition(
         x_label="log2 input scale",
         y_label="activation",
         title="Stable LatentMoE tiled form: overflow and error vs the fp64 oracle",
+        operating_point=(("log2_input_scale", 0), ("activation", "situ")),
+        operating_label="K3 (SiTU at the layer's own input scale)",
     ),
     frontier_axes=lambda cells: {"log2_input_scale": list(dict.fromkeys(c["log2_input_scale"] for c in cells))},
     fixed=("setting", "activation", "input"),

@@ -173,10 +173,25 @@ def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path
 
 
 def _print_table(out: Console, rows: list[dict]) -> None:
+    """The verdict table; narrower than a table needs (about 150 columns), one line per row
+    instead, numbers first, so no number is ever cut ("4.1…") or split."""
+    cells_by_row = report.table_rows(rows)
+    if out.width < WIDE:
+        plain = dict(markup=False, highlight=False, soft_wrap=True)
+        out.print(f"{'status':<18} {'err':>9} {'limit':>9} {'margin':>6}  row [output] rule", **plain)
+        for cells, row in zip(cells_by_row, rows):
+            err, limit, margin, status = cells[-4:]
+            line = f"{status:<18} {err:>9} {limit:>9} {margin:>6}  {report.row_heading(row)} [{cells[6]}] {cells[7]}"
+            out.print(line, style=STATUS_STYLE.get(row["status"], ""), **plain)
+        return
     table = Table(*report.TABLE_HEADER, title="k3verify verdicts", show_lines=False)
-    for column in table.columns:  # fold long cells onto more lines; never cut a number to "4.1…"
-        column.overflow = "fold"
-    for cells, row in zip(report.table_rows(rows), rows):
+    for i, column in enumerate(table.columns):
+        if column.header in NUMERIC_COLUMNS:  # never cut nor split a number
+            column.no_wrap = True
+            column.min_width = max([len(column.header), *(len(cells[i]) for cells in cells_by_row)])
+        else:  # names fold onto more lines
+            column.overflow = "fold"
+    for cells, row in zip(cells_by_row, rows):
         status = f"[{STATUS_STYLE.get(row['status'], '')}]{escape(cells[-1])}[/]"
         table.add_row(*(escape(c) for c in cells[:-1]), status)
     out.print(table)
@@ -456,6 +471,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 FORMATS = ("table", "md", "json")
+NUMERIC_COLUMNS = ("err", "limit", "margin", "status")
+WIDE = 150  # columns below which the verdicts print one line per row instead of a table
 
 
 def _output_options(p: argparse.ArgumentParser) -> None:

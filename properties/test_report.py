@@ -367,9 +367,10 @@ def test_a_failed_row_ends_the_log_with_its_reason(mla_report: Path) -> None:
     assert lines[-2].startswith("rows: ") and lines[-1] == "1 verdict(s) failed", lines[-3:]
     assert lines[-3] == f"FAIL {report.row_heading(bad)} [{name}]: rms_ratio 9.9e-03 > 2x4.1e-03 + 1e-04"
     assert text.count(reason) == 1 and f"unavailable (2): {reason}" in text
-    assert "…" not in text
+    assert "…" not in text and f"{report.fmt(bad['verdict']['err'])}" in text  # 80 columns: a line per row
+    assert "…" not in _printed(rows, width=170)[1]  # a table, names folded, numbers whole
     code, quiet = _printed(rows, quiet=True)
-    assert "k3verify verdicts" not in quiet and quiet.splitlines()[-3:] == lines[-3:]
+    assert len(quiet.splitlines()) < len(lines) - len(rows) and quiet.splitlines()[-3:] == lines[-3:]
 
 
 def test_run_formats_for_tools(mla_report: Path) -> None:

@@ -388,12 +388,17 @@ def test_compare_as_a_pull_request_comment_and_for_bots(
     """Rule: compare thresholds, as in the planted-noise test; here only the output formats."""
     here = {"cpu": "GenuineIntel here"}
     base = _write(_with_platform(report.load(BASELINE), here), tmp_path / "base")
-    new = _write(_with_platform(noisy_kda_run, here), tmp_path / "new")
+    noisy = copy.deepcopy(noisy_kda_run)
+    # And one fp64 row whose error moved by 1 %: under every threshold, listed but collapsed.
+    moved = next(r for r in noisy["rows"] if r["dtype"] == "fp64" and r["status"] == PASS)
+    for o in moved["outputs"].values():
+        o["verdict"] = o["verdict"] | {"err": o["verdict"]["err"] * 1.01}
+    new = _write(_with_platform(noisy, here), tmp_path / "new")
     assert main(["report", "compare", str(base), str(new), "--format", "md"]) == 1
     md = capsys.readouterr().out
     assert md.startswith("### k3verify: ") and "regression(s)" in md.splitlines()[0]
     assert "**Regressions**" in md and "| error grew | kda k3verify tiled bf16" in md
-    assert "<details><summary>" in md  # the rest collapsed
+    assert "<details><summary>Moved within the thresholds" in md and report.row_heading(moved) in md
     assert main(["report", "compare", str(base), str(new), "--format", "json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["regressions"] and all(f["regression"] for f in doc["regressions"])

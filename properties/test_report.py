@@ -329,7 +329,8 @@ def test_a_schema_1_baseline_still_compares_with_a_new_run(tmp_path: Path) -> No
     assert result.rows_compared == sum(r["module"] in ("mla", "moe") for r in old["rows"]) > 0
     assert result.regressions == [], result.regressions
     kinds = {f.kind for f in result.findings}
-    assert kinds <= {"new output", "error shrank", "error grew"} and "new output" in kinds
+    # Another math path (ATEN_CPU_CAPABILITY, another CPU) moves errors within the thresholds.
+    assert kinds <= {"new output", "error shrank", "error grew", compare.WITHIN} and "new output" in kinds
 
 
 # --- what a CI log and a pull request show ------------------------------------------------------
@@ -393,7 +394,9 @@ def test_compare_as_a_pull_request_comment_and_for_bots(
     moved = next(r for r in noisy["rows"] if r["dtype"] == "fp64" and r["status"] == PASS)
     for o in moved["outputs"].values():
         o["verdict"] = o["verdict"] | {"err": o["verdict"]["err"] * 1.01}
-    new = _write(_with_platform(noisy, here), tmp_path / "new")
+    # As if from another host: fp32 rows redrawn by this host's math path are not flagged, so
+    # the regressions are the planted ones on any host.
+    new = _write(_with_platform(noisy, ELSEWHERE), tmp_path / "new")
     assert main(["report", "compare", str(base), str(new), "--format", "md"]) == 1
     md = capsys.readouterr().out
     assert md.startswith("### k3verify: ") and "regression(s)" in md.splitlines()[0]
@@ -404,5 +407,8 @@ def test_compare_as_a_pull_request_comment_and_for_bots(
     assert doc["regressions"] and all(f["regression"] for f in doc["regressions"])
     assert set(doc) >= {"improvements", "changes", "within_thresholds", "notes", "rows_compared"}
     assert main(["report", "compare", str(base), str(new)]) == 1
-    tail = capsys.readouterr().out.splitlines()
-    assert tail[-1].startswith("compared ") and tail[-2].startswith("REGRESSION error grew: kda k3verify tiled bf16")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("compared ")
+    tail = lines[-1 - len(doc["regressions"]) : -1]  # one line per regression, just before the count
+    assert all(line.startswith("REGRESSION ") for line in tail), lines[-8:]
+    assert any(line.startswith("REGRESSION error grew: kda k3verify tiled bf16") for line in tail)

@@ -39,6 +39,8 @@ from .harness.map_files import write_map
 from .harness.overflow_map import MapOptions, agreement, sweep_map
 from .harness.render import render_report, write_report
 
+# Text printed as given, one log line each whatever the width: data never read as rich markup.
+PLAIN = dict(markup=False, highlight=False, soft_wrap=True)
 STATUS_STYLE = {"pass": "green", "fail": "bold red", "expected-nonfinite": "yellow", "unavailable": "dim"}
 
 
@@ -162,13 +164,12 @@ def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path
     if not args.quiet:
         _print_table(out, rows)
     _print_attention(out, rows)
-    plain = dict(markup=False, highlight=False, soft_wrap=True)  # one log line each, whatever the width
     out.print(" · ".join(f"{k}: {v}" for k, v in doc["summary"].items()) + f" · wall {config['wall_s']:.1f} s",
-              **plain)  # fmt: skip
+              **PLAIN)  # fmt: skip
     if paths:
-        out.print(f"wrote {', '.join(str(p) for p in paths)}", **plain)
+        out.print(f"wrote {', '.join(str(p) for p in paths)}", **PLAIN)
     if failed:
-        out.print(f"{failed} verdict(s) failed", style="bold red", **plain)
+        out.print(f"{failed} verdict(s) failed", style="bold red", **PLAIN)
     return 1 if failed else 0
 
 
@@ -177,12 +178,11 @@ def _print_table(out: Console, rows: list[dict]) -> None:
     instead, numbers first, so no number is ever cut ("4.1…") or split."""
     cells_by_row = report.table_rows(rows)
     if out.width < WIDE:
-        plain = dict(markup=False, highlight=False, soft_wrap=True)
-        out.print(f"{'status':<18} {'err':>9} {'limit':>9} {'margin':>6}  row [output] rule", **plain)
+        out.print(f"{'status':<18} {'err':>9} {'limit':>9} {'margin':>6}  row [output] rule", **PLAIN)
         for cells, row in zip(cells_by_row, rows):
             err, limit, margin, status = cells[-4:]
             line = f"{status:<18} {err:>9} {limit:>9} {margin:>6}  {report.row_heading(row)} [{cells[6]}] {cells[7]}"
-            out.print(line, style=STATUS_STYLE.get(row["status"], ""), **plain)
+            out.print(line, style=STATUS_STYLE.get(row["status"], ""), **PLAIN)
         return
     table = Table(*report.TABLE_HEADER, title="k3verify verdicts", show_lines=False)
     for i, column in enumerate(table.columns):
@@ -199,16 +199,15 @@ def _print_table(out: Console, rows: list[dict]) -> None:
 
 def _print_attention(out: Console, rows: list[dict]) -> None:
     """Overflow explanations, unavailable rows (one line per distinct reason), then failures."""
-    plain = dict(markup=False, highlight=False, soft_wrap=True)
     for row in rows:
         for line in row.get("overflow", [])[:1]:
-            out.print(f"overflow: {report.row_heading(row)}: {line}", style="yellow", **plain)
+            out.print(f"overflow: {report.row_heading(row)}: {line}", style="yellow", **PLAIN)
     for reason, headings in report.unavailable_groups(rows):
-        out.print(f"unavailable ({len(headings)}): {reason}", style="dim", **plain)
+        out.print(f"unavailable ({len(headings)}): {reason}", style="dim", **PLAIN)
         for heading in headings:
-            out.print(f"  - {heading}", style="dim", **plain)
+            out.print(f"  - {heading}", style="dim", **PLAIN)
     for line in report.failure_lines(rows):
-        out.print(f"FAIL {line}", style="bold red", **plain)
+        out.print(f"FAIL {line}", style="bold red", **PLAIN)
 
 
 def cmd_overflow_map(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -325,11 +324,10 @@ def cmd_report_compare(args: argparse.Namespace, out: Console, err: Console) -> 
                           "cells_compared": result.cells_compared, "notes": result.notes,
                           **{k: [vars(f) for f in v] for k, v in groups.items()}}, indent=1) + "\n")  # fmt: skip
     elif args.format == "md":
-        out.file.write(compare_markdown(args.base, args.new, result) + "\n")
+        out.file.write(compare.markdown(result, args.base, args.new) + "\n")
     else:
-        plain = dict(markup=False, highlight=False, soft_wrap=True)
         for note in result.notes:
-            out.print(f"note: {note}", style="dim", **plain)
+            out.print(f"note: {note}", style="dim", **PLAIN)
         shown = [f for key in ("changes", "improvements", "regressions") for f in groups[key]]
         if shown:
             table = Table("", "kind", "what", "detail", title=escape(f"{args.base} -> {args.new}"))
@@ -341,43 +339,15 @@ def cmd_report_compare(args: argparse.Namespace, out: Console, err: Console) -> 
             out.print(table)
         if groups["within_thresholds"]:
             out.print(f"{len(groups['within_thresholds'])} row output(s) moved within the thresholds "
-                      "(--format md or json lists them)", style="dim", **plain)  # fmt: skip
+                      "(--format md or json lists them)", style="dim", **PLAIN)  # fmt: skip
         for f in groups["regressions"]:  # the log's tail names each regression on one line
-            out.print(f"REGRESSION {f.kind}: {f.subject}: {f.detail}", style="bold red", **plain)
+            out.print(f"REGRESSION {f.kind}: {f.subject}: {f.detail}", style="bold red", **PLAIN)
     (err if args.format != "table" else out).print(
         f"compared {result.rows_compared} rows and {result.cells_compared} map cells: "
         + (f"[bold red]{n} regression(s)[/]" if n else "[green]no regressions[/]")
         + f", {len(result.findings) - n} other change(s)", highlight=False,
     )
     return 1 if n else 0
-
-
-def compare_markdown(base: str, new: str, result: compare.Comparison) -> str:
-    """A compare as a pull-request comment: regressions and improvements as tables, the rest
-    collapsed."""
-    groups = result.groups()
-    n = len(groups["regressions"])
-    lines = [f"### k3verify: {n} regression(s)" if n else "### k3verify: no regressions", "",
-             f"`{base}` → `{new}`: {result.rows_compared} rows and {result.cells_compared} map cells compared.", ""]
-    lines += [f"> {note}" for note in result.notes] + ([""] if result.notes else [])
-    titles = {"regressions": "Regressions", "improvements": "Improvements", "changes": "Other changes",
-              "within_thresholds": "Moved within the thresholds"}
-    for key, title in titles.items():
-        found = groups[key]
-        if not found:
-            continue
-        table = ["| kind | what | detail |", "|---|---|---|"] + [
-            f"| {_md(f.kind)} | {_md(f.subject)} | {_md(f.detail)} |" for f in found]  # fmt: skip
-        if key in ("regressions", "improvements"):
-            lines += [f"**{title}** ({len(found)})", "", *table, ""]
-        else:
-            lines += [f"<details><summary>{title} ({len(found)})</summary>", "", *table, "", "</details>", ""]
-    return "\n".join(lines)
-
-
-def _md(text: str) -> str:
-    """A table cell: pipes escaped, no line breaks."""
-    return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def cmd_report_render(args: argparse.Namespace, out: Console, err: Console) -> int:

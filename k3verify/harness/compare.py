@@ -328,3 +328,34 @@ def compare_paths(base: Path, new: Path, thresholds: Thresholds | None = None) -
     if not (base_has and new_has) and not (set(base_maps) & set(new_maps)):
         raise UsageError(f"nothing to compare: no report.json or common {MAP_GLOB} in {base} and {new}")
     return out
+
+
+# --- as a pull-request comment -------------------------------------------------------------
+
+
+def markdown(result: Comparison, base: str, new: str) -> str:
+    """The comparison as a pull-request comment: regressions and improvements as tables, the
+    rest collapsed under ``<details>``."""
+    groups = result.groups()
+    n = len(groups["regressions"])
+    lines = [f"### k3verify: {n} regression(s)" if n else "### k3verify: no regressions", "",
+             f"`{base}` → `{new}`: {result.rows_compared} rows and {result.cells_compared} map cells compared.", ""]
+    lines += [f"> {note}" for note in result.notes] + ([""] if result.notes else [])
+    titles = {"regressions": "Regressions", "improvements": "Improvements", "changes": "Other changes",
+              "within_thresholds": "Moved within the thresholds"}
+    for key, title in titles.items():
+        found = groups[key]
+        if not found:
+            continue
+        table = ["| kind | what | detail |", "|---|---|---|"] + [
+            f"| {_md(f.kind)} | {_md(f.subject)} | {_md(f.detail)} |" for f in found]  # fmt: skip
+        if key in ("regressions", "improvements"):
+            lines += [f"**{title}** ({len(found)})", "", *table, ""]
+        else:
+            lines += [f"<details><summary>{title} ({len(found)})</summary>", "", *table, "", "</details>", ""]
+    return "\n".join(lines)
+
+
+def _md(text: str) -> str:
+    """A table cell: pipes escaped, no line breaks."""
+    return str(text).replace("|", "\\|").replace("\n", " ")

@@ -412,3 +412,20 @@ def test_compare_as_a_pull_request_comment_and_for_bots(
     tail = lines[-1 - len(doc["regressions"]) : -1]  # one line per regression, just before the count
     assert all(line.startswith("REGRESSION ") for line in tail), lines[-8:]
     assert any(line.startswith("REGRESSION error grew: kda k3verify tiled bf16") for line in tail)
+
+
+def test_columns_decides_the_layout(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                    tmp_path: Path) -> None:  # fmt: skip
+    """Rule: structural. Piped output is a 170-column table unless ``COLUMNS`` says otherwise;
+    at 80 columns the verdicts are one line per row with every number whole."""
+    args = ["run", "--modules", "mla", "--out", str(tmp_path / "r"), "--maps", str(tmp_path / "none")]
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(args) == 0
+    wide = capsys.readouterr().out
+    table = [line for line in wide.splitlines() if line[:1] in "┏┃┡│└"]
+    assert "k3verify verdicts" in wide and table and max(map(len, table)) <= 170
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(args) == 0
+    narrow = capsys.readouterr().out
+    assert "k3verify verdicts" not in narrow and "…" not in narrow
+    assert re.search(r"^pass +\d\.\d\de-\d\d +\d\.\d\de-\d\d +\d\.\d\d  mla k3verify ", narrow, re.M), narrow[:400]

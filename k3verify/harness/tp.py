@@ -111,7 +111,7 @@ def disagreement(results: list[dict[str, torch.Tensor]], expected: list[dict[str
         for name, ref in want.items():
             err = relative_max_error(got[name], ref)
             if not err <= limit:
-                return f"rank {rank}: {name} differs from the unsharded computation ({err:.3e} > {limit:.0e})"
+                return f"rank {rank}: {name!r} is {err:.3e} away from the unsharded computation (limit {limit:.0e})"
     return None
 
 

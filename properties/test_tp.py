@@ -4,7 +4,8 @@ fp64 oracle.
 Rules: fp64-agreement (the sharded fp64 forward and every rank's share against the unsharded
 computation), baseline (bf16 sharded, with the all-reduce in fp32 and in bf16, against the
 unsharded naive bf16 baseline), structural (planted placement bugs and a dead rank are named).
-Starting eight ranks costs seconds on a two-core machine, so each launch runs several calls.
+Starting eight ranks costs seconds on a two-core machine, so each launch runs several calls
+(``run_calls``).
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import torch
 from verdicts import assert_fp64_agrees, assert_identical
 
 from k3verify import moe
-from k3verify.harness.tp import RankFailure, disagreement, run_ranks
+from k3verify.harness.tp import RankFailure, disagreement, run_calls, run_ranks
 from k3verify.moe import samples, sharded
 from k3verify.numerics import FP64_AGREEMENT_REL, baseline_rule, compare, noise_floor
 
 WORLD = 8
-TARGET = "k3verify.moe.sharded:rank_forward_all"
+TARGET = "k3verify.moe.sharded:rank_forward"
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,7 @@ def runs(case) -> dict[str, list[dict[str, torch.Tensor]]]:
     variants = {"fp64": ("fp64", "fp64"), "bf16/fp32 reduce": ("bf16", "fp32"), "bf16/bf16 reduce": ("bf16", "bf16")}
     calls = [sharded.ShardedCall(x, w, cfg, dtype=d, reduce_dtype=r) for d, r in variants.values()]
     calls.append(sharded.ShardedCall(x, w, cfg, plant="norm_before_reduce"))
-    per_rank = run_ranks(TARGET, WORLD, calls)
-    return {name: [ranks[i] for ranks in per_rank] for i, name in enumerate([*variants, "norm_before_reduce"])}
+    return dict(zip([*variants, "norm_before_reduce"], run_calls(TARGET, WORLD, calls)))
 
 
 def test_fp64_sharded_equals_the_unsharded_oracle(case, runs) -> None:
@@ -76,7 +76,7 @@ def test_a_dead_rank_ends_the_run_with_its_name(case) -> None:
     x, w, cfg = case
     start = time.perf_counter()
     with pytest.raises(RankFailure, match=rf"rank {WORLD - 1} of {WORLD} died \(exit code 3\)"):
-        run_ranks(TARGET, WORLD, [sharded.ShardedCall(x, w, cfg, plant="die")], timeout_s=60)
+        run_ranks(TARGET, WORLD, sharded.ShardedCall(x, w, cfg, plant="die"), timeout_s=60)
     assert time.perf_counter() - start < 60  # well before the timeout: death is noticed, not waited out
 
 
@@ -88,7 +88,7 @@ def test_shard_refuses_a_split_that_does_not_divide(case) -> None:
 
 # --- Gated MLA: heads split, latent cache replicated, output projection all-reduced ---------------
 
-MLA_TARGET = "k3verify.mla.sharded:rank_forward_all"
+MLA_TARGET = "k3verify.mla.sharded:rank_forward"
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +111,7 @@ def mla_runs(mla_case):
 
     x, w, cfg, cache, _ = mla_case
     calls = [mla_sharded.ShardedCall(x, w, cfg, cache), mla_sharded.ShardedCall(x, w, cfg, cache, plant="split_latent")]
-    per_rank = run_ranks(MLA_TARGET, WORLD, calls)
-    return [[ranks[i] for ranks in per_rank] for i in range(len(calls))]
+    return run_calls(MLA_TARGET, WORLD, calls)
 
 
 def test_mla_fp64_sharded_equals_the_unsharded_layer(mla_case, mla_runs) -> None:
@@ -182,8 +181,7 @@ def test_kda_fp64_sharded_equals_the_unsharded_layer(kda_case) -> None:
 
     x, full, cfg, y, expected = kda_case
     calls = [kda_sharded.ShardedCall(x, full, cfg), kda_sharded.ShardedCall(x, full, cfg, plant="ignore_padding")]
-    per_rank = run_ranks("k3verify.kda.sharded:rank_forward_all", WORLD, calls)
-    right, planted = ([ranks[i] for ranks in per_rank] for i in range(2))
+    right, planted = run_calls("k3verify.kda.sharded:rank_forward", WORLD, calls)
     assert_fp64_agrees(right[0]["y"], y, "y, TP=8 against unsharded")
     # Each rank's conv and recurrent state are the unsharded layer's rows for its heads.
     assert disagreement(right, expected, FP64_AGREEMENT_REL) is None

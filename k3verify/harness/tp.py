@@ -66,6 +66,19 @@ def run_ranks(target: str, world_size: int, payload: Any, *, backend: str = "glo
                 p.join(timeout=10)
 
 
+def run_calls(target: str, world_size: int, payloads: list[Any], **options: Any) -> list[list[Any]]:
+    """``target`` on every payload in one launch (starting ranks costs seconds): for each
+    payload, the results by rank. ``options`` as :func:`run_ranks`."""
+    per_rank = run_ranks("k3verify.harness.tp:_each", world_size, (target, list(payloads)), **options)
+    return [[ranks[i] for ranks in per_rank] for i in range(len(payloads))]
+
+
+def _each(rank: int, world_size: int, job: tuple[str, list[Any]]) -> list[Any]:
+    target, payloads = job
+    fn = _resolve(target)
+    return [fn(rank, world_size, payload) for payload in payloads]
+
+
 def _collect(procs: list, results: queues.Queue, timeout_s: float) -> list[Any]:
     """Wait for one answer per rank; raise on the first raise, death or timeout."""
     got: dict[int, Any] = {}

@@ -73,8 +73,3 @@ def rank_forward(rank: int, world_size: int, call: ShardedCall) -> dict[str, tor
     y = y_part.clone()
     dist.all_reduce(y)
     return {"y sent": y_part, "y": y, "conv": state.conv, "recurrent": state.recurrent}
-
-
-def rank_forward_all(rank: int, world_size: int, calls: list[ShardedCall]) -> list[dict[str, torch.Tensor]]:
-    """:func:`rank_forward` for several calls in one launch."""
-    return [rank_forward(rank, world_size, call) for call in calls]

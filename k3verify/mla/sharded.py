@@ -55,8 +55,3 @@ def rank_forward(rank: int, world_size: int, call: ShardedCall) -> dict[str, tor
     y = out.y.clone()
     dist.all_reduce(y)
     return {"entries": out.entries, "y sent": out.y, "y": y}
-
-
-def rank_forward_all(rank: int, world_size: int, calls: list[ShardedCall]) -> list[dict[str, torch.Tensor]]:
-    """:func:`rank_forward` for several calls in one launch."""
-    return [rank_forward(rank, world_size, call) for call in calls]

@@ -115,8 +115,3 @@ def rank_forward(rank: int, world_size: int, call: ShardedCall) -> dict[str, tor
     w_up = call.weights.w_latent_up.to(dtype).to(acc)
     y = (normed.to(dtype).to(acc) @ w_up).to(dtype).to(acc) + y_s
     return {"u sent": sent, "y_s sent": share["y_s"], "u": u, "y": y.to(dtype).to(acc)}
-
-
-def rank_forward_all(rank: int, world_size: int, calls: list[ShardedCall]) -> list[dict[str, torch.Tensor]]:
-    """:func:`rank_forward` for several calls in one launch (starting ranks costs seconds)."""
-    return [rank_forward(rank, world_size, call) for call in calls]

@@ -27,11 +27,13 @@ def _install(session: nox.Session, extras: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Property tests with the derandomised ``ci`` Hypothesis profile, fla-core installed; then
-    ``k3verify golden verify`` and a fresh run compared against the committed baseline."""
+    ``k3verify golden verify``, a fresh run compared against the committed baseline, and the
+    modules sharded over 8 gloo ranks (``k3verify run --tp 8``)."""
     _install(session, "test,fla")
     session.run("pytest", "-m", "not slow and not nightly", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci"})
     session.run("k3verify", "golden", "verify")
     _run_and_compare(session)
+    session.run("k3verify", "run", "--tp", "8", "--tp-backend", "gloo", "--out", f"{LATEST}/tp8", "--quiet")
 
 
 def _run_and_compare(session: nox.Session) -> None:
@@ -139,6 +141,16 @@ def gpu(session: nox.Session) -> None:
     session.run(python, "-m", "pytest", *tests, "-q", "-rs", env={"HYPOTHESIS_PROFILE": profile})
     session.run(python, "-m", "k3verify", "overflow-map", "--module", "kda", "--quick", "--out", f"{out}/maps")
     session.run(python, "-m", "k3verify", "run", "--modules", "kda", "--out", out)
+
+
+@nox.session(name="gpu-tp", venv_backend="none")
+def gpu_tp(session: nox.Session) -> None:
+    """On a machine with two CUDA devices: every module sharded over 2 NCCL ranks, at small and
+    at K3 widths (``k3verify run --tp 2``). Output under ``reports/latest/gpu-tp`` or the posarg."""
+    out = session.posargs[0] if session.posargs else "reports/latest/gpu-tp"
+    for size in ("small", "k3"):
+        session.run(sys.executable, "-m", "k3verify", "run", "--tp", "2", "--tp-backend", "nccl", "--tp-size", size,
+                    "--out", f"{out}/{size}")  # fmt: skip
 
 
 @nox.session(name="gpu-bench", venv_backend="none")

@@ -19,6 +19,7 @@ atomic, so an interrupted command leaves what was there before.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -38,6 +39,7 @@ from .harness.files import UsageError, check_output_folder
 from .harness.map_files import write_map
 from .harness.overflow_map import MapOptions, agreement, sweep_map
 from .harness.render import render_report, write_report
+from .harness.tp_rows import BACKENDS, SIZES, TPOptions, default_backend
 
 # Text printed as given, one log line each whatever the width: data never read as rich markup.
 PLAIN = dict(markup=False, highlight=False, soft_wrap=True)
@@ -134,18 +136,35 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Verify every registered implementation of the selected modules; write the report."""
     entries = registry.select(_module_list(args.modules))
     check_output_folder(Path(args.out), "--out")
-    planned = runner.plan(entries)
+    tp = _tp_options(args)
+    planned = runner.plan(entries, tp)
     rows = []
     start = time.perf_counter()
     with _progress(err) as bar:
         task = bar.add_task("verifying", total=len(planned), current="")
         for row in runner.run(entries, seed=args.seed, progress=lambda label: bar.update(task, current=label),
-                              orphans=args.modules is None):
+                              orphans=args.modules is None, tp=tp):
             rows.append(row)
             bar.advance(task)
     wall = time.perf_counter() - start
     config = {"seed": args.seed, "modules": [e.name for e in entries], "wall_s": round(wall, 2)}
+    if tp is not None:
+        config["tp"] = dataclasses.asdict(tp)
     return _finish(rows, config, Path(args.out), _maps_dir(args.maps), out, args)
+
+
+def _tp_options(args: argparse.Namespace) -> TPOptions | None:
+    """The ``--tp`` options, or ``None`` for the usual rows; :class:`UsageError` for an impossible set."""
+    if args.tp is None:
+        for flag, value in (("--tp-backend", args.tp_backend), ("--tp-size", args.tp_size)):
+            if value is not None:
+                raise UsageError(f"{flag} needs --tp N")
+        return None
+    try:
+        return TPOptions(args.tp, backend=args.tp_backend or default_backend(args.tp),
+                         size=args.tp_size or "small", timeout_s=args.tp_timeout)  # fmt: skip
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path | None, out: Console,
@@ -391,6 +410,14 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="reports/latest", help="report folder (default: reports/latest)")
     r.add_argument("--seed", type=_seed, default=0, help="seed of the generated cases (default: 0)")
     r.add_argument("--maps", help=MAPS_HELP)
+    r.add_argument("--tp", type=int, metavar="N",
+                   help="instead of the usual rows: every module's layer sharded over N ranks (fp64, and bf16 "
+                        "with the all-reduce in fp32 and in bf16) against the unsharded layer")
+    r.add_argument("--tp-backend", choices=BACKENDS,
+                   help="collective backend for --tp (default: nccl with a CUDA device per rank, else gloo)")
+    r.add_argument("--tp-size", choices=SIZES, help="layer widths for --tp: small (default) or k3 (K3's widths)")
+    r.add_argument("--tp-timeout", type=_finite, default=300.0, metavar="SECONDS",
+                   help="a module's ranks that take longer fail its rows (default 300)")
     _output_options(r)
     r.set_defaults(fn=cmd_run)
     m = sub.add_parser("overflow-map", help="map where a module's tiled form overflows or loses precision")
@@ -460,7 +487,6 @@ MAPS_HELP = (
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    # Piped output (CI logs, files) gets a wide fixed width instead of rich's 80 columns.
     # A log gets a wide fixed width instead of rich's 80 columns, unless COLUMNS says otherwise.
     out = Console() if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit() else Console(width=170)
     err = Console(stderr=True)

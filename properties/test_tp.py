@@ -1,11 +1,11 @@
-"""Stable LatentMoE sharded over 8 real ranks (gloo, one CPU thread each) against the unsharded
+"""Every module sharded over 8 real ranks (gloo, one CPU thread each) against the unsharded
 fp64 oracle.
 
 Rules: fp64-agreement (the sharded fp64 forward and every rank's share against the unsharded
 computation), baseline (bf16 sharded, with the all-reduce in fp32 and in bf16, against the
-unsharded naive bf16 baseline), structural (planted placement bugs and a dead rank are named).
-Starting eight ranks costs seconds on a two-core machine, so each launch runs several calls
-(``run_calls``).
+unsharded layer storing bf16: the rows of ``k3verify run --tp 8``), structural (planted
+placement bugs and a dead rank are named). Starting eight ranks costs seconds on a two-core
+machine, so each launch runs several calls (``run_calls``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import torch
 from verdicts import assert_fp64_agrees, assert_identical
 
 from k3verify import moe
+from k3verify.harness import registry, runner
 from k3verify.harness.tp import RankFailure, disagreement, run_calls, run_ranks
+from k3verify.harness.tp_rows import TPOptions
 from k3verify.moe import samples, sharded
-from k3verify.numerics import FP64_AGREEMENT_REL, baseline_rule, compare, noise_floor
+from k3verify.numerics import FP64_AGREEMENT_REL, PASS
 
 WORLD = 8
 TARGET = "k3verify.moe.sharded:rank_forward"
@@ -33,12 +35,10 @@ def case() -> tuple[torch.Tensor, moe.MoEWeights, moe.MoEConfig]:
 
 @pytest.fixture(scope="module")
 def runs(case) -> dict[str, list[dict[str, torch.Tensor]]]:
-    """One launch: fp64, bf16 with the all-reduce in fp32 and in bf16, and the planted bug."""
+    """One launch: fp64 and the planted bug (the bf16 variants are the run's rows, below)."""
     x, w, cfg = case
-    variants = {"fp64": ("fp64", "fp64"), "bf16/fp32 reduce": ("bf16", "fp32"), "bf16/bf16 reduce": ("bf16", "bf16")}
-    calls = [sharded.ShardedCall(x, w, cfg, dtype=d, reduce_dtype=r) for d, r in variants.values()]
-    calls.append(sharded.ShardedCall(x, w, cfg, plant="norm_before_reduce"))
-    return dict(zip([*variants, "norm_before_reduce"], run_calls(TARGET, WORLD, calls)))
+    calls = [sharded.ShardedCall(x, w, cfg), sharded.ShardedCall(x, w, cfg, plant="norm_before_reduce")]
+    return dict(zip(["fp64", "norm_before_reduce"], run_calls(TARGET, WORLD, calls)))
 
 
 def test_fp64_sharded_equals_the_unsharded_oracle(case, runs) -> None:
@@ -51,16 +51,6 @@ def test_fp64_sharded_equals_the_unsharded_oracle(case, runs) -> None:
                         FP64_AGREEMENT_REL) is None  # fmt: skip
     for r in ranks[1:]:  # bitwise within one run: every rank holds the all-reduce's one result
         assert_identical(r["y"], ranks[0]["y"], "y on another rank")
-
-
-@pytest.mark.parametrize("variant", ["bf16/fp32 reduce", "bf16/bf16 reduce"])
-def test_bf16_sharded_within_policy(case, runs, variant: str) -> None:
-    x, w, cfg = case
-    ref = moe.recurrent(x, w, cfg)
-    base = moe.naive_baseline(x, w, cfg, dtype="bf16")
-    verdict = baseline_rule(compare(runs[variant][0]["y"], ref, ulp_dtype="bf16"), compare(base, ref, ulp_dtype="bf16"),
-                            noise_floor(ref, torch.bfloat16))  # fmt: skip
-    assert verdict.passed, f"{variant}: {verdict.reason}"
 
 
 def test_a_norm_before_the_all_reduce_is_named(case, runs) -> None:
@@ -137,16 +127,11 @@ def test_mla_a_split_latent_projection_is_named(mla_case, mla_runs) -> None:
 def test_attnres_every_rank_mixes_the_same() -> None:
     """Every rank's mixture equals the unsharded step (fp64-agreement) and the others' (bitwise:
     one all-reduce result, the same arithmetic on every rank of one run)."""
-    from k3verify.attnres import samples as attnres_samples
     from k3verify.attnres import sharded as attnres_sharded
 
-    inputs, _ = attnres_samples.aggregation_sample(9, 16, 64, logit_scale=8.0, seed=3)
-    gen = torch.Generator().manual_seed(4)
-    call = attnres_sharded.ShardedCall(inputs["sources"], inputs["w"], inputs["gamma"],
-                                       torch.randn(16, 32, generator=gen, dtype=torch.float64),
-                                       torch.randn(32, 64, generator=gen, dtype=torch.float64) / 32**0.5)  # fmt: skip
+    call = attnres_sharded.make_call("small", 3, WORLD)
     ranks = run_ranks("k3verify.attnres.sharded:rank_forward", WORLD, call)
-    assert disagreement(ranks, [{"h": attnres_sharded.unsharded(call)}] * WORLD, FP64_AGREEMENT_REL) is None
+    assert disagreement(ranks, [attnres_sharded.unsharded(call)] * WORLD, FP64_AGREEMENT_REL) is None
     for r, got in enumerate(ranks[1:], start=1):
         assert_identical(got["h"], ranks[0]["h"], f"rank {r}'s mixture")
 
@@ -210,3 +195,36 @@ def test_kda_production_shard_sizes_come_from_the_sharded_weights() -> None:
     sizes = {"packed": mine.w_packed.shape[1], "conv cache": (mine.conv.shape[0], mine.conv.shape[1] - 1)}
     assert sizes == {"packed": 6288, "conv cache": (4608, 3)}, sizes
     assert mine.w_o.shape == (12 * 128, 7168) and mine.a_log.shape == (12,)
+
+
+# --- the rows of `k3verify run --tp 8` -----------------------------------------------------------
+
+
+def test_run_tp_rows_for_every_module_pass() -> None:
+    """Three rows per module, one launch each: fp64 within fp64-agreement of the unsharded fp64
+    layer, bf16 with an fp32 and a bf16 all-reduce within the baseline rule against the
+    unsharded bf16 layer; every row names its world size and backend."""
+    entries = registry.select(None)
+    rows = list(runner.run(entries, tp=TPOptions(WORLD)))
+    got = {(r["module"], r["dtype"], r["params"]["reduce"]): r for r in rows}
+    assert sorted(got) == sorted((e.name, d, red) for e in entries
+                                 for d, red in (("fp64", "fp64"), ("bf16", "fp32"), ("bf16", "bf16"))), sorted(got)
+    for (module, dtype, reduce), row in got.items():
+        assert row["status"] == PASS, f"{module} {dtype}/{reduce}: {row.get('reason') or row['verdict']}"
+        assert row["params"]["tp"] == WORLD and row["params"]["backend"] == "gloo"
+        if dtype == "fp64":
+            assert row["rule"] == "fp64-agreement" and row["verdict"]["err"] <= FP64_AGREEMENT_REL, row["verdict"]
+        else:
+            assert row["rule"] == "baseline" and "baseline_metrics" in row
+
+
+def test_run_tp_rows_report_ranks_that_do_not_finish() -> None:
+    """Ranks that do not finish in time fail their module's rows with the reason, in bounded
+    time, and every other row is still reported."""
+    entries = registry.select(["moe", "attnres"])
+    start = time.perf_counter()
+    rows = list(runner.run(entries, tp=TPOptions(WORLD, timeout_s=0.5)))
+    assert time.perf_counter() - start < 60
+    assert len(rows) == 6
+    for row in rows:
+        assert row["status"] == "fail" and "did not finish within 0.5 s" in row["reason"], row.get("reason")

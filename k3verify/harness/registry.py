@@ -144,6 +144,25 @@ def implementation(
                           is_available=is_available, cases=cases, baseline=baseline, in_map=in_map)
 
 
+@dataclass(frozen=True)
+class ShardedForm:
+    """How a module runs over tensor-parallel ranks (``k3verify run --tp N``).
+
+    ``package`` names the module's sharded form (``"k3verify.kda.sharded"``), which defines
+    ``make_call(size, seed, world_size)`` (the fp64 inputs, built alike in every rank and in
+    the parent; ``size`` is ``small`` or ``k3``), ``rank_forward(rank, world_size, call)`` (one
+    rank's forward with the collectives; ``call`` carries ``dtype`` and ``reduce_dtype``) and
+    ``unsharded(call)`` (the same layer on one process: the fp64 oracle, or the same-dtype
+    baseline). ``gather(ranks)`` turns what the ranks returned into the named ``outputs``;
+    ``position_axis`` as :attr:`ModuleEntry.position_axis` for those outputs.
+    """
+
+    package: str
+    outputs: tuple[str, ...]
+    gather: Callable[[list[dict[str, torch.Tensor]]], Outputs]
+    position_axis: int | None = None
+
+
 def unavailable_as(reason: Callable[[], str | None]) -> Callable[[], tuple[bool, str]]:
     """An ``is_available`` from a function returning a reason or ``None``."""
 
@@ -190,6 +209,8 @@ class ModuleEntry:
     studies: Mapping[str, Callable[[int, bool], dict[str, Any]]] = field(default_factory=dict)
     # A Hypothesis strategy of (inputs, params) samples for users' property tests (k3verify.testing).
     strategy: Callable[[], Any] | None = None
+    # The layer sharded over tensor-parallel ranks (``k3verify run --tp N``).
+    sharded: ShardedForm | None = None
 
     @property
     def primary(self) -> str:

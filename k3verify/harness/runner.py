@@ -28,28 +28,34 @@ from ..numerics import (
     noise_floor,
     spacing,
 )
+from . import tp_rows
 from .registry import FP64_RULE, Case, Implementation, ModuleEntry, Outputs, as_outputs, orphan_implementations
+from .tp_rows import TPOptions
 
 UNAVAILABLE = "unavailable"
 
 Progress = Callable[[str], None]
 
 
-def plan(entries: list[ModuleEntry]) -> list[tuple[ModuleEntry, Implementation, str]]:
-    """Every (entry, implementation, case name) a run will verify, in order."""
+def plan(entries: list[ModuleEntry], tp: TPOptions | None = None) -> list[tuple[ModuleEntry, Implementation, str]]:
+    """Every (entry, implementation, case name) a run will verify, in order; with ``tp``, the
+    tensor-parallel rows instead (:mod:`k3verify.harness.tp_rows`)."""
+    if tp is not None:
+        return tp_rows.plan(entries, tp)
     return [(e, impl, c) for e in entries for impl in e.implementations() for c in impl.cases]
 
 
 def run(entries: list[ModuleEntry], *, seed: int = 0, progress: Progress | None = None,
-        orphans: bool = False) -> Iterator[dict[str, Any]]:
+        orphans: bool = False, tp: TPOptions | None = None) -> Iterator[dict[str, Any]]:
     """Verify every planned row; yields rows as they finish (``progress`` gets each label first).
 
     An implementation that cannot run here yields its ``unavailable`` row without building its
     case (a broken plugin may ask for a case its module does not make). ``orphans`` adds the
-    rows of plugins that name no registered module (a full run shows them)."""
-    cases: dict[str, dict[str, Case]] = {}
-    planned = plan(entries)
-    if orphans:
+    rows of plugins that name no registered module (a full run shows them). ``tp`` runs the
+    modules sharded over ranks instead (see :func:`plan`)."""
+    cases: dict[int, dict[str, Case]] = {}
+    planned = plan(entries, tp)
+    if orphans and tp is None:
         planned += [(entries[0], impl, c) for impl in orphan_implementations() for c in impl.cases]
     for entry, impl, case_name in planned:
         if progress:
@@ -58,11 +64,12 @@ def run(entries: list[ModuleEntry], *, seed: int = 0, progress: Progress | None 
         if reason:
             yield row_header(impl, Case(case_name, {})) | {"status": UNAVAILABLE, "reason": reason}
             continue
-        if entry.name not in cases:
-            cases[entry.name] = entry.make_cases(seed)
-        if case_name not in cases[entry.name]:
+        if id(entry) not in cases:  # by identity: a --tp run's entries share their module's name
+            cases[id(entry)] = entry.make_cases(seed)
+        made = cases[id(entry)]
+        if case_name not in made:
             raise KeyError(f"{impl.label} asks for case {case_name!r}, which {entry.name} does not make")
-        yield verify(entry, impl, cases[entry.name][case_name])
+        yield verify(entry, impl, made[case_name])
 
 
 def row_header(impl: Implementation, case: Case) -> dict[str, Any]:

@@ -47,7 +47,7 @@ def run_ranks(target: str, world_size: int, payload: Any, *, backend: str = "glo
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
-    _resolve(target)  # a bad name fails here, not in eight processes
+    resolve_target(target)  # a bad name fails here, not in eight processes
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="k3verify-tp-") as tmp:
         results: queues.Queue = ctx.Queue()
@@ -75,7 +75,7 @@ def run_calls(target: str, world_size: int, payloads: list[Any], **options: Any)
 
 def _each(rank: int, world_size: int, job: tuple[str, list[Any]]) -> list[Any]:
     target, payloads = job
-    fn = _resolve(target)
+    fn = resolve_target(target)
     return [fn(rank, world_size, payload) for payload in payloads]
 
 
@@ -128,7 +128,8 @@ def disagreement(results: list[dict[str, torch.Tensor]], expected: list[dict[str
     return None
 
 
-def _resolve(target: str):
+def resolve_target(target: str) -> Any:
+    """The function ``"k3verify.module:function"`` names (only k3verify functions run in a rank)."""
     module, _, name = target.partition(":")
     if not module.startswith("k3verify.") or not name:
         raise ValueError(f"target must name a k3verify function as 'k3verify.module:function', got {target!r}")
@@ -143,7 +144,7 @@ def _rank_main(rank: int, world_size: int, backend: str, init: str, target: str,
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
-        value = _resolve(target)(rank, world_size, payload)
+        value = resolve_target(target)(rank, world_size, payload)
         # As bytes: a tensor sent as shared memory dies with this process, which may exit
         # before the parent has read it.
         buf = io.BytesIO()

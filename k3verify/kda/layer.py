@@ -145,11 +145,13 @@ class KDALayer:
     def __post_init__(self) -> None:
         self.shapes = local_shapes(self.cfg, self.tp)
 
-    def empty_state(self, batch: int, dtype: torch.dtype = torch.float64) -> KDAState:
+    def empty_state(self, batch: int, dtype: torch.dtype = torch.float64,
+                    device: torch.device | str = "cpu") -> KDAState:  # fmt: skip
         """Zero conv history and zero recurrent state for ``batch`` requests."""
         return KDAState(
-            conv=torch.zeros(batch, *self.shapes.conv_cache, dtype=dtype),
-            recurrent=torch.zeros(batch, self.shapes.heads, self.cfg.head_dim, self.cfg.head_dim, dtype=dtype),
+            conv=torch.zeros(batch, *self.shapes.conv_cache, dtype=dtype, device=device),
+            recurrent=torch.zeros(batch, self.shapes.heads, self.cfg.head_dim, self.cfg.head_dim, dtype=dtype,
+                                  device=device),
         )
 
     def prefill(
@@ -170,7 +172,7 @@ class KDALayer:
         require_shape("x", x, (None, None, self.cfg.hidden), "B,T,d")
         require_finite("x", x)
         B, T, _ = x.shape
-        state = state or self.empty_state(B, x.dtype)
+        state = state or self.empty_state(B, x.dtype, x.device)
         parts = self.project(x)
         qkv, conv_cache = short_conv(torch.cat([parts["q"], parts["k"], parts["v"]], -1), self.weights.conv, state.conv)
         h, K = self.shapes.heads, self.cfg.head_dim

@@ -8,7 +8,9 @@ its heads' rows of the short convolution (conv cache ``[3 h K, W - 1]``: ``[4608
 ``W_fb``'s columns, ``a_log`` and ``dt_bias``; its heads' rows of the row-parallel ``W_o``,
 whose partial outputs are all-reduced. Each rank keeps its own conv and recurrent state.
 
-:func:`rank_forward` is what a rank runs under :func:`k3verify.harness.tp.run_ranks`.
+:func:`rank_forward` is what a rank runs under :func:`k3verify.harness.tp.run_ranks`;
+:func:`unsharded` is the same layer on one process (the fp64 oracle, or the same-dtype
+baseline); :func:`make_call` builds the inputs every rank and the parent build alike.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from .layer import PACKED_ORDER, KDAConfig, KDALayer, KDAWeights, local_shapes
+from ..numerics import all_reduce, cast_floats, resolve_dtype
+from .layer import PACKED_ORDER, KDAConfig, KDALayer, KDAWeights, init_weights, local_shapes
 
 # ``ignore_padding``: the padded packed projection cut into equal column ranges, as if it had
 # no segments and no padding — the placement bug a test plants to show it is caught.
@@ -55,12 +57,39 @@ def shard(full: KDAWeights, cfg: KDAConfig, rank: int, tp: int, plant: str | Non
 
 @dataclass(frozen=True)
 class ShardedCall:
-    """What every rank is given: ``x:[B, T, d]``, the unsharded weights and their config."""
+    """What every rank is given: ``x:[B, T, d]``, the unsharded weights and their config (fp64);
+    the layer runs in ``dtype`` and the all-reduce sums in ``reduce_dtype``."""
 
     x: torch.Tensor
     weights: KDAWeights
     config: KDAConfig
+    dtype: str = "fp64"
+    reduce_dtype: str = "fp64"
     plant: str | None = None
+
+
+def make_call(size: str, seed: int, world_size: int) -> ShardedCall:
+    """``small`` (one 16-wide head per rank, B = 2, T = 70: a full and a partial chunk) or ``k3``
+    (the production layer, 96 heads, B = 1, T = 64), from ``seed``."""
+    if size == "small":
+        cfg, B, T = KDAConfig(hidden=112, heads=world_size, head_dim=16, gate_rank=16), 2, 70
+    elif size == "k3":
+        cfg, B, T = KDAConfig.production(), 1, 64
+    else:
+        raise ValueError(f"size must be 'small' or 'k3', got {size!r}")
+    x = torch.randn(B, T, cfg.hidden, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    return ShardedCall(x, init_weights(cfg, seed=seed), cfg)
+
+
+def _prefill(call: ShardedCall, weights: KDAWeights, tp: int) -> tuple[torch.Tensor, object]:
+    dtype = resolve_dtype(call.dtype)
+    return KDALayer(call.config, cast_floats(weights, dtype), tp=tp).prefill(call.x.to(dtype))
+
+
+def unsharded(call: ShardedCall) -> dict[str, torch.Tensor]:
+    """The layer on one process in ``call.dtype``: ``y:[B, T, d]`` and ``final_state:[B, H, K, V]``."""
+    y, state = _prefill(call, call.weights, 1)
+    return {"y": y, "final_state": state.recurrent}
 
 
 def rank_forward(rank: int, world_size: int, call: ShardedCall) -> dict[str, torch.Tensor]:
@@ -68,8 +97,7 @@ def rank_forward(rank: int, world_size: int, call: ShardedCall) -> dict[str, tor
 
     Returns its partial output (``y sent``), the all-reduced ``y`` and its state (``conv``,
     ``recurrent``)."""
-    layer = KDALayer(call.config, shard(call.weights, call.config, rank, world_size, call.plant), tp=world_size)
-    y_part, state = layer.prefill(call.x)
-    y = y_part.clone()
-    dist.all_reduce(y)
+    mine = shard(call.weights, call.config, rank, world_size, call.plant)
+    y_part, state = _prefill(call, mine, world_size)
+    y = all_reduce(y_part, call.reduce_dtype)
     return {"y sent": y_part, "y": y, "conv": state.conv, "recurrent": state.recurrent}

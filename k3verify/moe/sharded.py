@@ -10,9 +10,10 @@ sum of norms.
 
 :func:`partials` is one rank's share without communication (also the reference a test holds
 each rank to); :func:`rank_forward` is what a rank runs under
-:func:`k3verify.harness.tp.run_ranks`. Stored results are rounded to ``dtype`` and computed in
-fp32 (fp64 for fp64), as :func:`k3verify.moe.naive_baseline` does unsharded; the all-reduce
-runs in ``reduce_dtype``.
+:func:`k3verify.harness.tp.run_ranks`; :func:`unsharded` is the layer on one process;
+:func:`make_call` builds the inputs every rank and the parent build alike. Stored results are
+rounded to ``dtype`` and computed in fp32 (fp64 for fp64), as :func:`k3verify.moe.naive_baseline`
+does unsharded; the all-reduce runs in ``reduce_dtype``.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import os
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 
-from ..numerics import resolve_dtype
+from ..numerics import all_reduce, resolve_dtype
 from ..numerics.ops import rms_norm
 from .inputs import MoEConfig, MoEWeights, Routing, check_inputs
+from .layer import init_weights
+from .recurrent import naive_baseline, recurrent
 from .router import routing_for
 from .situ import activation
 
@@ -44,6 +46,35 @@ class ShardedCall:
     reduce_dtype: str = "fp64"
     routing: Routing | None = None
     plant: str | None = None  # one of PLANTS, on every rank (``die``: on the last rank only)
+
+
+# K3's widths (d, latent, expert and shared hidden) with few experts: 896 of them would not fit
+# in fp64 on one host; the expert count is not what sharding splits.
+K3_WIDTHS = MoEConfig(num_experts=8, top_k=4)
+
+
+def make_call(size: str, seed: int, world_size: int) -> ShardedCall:
+    """``small`` (the ``default`` case's layer and 64 tokens, biases from Quantile Balancing) or
+    ``k3`` (:data:`K3_WIDTHS`, 32 tokens, zero bias), from ``seed``."""
+    from . import samples
+
+    if size == "small":
+        cfg, w, T = samples.CONFIG, samples.calibrated_weights(samples.CONFIG, seed=seed), samples.TOKENS
+    elif size == "k3":
+        cfg, T = K3_WIDTHS, 32
+        w = init_weights(cfg, seed=seed)
+    else:
+        raise ValueError(f"size must be 'small' or 'k3', got {size!r}")
+    x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    return ShardedCall(x, w, cfg)
+
+
+def unsharded(call: ShardedCall) -> dict[str, torch.Tensor]:
+    """The layer on one process: ``{"y": [T, d]}``, the definition in fp64, else the plain
+    implementation storing ``call.dtype``."""
+    if call.dtype == "fp64":
+        return {"y": recurrent(call.x, call.weights, call.config, routing=call.routing)}
+    return {"y": naive_baseline(call.x, call.weights, call.config, dtype=call.dtype, routing=call.routing)}
 
 
 def shard(weights: MoEWeights, rank: int, world_size: int) -> MoEWeights:
@@ -78,21 +109,16 @@ def partials(call: ShardedCall, rank: int, world_size: int) -> dict[str, torch.T
         return activation(rnd(g), rnd(u), cfg.activation, beta1=cfg.beta1, beta2=cfg.beta2)
 
     z = rnd(x @ rnd(w.w_latent_down))
-    pair = r.indices.reshape(-1)
-    zp = z.repeat_interleave(dims.k, dim=0)[:, None, :]
-    h = rnd(act(zp @ rnd(w.w1[pair]), zp @ rnd(w.w3[pair])))
-    e = rnd(h @ rnd(w.w2[pair]))[:, 0]
-    u = rnd((e * r.weights.reshape(-1, 1)).reshape(dims.T, dims.k, dims.Dl).sum(1))
+    # Expert by expert (a gather of every pair's weights would hold T k copies of a matrix:
+    # gigabytes at K3's widths); each token's k terms are summed in slot order below.
+    terms = torch.zeros(dims.T, dims.k, dims.Dl, dtype=acc, device=x.device)
+    for e in r.indices.unique().tolist():
+        tok, slot = (r.indices == e).nonzero(as_tuple=True)
+        h = rnd(act(z[tok] @ rnd(w.w1[e]), z[tok] @ rnd(w.w3[e])))
+        terms[tok, slot] = rnd(h @ rnd(w.w2[e])) * r.weights[tok, slot, None]
+    u = rnd(terms.sum(1))
     y_s = rnd(rnd(act(x @ rnd(w.shared_w1), x @ rnd(w.shared_w3))) @ rnd(w.shared_w2))
     return {"u": u, "y_s": y_s}
-
-
-def _all_reduce(t: torch.Tensor, reduce_dtype: torch.dtype) -> torch.Tensor:
-    """Sum over ranks in ``reduce_dtype``; back in ``t``'s dtype. ``t`` is left as it was (the
-    collective works in place, and ``to`` of the same dtype would not copy)."""
-    buf = t.to(reduce_dtype, copy=True).contiguous()
-    dist.all_reduce(buf)
-    return buf.to(t.dtype)
 
 
 def rank_forward(rank: int, world_size: int, call: ShardedCall) -> dict[str, torch.Tensor]:
@@ -102,15 +128,15 @@ def rank_forward(rank: int, world_size: int, call: ShardedCall) -> dict[str, tor
     back (``u``) and its output ``y``: every rank must hold the same ``u`` and ``y``."""
     share = partials(call, rank, world_size)
     acc, cfg = share["u"].dtype, call.config
-    dtype, reduce_dtype = resolve_dtype(call.dtype), resolve_dtype(call.reduce_dtype)
+    dtype = resolve_dtype(call.dtype)
     gamma = call.weights.latent_norm.to(dtype).to(acc)
     sent = share["u"]
     if call.plant == "norm_before_reduce":
         sent = rms_norm(sent, gamma, eps=cfg.rms_norm_eps)
     if call.plant == "die" and rank == world_size - 1:
         os._exit(3)  # a rank lost mid-collective: the others must not wait for ever
-    u = _all_reduce(sent, reduce_dtype).to(dtype).to(acc)
-    y_s = _all_reduce(share["y_s"], reduce_dtype).to(dtype).to(acc)
+    u = all_reduce(sent, call.reduce_dtype).to(dtype).to(acc)
+    y_s = all_reduce(share["y_s"], call.reduce_dtype).to(dtype).to(acc)
     normed = u if call.plant == "norm_before_reduce" else rms_norm(u, gamma, eps=cfg.rms_norm_eps)
     w_up = call.weights.w_latent_up.to(dtype).to(acc)
     y = (normed.to(dtype).to(acc) @ w_up).to(dtype).to(acc) + y_s

@@ -3,6 +3,7 @@
 Modules and the harness use these and never re-implement them.
 """
 
+from .collective import all_reduce
 from .dtypes import DTypeFacts, compute_dtype, dtype_name, facts, is_float8, resolve_dtype, supported_dtypes
 from .frontier import exp_fits, headroom, ln_max
 from .metrics import Metrics, compare, relative_max_error
@@ -20,6 +21,7 @@ from .policy import (
     noise_floor,
 )
 from .rounding import OVERFLOW_MODES, round_to, round_to_reference, rounder, spacing, storage_for
+from .tensors import cast_floats, map_tensors
 
 __all__ = [
     "BASELINE_K",
@@ -31,7 +33,9 @@ __all__ = [
     "DTypeFacts",
     "Metrics",
     "Verdict",
+    "all_reduce",
     "baseline_rule",
+    "cast_floats",
     "compare",
     "compute_dtype",
     "dtype_name",
@@ -42,6 +46,7 @@ __all__ = [
     "headroom",
     "is_float8",
     "ln_max",
+    "map_tensors",
     "mismatch_rule",
     "noise_floor",
     "relative_max_error",

@@ -31,9 +31,11 @@ from ..registry import (
     ModuleEntry,
     Outputs,
     Prediction,
+    ShardedForm,
     cases_from,
     register,
 )
+from ..tp_rows import replicated
 
 OUTPUTS = ("h", "blocks")
 TILE = 4
@@ -297,5 +299,7 @@ register(
         # not depend on the host's thread count.
         studies={name: one_thread()(study) for name, study in studies.STUDIES.items()},
         strategy=samples.strategy,
+        sharded=ShardedForm("k3verify.attnres.sharded", ("h",), position_axis=0,
+                            gather=lambda ranks: {"h": replicated(ranks, "h")}),
     )
 )

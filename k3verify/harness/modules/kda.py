@@ -24,10 +24,12 @@ from ..registry import (
     ModuleEntry,
     Outputs,
     Prediction,
+    ShardedForm,
     cases_from,
     register,
     unavailable_as,
 )
+from ..tp_rows import replicated
 
 OUTPUTS = ("o", "final_state")
 TORCH_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
@@ -279,5 +281,10 @@ register(
         golden_cases=lambda seed: cases_from(samples.golden_cases(seed)),
         position_axis=1,  # o: [B, T, H, V]
         strategy=samples.strategy,
+        sharded=ShardedForm(
+            "k3verify.kda.sharded", ("y", "final_state"), position_axis=1,
+            gather=lambda ranks: {"y": replicated(ranks, "y"),
+                                  "final_state": torch.cat([r["recurrent"] for r in ranks], 1)},  # heads in rank order
+        ),
     )
 )

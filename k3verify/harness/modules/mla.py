@@ -25,9 +25,11 @@ from ..registry import (
     ModuleEntry,
     Outputs,
     Prediction,
+    ShardedForm,
     cases_from,
     register,
 )
+from ..tp_rows import replicated
 
 OUTPUTS = ("o", "cache")
 CHUNK = 8
@@ -312,5 +314,9 @@ register(
         position_axis=1,  # o: [B, T, H, Dv]
         input_types=(mla.LatentCache,),
         strategy=samples.strategy,
+        sharded=ShardedForm(
+            "k3verify.mla.sharded", ("y", "cache"), position_axis=1,
+            gather=lambda ranks: {"y": replicated(ranks, "y"), "cache": replicated(ranks, "entries")},
+        ),
     )
 )

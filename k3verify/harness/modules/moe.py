@@ -34,10 +34,12 @@ from ..registry import (
     ModuleEntry,
     Outputs,
     Prediction,
+    ShardedForm,
     as_outputs,
     cases_from,
     register,
 )
+from ..tp_rows import replicated
 
 OUTPUTS = ("y", "experts")
 TILING = dict(tile_m=16, tile_k=16)
@@ -289,5 +291,7 @@ register(
             seed, exponents=samples.log2_scale_grid(quick=quick),
             tokens=studies.QUICK_FLIP_TOKENS if quick else studies.FLIP_TOKENS)},
         strategy=samples.strategy,
+        sharded=ShardedForm("k3verify.moe.sharded", ("y",), position_axis=0,
+                            gather=lambda ranks: {"y": replicated(ranks, "y")}),
     )
 )

@@ -17,6 +17,7 @@ nox.options.default_venv_backend = "venv"
 
 CONSTRAINTS = ("-c", "constraints.txt")
 BASELINE = "reports/baseline/cpu"
+TP_BASELINE = "reports/baseline/cpu-tp8"
 LATEST = "reports/latest"
 
 
@@ -28,19 +29,19 @@ def _install(session: nox.Session, extras: str) -> None:
 def tests(session: nox.Session) -> None:
     """Property tests with the derandomised ``ci`` Hypothesis profile, fla-core installed; then
     ``k3verify golden verify``, a fresh run compared against the committed baseline, and the
-    modules sharded over 8 gloo ranks (``k3verify run --tp 8``)."""
+    modules sharded over 8 gloo ranks (``k3verify run --tp 8``) compared against theirs."""
     _install(session, "test,fla")
     session.run("pytest", "-m", "not slow and not nightly", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci"})
     session.run("k3verify", "golden", "verify")
     _run_and_compare(session)
-    session.run("k3verify", "run", "--tp", "8", "--tp-backend", "gloo", "--out", f"{LATEST}/tp8", "--quiet")
+    _run_and_compare(session, TP_BASELINE, f"{LATEST}/tp8", "--tp", "8", "--tp-backend", "gloo", "--quiet")
 
 
-def _run_and_compare(session: nox.Session) -> None:
+def _run_and_compare(session: nox.Session, baseline: str = BASELINE, out: str = LATEST, *args: str) -> None:
     # A failed verdict also shows as a flipped row in the compare, which prints what got worse
     # and decides the exit status, so the run itself may exit 1 here.
-    session.run("k3verify", "run", "--out", LATEST, success_codes=[0, 1])
-    session.run("k3verify", "report", "compare", BASELINE, LATEST)
+    session.run("k3verify", "run", "--out", out, *args, success_codes=[0, 1])
+    session.run("k3verify", "report", "compare", baseline, out)
 
 
 @nox.session

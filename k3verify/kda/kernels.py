@@ -31,7 +31,7 @@ Sequences of different lengths go in one call through ``cu_seqlens`` (fla-core's
 ``B = 1`` and cumulative offsets); a batch of equal lengths is the same thing internally.
 
 Where no CUDA device is visible the kernels run under Triton's interpreter
-(``TRITON_INTERPRET=1``, set on import here if unset). It is faithful for fp32 operands
+(``TRITON_INTERPRET=1``, set on import by :mod:`k3verify.triton_support` if unset). It is faithful for fp32 operands
 only: it rounds fp32 -> bf16 by truncation and its bf16 ``tl.dot`` is wrong (SPEC §5), so
 :func:`unavailable_reason` refuses the other dtypes there.
 """
@@ -39,19 +39,14 @@ only: it rounds fp32 -> bf16 by truncation and its bf16 ``tl.dot`` is wrong (SPE
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-if not torch.cuda.is_available():
-    # Must precede the first @triton.jit below: the interpreter is chosen at decoration time.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton
-import triton.language as tl
-
 from ..numerics import dtype_name, resolve_dtype
 from ..numerics.validate import require_block, require_finite, require_float, require_tensor
+from ..triton_support import block as _block
+from ..triton_support import device_for, interpreted, multiprocessors, tl, triton
+from ..triton_support import unavailable_reason as _unavailable
 from .inputs import check_inputs
 from .tiled import ANCHORS, DEFAULT_ROW0_SHIFT
 
@@ -60,26 +55,12 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ANCHOR_CODE = {name: i for i, name in enumerate(ANCHORS)}
 
 
-def interpreted() -> bool:
-    """True when the kernels run under Triton's CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+__all__ = ["chunk", "chunk_table", "fused_recurrent", "interpreted", "unavailable_reason"]
 
 
 def unavailable_reason(operand_dtype: torch.dtype | str = torch.bfloat16) -> str | None:
     """Why the kernels cannot give faithful results for ``operand_dtype`` here, or ``None``."""
-    dt = resolve_dtype(operand_dtype)
-    if dt not in KERNEL_DTYPES:
-        return f"the KDA kernels take bf16, fp16 or fp32 operands, not {dtype_name(dt)}"
-    if interpreted():
-        if dt != torch.float32:
-            return (
-                f"Triton's CPU interpreter is not faithful for {dtype_name(dt)} (it truncates fp32 -> bf16 and "
-                "its bf16 tl.dot is wrong: docs/gpu.md); a CUDA device is needed"
-            )
-        return None
-    if not torch.cuda.is_available():
-        return "the KDA kernels need a CUDA device or TRITON_INTERPRET=1; neither is set"
-    return None
+    return _unavailable("the KDA kernels", operand_dtype, KERNEL_DTYPES)
 
 
 # --- device helpers ----------------------------------------------------------------------
@@ -383,21 +364,8 @@ def _recurrent_kernel(
 # --- host side -----------------------------------------------------------------------------
 
 
-def _block(n: int) -> int:
-    """Power-of-two block covering ``n``, at least 16 (the smallest tl.dot side)."""
-    return max(16, triton.next_power_of_2(n))
-
-
 def _device(x: torch.Tensor) -> torch.device:
-    if x.is_cuda or interpreted():
-        return x.device if x.is_cuda else torch.device("cpu")
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    raise RuntimeError(unavailable_reason(torch.float32) or "no device for the KDA kernels")
-
-
-def _multiprocessors(dev: torch.device) -> int:
-    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+    return device_for(x, "the KDA kernels")
 
 
 def _check_operand_dtype(operand_dtype: torch.dtype | str) -> torch.dtype:
@@ -513,7 +481,7 @@ def chunk(
         # Measured on an H200 (benchmarks/kda_gpu.py --tune, state pass alone): 64 when the
         # pass fills the device (H=96: 0.557 ms vs 0.764 at 32), else 32, more programs in the
         # sequential pass (H=12, T=32768: 1.157 ms vs 1.434 at 64).
-        block_v = 64 if NS * H * triton.cdiv(V, 64) >= _multiprocessors(dev) else 32
+        block_v = 64 if NS * H * triton.cdiv(V, 64) >= multiprocessors(dev) else 32
     BK, BV_full, BV = _block(K), _block(V), min(block_v, _block(V))
     BV_out = min(output_block_v, BV_full)
     if num_stages is None:

@@ -1,0 +1,69 @@
+"""Where the Triton kernels of every module run, and the helpers their launchers share.
+
+Importing this module chooses Triton's CPU interpreter (``TRITON_INTERPRET=1``) when no CUDA
+device is visible, before Triton is imported (Triton reads the setting then), so every
+``kernels.py`` takes ``triton`` and ``tl`` from here instead of importing them. The interpreter
+is faithful for fp32 only (it rounds fp32 -> bf16 by truncation and its bf16 ``tl.dot`` is
+wrong, SPEC §5); :func:`unavailable_reason` says so for the other dtypes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton
+import triton.language as tl
+
+from .numerics import dtype_name, resolve_dtype
+
+__all__ = ["block", "device_for", "interpreted", "multiprocessors", "tl", "triton", "unavailable_reason"]
+
+
+def interpreted() -> bool:
+    """True when the kernels run under Triton's CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def unavailable_reason(what: str, dtype: torch.dtype | str, dtypes: tuple[torch.dtype, ...]) -> str | None:
+    """Why ``what`` (e.g. ``"the KDA kernels"``) cannot give faithful results for ``dtype``
+    here, or ``None``; ``dtypes`` are the dtypes it takes at all."""
+    dt = resolve_dtype(dtype)
+    if dt not in dtypes:
+        names = [dtype_name(d) for d in dtypes]
+        listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+        return f"{what} take {listed} operands, not {dtype_name(dt)}"
+    if interpreted():
+        if dt != torch.float32:
+            return (
+                f"Triton's CPU interpreter is not faithful for {dtype_name(dt)} (it truncates fp32 -> bf16 and "
+                "its bf16 tl.dot is wrong: docs/gpu.md); a CUDA device is needed"
+            )
+        return None
+    if not torch.cuda.is_available():
+        return f"{what} need a CUDA device or TRITON_INTERPRET=1; neither is set"
+    return None
+
+
+def block(n: int) -> int:
+    """Power-of-two block covering ``n``, at least 16 (the smallest ``tl.dot`` side)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def device_for(x: torch.Tensor, what: str) -> torch.device:
+    """The device ``what`` runs on for input ``x``: its CUDA device, the CPU under the
+    interpreter, else the current CUDA device (``RuntimeError`` when there is none)."""
+    if x.is_cuda or interpreted():
+        return x.device if x.is_cuda else torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    raise RuntimeError(f"no device for {what}: no CUDA device and TRITON_INTERPRET is not set")
+
+
+def multiprocessors(dev: torch.device) -> int:
+    """Streaming multiprocessors of ``dev`` (1 on the CPU)."""
+    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1

@@ -84,7 +84,7 @@ def init_weights(
 class StandInSublayers:
     """Deterministic stand-in sublayers ``f_s(x) = W_out,s tanh(W_in,s x)`` (``d → hidden → d``).
 
-    ``w_in:[S, d, hidden]``, ``w_out:[S, hidden, d]``. Computes in ``x``'s dtype. Made by
+    ``w_in:[S, d, hidden]``, ``w_out:[S, hidden, d]``. Computes in ``x``'s dtype, on its device. Made by
     :meth:`make`; a plain dataclass of tensors, so a case holding it can be stored as goldens.
     """
 
@@ -109,9 +109,10 @@ class StandInSublayers:
 
     def __call__(self, s: int, x: torch.Tensor) -> torch.Tensor:
         cast = self._cast  # type: ignore[attr-defined]
-        if x.dtype not in cast:
-            cast[x.dtype] = (self.w_in.to(x.dtype), self.w_out.to(x.dtype))
-        w_in, w_out = cast[x.dtype]
+        key = (x.dtype, x.device)
+        if key not in cast:
+            cast[key] = (self.w_in.to(x.device, x.dtype), self.w_out.to(x.device, x.dtype))
+        w_in, w_out = cast[key]
         return torch.tanh(x @ w_in[s]) @ w_out[s]
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ... import attnres
-from ...attnres import samples, studies
+from ...attnres import kernels, samples, studies
 from ...attnres.samples import LOGIT_SPREAD
 from ...numerics import baseline_rule, compare, noise_floor
 from ..environment import one_thread  # small tensors: a second thread only spins
@@ -34,6 +34,7 @@ from ..registry import (
     ShardedForm,
     cases_from,
     register,
+    unavailable_as,
 )
 from ..tp_rows import replicated
 
@@ -128,6 +129,22 @@ def _form(form: str, dtype: str, cases: tuple[str, ...], **extra: Any) -> Implem
 
 ALL = (*samples.AGGREGATION_CASES, "walk")
 EVERY = (*samples.AGGREGATION_CASES, *samples.WALK_CASES)
+KERNEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _kernel_run(case: Case, dtype: str) -> Outputs:
+    """Our Triton kernels at the case's level, the stream in ``dtype`` (the walk on the GPU)."""
+    return call(kernels.walk if _is_walk(case) else kernels.aggregate, case, KERNEL_DTYPES[dtype])
+
+
+def _kernel(dtype: str, cases: tuple[str, ...]) -> Implementation:
+    """Our kernels: fp32 wherever Triton runs (the interpreter is faithful there), bf16 on a CUDA
+    device only (SPEC §5). Held to the plain definition storing ``dtype``, like every form."""
+    return Implementation(
+        module="attnres", implementation="k3verify", form="kernel:two_phase", dtype=dtype, params={},
+        rule=BASELINE_RULE, run=partial(_kernel_run, dtype=dtype), cases=cases,
+        is_available=unavailable_as(partial(kernels.unavailable_reason, dtype)),
+    )  # fmt: skip
 
 
 def own_implementations() -> list[Implementation]:
@@ -150,6 +167,8 @@ def own_implementations() -> list[Implementation]:
         # Known bad: no max subtraction. Fine at small logits; predicted and observed non-finite
         # on `hot` (an expected-nonfinite row, not a failure).
         _form("tiled", "bf16", ALL, tile=TILE, subtract_max=False),
+        _kernel("fp32", ALL),
+        _kernel("bf16", ALL),
     ]
 
 

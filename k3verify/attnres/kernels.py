@@ -1,0 +1,280 @@
+"""Block AttnRes GPU kernels in Triton: the two phases of a block, the single call and the walk.
+
+AttnRes is memory-bound: every call reads its stored blocks ``[n, T, d]``. The kernels read
+the stream in its own dtype (bf16 in production, fp32 under the interpreter), compute RMSNorm,
+logits and the softmax in fp32 and write the statistics in fp32 (SPEC §3):
+
+- :func:`phase1`, once per block for the block's ``Q`` queries (24 for K3), in two launches:
+  *logits*, one program per (token tile, stored block), reads each block once and computes
+  its RMS and its logits for every query as one product of the tile with the queries'
+  ``w ⊙ γ`` (tf32x3 for bf16 and fp16 streams, fp64 for fp32 ones; the RMS scale is applied
+  after the product, in fp64);
+  *accumulate*, one program per (token tile, width tile), forms per query ``m = max ℓ``,
+  ``Z = Σ e^{ℓ−m}`` and ``N = Σ e^{ℓ−m} v``, rereading its tiles of the blocks from cache.
+- :func:`phase2`, per call: one program per token tile takes the partial sum's logit ``r``
+  (RMS and product over the whole width, fp32), then writes ``h = (e^{m−M} N + e^{r−M} p) /
+  (e^{m−M} Z + e^{r−M})``, ``M = max(m, r)``, in the stream dtype.
+- :func:`aggregate` is one call over ``N`` sources (decode): phase 1 over all but the last
+  (one query), phase 2 with the last as the partial sum.
+- :func:`walk` is the depth walk (:mod:`k3verify.attnres.layer`) with these kernels.
+
+Under the interpreter only fp32 streams are faithful (:mod:`k3verify.triton_support`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..numerics import map_tensors, resolve_dtype
+from ..numerics.ops import RMS_NORM_EPS
+from ..numerics.validate import require_finite, require_float, require_tensor
+from ..triton_support import block, device_for, interpreted, tl, triton
+from ..triton_support import unavailable_reason as _unavailable
+from .chunkwise import Stats
+from .inputs import Options, Precision, Sublayers
+from .layer import AttnResWeights, DepthStream, Walk
+from .layer import walk as drive_walk
+from .schedule import Call, Schedule, Source
+
+STREAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LOGITS_TOKENS = 16  # a tl.dot side
+LOGITS_WIDTH = 128
+EXACT_WIDTH = 16  # fp64 products of a [tokens, width, queries] tile
+ACC_TOKENS = 4
+ACC_WIDTH = 512
+MERGE_TOKENS = 4
+MERGE_WIDTH = 512
+
+
+def unavailable_reason(stream_dtype: torch.dtype | str = torch.bfloat16) -> str | None:
+    """Why the kernels cannot give faithful results for a ``stream_dtype`` stream here, or ``None``."""
+    return _unavailable("the AttnRes kernels", stream_dtype, STREAM_DTYPES)
+
+
+# --- kernels ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _normalised(dot, ss, D, eps):
+    """``dot / sqrt(ss / D + eps)`` rounded once to fp32, from fp64 ``ss`` (and ``dot``): a few
+    values per token, and a logit near 100 then carries one fp32 rounding, as the definition's."""
+    return (dot.to(tl.float64) / tl.sqrt(ss / D + eps)).to(tl.float32)
+
+
+@triton.jit
+def _logits_kernel(v, wg, ell, T, D, n, Q, eps, BT: tl.constexpr, BD: tl.constexpr, QP: tl.constexpr,
+                   EXACT: tl.constexpr):  # fmt: skip
+    """``ell[q, i, t] = (v[i, t] · wg[:, q]) / rms(v[i, t])`` for a tile of tokens of block ``i``.
+
+    ``EXACT`` (fp32 streams, the interpreter): products and sums in fp64, so a logit carries one
+    fp32 rounding; otherwise (bf16, fp16 streams) one tf32x3 product per width tile: the stream
+    is exact in tf32 and ``w ⊙ γ`` keeps about 22 bits, far below the stream's own rounding."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    i = tl.program_id(1).to(tl.int64)
+    q = tl.arange(0, QP)
+    rows = v + i * T * D + t[:, None].to(tl.int64) * D
+    ss = tl.zeros([BT], dtype=tl.float64)
+    if EXACT:
+        acc = tl.zeros([BT, QP], dtype=tl.float64)
+    else:
+        acc = tl.zeros([BT, QP], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        dd = d0 + tl.arange(0, BD)
+        x = tl.load(rows + dd[None, :], mask=(t < T)[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
+        g = tl.load(wg + dd[:, None] * QP + q[None, :], mask=(dd < D)[:, None], other=0.0)
+        ss += tl.sum(x.to(tl.float64) * x.to(tl.float64), axis=1)
+        if EXACT:
+            acc += tl.sum(x.to(tl.float64)[:, :, None] * g.to(tl.float64)[None, :, :], axis=1)
+        else:
+            acc += tl.dot(x, g, input_precision="tf32x3")
+    tl.store(ell + (q[None, :] * n + i) * T + t[:, None], _normalised(acc, ss[:, None], D, eps),
+             mask=(t < T)[:, None] & (q < Q)[None, :])  # fmt: skip
+
+
+@triton.jit
+def _accumulate_kernel(v, ell, m_out, z_out, n_out, T, D, n, Q, BT: tl.constexpr, BD: tl.constexpr,
+                       NP: tl.constexpr):  # fmt: skip
+    """Per query: ``m, Z`` over the ``n`` stored blocks and ``N`` on a (token, width) tile."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    pd = tl.program_id(1)
+    dd = pd * BD + tl.arange(0, BD)
+    src = tl.arange(0, NP)
+    tile = (t < T)[:, None] & (dd < D)[None, :]
+    offs = t[:, None].to(tl.int64) * D + dd[None, :]
+    for s in range(0, Q):
+        L = tl.load(ell + (s * n + src[None, :]) * T + t[:, None], mask=(src < n)[None, :] & (t < T)[:, None],
+                    other=float("-inf"))  # fmt: skip
+        m = tl.max(L, axis=1)
+        m_safe = tl.where(t < T, m, 0.0)  # padded tokens: no -inf - -inf
+        P = tl.exp(L - m_safe[:, None])
+        acc = tl.zeros([BT, BD], dtype=tl.float32)
+        for i in range(0, n):
+            p_i = tl.sum(tl.where(src[None, :] == i, P, 0.0), axis=1)
+            x = tl.load(v + i * T * D + offs, mask=tile, other=0.0).to(tl.float32)
+            acc += p_i[:, None] * x
+        tl.store(n_out + s * T * D + offs, acc, mask=tile)
+        if pd == 0:
+            tl.store(m_out + s * T + t, m, mask=t < T)
+            tl.store(z_out + s * T + t, tl.sum(P, axis=1), mask=t < T)
+
+
+@triton.jit
+def _merge_kernel(m_in, z_in, n_in, p, wg, h, T, D, eps, HAS_P: tl.constexpr, BT: tl.constexpr,
+                  BD: tl.constexpr):  # fmt: skip
+    """``h`` for a tile of tokens: the stored-set statistics merged with the partial sum ``p``."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    rows = t[:, None].to(tl.int64) * D
+    m = tl.load(m_in + t, mask=t < T, other=0.0)
+    Z = tl.load(z_in + t, mask=t < T, other=1.0)
+    if HAS_P:
+        # One product per element: fp64 costs nothing here, and r then carries one fp32 rounding.
+        ss = tl.zeros([BT], dtype=tl.float64)
+        dot = tl.zeros([BT], dtype=tl.float64)
+        for d0 in range(0, D, BD):
+            dd = d0 + tl.arange(0, BD)
+            x = tl.load(p + rows + dd[None, :], mask=(t < T)[:, None] & (dd < D)[None, :], other=0.0).to(tl.float64)
+            g = tl.load(wg + dd, mask=dd < D, other=0.0).to(tl.float64)
+            ss += tl.sum(x * x, axis=1)
+            dot += tl.sum(x * g[None, :], axis=1)
+        r = _normalised(dot, ss, D, eps)
+        M = tl.maximum(m, r)
+        a = tl.exp(m - M)  # 0 for an empty stored set (m = -inf)
+        b = tl.exp(r - M)
+    else:
+        a = tl.full([BT], 1.0, dtype=tl.float32)
+        b = tl.zeros([BT], dtype=tl.float32)
+    den = a * Z + b
+    for d0 in range(0, D, BD):
+        dd = d0 + tl.arange(0, BD)
+        tile = (t < T)[:, None] & (dd < D)[None, :]
+        num = a[:, None] * tl.load(n_in + rows + dd[None, :], mask=tile, other=0.0)
+        if HAS_P:
+            num += b[:, None] * tl.load(p + rows + dd[None, :], mask=tile, other=0.0).to(tl.float32)
+        out = tl.math.div_rn(num, tl.broadcast_to(den[:, None], (BT, BD)))
+        tl.store(h + rows + dd[None, :], out.to(h.dtype.element_ty), mask=tile)
+
+
+# --- launchers -------------------------------------------------------------------------------
+
+
+def _check_stream(name: str, x: torch.Tensor) -> torch.dtype:
+    require_tensor(name, x)
+    require_float(name, x)
+    reason = unavailable_reason(x.dtype)
+    if reason is not None:
+        raise RuntimeError(reason)
+    return x.dtype
+
+
+def _queries(w: torch.Tensor, gamma: torch.Tensor, d: int, dev: torch.device, pad: int) -> torch.Tensor:
+    """``(w ⊙ γ)ᵀ`` in fp32, ``[d, pad]`` with zero columns past the ``Q`` queries."""
+    if w.shape != gamma.shape or w.shape[-1] != d:
+        raise ValueError(f"w {list(w.shape)} and gamma {list(gamma.shape)} must both be [Q, d] with d = {d}")
+    wg = torch.zeros(d, pad, dtype=torch.float32, device=dev)
+    wg[:, : w.shape[0]] = (w.to(dev, torch.float32) * gamma.to(dev, torch.float32)).T
+    return wg
+
+
+def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: float = RMS_NORM_EPS) -> Stats:
+    """Phase-1 statistics of queries ``w, gamma:[Q, d]`` over ``stored:[n, T, d]`` (the stream
+    dtype; ``n = 0`` allowed): ``m, Z:[Q, T]`` and ``N:[Q, T, d]``, fp32, on the stream's device."""
+    _check_stream("stored", stored)
+    if stored.dim() != 3:
+        raise ValueError(f"stored has shape {list(stored.shape)}; expected [n, T, d]")
+    w, gamma = torch.atleast_2d(w), torch.atleast_2d(gamma)
+    n, T, d = stored.shape
+    Q = w.shape[0]
+    dev = device_for(stored, "the AttnRes kernels")
+    stored = stored.to(dev).contiguous()
+    m = torch.full((Q, T), float("-inf"), dtype=torch.float32, device=dev)
+    Z = torch.zeros(Q, T, dtype=torch.float32, device=dev)
+    N = torch.zeros(Q, T, d, dtype=torch.float32, device=dev)
+    if n == 0 or T == 0:
+        return Stats(m, Z, N)
+    QP = block(Q)
+    ell = torch.empty(Q, n, T, dtype=torch.float32, device=dev)
+    exact = interpreted() or stored.dtype == torch.float32
+    _logits_kernel[(triton.cdiv(T, LOGITS_TOKENS), n)](
+        stored, _queries(w, gamma, d, dev, QP), ell, T, d, n, Q, float(eps),
+        BT=LOGITS_TOKENS, BD=EXACT_WIDTH if exact else LOGITS_WIDTH, QP=QP, EXACT=exact,
+    )  # fmt: skip
+    _accumulate_kernel[(triton.cdiv(T, ACC_TOKENS), triton.cdiv(d, ACC_WIDTH))](
+        stored, ell, m, Z, N, T, d, n, Q, BT=ACC_TOKENS, BD=ACC_WIDTH, NP=max(2, triton.next_power_of_2(n)),
+    )  # fmt: skip
+    return Stats(m, Z, N)
+
+
+def phase2(stats: Stats, partial: torch.Tensor | None, w: torch.Tensor, gamma: torch.Tensor, *,
+           eps: float = RMS_NORM_EPS, out_dtype: torch.dtype | str | None = None) -> torch.Tensor:  # fmt: skip
+    """One call's ``h:[T, d]`` from its query's statistics (``m, Z:[T]``, ``N:[T, d]``) and the
+    partial sum ``partial:[T, d]`` (``None`` at a block start), in ``out_dtype`` (default: the
+    partial's dtype, else fp32)."""
+    T, d = stats.N.shape
+    dev = stats.N.device
+    if partial is not None:
+        _check_stream("partial", partial)
+        if tuple(partial.shape) != (T, d):
+            raise ValueError(f"partial has shape {list(partial.shape)}; expected {[T, d]}")
+        partial = partial.to(dev).contiguous()
+    dtype = resolve_dtype(out_dtype) if out_dtype is not None else (partial.dtype if partial is not None
+                                                                    else torch.float32)  # fmt: skip
+    h = torch.empty(T, d, dtype=dtype, device=dev)
+    if T == 0:
+        return h
+    wg = _queries(torch.atleast_2d(w), torch.atleast_2d(gamma), d, dev, 1)[:, 0].contiguous()
+    _merge_kernel[(triton.cdiv(T, MERGE_TOKENS),)](
+        stats.m.contiguous(), stats.Z.contiguous(), stats.N.contiguous(), partial if partial is not None else h, wg,
+        h, T, d, float(eps), HAS_P=partial is not None, BT=MERGE_TOKENS, BD=MERGE_WIDTH,
+    )  # fmt: skip
+    return h
+
+
+def aggregate(sources: torch.Tensor | Sequence[torch.Tensor], w: torch.Tensor, gamma: torch.Tensor, *,
+              eps: float = RMS_NORM_EPS) -> torch.Tensor:  # fmt: skip
+    """One AttnRes call over ``sources:[N, T, d]`` (stored blocks, then the partial sum last) with
+    ``w, gamma:[d]``: ``h:[T, d]`` in the sources' dtype, on their device."""
+    v = torch.stack(list(sources)) if not isinstance(sources, torch.Tensor) else sources
+    _check_stream("sources", v)
+    require_finite("sources", v)
+    if v.dim() != 3 or v.shape[0] < 1:
+        raise ValueError(f"sources has shape {list(v.shape)}; expected [N, T, d] with N >= 1")
+    stats = phase1(v[:-1], w, gamma, eps=eps)
+    return phase2(stats[0], v[-1], w, gamma, eps=eps, out_dtype=v.dtype)
+
+
+class _KernelMixer(DepthStream):
+    """Phase 1 at every block start for the block's calls; phase 2 per call (the chunkwise
+    walk's schedule, :class:`k3verify.attnres.chunkwise._ChunkwiseMixer`, on the kernels)."""
+
+    def __init__(self, e: torch.Tensor, params: AttnResWeights, schedule: Schedule, prec: Precision, opts: Options):
+        super().__init__(e, schedule, prec)
+        self.params, self.eps = params, opts.eps
+        self.stats: Stats | None = None
+        self.first_query = 0
+
+    def mix(self, call: Call) -> tuple[torch.Tensor, tuple[Source, ...]]:
+        s, B = call.index, self.schedule.block_sublayers
+        stream = self.prec.stream
+        if s % B == 0:
+            queries = slice(s, min(s + B, self.schedule.num_calls))
+            stored = torch.stack(self.blocks).to(stream)  # exact: blocks hold stream values
+            self.stats = phase1(stored, self.params.w[queries], self.params.gamma[queries], eps=self.eps)
+            self.first_query = s
+        stats = self.stats[s - self.first_query]
+        partial = None if self.partial is None else self.partial.to(stream)
+        h = phase2(stats, partial, self.params.w[s], self.params.gamma[s], eps=self.eps, out_dtype=stream)
+        refs = tuple(self.block_refs) if partial is None else (*self.block_refs, self.partial_ref)
+        return h.to(self.prec.compute), refs
+
+
+def walk(embedding: torch.Tensor, weights: AttnResWeights, sublayers: Sublayers, *, schedule: Schedule | None = None,
+         eps: float = RMS_NORM_EPS) -> Walk:  # fmt: skip
+    """The depth walk with the kernels, the stream in ``embedding``'s dtype (bf16 or fp16 on a
+    GPU, fp32 anywhere Triton runs) on its device; arguments as :func:`k3verify.attnres.recurrent`."""
+    _check_stream("embedding", embedding)
+    dev = device_for(embedding, "the AttnRes kernels")
+    opts = Options(embedding.dtype, None, 4, True, eps)
+    return drive_walk(embedding.to(dev), map_tensors(weights, lambda t: t.to(dev)), sublayers, schedule or Schedule(),
+                      opts, _KernelMixer)  # fmt: skip

@@ -1,0 +1,118 @@
+"""Our Block AttnRes Triton kernels (``k3verify.attnres.kernels``) against the fp64 oracle.
+
+Where no CUDA device is visible these run under Triton's interpreter with an fp32 stream, the
+one dtype it computes faithfully (SPEC §5); the bf16 tests need a CUDA device and are skipped
+with that reason otherwise. Rules used:
+
+- ``baseline``: error vs the fp64 definition <= 2 x the plain definition storing the same
+  dtype + noise floor (``numerics.policy``). Problems have >= 1024 outputs.
+- ``structural``: what no rounding can change: an empty stored set (``m = -inf, Z = 0, N = 0``),
+  one source returned as it is, bad arguments named.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from verdicts import assert_verdict
+
+from k3verify import attnres
+from k3verify.attnres import kernels, samples
+from k3verify.attnres.schedule import Schedule
+from k3verify.numerics import baseline_rule, compare, noise_floor
+
+FP32_REASON = kernels.unavailable_reason(torch.float32)
+BF16_REASON = kernels.unavailable_reason(torch.bfloat16)
+needs_fp32 = pytest.mark.skipif(FP32_REASON is not None, reason=str(FP32_REASON))
+needs_bf16 = pytest.mark.skipif(BF16_REASON is not None, reason=str(BF16_REASON))
+# The interpreter runs every program in numpy: few examples there; the profile decides on a GPU.
+FEW = settings(max_examples=4, deadline=None) if kernels.interpreted() else settings(deadline=None)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _verdict_aggregate(N: int, T: int, d: int, scale: float, seed: int, dtype: str):
+    inputs, _ = samples.aggregation_sample(N, T, d, logit_scale=scale, seed=seed)
+    v, w, g = inputs["sources"], inputs["w"], inputs["gamma"]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = DTYPES[dtype]
+    got = kernels.aggregate(v.to(dev, dt), w.to(dev, dt), g.to(dev, dt)).cpu()
+    ref = attnres.aggregate(v, w, g)
+    base = attnres.naive_baseline(v, w, g, dtype=dtype)
+    return baseline_rule(compare(got, ref, ulp_dtype=dtype), compare(base, ref, ulp_dtype=dtype),
+                         noise_floor(ref, dt)), got, ref  # fmt: skip
+
+
+aggregations = st.tuples(
+    st.integers(1, 9),  # sources: one (no stored set) up to K3's nine
+    st.integers(1, 40),  # tokens: rarely a tile multiple
+    st.sampled_from([64, 100, 256, 1030]),  # widths: partial width tiles
+    st.sampled_from([1.0, 8.0, 32.0, 96.0]),  # largest logit per token
+    st.integers(0, 2**16),
+).filter(lambda p: p[1] * p[2] >= 1024)
+
+
+@needs_fp32
+@FEW
+@given(aggregations)
+def test_aggregate_fp32_within_policy(p) -> None:
+    """Rule baseline: one call over N sources, fp32 stream."""
+    verdict, got, ref = _verdict_aggregate(*p, "fp32")
+    assert_verdict(verdict, got, ref, f"N, T, d, scale, seed = {p}")
+
+
+@needs_bf16
+@FEW
+@given(aggregations)
+def test_aggregate_bf16_within_policy(p) -> None:
+    """Rule baseline: one call over N sources, bf16 stream (GPU)."""
+    verdict, got, ref = _verdict_aggregate(*p, "bf16")
+    assert_verdict(verdict, got, ref, f"N, T, d, scale, seed = {p}")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_walk_within_policy(dtype: str) -> None:
+    """Rule baseline: a 9-layer walk in blocks of 2 layers (two-phase at every block start),
+    on both outputs (the final AttnRes and the stored blocks)."""
+    reason = FP32_REASON if dtype == "fp32" else BF16_REASON
+    if reason is not None:
+        pytest.skip(reason)
+    schedule = Schedule.layers(block_size=2, num_layers=9)
+    inputs, _ = samples.walk_sample(schedule, T=16, d=64, logit_scale=16.0, seed=5)
+    e, w, sub = inputs["embedding"], inputs["weights"], inputs["sublayers"]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = DTYPES[dtype]
+    got = kernels.walk(e.to(dev, dt), w.to(dt), sub, schedule=schedule)
+    ref = attnres.recurrent(e, w, sub, schedule=schedule)
+    base = attnres.naive_walk(e, w, sub, schedule=schedule, dtype=dtype)
+    for name in ("output", "blocks"):
+        x, r, b = getattr(got, name).cpu(), getattr(ref, name), getattr(base, name)
+        verdict = baseline_rule(compare(x, r, ulp_dtype=dtype), compare(b, r, ulp_dtype=dtype), noise_floor(r, dt))
+        assert_verdict(verdict, x, r, f"walk {name}")
+
+
+@needs_fp32
+def test_an_empty_stored_set_contributes_nothing() -> None:
+    """Structural: no stored blocks give ``m = -inf, Z = 0, N = 0``; one source comes back as it is."""
+    v = torch.randn(1, 5, 70, dtype=torch.float32)
+    w, g = torch.randn(3, 70), torch.ones(3, 70)
+    stats = kernels.phase1(v[:0], w, g)
+    assert bool((stats.m == float("-inf")).all()) and not stats.Z.any() and not stats.N.any()
+    h = kernels.aggregate(v, w[0], g[0])
+    assert torch.equal(h.cpu(), v[0])  # weight e^{r - r} / (0 + 1) = 1 exactly
+
+
+@needs_fp32
+def test_bad_arguments_are_named() -> None:
+    """Structural: a dtype the kernels do not take, a wrong shape and a NaN are named."""
+    v = torch.randn(3, 4, 32)
+    w, g = torch.randn(32), torch.ones(32)
+    with pytest.raises(RuntimeError, match="AttnRes kernels take bf16, fp16 or fp32 operands, not fp64"):
+        kernels.aggregate(v.double(), w, g)
+    with pytest.raises(ValueError, match=r"w \[1, 31\] and gamma \[1, 31\] must both be \[Q, d\] with d = 32"):
+        kernels.aggregate(v, w[:31], g[:31])
+    bad = v.clone()
+    bad[1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match="sources"):
+        kernels.aggregate(bad, w, g)

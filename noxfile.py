@@ -132,16 +132,16 @@ def overflow_map(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
     """On a CUDA machine, in the Python already there (GPU machines have no network, so nothing
-    is installed; fla-core comes as a wheel on PYTHONPATH): the GPU property tests, the KDA
-    overflow map with the kernel cells (ours and fla-core's) and ``k3verify run --modules kda``.
-    Output under ``reports/latest/gpu`` or the folder given as posarg."""
+    is installed; fla-core and flash-attn-res come as wheels on PYTHONPATH): the GPU property
+    tests, the KDA overflow map with the kernel cells (ours and fla-core's) and ``k3verify run
+    --modules kda,attnres``. Output under ``reports/latest/gpu`` or the folder given as posarg."""
     out = session.posargs[0] if session.posargs else "reports/latest/gpu"
     python = sys.executable
-    tests = ("properties/test_kda_kernels.py", "properties/test_kda_gpu.py")
+    tests = ("properties/test_kda_kernels.py", "properties/test_kda_gpu.py", "properties/test_attnres_kernels.py")
     profile = os.environ.get("HYPOTHESIS_PROFILE", "gpu")  # gpu-explore for a nightly search
     session.run(python, "-m", "pytest", *tests, "-q", "-rs", env={"HYPOTHESIS_PROFILE": profile})
     session.run(python, "-m", "k3verify", "overflow-map", "--module", "kda", "--quick", "--out", f"{out}/maps")
-    session.run(python, "-m", "k3verify", "run", "--modules", "kda", "--out", out)
+    session.run(python, "-m", "k3verify", "run", "--modules", "kda,attnres", "--out", out)
 
 
 @nox.session(name="gpu-tp", venv_backend="none")
@@ -156,6 +156,8 @@ def gpu_tp(session: nox.Session) -> None:
 
 @nox.session(name="gpu-bench", venv_backend="none")
 def gpu_bench(session: nox.Session) -> None:
-    """On a CUDA machine: the KDA kernels against fla-core (do_bench), speed ratios and accuracy."""
+    """On a CUDA machine: the KDA kernels against fla-core and the AttnRes kernels against
+    flash-attn-res and torch.compile (do_bench), speed ratios, bandwidth and accuracy."""
     out = session.posargs[0] if session.posargs else "reports/latest/gpu"
     session.run(sys.executable, "benchmarks/kda_gpu.py", "--out", out)
+    session.run(sys.executable, "benchmarks/attnres_gpu.py", "--out", out)

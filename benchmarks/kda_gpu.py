@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from functools import partial
@@ -27,7 +26,8 @@ from typing import Any
 
 import benchmark_json
 import torch
-from triton.testing import do_bench
+from gpu_timing import SAMPLES, copy_bandwidth, launch_split
+from gpu_timing import ms as _ms
 
 from k3verify import kda
 from k3verify.adapters import fla
@@ -54,37 +54,6 @@ def _inputs(B: int, T: int, H: int, seed: int = 0) -> list[torch.Tensor]:
     g = G_MIN * torch.sigmoid(randn(B, T, H, D))
     beta = torch.sigmoid(randn(B, T, H))
     return [q.bfloat16(), k.bfloat16(), randn(B, T, H, D).bfloat16(), g, beta.bfloat16()]
-
-
-# Every timing's repetitions, for kda_gpu_benchmark.json (pytest-benchmark's shape).
-SAMPLES: list[dict[str, Any]] = []
-
-
-def _ms(fn, group: str | None = None, name: str | None = None, **params: Any) -> float:
-    """Median of ``do_bench``'s repetitions (ms); with a ``group`` and ``name`` the repetitions
-    are kept for the pytest-benchmark JSON."""
-    times = [float(t) for t in do_bench(fn, warmup=25, rep=100, return_mode="all")]
-    if group is not None:
-        SAMPLES.append(benchmark_json.entry(group, name or "run", times, params))
-    return float(statistics.median(times))
-
-
-def launch_split(fn, repeats: int = 20) -> dict[str, float]:
-    """Device time per call of each kernel ``fn`` launches (ms), from the PyTorch profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            fn()
-        torch.cuda.synchronize()
-    split: dict[str, float] = {}
-    for event in prof.key_averages():
-        total_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
-        if total_us:
-            split[event.key[:60]] = total_us / repeats / 1e3
-    return dict(sorted(split.items(), key=lambda kv: -kv[1]))
 
 
 def split_rows(log, peers: bool) -> list[dict[str, Any]]:
@@ -120,14 +89,6 @@ def tune_rows(log) -> list[dict[str, Any]]:
                 rows.append(dict(kind="tune", kernel=kernel, **shape, config=config, ms=ms))
                 log(f"tune {shape} {kernel} {config}: " + (f"{ms:.4f} ms" if ms is not None else "not launched"))
     return rows
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 2 GiB, bytes read plus written per second (TB/s)."""
-    src = torch.empty(2**29, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    ms = _ms(lambda: dst.copy_(src), "copy", "torch copy_ 2 GiB")
-    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e12
 
 
 def _sweep(run, configs: list[dict[str, int]], label: str, log) -> tuple[float, float, dict[str, int]]:

@@ -24,6 +24,8 @@ Under the interpreter only fp32 streams are faithful (:mod:`k3verify.triton_supp
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
+from typing import Any, Protocol
 
 import torch
 
@@ -244,14 +246,36 @@ def aggregate(sources: torch.Tensor | Sequence[torch.Tensor], w: torch.Tensor, g
     return phase2(stats[0], v[-1], w, gamma, eps=eps, out_dtype=v.dtype)
 
 
-class _KernelMixer(DepthStream):
-    """Phase 1 at every block start for the block's calls; phase 2 per call (the chunkwise
-    walk's schedule, :class:`k3verify.attnres.chunkwise._ChunkwiseMixer`, on the kernels)."""
+class TwoPhase(Protocol):
+    """A two-phase implementation of AttnRes calls: ``first(stored:[n, T, d], w, gamma:[Q, d],
+    eps)`` returns per-query state indexable by query, ``second(state[q], partial:[T, d] | None,
+    w, gamma:[d], eps, out_dtype)`` returns that call's ``h:[T, d]``. Ours: :func:`phase1`,
+    :func:`phase2`; an adapter brings its own."""
 
-    def __init__(self, e: torch.Tensor, params: AttnResWeights, schedule: Schedule, prec: Precision, opts: Options):
+    def first(self, stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, eps: float) -> Any: ...
+
+    def second(self, state: Any, partial: torch.Tensor | None, w: torch.Tensor, gamma: torch.Tensor, eps: float,
+               out_dtype: torch.dtype) -> torch.Tensor: ...  # fmt: skip
+
+
+class _Ours:
+    def first(self, stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, eps: float) -> Stats:
+        return phase1(stored, w, gamma, eps=eps)
+
+    def second(self, state: Stats, partial: torch.Tensor | None, w: torch.Tensor, gamma: torch.Tensor, eps: float,
+               out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        return phase2(state, partial, w, gamma, eps=eps, out_dtype=out_dtype)
+
+
+class _TwoPhaseMixer(DepthStream):
+    """Phase 1 at every block start for the block's calls; phase 2 per call (the chunkwise
+    walk's schedule, :class:`k3verify.attnres.chunkwise._ChunkwiseMixer`, on kernels)."""
+
+    def __init__(self, e: torch.Tensor, params: AttnResWeights, schedule: Schedule, prec: Precision, opts: Options,
+                 *, phases: TwoPhase):  # fmt: skip
         super().__init__(e, schedule, prec)
-        self.params, self.eps = params, opts.eps
-        self.stats: Stats | None = None
+        self.params, self.eps, self.phases = params, opts.eps, phases
+        self.state: Any = None
         self.first_query = 0
 
     def mix(self, call: Call) -> tuple[torch.Tensor, tuple[Source, ...]]:
@@ -260,21 +284,27 @@ class _KernelMixer(DepthStream):
         if s % B == 0:
             queries = slice(s, min(s + B, self.schedule.num_calls))
             stored = torch.stack(self.blocks).to(stream)  # exact: blocks hold stream values
-            self.stats = phase1(stored, self.params.w[queries], self.params.gamma[queries], eps=self.eps)
+            self.state = self.phases.first(stored, self.params.w[queries], self.params.gamma[queries], self.eps)
             self.first_query = s
-        stats = self.stats[s - self.first_query]
         partial = None if self.partial is None else self.partial.to(stream)
-        h = phase2(stats, partial, self.params.w[s], self.params.gamma[s], eps=self.eps, out_dtype=stream)
+        h = self.phases.second(self.state[s - self.first_query], partial, self.params.w[s], self.params.gamma[s],
+                               self.eps, stream)  # fmt: skip
         refs = tuple(self.block_refs) if partial is None else (*self.block_refs, self.partial_ref)
         return h.to(self.prec.compute), refs
 
 
-def walk(embedding: torch.Tensor, weights: AttnResWeights, sublayers: Sublayers, *, schedule: Schedule | None = None,
-         eps: float = RMS_NORM_EPS) -> Walk:  # fmt: skip
-    """The depth walk with the kernels, the stream in ``embedding``'s dtype (bf16 or fp16 on a
-    GPU, fp32 anywhere Triton runs) on its device; arguments as :func:`k3verify.attnres.recurrent`."""
-    _check_stream("embedding", embedding)
+def walk_with(phases: TwoPhase, embedding: torch.Tensor, weights: AttnResWeights, sublayers: Sublayers, *,
+              schedule: Schedule | None = None, eps: float = RMS_NORM_EPS) -> Walk:  # fmt: skip
+    """The depth walk with ``phases``, the stream in ``embedding``'s dtype, on the kernels' device."""
     dev = device_for(embedding, "the AttnRes kernels")
     opts = Options(embedding.dtype, None, 4, True, eps)
     return drive_walk(embedding.to(dev), map_tensors(weights, lambda t: t.to(dev)), sublayers, schedule or Schedule(),
-                      opts, _KernelMixer)  # fmt: skip
+                      opts, partial(_TwoPhaseMixer, phases=phases))  # fmt: skip
+
+
+def walk(embedding: torch.Tensor, weights: AttnResWeights, sublayers: Sublayers, *, schedule: Schedule | None = None,
+         eps: float = RMS_NORM_EPS) -> Walk:  # fmt: skip
+    """The depth walk with our kernels, the stream in ``embedding``'s dtype (bf16 or fp16 on a
+    GPU, fp32 anywhere Triton runs) on its device; arguments as :func:`k3verify.attnres.recurrent`."""
+    _check_stream("embedding", embedding)
+    return walk_with(_Ours(), embedding, weights, sublayers, schedule=schedule, eps=eps)

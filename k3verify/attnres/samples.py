@@ -24,6 +24,10 @@ LOGIT_SPREAD = 4.0  # logits of a token's sources lie within this many units bel
 WALK = dict(T=8, d=64, logit_scale=16.0)
 AGGREGATION_CASES = ("sources", "hot")
 WALK_CASES = ("walk", "walk_full")
+# K3's width and blocks over 1024 tokens, for the GPU rows. The stand-in sublayers are narrow
+# (d -> 16 -> d: 340 MB in fp64 where d -> d would take 76 GB); AttnRes never sees their width.
+K3_WALK = "walk_k3"
+WALK_K3 = dict(T=1024, d=7168, logit_scale=16.0, hidden=16)
 
 # Golden slices of the walk: 14 layers cross one 12-layer block boundary (K3's blocks, a
 # 2-layer tail), and Full AttnRes over 6 layers; the stand-in sublayers of the full 93-layer
@@ -36,6 +40,9 @@ GOLDEN_SCHEDULES = {
     "walk.small": Schedule.layers(12, num_layers=14),
     "walk_full.small": Schedule.full(num_layers=6),
 }
+# The K3-width walk's golden slice: all 93 layers in K3's blocks, narrow (its rows are GPU rows;
+# a K3-width golden would take 400 MB).
+GOLDEN_K3_WALK = ("walk_k3.narrow", Schedule(), dict(GOLDEN_WALK, hidden=16))
 
 # The overflow map: 16 tokens of width 64, logit scale x number of sources.
 MAP_SHAPE = dict(T=16, d=64)
@@ -83,17 +90,18 @@ def controlled_sources(
     return dict(sources=v, w=w, gamma=gamma)
 
 
-def walk_inputs(schedule: Schedule, *, T: int, d: int, logit_scale: float, seed: int = 0) -> dict[str, Any]:
+def walk_inputs(schedule: Schedule, *, T: int, d: int, logit_scale: float, seed: int = 0,
+                hidden: int | None = None) -> dict[str, Any]:  # fmt: skip
     """A depth walk's inputs: fp64 ``embedding:[T, d]``, :class:`AttnResWeights` with every
-    ``‖w_s⊙γ_s‖·sqrt(d) = logit_scale``, :class:`StandInSublayers` and the ``schedule``; values
-    bf16-representable (the same at every precision, so a low-precision run differs only by its
-    arithmetic)."""
+    ``‖w_s⊙γ_s‖·sqrt(d) = logit_scale``, :class:`StandInSublayers` (width ``hidden``, default
+    ``d``) and the ``schedule``; values bf16-representable (the same at every precision, so a
+    low-precision run differs only by its arithmetic)."""
     gen = torch.Generator().manual_seed(seed + 1)
     embedding = round_to(torch.randn(T, d, generator=gen, dtype=torch.float64), "bf16")
     return dict(
         embedding=embedding,
         weights=init_weights(schedule, d, logit_scale=logit_scale, seed=seed),
-        sublayers=StandInSublayers.make(schedule.num_sublayers, d, seed=seed),
+        sublayers=StandInSublayers.make(schedule.num_sublayers, d, hidden=hidden, seed=seed),
         schedule=schedule,
     )
 
@@ -105,21 +113,25 @@ def aggregation_sample(N: int, T: int, d: int, *, logit_scale: float, seed: int 
                         seed=seed)
 
 
-def walk_sample(schedule: Schedule, *, T: int, d: int, logit_scale: float, seed: int = 0) -> Sample:
+def walk_sample(schedule: Schedule, *, T: int, d: int, logit_scale: float, seed: int = 0,
+                hidden: int | None = None) -> Sample:  # fmt: skip
     """:func:`walk_inputs` with the params that made them (``kind="walk"``)."""
-    inputs = walk_inputs(schedule, T=T, d=d, logit_scale=logit_scale, seed=seed)
+    inputs = walk_inputs(schedule, T=T, d=d, logit_scale=logit_scale, seed=seed, hidden=hidden)
     return inputs, dict(T=T, d=d, logit_scale=logit_scale, kind="walk", num_layers=schedule.num_layers,
+                        **({"sublayer_hidden": hidden} if hidden else {}),
                         block_sublayers=schedule.block_sublayers, seed=seed)
 
 
 def make_cases(seed: int = 0) -> dict[str, Sample]:
     """Aggregation cases over K3's largest source set (9 sources): ``sources`` (largest logit 8)
     and ``hot`` (96, past ``ln(max fp32)``); walk cases over 93 layers: ``walk`` (K3's blocks of
-    12 layers) and ``walk_full`` (Full AttnRes, up to 187 sources)."""
+    12 layers), ``walk_full`` (Full AttnRes, up to 187 sources) and ``walk_k3`` (K3's blocks at
+    K3's width over 1024 tokens, :data:`WALK_K3`)."""
     cases = {name: aggregation_sample(**AGGREGATION, logit_scale=scale, seed=seed)
              for name, scale in (("sources", DEFAULT_LOGIT_SCALE), ("hot", HOT_LOGIT_SCALE))}
     for name, schedule in (("walk", Schedule()), ("walk_full", Schedule.full())):
         cases[name] = walk_sample(schedule, **WALK, seed=seed)
+    cases[K3_WALK] = walk_sample(Schedule(), **WALK_K3, seed=seed)
     return cases
 
 
@@ -129,6 +141,8 @@ def golden_cases(seed: int = 0) -> dict[str, Sample]:
     cases = {name: made[name] for name in AGGREGATION_CASES}
     for name, schedule in GOLDEN_SCHEDULES.items():
         cases[name] = walk_sample(schedule, **GOLDEN_WALK, seed=seed)
+    name, schedule, shape = GOLDEN_K3_WALK
+    cases[name] = walk_sample(schedule, **shape, seed=seed)
     return cases
 
 

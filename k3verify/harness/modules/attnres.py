@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ... import attnres
+from ...adapters import flash_attn_res
 from ...attnres import kernels, samples, studies
 from ...attnres.samples import LOGIT_SPREAD
 from ...numerics import baseline_rule, compare, noise_floor
@@ -132,9 +133,9 @@ EVERY = (*samples.AGGREGATION_CASES, *samples.WALK_CASES)
 KERNEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _kernel_run(case: Case, dtype: str) -> Outputs:
-    """Our Triton kernels at the case's level, the stream in ``dtype`` (the walk on the GPU)."""
-    return call(kernels.walk if _is_walk(case) else kernels.aggregate, case, KERNEL_DTYPES[dtype])
+def _kernel_run(case: Case, dtype: str, walk: Callable, aggregate: Callable) -> Outputs:
+    """Kernels at the case's level, the stream in ``dtype``."""
+    return call(walk if _is_walk(case) else aggregate, case, KERNEL_DTYPES[dtype])
 
 
 def _kernel(dtype: str, cases: tuple[str, ...]) -> Implementation:
@@ -142,8 +143,21 @@ def _kernel(dtype: str, cases: tuple[str, ...]) -> Implementation:
     device only (SPEC §5). Held to the plain definition storing ``dtype``, like every form."""
     return Implementation(
         module="attnres", implementation="k3verify", form="kernel:two_phase", dtype=dtype, params={},
-        rule=BASELINE_RULE, run=partial(_kernel_run, dtype=dtype), cases=cases,
-        is_available=unavailable_as(partial(kernels.unavailable_reason, dtype)),
+        rule=BASELINE_RULE, run=partial(_kernel_run, dtype=dtype, walk=kernels.walk, aggregate=kernels.aggregate),
+        cases=cases, is_available=unavailable_as(partial(kernels.unavailable_reason, dtype)),
+    )  # fmt: skip
+
+
+def _flash_attn_res() -> Implementation:
+    """flash-attn-res's two Triton ops (bf16 outputs, CUDA only), given ``w ⊙ γ`` as its queries
+    and K3's eps (:mod:`k3verify.adapters.flash_attn_res` says what it computes)."""
+    name = f"flash-attn-res {flash_attn_res.version() or '(missing)'}"
+    return Implementation(
+        module="attnres", implementation=name, form="kernel:two_phase", dtype="bf16", params={},
+        rule=BASELINE_RULE, run=partial(_kernel_run, dtype="bf16", walk=flash_attn_res.walk,
+                                        aggregate=flash_attn_res.aggregate),
+        cases=(*ALL, samples.K3_WALK), is_available=unavailable_as(flash_attn_res.unavailable_reason),
+        source=f"adapter: {name}",
     )  # fmt: skip
 
 
@@ -168,7 +182,8 @@ def own_implementations() -> list[Implementation]:
         # on `hot` (an expected-nonfinite row, not a failure).
         _form("tiled", "bf16", ALL, tile=TILE, subtract_max=False),
         _kernel("fp32", ALL),
-        _kernel("bf16", ALL),
+        _kernel("bf16", (*ALL, samples.K3_WALK)),
+        _flash_attn_res(),
     ]
 
 

@@ -1,0 +1,50 @@
+"""What every GPU benchmark here times with: ``triton.testing.do_bench`` medians (ms), the
+device's copy bandwidth measured in the same process, and the per-launch device time split.
+Every timing's repetitions are kept in :data:`SAMPLES` for the pytest-benchmark-shaped JSON
+(:mod:`benchmark_json`)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import benchmark_json
+import torch
+from triton.testing import do_bench
+
+SAMPLES: list[dict[str, Any]] = []
+
+
+def ms(fn, group: str | None = None, name: str | None = None, **params: Any) -> float:
+    """Median of ``do_bench``'s repetitions (ms); with a ``group`` and ``name`` the repetitions
+    are kept for the pytest-benchmark JSON."""
+    times = [float(t) for t in do_bench(fn, warmup=25, rep=100, return_mode="all")]
+    if group is not None:
+        SAMPLES.append(benchmark_json.entry(group, name or "run", times, params))
+    return float(statistics.median(times))
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 2 GiB, bytes read plus written per second (TB/s)."""
+    src = torch.empty(2**29, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    t = ms(lambda: dst.copy_(src), "copy", "torch copy_ 2 GiB")
+    return 2 * src.numel() * 4 / (t * 1e-3) / 1e12
+
+
+def launch_split(fn, repeats: int = 20) -> dict[str, float]:
+    """Device time per call of each kernel ``fn`` launches (ms), from the PyTorch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    split: dict[str, float] = {}
+    for event in prof.key_averages():
+        total_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        if total_us:
+            split[event.key[:60]] = total_us / repeats / 1e3
+    return dict(sorted(split.items(), key=lambda kv: -kv[1]))

@@ -3,7 +3,8 @@
     python benchmarks/attnres_gpu.py --out DIR [--quick]
 
 bf16 stream, K3's block of 24 sublayer queries over its largest stored set (8 blocks), at
-d = 7168 and, for the peer that needs a power-of-two width (flash-attn-res), d = 8192:
+d = 7168 and, for the peer that needs a power-of-two width (flash-attn-res, timed in a child
+process so that a compile that does not end is a timeout), d = 4096 and 8192:
 
 - one block: phase 1 (logits and fp32 statistics for the 24 queries) and one call's phase 2;
 - the 93-layer walk's AttnRes work: phase 1 at each of the 8 block starts over its stored
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from functools import partial
@@ -35,7 +37,8 @@ from gpu_timing import SAMPLES, copy_bandwidth, launch_split, ms
 
 from k3verify import attnres
 from k3verify.adapters import flash_attn_res
-from k3verify.attnres import chunkwise, kernels, samples
+from k3verify.attnres import kernels, samples
+from k3verify.attnres.chunkwise import Stats, merge, phase1, stored_logits
 from k3verify.attnres.schedule import Schedule
 from k3verify.harness.environment import environment
 from k3verify.numerics import compare
@@ -43,7 +46,7 @@ from k3verify.numerics.ops import RMS_NORM_EPS
 
 QUERIES = 24  # one block of 12 layers: 24 sublayer calls
 STORED = 8  # the last block's stored set: the embedding and 7 blocks
-WIDTHS = (7168, 8192)
+WIDTHS = (7168, 4096, 8192)  # K3's, and powers of two for flash-attn-res
 TOKENS = (8192, 32768)
 
 
@@ -61,12 +64,12 @@ def _compiled_chunkwise():
 
     def first(stored, w, gamma):
         v = stored.float()
-        return chunkwise.phase1(chunkwise.stored_logits(v, w, gamma, RMS_NORM_EPS), v)
+        return phase1(stored_logits(v, w, gamma, RMS_NORM_EPS), v)
 
-    def second(m, Z, N, partial, w, gamma):
-        p = partial.float()
+    def second(m, Z, N, part, w, gamma):
+        p = part.float()
         r = attnres.logits(p[None], w, gamma, RMS_NORM_EPS)[0]
-        return chunkwise.merge(chunkwise.Stats(m, Z, N), r, p).bfloat16()
+        return merge(Stats(m, Z, N), r, p).bfloat16()
 
     return torch.compile(first), torch.compile(second)
 
@@ -82,42 +85,83 @@ def _block_runs(x: dict[str, torch.Tensor], compiled: tuple) -> dict[tuple[str, 
         ("phase1", "torch.compile chunkwise"): partial(first_c, stored, w, gamma),
         ("phase2", "torch.compile chunkwise"): partial(second_c, one.m, one.Z, one.N, part, w[0], gamma[0]),
     }
-    if flash_attn_res.unavailable_reason() is None:
-        phases = flash_attn_res._Phases()
-        state = _try(partial(phases.first, stored, w, gamma, RMS_NORM_EPS))
-        if isinstance(state, str):  # a width it cannot compile: a result
-            runs[("phase1", "flash-attn-res")] = state
-        else:
-            runs[("phase1", "flash-attn-res")] = partial(phases.first, stored, w, gamma, RMS_NORM_EPS)
-            runs[("phase2", "flash-attn-res")] = partial(phases.second, state[0], part, w[0], gamma[0], RMS_NORM_EPS,
-                                                         torch.bfloat16)  # fmt: skip
     return runs
 
 
-def block_rows(copy_tbps: float, tokens: tuple[int, ...], log) -> list[dict[str, Any]]:
-    """Phase 1 and phase 2 of one block: ours, flash-attn-res (power-of-two width), compiled torch."""
+def _flash_runs(x: dict[str, torch.Tensor]) -> dict[tuple[str, str], Any]:
+    """flash-attn-res's two ops on one block's inputs (a width it cannot compile: the error)."""
+    stored, part, w, gamma = x["stored"], x["partial"], x["w"], x["gamma"]
+    phases = flash_attn_res._Phases()
+    state = _try(partial(phases.first, stored, w, gamma, RMS_NORM_EPS))
+    if isinstance(state, str):
+        return {("phase1", "flash-attn-res"): state}
+    return {("phase1", "flash-attn-res"): partial(phases.first, stored, w, gamma, RMS_NORM_EPS),
+            ("phase2", "flash-attn-res"): partial(phases.second, state[0], part, w[0], gamma[0], RMS_NORM_EPS,
+                                                  torch.bfloat16)}  # fmt: skip
+
+
+def flash_child(T: int, d: int) -> int:
+    """Time flash-attn-res at one shape and print its rows as JSON (run in a child process, so
+    that a compile that does not finish is a timeout, not a hung benchmark)."""
+    rows = _time_runs(_flash_runs(_block_inputs(T, d)), T, d, None, lambda msg: None)
+    print("FLASH_ROWS " + json.dumps(rows))
+    return 0
+
+
+def _flash_rows(T: int, d: int, timeout_s: float, log) -> list[dict[str, Any]]:
+    if flash_attn_res.unavailable_reason() is not None:
+        return []
+    cmd = [sys.executable, __file__, "--flash-child", str(T), str(d)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        log(f"flash-attn-res T={T} d={d}: no result within {timeout_s:g} s")
+        return [dict(kind="block", phase="phase1", T=T, d=d, implementation="flash-attn-res",
+                     error=f"no result within {timeout_s:g} s (compile and autotune included)")]  # fmt: skip
+    line = next((x for x in done.stdout.splitlines() if x.startswith("FLASH_ROWS ")), None)
+    if line is None:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        return [dict(kind="block", phase="phase1", T=T, d=d, implementation="flash-attn-res", error=tail)]
+    rows = json.loads(line.removeprefix("FLASH_ROWS "))
+    for r in rows:
+        log(f"{r['phase']} flash-attn-res T={T} d={d}: " + (f"{r['ms']:.4f} ms" if "ms" in r else r["error"]))
+    return rows
+
+
+def _time_runs(runs: dict[tuple[str, str], Any], T: int, d: int, copy_tbps: float | None,
+               log) -> list[dict[str, Any]]:  # fmt: skip
+    """One row per run: its time (and, for ours, bytes moved against the copy bandwidth)."""
+    moved = {"phase1": STORED * T * d * 2 + QUERIES * T * d * 4, "phase2": T * d * (2 + 4 + 2)}
+    rows = []
+    for (phase, name), run in runs.items():
+        t = run if isinstance(run, str) else _try(partial(ms, run, f"attnres {phase} T={T} d={d}", name))
+        row = dict(kind="block", phase=phase, T=T, d=d, implementation=name)
+        if isinstance(t, str):
+            rows.append(row | dict(error=t))
+            log(f"{phase} {name} T={T} d={d}: {t}")
+            continue
+        row["ms"] = t
+        if name == "k3verify" and copy_tbps:
+            tbps = moved[phase] / (t * 1e-3) / 1e12
+            row.update(bytes=moved[phase], tbps=tbps, fraction_of_copy=tbps / copy_tbps)
+            if phase == "phase1":
+                row["split"] = launch_split(run, repeats=5)
+        rows.append(row)
+        share = f" ({100 * row['fraction_of_copy']:.0f}% of copy)" if "fraction_of_copy" in row else ""
+        log(f"{phase} {name} T={T} d={d}: {t:.4f} ms{share}" + (f" {row['split']}" if "split" in row else ""))
+    return rows
+
+
+def block_rows(copy_tbps: float, tokens: tuple[int, ...], peer_timeout: float, log) -> list[dict[str, Any]]:
+    """Phase 1 and phase 2 of one block: ours and compiled torch in this process, flash-attn-res
+    in a child process per shape (it needs a power-of-two width)."""
     rows = []
     compiled = _compiled_chunkwise()
     for T in tokens:
         for d in WIDTHS:
-            runs = _block_runs(_block_inputs(T, d), compiled)
-            moved = {"phase1": STORED * T * d * 2 + QUERIES * T * d * 4, "phase2": T * d * (2 + 4 + 2)}
-            for (phase, name), run in runs.items():
-                t = run if isinstance(run, str) else _try(partial(ms, run, f"attnres {phase} T={T} d={d}", name))
-                row = dict(kind="block", phase=phase, T=T, d=d, implementation=name)
-                if isinstance(t, str):
-                    rows.append(row | dict(error=t))
-                    log(f"{phase} {name} T={T} d={d}: {t}")
-                    continue
-                row["ms"] = t
-                if name == "k3verify":
-                    tbps = moved[phase] / (t * 1e-3) / 1e12
-                    row.update(bytes=moved[phase], tbps=tbps, fraction_of_copy=tbps / copy_tbps)
-                rows.append(row)
-                share = f" ({100 * row['fraction_of_copy']:.0f}% of copy)" if "fraction_of_copy" in row else ""
-                log(f"{phase} {name} T={T} d={d}: {t:.4f} ms{share}")
-            runs.clear()
+            rows += _time_runs(_block_runs(_block_inputs(T, d), compiled), T, d, copy_tbps, log)
             torch.cuda.empty_cache()
+            rows += _flash_rows(T, d, peer_timeout, log)
     return _with_ratios(rows)
 
 
@@ -223,7 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="reports/latest/bench", help="output folder")
     parser.add_argument("--quick", action="store_true", help="T = 8192 only")
+    parser.add_argument("--peer-timeout", type=float, default=120.0,
+                        help="seconds flash-attn-res may take at one shape, compile included (default 120)")
+    parser.add_argument("--flash-child", nargs=2, type=int, metavar=("T", "D"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.flash_child:
+        return flash_child(*args.flash_child)
     if not torch.cuda.is_available():
         print("no CUDA device: the AttnRes GPU benchmark needs one", file=sys.stderr)
         return 2
@@ -237,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens = TOKENS[:1] if args.quick else TOKENS
     copy_tbps = copy_bandwidth()
     log(f"copy bandwidth {copy_tbps:.2f} TB/s")
-    rows = accuracy_rows(log) + block_rows(copy_tbps, tokens, log) + walk_rows(copy_tbps, tokens, log)
+    rows = accuracy_rows(log) + block_rows(copy_tbps, tokens, args.peer_timeout, log)
+    rows += walk_rows(copy_tbps, tokens, log)
     result = dict(device=torch.cuda.get_device_name(0), copy_tbps=copy_tbps, rows=rows, environment=environment(),
                   flash_attn_res=flash_attn_res.version())  # fmt: skip
     (out / "attnres_gpu.json").write_text(json.dumps(result, indent=2, default=str))

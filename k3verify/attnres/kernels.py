@@ -9,8 +9,8 @@ logits and the softmax in fp32 and write the statistics in fp32 (SPEC §3):
   its RMS and its logits for every query as one product of the tile with the queries'
   ``w ⊙ γ`` (tf32x3 for bf16 and fp16 streams, fp64 for fp32 ones; the RMS scale is applied
   after the product, in fp64);
-  *accumulate*, one program per (token tile, width tile), forms per query ``m = max ℓ``,
-  ``Z = Σ e^{ℓ−m}`` and ``N = Σ e^{ℓ−m} v``, rereading its tiles of the blocks from cache.
+  *accumulate*, one program per (token, width tile), forms for every query at once
+  ``m = max ℓ``, ``Z = Σ e^{ℓ−m}`` and ``N = Σ e^{ℓ−m} v``, reading each block's tile once.
 - :func:`phase2`, per call: one program per token tile takes the partial sum's logit ``r``
   (RMS and product over the whole width, fp32), then writes ``h = (e^{m−M} N + e^{r−M} p) /
   (e^{m−M} Z + e^{r−M})``, ``M = max(m, r)``, in the stream dtype.
@@ -44,8 +44,7 @@ STREAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOGITS_TOKENS = 16  # a tl.dot side
 LOGITS_WIDTH = 128
 EXACT_WIDTH = 16  # fp64 products of a [tokens, width, queries] tile
-ACC_TOKENS = 4
-ACC_WIDTH = 512
+ACC_WIDTH = 256
 MERGE_TOKENS = 4
 MERGE_WIDTH = 512
 
@@ -96,30 +95,28 @@ def _logits_kernel(v, wg, ell, T, D, n, Q, eps, BT: tl.constexpr, BD: tl.constex
 
 
 @triton.jit
-def _accumulate_kernel(v, ell, m_out, z_out, n_out, T, D, n, Q, BT: tl.constexpr, BD: tl.constexpr,
+def _accumulate_kernel(v, ell, m_out, z_out, n_out, T, D, n, Q, BD: tl.constexpr, QP: tl.constexpr,
                        NP: tl.constexpr):  # fmt: skip
-    """Per query: ``m, Z`` over the ``n`` stored blocks and ``N`` on a (token, width) tile."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    """For one token and a width tile, every query at once: ``m, Z`` over the ``n`` stored blocks
+    and ``N``; each block's tile is read once, each query's output row written once."""
+    t = tl.program_id(0).to(tl.int64)
     pd = tl.program_id(1)
     dd = pd * BD + tl.arange(0, BD)
+    qq = tl.arange(0, QP)
     src = tl.arange(0, NP)
-    tile = (t < T)[:, None] & (dd < D)[None, :]
-    offs = t[:, None].to(tl.int64) * D + dd[None, :]
-    for s in range(0, Q):
-        L = tl.load(ell + (s * n + src[None, :]) * T + t[:, None], mask=(src < n)[None, :] & (t < T)[:, None],
-                    other=float("-inf"))  # fmt: skip
-        m = tl.max(L, axis=1)
-        m_safe = tl.where(t < T, m, 0.0)  # padded tokens: no -inf - -inf
-        P = tl.exp(L - m_safe[:, None])
-        acc = tl.zeros([BT, BD], dtype=tl.float32)
-        for i in range(0, n):
-            p_i = tl.sum(tl.where(src[None, :] == i, P, 0.0), axis=1)
-            x = tl.load(v + i * T * D + offs, mask=tile, other=0.0).to(tl.float32)
-            acc += p_i[:, None] * x
-        tl.store(n_out + s * T * D + offs, acc, mask=tile)
-        if pd == 0:
-            tl.store(m_out + s * T + t, m, mask=t < T)
-            tl.store(z_out + s * T + t, tl.sum(P, axis=1), mask=t < T)
+    L = tl.load(ell + (qq[:, None] * n + src[None, :]) * T + t, mask=(qq < Q)[:, None] & (src < n)[None, :],
+                other=float("-inf"))  # fmt: skip
+    m = tl.max(L, axis=1)
+    P = tl.exp(L - tl.where(qq < Q, m, 0.0)[:, None])  # padded queries: no -inf - -inf
+    acc = tl.zeros([QP, BD], dtype=tl.float32)
+    for i in range(0, n):
+        p_i = tl.sum(tl.where(src[None, :] == i, P, 0.0), axis=1)
+        x = tl.load(v + (i * T + t) * D + dd, mask=dd < D, other=0.0).to(tl.float32)
+        acc += p_i[:, None] * x[None, :]
+    tl.store(n_out + (qq[:, None] * T + t) * D + dd[None, :], acc, mask=(qq < Q)[:, None] & (dd < D)[None, :])
+    if pd == 0:
+        tl.store(m_out + qq * T + t, m, mask=qq < Q)
+        tl.store(z_out + qq * T + t, tl.sum(P, axis=1), mask=qq < Q)
 
 
 @triton.jit
@@ -202,8 +199,8 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
         stored, _queries(w, gamma, d, dev, QP), ell, T, d, n, Q, float(eps),
         BT=LOGITS_TOKENS, BD=EXACT_WIDTH if exact else LOGITS_WIDTH, QP=QP, EXACT=exact,
     )  # fmt: skip
-    _accumulate_kernel[(triton.cdiv(T, ACC_TOKENS), triton.cdiv(d, ACC_WIDTH))](
-        stored, ell, m, Z, N, T, d, n, Q, BT=ACC_TOKENS, BD=ACC_WIDTH, NP=max(2, triton.next_power_of_2(n)),
+    _accumulate_kernel[(T, triton.cdiv(d, ACC_WIDTH))](
+        stored, ell, m, Z, N, T, d, n, Q, BD=ACC_WIDTH, QP=QP, NP=max(2, triton.next_power_of_2(n)),
     )  # fmt: skip
     return Stats(m, Z, N)
 

@@ -21,7 +21,7 @@ from ... import attnres
 from ...adapters import flash_attn_res
 from ...attnres import kernels, samples, studies
 from ...attnres.samples import LOGIT_SPREAD
-from ...numerics import baseline_rule, compare, noise_floor
+from ...numerics import baseline_rule, compare, map_tensors, noise_floor
 from ..environment import one_thread  # small tensors: a second thread only spins
 from ..overflow_map import MapDefinition, MapOptions, MapSpec, SweptForm, agreement
 from ..registry import (
@@ -66,9 +66,17 @@ def call(fn: Callable, case: Case, dtype: torch.dtype, **options: Any) -> Output
     """
     (a, b, c), kw = _form_args(case)
     if _is_walk(case):
-        walk = fn(a.to(dtype), b.to(dtype), c, **kw, **options)
-        return {"h": walk.output, "blocks": walk.blocks}
-    return {"h": fn(a.to(dtype), b.to(dtype), c.to(dtype), **options)}
+        dev = _device(case)
+        walk = fn(a.to(dev, dtype), map_tensors(b, lambda t: t.to(dev, dtype)), c, **kw, **options)
+        return {"h": walk.output.cpu(), "blocks": walk.blocks.cpu()}
+    return {"h": fn(a.to(dtype), b.to(dtype), c.to(dtype), **options).cpu()}
+
+
+def _device(case: Case) -> str:
+    """Where a walk runs: the K3-width walk on a CUDA device when there is one (its fp64
+    definition keeps all 186 sublayer outputs, 11 GB, and takes minutes on a CPU); the rest, and
+    every walk on a machine without one, on the CPU."""
+    return "cuda" if case.name == samples.K3_WALK and torch.cuda.is_available() else "cpu"
 
 
 def _run(case: Case, form: str, **options: Any) -> Outputs:

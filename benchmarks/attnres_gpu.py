@@ -152,7 +152,7 @@ def _time_runs(runs: dict[tuple[str, str], Any], T: int, d: int, copy_tbps: floa
     return rows
 
 
-def block_rows(copy_tbps: float, tokens: tuple[int, ...], peer_timeout: float, log) -> list[dict[str, Any]]:
+def block_rows(copy_tbps: float, tokens: tuple[int, ...], peer_timeout: float | None, log) -> list[dict[str, Any]]:
     """Phase 1 and phase 2 of one block: ours and compiled torch in this process, flash-attn-res
     in a child process per shape (it needs a power-of-two width)."""
     rows = []
@@ -161,7 +161,8 @@ def block_rows(copy_tbps: float, tokens: tuple[int, ...], peer_timeout: float, l
         for d in WIDTHS:
             rows += _time_runs(_block_runs(_block_inputs(T, d), compiled), T, d, copy_tbps, log)
             torch.cuda.empty_cache()
-            rows += _flash_rows(T, d, peer_timeout, log)
+            if peer_timeout is not None:
+                rows += _flash_rows(T, d, peer_timeout, log)
     return _with_ratios(rows)
 
 
@@ -269,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="T = 8192 only")
     parser.add_argument("--peer-timeout", type=float, default=120.0,
                         help="seconds flash-attn-res may take at one shape, compile included (default 120)")
+    parser.add_argument("--no-flash", action="store_true", help="leave flash-attn-res out of the block rows")
     parser.add_argument("--flash-child", nargs=2, type=int, metavar=("T", "D"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.flash_child:
@@ -286,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = TOKENS[:1] if args.quick else TOKENS
     copy_tbps = copy_bandwidth()
     log(f"copy bandwidth {copy_tbps:.2f} TB/s")
-    rows = accuracy_rows(log) + block_rows(copy_tbps, tokens, args.peer_timeout, log)
+    rows = accuracy_rows(log) + block_rows(copy_tbps, tokens, None if args.no_flash else args.peer_timeout, log)
     rows += walk_rows(copy_tbps, tokens, log)
     result = dict(device=torch.cuda.get_device_name(0), copy_tbps=copy_tbps, rows=rows, environment=environment(),
                   flash_attn_res=flash_attn_res.version())  # fmt: skip

@@ -41,9 +41,11 @@ from .layer import walk as drive_walk
 from .schedule import Call, Schedule, Source
 
 STREAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-LOGITS_TOKENS = 16  # a tl.dot side
-LOGITS_WIDTH = 128
-EXACT_WIDTH = 16  # fp64 products of a [tokens, width, queries] tile
+# Logits: 64 tokens per program share each width tile of w ⊙ γ (read from cache per tile).
+LOGITS_TOKENS = 64
+LOGITS_WIDTH = 64
+EXACT_TOKENS = 16  # fp64 products of a [tokens, width, queries] tile
+EXACT_WIDTH = 16
 ACC_WIDTH = 256
 MERGE_TOKENS = 4
 MERGE_WIDTH = 512
@@ -65,9 +67,10 @@ def _normalised(dot, ss, D, eps):
 
 
 @triton.jit
-def _logits_kernel(v, wg, ell, T, D, n, Q, eps, BT: tl.constexpr, BD: tl.constexpr, QP: tl.constexpr,
+def _logits_kernel(v, wg, ell, T, D, n, eps, BT: tl.constexpr, BD: tl.constexpr, QP: tl.constexpr,
                    EXACT: tl.constexpr):  # fmt: skip
-    """``ell[q, i, t] = (v[i, t] · wg[:, q]) / rms(v[i, t])`` for a tile of tokens of block ``i``.
+    """``ell[t, i, q] = (v[i, t] · wg[:, q]) / rms(v[i, t])`` for a tile of tokens of block ``i``
+    (padded queries have ``wg = 0``: logit 0).
 
     ``EXACT`` (fp32 streams, the interpreter): products and sums in fp64, so a logit carries one
     fp32 rounding; otherwise (bf16, fp16 streams) one tf32x3 product per width tile: the stream
@@ -90,29 +93,31 @@ def _logits_kernel(v, wg, ell, T, D, n, Q, eps, BT: tl.constexpr, BD: tl.constex
             acc += tl.sum(x.to(tl.float64)[:, :, None] * g.to(tl.float64)[None, :, :], axis=1)
         else:
             acc += tl.dot(x, g, input_precision="tf32x3")
-    tl.store(ell + (q[None, :] * n + i) * T + t[:, None], _normalised(acc, ss[:, None], D, eps),
-             mask=(t < T)[:, None] & (q < Q)[None, :])  # fmt: skip
+    tl.store(ell + (t[:, None].to(tl.int64) * n + i) * QP + q[None, :], _normalised(acc, ss[:, None], D, eps),
+             mask=(t < T)[:, None])  # fmt: skip
 
 
 @triton.jit
 def _accumulate_kernel(v, ell, m_out, z_out, n_out, T, D, n, Q, BD: tl.constexpr, QP: tl.constexpr,
-                       NP: tl.constexpr):  # fmt: skip
+                       NP: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
     """For one token and a width tile, every query at once: ``m, Z`` over the ``n`` stored blocks
-    and ``N``; each block's tile is read once, each query's output row written once."""
+    and ``N = P X``, the weights ``P:[queries, blocks]`` times the blocks' tiles ``X:[blocks,
+    width]`` (loaded together, so their loads overlap); each output row is written once."""
     t = tl.program_id(0).to(tl.int64)
     pd = tl.program_id(1)
     dd = pd * BD + tl.arange(0, BD)
     qq = tl.arange(0, QP)
     src = tl.arange(0, NP)
-    L = tl.load(ell + (qq[:, None] * n + src[None, :]) * T + t, mask=(qq < Q)[:, None] & (src < n)[None, :],
-                other=float("-inf"))  # fmt: skip
+    L = tl.load(ell + (t * n + src[None, :]) * QP + qq[:, None], mask=(src < n)[None, :], other=float("-inf"))
     m = tl.max(L, axis=1)
-    P = tl.exp(L - tl.where(qq < Q, m, 0.0)[:, None])  # padded queries: no -inf - -inf
-    acc = tl.zeros([QP, BD], dtype=tl.float32)
-    for i in range(0, n):
-        p_i = tl.sum(tl.where(src[None, :] == i, P, 0.0), axis=1)
-        x = tl.load(v + (i * T + t) * D + dd, mask=dd < D, other=0.0).to(tl.float32)
-        acc += p_i[:, None] * x[None, :]
+    P = tl.exp(L - m[:, None])  # padded blocks: weight 0
+    X = tl.load(v + (src[:, None].to(tl.int64) * T + t) * D + dd[None, :], mask=(src < n)[:, None] & (dd < D)[None, :],
+                other=0.0).to(tl.float32)  # fmt: skip
+    if EXACT:
+        acc = tl.dot(P, X, input_precision="ieee")
+    else:
+        # tf32x3 keeps the weights to about 22 bits; a bf16 or fp16 stream is exact in tf32.
+        acc = tl.dot(P, X, input_precision="tf32x3")
     tl.store(n_out + (qq[:, None] * T + t) * D + dd[None, :], acc, mask=(qq < Q)[:, None] & (dd < D)[None, :])
     if pd == 0:
         tl.store(m_out + qq * T + t, m, mask=qq < Q)
@@ -193,14 +198,14 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     if n == 0 or T == 0:
         return Stats(m, Z, N)
     QP = block(Q)
-    ell = torch.empty(Q, n, T, dtype=torch.float32, device=dev)
+    ell = torch.empty(T, n, QP, dtype=torch.float32, device=dev)  # a token's logits together
     exact = interpreted() or stored.dtype == torch.float32
-    _logits_kernel[(triton.cdiv(T, LOGITS_TOKENS), n)](
-        stored, _queries(w, gamma, d, dev, QP), ell, T, d, n, Q, float(eps),
-        BT=LOGITS_TOKENS, BD=EXACT_WIDTH if exact else LOGITS_WIDTH, QP=QP, EXACT=exact,
+    _logits_kernel[(triton.cdiv(T, EXACT_TOKENS if exact else LOGITS_TOKENS), n)](
+        stored, _queries(w, gamma, d, dev, QP), ell, T, d, n, float(eps), BT=EXACT_TOKENS if exact else LOGITS_TOKENS,
+        BD=EXACT_WIDTH if exact else LOGITS_WIDTH, QP=QP, EXACT=exact,
     )  # fmt: skip
     _accumulate_kernel[(T, triton.cdiv(d, ACC_WIDTH))](
-        stored, ell, m, Z, N, T, d, n, Q, BD=ACC_WIDTH, QP=QP, NP=max(2, triton.next_power_of_2(n)),
+        stored, ell, m, Z, N, T, d, n, Q, BD=ACC_WIDTH, QP=QP, NP=block(n), EXACT=exact,
     )  # fmt: skip
     return Stats(m, Z, N)
 

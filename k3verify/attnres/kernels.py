@@ -88,10 +88,12 @@ def _logits_kernel(v, wg, ell, T, D, n, eps, BT: tl.constexpr, BD: tl.constexpr,
         dd = d0 + tl.arange(0, BD)
         x = tl.load(rows + dd[None, :], mask=(t < T)[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
         g = tl.load(wg + dd[:, None] * QP + q[None, :], mask=(dd < D)[:, None], other=0.0)
-        ss += tl.sum(x.to(tl.float64) * x.to(tl.float64), axis=1)
         if EXACT:
+            ss += tl.sum(x.to(tl.float64) * x.to(tl.float64), axis=1)
             acc += tl.sum(x.to(tl.float64)[:, :, None] * g.to(tl.float64)[None, :, :], axis=1)
         else:
+            # A bf16 square is exact in fp32; a tile's sum rounds at 2^-24, the tiles add in fp64.
+            ss += tl.sum(x * x, axis=1).to(tl.float64)
             acc += tl.dot(x, g, input_precision="tf32x3")
     tl.store(ell + (t[:, None].to(tl.int64) * n + i) * QP + q[None, :], _normalised(acc, ss[:, None], D, eps),
              mask=(t < T)[:, None])  # fmt: skip
@@ -192,11 +194,14 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     Q = w.shape[0]
     dev = device_for(stored, "the AttnRes kernels")
     stored = stored.to(dev).contiguous()
-    m = torch.full((Q, T), float("-inf"), dtype=torch.float32, device=dev)
-    Z = torch.zeros(Q, T, dtype=torch.float32, device=dev)
-    N = torch.zeros(Q, T, d, dtype=torch.float32, device=dev)
     if n == 0 or T == 0:
-        return Stats(m, Z, N)
+        return Stats(torch.full((Q, T), float("-inf"), dtype=torch.float32, device=dev),
+                     torch.zeros(Q, T, dtype=torch.float32, device=dev),
+                     torch.zeros(Q, T, d, dtype=torch.float32, device=dev))  # fmt: skip
+    # Every entry is written below: no fill (a memset of N costs as much as a third of the pass).
+    m = torch.empty(Q, T, dtype=torch.float32, device=dev)
+    Z = torch.empty(Q, T, dtype=torch.float32, device=dev)
+    N = torch.empty(Q, T, d, dtype=torch.float32, device=dev)
     QP = block(Q)
     ell = torch.empty(T, n, QP, dtype=torch.float32, device=dev)  # a token's logits together
     exact = interpreted() or stored.dtype == torch.float32

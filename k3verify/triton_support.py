@@ -29,16 +29,19 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def unavailable_reason(what: str, dtype: torch.dtype | str, dtypes: tuple[torch.dtype, ...]) -> str | None:
+def unavailable_reason(what: str, dtype: torch.dtype | str, dtypes: tuple[torch.dtype, ...],
+                       interpreter_dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> str | None:  # fmt: skip
     """Why ``what`` (e.g. ``"the KDA kernels"``) cannot give faithful results for ``dtype``
-    here, or ``None``; ``dtypes`` are the dtypes it takes at all."""
+    here, or ``None``; ``dtypes`` are the dtypes it takes at all, ``interpreter_dtypes`` those
+    whose every operation the interpreter computes as a GPU does (fp32; fp16 where the kernel
+    converts only to fp16, which numpy rounds to nearest even, and multiplies fp16 tiles)."""
     dt = resolve_dtype(dtype)
     if dt not in dtypes:
         names = [dtype_name(d) for d in dtypes]
         listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
         return f"{what} take {listed} operands, not {dtype_name(dt)}"
     if interpreted():
-        if dt != torch.float32:
+        if dt not in interpreter_dtypes:
             return (
                 f"Triton's CPU interpreter is not faithful for {dtype_name(dt)} (it truncates fp32 -> bf16 and "
                 "its bf16 tl.dot is wrong: docs/gpu.md); a CUDA device is needed"

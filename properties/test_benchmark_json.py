@@ -16,24 +16,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def kda_gpu(monkeypatch: pytest.MonkeyPatch):
+def gpu_timing(monkeypatch: pytest.MonkeyPatch):
+    """The timing module every GPU benchmark (KDA, AttnRes) records its repetitions through."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import kda_gpu
+    import gpu_timing
 
-    monkeypatch.setattr(kda_gpu, "SAMPLES", [])
-    return kda_gpu
+    return gpu_timing
 
 
-def test_gpu_timings_compare_with_pytest_benchmark(kda_gpu, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_gpu_timings_compare_with_pytest_benchmark(gpu_timing, monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:  # fmt: skip
     import benchmark_json
 
     files = []
     for run, times in enumerate(([2.0, 1.0, 3.0, 2.5], [1.0, 0.5, 1.5, 1.2])):
-        monkeypatch.setattr(kda_gpu, "do_bench", lambda fn, t=times, **kw: list(t))
-        kda_gpu.SAMPLES.clear()
-        assert kda_gpu._ms(lambda: None, "prefill {'T': 8192}", "ours", block_v=32) == statistics.median(times)
-        kda_gpu._ms(lambda: None, "prefill {'T': 8192}", "fla-core")
-        doc = benchmark_json.document(kda_gpu.SAMPLES, device="test device", commit="0" * 40, dirty=False)
+        monkeypatch.setattr(gpu_timing, "do_bench", lambda fn, t=times, **kw: list(t))
+        gpu_timing.SAMPLES.clear()
+        assert gpu_timing.ms(lambda: None, "prefill {'T': 8192}", "ours", block_v=32) == statistics.median(times)
+        gpu_timing.ms(lambda: None, "prefill {'T': 8192}", "fla-core")
+        doc = benchmark_json.document(gpu_timing.SAMPLES, device="test device", commit="0" * 40, dirty=False)
         (bench,) = [b for b in doc["benchmarks"] if b["name"].startswith("ours")]
         assert bench["stats"]["rounds"] == 4 and bench["stats"]["min"] == min(times) / 1e3
         assert bench["params"] == {"block_v": 32}

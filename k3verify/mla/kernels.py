@@ -1,0 +1,139 @@
+"""Gated MLA GPU kernels in Triton: absorbed attention over the paged latent cache (SPEC §2.4).
+
+``decode(q_nope, q_pe, cache, w_uk, w_uv, *, scale=None, num_splits=1)`` takes the common MLA
+signature (:mod:`k3verify.mla.inputs`) and returns ``o:[B, T, H, Dv]``; query ``t`` of request
+``b`` sees positions ``< seq_lens[b] - T + t + 1`` (one token per request in decode; a chunk
+of the last ``T`` tokens, causal, works the same way):
+
+1. host: the absorbed query ``q_lat,h = W_UK,hᵀ q^n_h`` (fp32 product, then the operand dtype);
+2. kernel, one program per (request and query token, block of heads, split of the keys): every
+   head of the block shares the cache tile it reads (latent MQA). Key positions map to slots
+   through ``block_table``; positions past the query's own are masked and never loaded, so a
+   dead slot's NaN poison cannot reach an output. Scores ``scale (q_latᵀ ĉ + q^pᵀ k^p)`` and the
+   online softmax run in fp32, products take operand-dtype tiles with fp32 accumulation, an
+   fp8 e4m3 cache is dequantised per token (code × scale) into the operand dtype as it is
+   loaded. Each split writes its normalised partial output and its log-sum-exp in fp32;
+3. host: splits merged by their log-sum-exp in fp32, then ``o_h = W_UV,hᵀ o_lat,h`` (fp32
+   product), written in the operand dtype.
+
+Operands are the dtype the queries are given in (bf16, fp16, fp32; with an fp8 cache, bf16 or
+fp16). Under Triton's interpreter fp32 and fp16 are faithful (its fp16 conversions round to
+nearest even and its fp16 products are exact); bf16 and fp8 need a GPU
+(:mod:`k3verify.triton_support`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..numerics.validate import require_block
+from ..triton_support import block, device_for, tl, triton
+from ..triton_support import unavailable_reason as _unavailable
+from .cache import LatentCache
+from .inputs import check_inputs
+
+OPERAND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KEYS = 32  # key positions per tile
+HEADS = 16  # heads per program (a tl.dot side)
+
+
+def unavailable_reason(operand_dtype: torch.dtype | str = torch.bfloat16) -> str | None:
+    """Why the kernels cannot give faithful results for ``operand_dtype`` here, or ``None``."""
+    return _unavailable("the MLA kernels", operand_dtype, OPERAND_DTYPES, (torch.float32, torch.float16))
+
+
+@triton.jit
+def _decode_kernel(
+    q_lat, q_pe, pool, scales, block_table, seq_lens, o_part, lse_part,
+    T, H, R, Dr, W, page_size, max_pages, BT, scale, num_splits,
+    BH: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr, BN: tl.constexpr,
+    QUANT: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    bt = tl.program_id(0).to(tl.int64)
+    hh = tl.program_id(1) * BH + tl.arange(0, BH)
+    sp = tl.program_id(2)
+    b = bt // T
+    visible = tl.load(seq_lens + b).to(tl.int32) - T + (bt % T).to(tl.int32) + 1
+    per = tl.cdiv(visible, num_splits)
+    k0 = sp * per
+    k1 = tl.minimum(visible, k0 + per)
+    rr = tl.arange(0, BR)
+    pp = tl.arange(0, BDR)
+    hm = hh < H
+    rows = (bt * H + hh)[:, None]
+    OP = q_lat.dtype.element_ty
+    ql = tl.load(q_lat + rows * R + rr[None, :], mask=hm[:, None] & (rr < R)[None, :], other=0.0)
+    qp = tl.load(q_pe + rows * Dr + pp[None, :], mask=hm[:, None] & (pp < Dr)[None, :], other=0.0)
+    m = tl.full([BH], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([BH], dtype=tl.float32)
+    acc = tl.zeros([BH, BR], dtype=tl.float32)
+    for n0 in range(k0, k1, BN):
+        pos = n0 + tl.arange(0, BN)
+        pm = pos < k1
+        page = tl.load(block_table + b * max_pages + pos // page_size, mask=pm, other=0)
+        slot = page.to(tl.int64) * page_size + pos % page_size
+        c = tl.load(pool + slot[:, None] * W + rr[None, :], mask=pm[:, None] & (rr < R)[None, :], other=0.0)
+        kp = tl.load(pool + slot[:, None] * W + R + pp[None, :], mask=pm[:, None] & (pp < Dr)[None, :], other=0.0)
+        if QUANT:
+            sc = tl.load(scales + slot, mask=pm, other=0.0)
+            c = (c.to(tl.float32) * sc[:, None]).to(OP)
+            kp = (kp.to(tl.float32) * sc[:, None]).to(OP)
+        if IEEE:
+            s = tl.dot(ql, tl.trans(c), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
+        else:
+            s = tl.dot(ql, tl.trans(c)) + tl.dot(qp, tl.trans(kp))
+        s = tl.where(pm[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        den = den * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(OP), c, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(OP), c)
+        m = m_new
+    # An empty split (more splits than keys) leaves m = -inf, den = 0: weight 0 in the merge.
+    out = acc / tl.where(den > 0, den, 1.0)[:, None]
+    base = sp.to(tl.int64) * BT + bt
+    tl.store(o_part + (base * H + hh)[:, None] * R + rr[None, :], out, mask=hm[:, None] & (rr < R)[None, :])
+    tl.store(lse_part + base * H + hh, tl.where(den > 0, m + tl.log(tl.where(den > 0, den, 1.0)), float("-inf")),
+             mask=hm)  # fmt: skip
+
+
+def decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: LatentCache,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    *,
+    scale: float | None = None,
+    num_splits: int = 1,
+) -> torch.Tensor:
+    """Absorbed attention over the paged cache (the common MLA signature): ``o:[B, T, H, Dv]``
+    in the operand dtype. ``num_splits`` splits each query's keys into that many ranges, merged
+    by their fp32 log-sum-exp (split-KV)."""
+    dims, scale = check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
+    require_block("num_splits", num_splits)
+    reason = unavailable_reason(q_nope.dtype)
+    if reason is not None:
+        raise RuntimeError(reason)
+    dev = device_for(q_nope, "the MLA kernels")
+    op = q_nope.dtype
+    B, T, H, R, Dr = dims.B, dims.T, dims.H, dims.R, dims.Dr
+    q_lat = torch.einsum("bthn,hrn->bthr", q_nope.to(dev, torch.float32), w_uk.to(dev, torch.float32)).to(op)
+    pool = cache.pool.to(dev).contiguous()
+    BT = B * T
+    o_part = torch.empty(num_splits, BT, H, R, dtype=torch.float32, device=dev)
+    lse = torch.empty(num_splits, BT, H, dtype=torch.float32, device=dev)
+    table = cache.block_table.to(dev).contiguous()
+    scales = cache.scales.to(dev, torch.float32).contiguous() if cache.quantized else pool
+    _decode_kernel[(BT, triton.cdiv(H, HEADS), num_splits)](
+        q_lat.contiguous(), q_pe.to(dev).contiguous(), pool, scales, table, cache.seq_lens.to(dev).contiguous(),
+        o_part, lse, T, H, R, Dr, R + Dr, dims.page_size, table.shape[1], BT, float(scale), num_splits,
+        BH=HEADS, BR=block(R), BDR=block(Dr), BN=KEYS, QUANT=cache.quantized, IEEE=op == torch.float32,
+    )  # fmt: skip
+    weights = torch.softmax(lse, dim=0)  # e^{lse_s - LSE}; an empty split's -inf gets 0
+    o_lat = (weights[..., None] * o_part).sum(0)
+    o = torch.einsum("xhr,hrv->xhv", o_lat, w_uv.to(dev, torch.float32))
+    return o.reshape(B, T, H, -1).to(op)

@@ -40,6 +40,8 @@ from .layer import AttnResWeights, DepthStream, Walk
 from .layer import walk as drive_walk
 from .schedule import Call, Schedule, Source
 
+__all__ = ["aggregate", "interpreted", "phase1", "phase2", "unavailable_reason", "walk", "walk_with"]
+
 STREAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Logits: 64 tokens per program share each width tile of w ⊙ γ (read from cache per tile).
 LOGITS_TOKENS = 64

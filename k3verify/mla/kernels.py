@@ -27,10 +27,12 @@ from __future__ import annotations
 import torch
 
 from ..numerics.validate import require_block
-from ..triton_support import block, device_for, tl, triton
+from ..triton_support import block, device_for, interpreted, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
 from .cache import LatentCache
 from .inputs import check_inputs
+
+__all__ = ["decode", "interpreted", "latent_attention", "unavailable_reason"]
 
 OPERAND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KEYS = 32  # key positions per tile
@@ -113,15 +115,26 @@ def decode(
     """Absorbed attention over the paged cache (the common MLA signature): ``o:[B, T, H, Dv]``
     in the operand dtype. ``num_splits`` splits each query's keys into that many ranges, merged
     by their fp32 log-sum-exp (split-KV)."""
-    dims, scale = check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
-    require_block("num_splits", num_splits)
+    _, scale = check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
     reason = unavailable_reason(q_nope.dtype)
     if reason is not None:
         raise RuntimeError(reason)
     dev = device_for(q_nope, "the MLA kernels")
     op = q_nope.dtype
-    B, T, H, R, Dr = dims.B, dims.T, dims.H, dims.R, dims.Dr
     q_lat = torch.einsum("bthn,hrn->bthr", q_nope.to(dev, torch.float32), w_uk.to(dev, torch.float32)).to(op)
+    o_lat = latent_attention(q_lat, q_pe.to(dev), cache, scale=scale, num_splits=num_splits)
+    return torch.einsum("bthr,hrv->bthv", o_lat, w_uv.to(dev, torch.float32)).to(op)
+
+
+def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache, *, scale: float,
+                     num_splits: int = 1) -> torch.Tensor:  # fmt: skip
+    """The kernel alone: ``q_lat:[B, T, H, R]``, ``q_pe:[B, T, H, Dr]`` (operand dtype) over the
+    cache -> the latent output ``o_lat:[B, T, H, R]`` in fp32, splits merged. Arguments are
+    taken as :func:`decode` checked them."""
+    require_block("num_splits", num_splits)
+    B, T, H, R = q_lat.shape
+    Dr = q_pe.shape[-1]
+    dev = q_lat.device
     pool = cache.pool.to(dev).contiguous()
     BT = B * T
     o_part = torch.empty(num_splits, BT, H, R, dtype=torch.float32, device=dev)
@@ -129,11 +142,9 @@ def decode(
     table = cache.block_table.to(dev).contiguous()
     scales = cache.scales.to(dev, torch.float32).contiguous() if cache.quantized else pool
     _decode_kernel[(BT, triton.cdiv(H, HEADS), num_splits)](
-        q_lat.contiguous(), q_pe.to(dev).contiguous(), pool, scales, table, cache.seq_lens.to(dev).contiguous(),
-        o_part, lse, T, H, R, Dr, R + Dr, dims.page_size, table.shape[1], BT, float(scale), num_splits,
-        BH=HEADS, BR=block(R), BDR=block(Dr), BN=KEYS, QUANT=cache.quantized, IEEE=op == torch.float32,
+        q_lat.contiguous(), q_pe.contiguous(), pool, scales, table, cache.seq_lens.to(dev).contiguous(),
+        o_part, lse, T, H, R, Dr, R + Dr, cache.page_size, table.shape[1], BT, float(scale), num_splits,
+        BH=HEADS, BR=block(R), BDR=block(Dr), BN=KEYS, QUANT=cache.quantized, IEEE=q_lat.dtype == torch.float32,
     )  # fmt: skip
     weights = torch.softmax(lse, dim=0)  # e^{lse_s - LSE}; an empty split's -inf gets 0
-    o_lat = (weights[..., None] * o_part).sum(0)
-    o = torch.einsum("xhr,hrv->xhv", o_lat, w_uv.to(dev, torch.float32))
-    return o.reshape(B, T, H, -1).to(op)
+    return (weights[..., None] * o_part).sum(0).reshape(B, T, H, R)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ... import mla
-from ...mla import samples
+from ...mla import kernels, samples
 from ...mla.samples import PAGE_SIZE
 from ...numerics import dtype_name, is_float8, resolve_dtype
 from ..environment import one_thread
@@ -28,6 +28,7 @@ from ..registry import (
     ShardedForm,
     cases_from,
     register,
+    unavailable_as,
 )
 from ..tp_rows import replicated
 
@@ -143,6 +144,19 @@ def _form(form: str, dtype: str, cases: tuple[str, ...] = ("default", "decode"),
     )
 
 
+def _kernel(dtype: str, cases: tuple[str, ...] = ("default", "decode", "hot"), **options: Any) -> Implementation:
+    """Our absorbed paged-attention kernel: fp32 and fp16 wherever Triton runs (the interpreter is
+    faithful there), bf16 and the fp8 cache (bf16 operands) on a CUDA device only; held to the
+    plain definition storing the same dtype (an fp8 row: the fp8-cache baseline)."""
+    fp8 = dtype == FP8_CACHE
+    return Implementation(
+        module="mla", implementation="k3verify", form="kernel:decode", dtype=dtype,
+        params=dict(options) | (dict(cache=FP8_CACHE, operands=FP8_CACHE_OPERANDS) if fp8 else {}),
+        rule=BASELINE_RULE, run=partial(call, kernels.decode, dtype=dtype, **options), cases=cases,
+        is_available=unavailable_as(partial(kernels.unavailable_reason, FP8_CACHE_OPERANDS if fp8 else dtype)),
+    )  # fmt: skip
+
+
 def own_implementations() -> list[Implementation]:
     """What ``k3verify run`` verifies for Gated MLA."""
     return [
@@ -159,6 +173,12 @@ def own_implementations() -> list[Implementation]:
         # The known-bad softmax without max subtraction: fine at unit scores, predicted and
         # observed non-finite on the hot case (an expected-nonfinite row, not a failure).
         _form("tiled", "bf16", ("default", "hot"), subtract_max=False),
+        _kernel("fp32"),
+        _kernel("fp32", ("decode",), num_splits=SPLITS),
+        _kernel("fp16", ("decode", "hot"), num_splits=SPLITS),
+        _kernel("bf16"),
+        _kernel("bf16", num_splits=SPLITS),
+        _kernel(FP8_CACHE, num_splits=SPLITS),
     ]
 
 

@@ -1,0 +1,160 @@
+"""Our Gated MLA Triton kernel (``k3verify.mla.kernels.decode``) against the fp64 oracle.
+
+Where no CUDA device is visible it runs under Triton's interpreter in fp32 and fp16, which the
+interpreter computes faithfully for this kernel (SPEC §5: fp32 and fp16 products are exact
+there, and its fp16 conversions round to nearest even); bf16 and the fp8 cache need a CUDA
+device and are skipped with that reason otherwise. Rules used:
+
+- ``baseline``: error vs the fp64 definition <= 2 x the plain definition storing the same dtype
+  (the fp8 cache: dequantised from the same codes) + noise floor. Problems have >= 1024 outputs.
+- ``bitwise``: two launches doing the same arithmetic on the same numbers, in one process on one
+  host: every query's program reads the same cache tiles in the same order whether it is one
+  of a chunk or alone, and a masked load returns 0 whatever the memory holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from verdicts import assert_identical, assert_verdict
+
+from k3verify import mla
+from k3verify.mla import kernels, layer, samples
+from k3verify.mla.cache import LatentCache, live_slots
+from k3verify.numerics import baseline_rule, compare, is_float8, noise_floor
+
+REASONS = {d: kernels.unavailable_reason(d) for d in ("fp32", "fp16", "bf16")}
+FEW = settings(max_examples=4, deadline=None) if kernels.interpreted() else settings(deadline=None)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _problem(heads: int, lengths: tuple[int, ...], T: int, seed: int) -> dict:
+    cfg = replace(samples.CONFIG, num_heads=heads)
+    return samples.layer_inputs(cfg, lengths, T, seed=seed)
+
+
+def _on(x: dict, dtype: str) -> tuple:
+    """The form arguments in ``dtype`` on the kernels' device (an fp8 dtype: the cache quantised
+    per token, the rest in bf16)."""
+    cache = x["cache"]
+    if is_float8(dtype):
+        cache, dtype = mla.quantize(cache, dtype), "bf16"
+    dt = getattr(torch, {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[dtype])
+    cache = LatentCache(cache.pool.to(DEVICE) if cache.quantized else cache.pool.to(DEVICE, dt),
+                        cache.block_table.to(DEVICE), cache.seq_lens.to(DEVICE),
+                        None if cache.scales is None else cache.scales.to(DEVICE))  # fmt: skip
+    return (x["q_nope"].to(DEVICE, dt), x["q_pe"].to(DEVICE, dt), cache, x["w_uk"].to(DEVICE, dt),
+            x["w_uv"].to(DEVICE, dt))  # fmt: skip
+
+
+def _verdict(x: dict, dtype: str, num_splits: int):
+    ref = mla.expanded(x["q_nope"], x["q_pe"], x["cache"], x["w_uk"], x["w_uv"])
+    exact = (x["q_nope"], x["q_pe"], mla.quantize(x["cache"], dtype) if is_float8(dtype) else x["cache"],
+             x["w_uk"], x["w_uv"])  # fmt: skip
+    base = mla.naive_baseline(*exact, dtype="bf16" if is_float8(dtype) else dtype)
+    got = kernels.decode(*_on(x, dtype), num_splits=num_splits).cpu()
+    out_dtype = got.dtype
+    return baseline_rule(compare(got, ref, ulp_dtype=out_dtype), compare(base, ref, ulp_dtype=out_dtype),
+                         noise_floor(ref, out_dtype)), got, ref  # fmt: skip
+
+
+problems = st.tuples(
+    st.sampled_from([1, 5, 17]),  # heads: one, and not a multiple of the 16-head block
+    st.lists(st.integers(3, 45), min_size=1, max_size=3).map(tuple),  # variable context lengths
+    st.sampled_from([1, 3]),  # query tokens per request (decode, a short chunk)
+    st.sampled_from([1, 2, 5]),  # key splits, more than some requests' keys
+    st.integers(0, 2**16),
+).filter(lambda p: min(p[1]) >= p[2] and len(p[1]) * p[2] * p[0] * samples.CONFIG.v_head_dim >= 1024)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "fp8_e4m3"])
+@FEW
+@given(problems)
+def test_decode_within_policy(dtype: str, p) -> None:
+    """Rule baseline: every head count, context lengths in one batch, chunks and splits."""
+    reason = REASONS["bf16" if is_float8(dtype) else dtype]
+    if reason is not None:
+        pytest.skip(reason)
+    heads, lengths, T, splits, seed = p
+    verdict, got, ref = _verdict(_problem(heads, lengths, T, seed), dtype, splits)
+    assert_verdict(verdict, got, ref, f"heads, lengths, T, splits, seed = {p}")
+
+
+@pytest.mark.skipif(REASONS["fp32"] is not None, reason=str(REASONS["fp32"]))
+def test_dead_slots_are_never_read() -> None:
+    """Bitwise: every dead slot (other requests' tails, spare pages) NaN or zero gives the same
+    output, and a finite one (a read would make NaN)."""
+    x = _problem(5, (21, 7, 40), 3, seed=4)
+    args = list(_on(x, "fp32"))
+    cache = args[2]
+    live = live_slots(cache).to(cache.pool.device)
+    outs = []
+    for fill in (float("nan"), 0.0):
+        pool = cache.pool.clone()
+        pool[~live] = fill
+        args[2] = replace(cache, pool=pool)
+        outs.append(kernels.decode(*args, num_splits=5))
+    assert bool(torch.isfinite(outs[0]).all())
+    assert_identical(outs[0], outs[1], "dead slots NaN vs zero")
+
+
+@pytest.mark.skipif(REASONS["fp32"] is not None, reason=str(REASONS["fp32"]))
+def test_a_chunk_is_its_tokens_one_by_one() -> None:
+    """Bitwise: the kernel's latent output for the last T tokens as one chunk equals T calls of
+    one token each (the cache's lengths cut at each token), query by query. (The host's
+    projections around it are GEMMs of another height, which may round differently.)"""
+    x = _problem(5, (30, 19), 4, seed=6)
+    q_nope, q_pe, cache, w_uk, _ = _on(x, "fp32")
+    q_lat = torch.einsum("bthn,hrn->bthr", q_nope, w_uk)
+    chunk = kernels.latent_attention(q_lat, q_pe, cache, scale=0.1)
+    for t in range(4):
+        lens = cache.seq_lens - 3 + t
+        one = kernels.latent_attention(q_lat[:, t : t + 1].contiguous(), q_pe[:, t : t + 1].contiguous(),
+                                       replace(cache, seq_lens=lens), scale=0.1)  # fmt: skip
+        assert_identical(one[:, 0], chunk[:, t], f"token {t} alone vs in the chunk")
+
+
+@pytest.mark.skipif(REASONS["fp32"] is not None, reason=str(REASONS["fp32"]))
+def test_prefill_then_decode_steps_is_one_longer_prefill() -> None:
+    """Rule baseline, through the layer: prefill of T tokens then k decode steps with the kernel
+    (writing the cache as it goes) against one prefill of T + k tokens by the fp64 definition."""
+    cfg = replace(samples.CONFIG, num_heads=3)
+    w = layer.init_weights(cfg, seed=2)
+    T, k = 20, 4
+    x = torch.randn(2, T + k, cfg.hidden_size, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    cache64 = mla.allocate(2, T + k, samples.PAGE_SIZE, cfg.cache_width, generator=torch.Generator().manual_seed(4))
+    ref = layer.forward(x, w, cfg, cache64, form=mla.expanded).y
+    wf = layer.MLAWeights(**{n: getattr(w, n).float() for n in w.__dataclass_fields__})
+    cache = cache64.to(torch.float32)
+    out = layer.forward(x[:, :T].float(), wf, cfg, cache, form=kernels.decode, num_splits=2)
+    ys, cache = [out.y], out.cache
+    for step in range(k):
+        out = layer.forward(x[:, T + step : T + step + 1].float(), wf, cfg, cache, form=kernels.decode, num_splits=2)
+        ys.append(out.y)
+        cache = out.cache
+    got = torch.cat(ys, 1)
+    base = layer.forward(x.float(), wf, cfg, cache64.to(torch.float32),
+                         form=lambda *a, **kw: mla.naive_baseline(*a, dtype="fp32", **kw)).y  # fmt: skip
+    verdict = baseline_rule(compare(got, ref, ulp_dtype="fp32"), compare(base, ref, ulp_dtype="fp32"),
+                            noise_floor(ref, torch.float32))  # fmt: skip
+    assert_verdict(verdict, got, ref, "prefill(T) + k decode steps vs prefill(T + k)")
+
+
+@pytest.mark.skipif(REASONS["fp32"] is not None, reason=str(REASONS["fp32"]))
+def test_bad_arguments_are_named() -> None:
+    """Structural: a dtype the kernel does not take and a split count that is not positive are
+    named; the common checks (shapes, NaN queries) come from the forms' validation."""
+    args = _on(_problem(2, (9,), 1, seed=1), "fp32")
+    with pytest.raises(RuntimeError, match="MLA kernels take bf16, fp16 or fp32 operands, not fp64"):
+        kernels.decode(*(a.double() if isinstance(a, torch.Tensor) else a for a in args[:2]), args[2].to(torch.float64),
+                       args[3].double(), args[4].double())  # fmt: skip
+    with pytest.raises(ValueError, match="num_splits"):
+        kernels.decode(*args, num_splits=0)
+    bad = args[0].clone()
+    bad[0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="q_nope"):
+        kernels.decode(bad, *args[1:])

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ... import moe
-from ...moe import samples, studies
+from ...moe import kernels, samples, studies
 from ...numerics import compute_dtype, dtype_name, resolve_dtype
 from ..environment import one_thread
 from ..overflow_map import MapDefinition, MapOptions, MapSpec, SweptForm, agreement
@@ -38,6 +38,7 @@ from ..registry import (
     as_outputs,
     cases_from,
     register,
+    unavailable_as,
 )
 from ..tp_rows import replicated
 
@@ -137,6 +138,25 @@ def _form(form: str, dtype: str, cases: tuple[str, ...] = ALL_CASES, **extra: An
     )
 
 
+def routed_by_kernel(x: torch.Tensor, weights: moe.MoEWeights, config: moe.MoEConfig, *,
+                     routing: moe.Routing | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The definition on the router kernel's own choices (the ``routing`` passed in is not
+    used): ``(y, experts)``, so both the kernel's expert sets and what they do to ``y`` are judged."""
+    r = kernels.route(x, weights.w_router, weights.bias, config)
+    r = moe.Routing(r.indices.cpu(), r.weights.cpu())
+    return moe.recurrent(x, weights, config, routing=r), r.indices
+
+
+def _router_kernel() -> Implementation:
+    """Our Triton router (fp32, wherever Triton runs), held like the fp32 forms: its expert sets
+    by the mismatch rule, ``y`` by the baseline rule."""
+    return Implementation(
+        module="moe", implementation="k3verify", form="kernel:router", dtype="fp32", params={},
+        rule=BASELINE_RULE, run=partial(call, routed_by_kernel, dtype=torch.float32), cases=ALL_CASES,
+        is_available=unavailable_as(kernels.unavailable_reason),
+    )  # fmt: skip
+
+
 def own_implementations() -> list[Implementation]:
     """What ``k3verify run`` verifies for Stable LatentMoE."""
     return [
@@ -151,6 +171,7 @@ def own_implementations() -> list[Implementation]:
         _form("tiled", "fp8_e4m3", ("default",), fp8_scaling="per_tensor"),
         # A static activation scale of 1: fine at unit inputs; x × 2^8 passes 448 (expected overflow).
         _form("tiled", "fp8_e4m3", ("default", "scaled"), fp8_scaling="static"),
+        _router_kernel(),
     ]
 
 

@@ -31,9 +31,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import benchmark_json
 import torch
-from gpu_timing import SAMPLES, copy_bandwidth, launch_split, ms
+from gpu_timing import copy_bandwidth, launch_split, ms, write_results
 
 from k3verify import attnres
 from k3verify.adapters import flash_attn_res
@@ -292,13 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     rows += walk_rows(copy_tbps, tokens, log)
     result = dict(device=torch.cuda.get_device_name(0), copy_tbps=copy_tbps, rows=rows, environment=environment(),
                   flash_attn_res=flash_attn_res.version())  # fmt: skip
-    (out / "attnres_gpu.json").write_text(json.dumps(result, indent=2, default=str))
-    env = result["environment"]
-    bench = benchmark_json.document(SAMPLES, device=result["device"], commit=env.get("git_commit"),
-                                    dirty=env.get("git_dirty"))  # fmt: skip
-    (out / "attnres_gpu_benchmark.json").write_text(json.dumps(bench, indent=1))
-    (out / "attnres_gpu.md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(out, "attnres_gpu", result, markdown(result))
     return 0
 
 

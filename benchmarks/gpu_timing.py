@@ -5,7 +5,9 @@ Every timing's repetitions are kept in :data:`SAMPLES` for the pytest-benchmark-
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 from typing import Any
 
 import benchmark_json
@@ -48,3 +50,15 @@ def launch_split(fn, repeats: int = 20) -> dict[str, float]:
         if total_us:
             split[event.key[:60]] = total_us / repeats / 1e3
     return dict(sorted(split.items(), key=lambda kv: -kv[1]))
+
+
+def write_results(out: Path, stem: str, result: dict[str, Any], markdown: str) -> None:
+    """``<stem>.json`` (the result), ``<stem>_benchmark.json`` (every timing's repetitions in
+    pytest-benchmark's shape) and ``<stem>.md`` under ``out``; the Markdown is printed too."""
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str))
+    env = result["environment"]
+    bench = benchmark_json.document(SAMPLES, device=result["device"], commit=env.get("git_commit"),
+                                    dirty=env.get("git_dirty"))  # fmt: skip
+    (out / f"{stem}_benchmark.json").write_text(json.dumps(bench, indent=1))
+    (out / f"{stem}.md").write_text(markdown)
+    print(markdown)

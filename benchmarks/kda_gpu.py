@@ -24,9 +24,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import benchmark_json
 import torch
-from gpu_timing import SAMPLES, copy_bandwidth, launch_split
+from gpu_timing import copy_bandwidth, launch_split, write_results
 from gpu_timing import ms as _ms
 
 from k3verify import kda
@@ -236,13 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = prefill_rows(not args.quick, log) + decode_rows(copy_tbps, not args.quick, log) + accuracy_rows(log)
     rows += split_rows(log, peers=True)
     result = dict(device=torch.cuda.get_device_name(0), copy_tbps=copy_tbps, rows=rows, environment=environment())
-    (out / "kda_gpu.json").write_text(json.dumps(result, indent=2, default=str))
-    env = result["environment"]
-    bench = benchmark_json.document(SAMPLES, device=result["device"], commit=env.get("git_commit"),
-                                    dirty=env.get("git_dirty"))  # fmt: skip
-    (out / "kda_gpu_benchmark.json").write_text(json.dumps(bench, indent=1))
-    (out / "kda_gpu.md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(out, "kda_gpu", result, markdown(result))
     return 0
 
 

@@ -18,6 +18,7 @@ nox.options.default_venv_backend = "venv"
 CONSTRAINTS = ("-c", "constraints.txt")
 BASELINE = "reports/baseline/cpu"
 TP_BASELINE = "reports/baseline/cpu-tp8"
+GPU_ATTNRES_BASELINE = "reports/baseline/gpu-h200-attnres/run"
 LATEST = "reports/latest"
 
 
@@ -133,15 +134,21 @@ def overflow_map(session: nox.Session) -> None:
 def gpu(session: nox.Session) -> None:
     """On a CUDA machine, in the Python already there (GPU machines have no network, so nothing
     is installed; fla-core and flash-attn-res come as wheels on PYTHONPATH): the GPU property
-    tests, the KDA overflow map with the kernel cells (ours and fla-core's) and ``k3verify run
-    --modules kda,attnres``. Output under ``reports/latest/gpu`` or the folder given as posarg."""
+    tests, the KDA overflow map with the kernel cells (ours and fla-core's), ``k3verify run
+    --modules kda`` and ``--modules attnres`` (compared against the committed H200 report).
+    Output under ``reports/latest/gpu`` or the folder given as posarg."""
     out = session.posargs[0] if session.posargs else "reports/latest/gpu"
     python = sys.executable
     tests = ("properties/test_kda_kernels.py", "properties/test_kda_gpu.py", "properties/test_attnres_kernels.py")
     profile = os.environ.get("HYPOTHESIS_PROFILE", "gpu")  # gpu-explore for a nightly search
     session.run(python, "-m", "pytest", *tests, "-q", "-rs", env={"HYPOTHESIS_PROFILE": profile})
     session.run(python, "-m", "k3verify", "overflow-map", "--module", "kda", "--quick", "--out", f"{out}/maps")
-    session.run(python, "-m", "k3verify", "run", "--modules", "kda,attnres", "--out", out)
+    session.run(python, "-m", "k3verify", "run", "--modules", "kda", "--out", out)
+    # flash-attn-res's row at K3's width fails (it cannot compile d = 7168): a result the
+    # committed GPU report holds, so the compare decides, as the CPU session's does.
+    session.run(python, "-m", "k3verify", "run", "--modules", "attnres", "--out", f"{out}/attnres",
+                success_codes=[0, 1])  # fmt: skip
+    session.run(python, "-m", "k3verify", "report", "compare", GPU_ATTNRES_BASELINE, f"{out}/attnres")
 
 
 @nox.session(name="gpu-tp", venv_backend="none")

@@ -49,10 +49,14 @@ def test_quick_map_agrees_with_its_prediction(tmp_path: Path) -> None:
     and the depth-drift study beside them."""
     result = quick_map("attnres")
     # Every point swept (the shared check: progress reaches its total), each with every form of
-    # ours and nothing else.
-    d, quick = registry.get("attnres").overflow_map, MapOptions(quick=True)
+    # ours and every kernel that runs here (the fp32 one under the interpreter), nothing else;
+    # the kernels' cells agree with the prediction like the forms' (quick_map checks all cells).
+    entry = registry.get("attnres")
+    d, quick = entry.overflow_map, MapOptions(quick=True)
+    kernels = [i for i in entry.implementations() if i.in_map and i.unavailable() is None]
     points = len(samples.QUICK_LOGIT_SCALES) * len(samples.QUICK_SOURCES)
-    assert len(d.points(quick)) == points and len(result.cells) == points * len(d.forms(quick))
+    assert len(d.points(quick)) == points and len(result.cells) == points * (len(d.forms(quick)) + len(kernels))
+    assert kernels and {c["implementation"] for c in result.cells} >= {f"{k.implementation} {k.form}" for k in kernels}
 
     def finite(**where) -> dict[float, set[bool]]:
         out: dict[float, set[bool]] = {}

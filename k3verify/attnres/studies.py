@@ -8,6 +8,7 @@ list against ``layers``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -20,7 +21,13 @@ from .schedule import Schedule
 DEPTH_DRIFT_FILE = "attnres_depth_drift.json"
 
 
-def depth_drift(seed: int = 0, quick: bool = False, *, schedule: Schedule | None = None) -> dict[str, Any]:
+# A walk to draw beside the forms: (embedding, weights, sublayers, schedule) of the walk case in
+# fp64 -> h:[calls, T, d] (each walk casts the inputs to its own stream).
+WalkCurve = Callable[..., torch.Tensor]
+
+
+def depth_drift(seed: int = 0, quick: bool = False, *, schedule: Schedule | None = None,
+                walks: Mapping[str, WalkCurve] | None = None) -> dict[str, Any]:  # fmt: skip
     """Error of every call's AttnRes output against depth over the full walk, bf16 vs fp32 stream.
 
     The ``walk`` case's inputs (bf16-representable, so both runs start from the oracle's exact
@@ -29,7 +36,8 @@ def depth_drift(seed: int = 0, quick: bool = False, *, schedule: Schedule | None
     entry is ``rms(h_s − h_s^ref) / rms(h_s^ref)`` of call ``s`` (``layers``: its 1-indexed layer;
     ``sublayer``: ``attn``, ``mlp`` or ``output``); ``sources`` is how many sources it mixed.
     The walk is narrow (``d = 64``, 8 tokens) and takes seconds, so ``quick`` (what a quick map
-    asks for) makes the same curve.
+    asks for) makes the same curve. ``walks`` adds one curve ``error_<name>`` per named walk (the
+    registry entry passes the kernels that can run here).
     """
     schedule = schedule or Schedule()
     x = walk_inputs(schedule, **WALK, seed=seed)
@@ -40,6 +48,8 @@ def depth_drift(seed: int = 0, quick: bool = False, *, schedule: Schedule | None
         return [compare(h[s], ref[s], ulp_dtype="fp32").rms_ratio for s in range(len(ref))]
 
     calls = schedule.calls()
+    extra = {f"error_{name}": errors(walk(*args, schedule).detach().cpu().double())
+             for name, walk in (walks or {}).items()}  # fmt: skip
     return {
         "title": "Block AttnRes: error against depth",
         "layers": [c.layer + 1 for c in calls],
@@ -47,6 +57,7 @@ def depth_drift(seed: int = 0, quick: bool = False, *, schedule: Schedule | None
         "error_bf16": errors(recurrent(*args, schedule=schedule, stream_dtype="bf16").h),
         "error_fp32": errors(recurrent(*args, schedule=schedule, stream_dtype="fp32").h),
         "error_bf16_naive": errors(naive_walk(*args, dtype="bf16", schedule=schedule).h),
+        **extra,
         "metric": "rms_ratio",
         "sources": [len(c.sources) for c in calls],
         "setup": {**WALK, "num_layers": schedule.num_layers, "block_sublayers": schedule.block_sublayers,

@@ -148,11 +148,13 @@ def _kernel_run(case: Case, dtype: str, walk: Callable, aggregate: Callable) -> 
 
 def _kernel(dtype: str, cases: tuple[str, ...]) -> Implementation:
     """Our kernels: fp32 wherever Triton runs (the interpreter is faithful there), bf16 on a CUDA
-    device only (SPEC §5). Held to the plain definition storing ``dtype``, like every form."""
+    device only (SPEC §5). Held to the plain definition storing ``dtype``, like every form; in the
+    precision map, predicted as the tiled form with fp32 logits and max subtraction."""
     return Implementation(
         module="attnres", implementation="k3verify", form="kernel:two_phase", dtype=dtype, params={},
         rule=BASELINE_RULE, run=partial(_kernel_run, dtype=dtype, walk=kernels.walk, aggregate=kernels.aggregate),
         cases=cases, is_available=unavailable_as(partial(kernels.unavailable_reason, dtype)),
+        predict=partial(_predict, stream_dtype=dtype, tile=TILE), in_map=True,
     )  # fmt: skip
 
 
@@ -165,8 +167,27 @@ def _flash_attn_res() -> Implementation:
         rule=BASELINE_RULE, run=partial(_kernel_run, dtype="bf16", walk=flash_attn_res.walk,
                                         aggregate=flash_attn_res.aggregate),
         cases=(*ALL, samples.K3_WALK), is_available=unavailable_as(flash_attn_res.unavailable_reason),
-        source=f"adapter: {name}",
+        source=f"adapter: {name}", predict=partial(_predict, stream_dtype="bf16", tile=TILE), in_map=True,
     )  # fmt: skip
+
+
+def _walk_h(walk: Callable, dtype: torch.dtype, embedding: torch.Tensor, weights: attnres.AttnResWeights,
+            sublayers: Any, schedule: attnres.Schedule) -> torch.Tensor:  # fmt: skip
+    """A kernel walk's every-call ``h`` on fp64 walk inputs cast to ``dtype`` (the depth-drift curve)."""
+    return walk(embedding.to(dtype), weights.to(dtype), sublayers, schedule=schedule).h
+
+
+def _depth_drift(seed: int, quick: bool) -> dict[str, Any]:
+    """The depth-drift study with a curve for every kernel that runs here."""
+    walks = {}
+    for name, walk, dtype, reason in (
+        ("kernel_fp32", kernels.walk, torch.float32, kernels.unavailable_reason(torch.float32)),
+        ("kernel_bf16", kernels.walk, torch.bfloat16, kernels.unavailable_reason(torch.bfloat16)),
+        ("flash_attn_res_bf16", flash_attn_res.walk, torch.bfloat16, flash_attn_res.unavailable_reason()),
+    ):
+        if reason is None:
+            walks[name] = partial(_walk_h, walk, dtype)
+    return studies.depth_drift(seed, quick, walks=walks)
 
 
 def own_implementations() -> list[Implementation]:
@@ -339,7 +360,7 @@ register(
         input_types=(attnres.Schedule, attnres.AttnResWeights, attnres.StandInSublayers),
         # One thread, as the map runs: the walk's tensors are tiny, and its last digits then do
         # not depend on the host's thread count.
-        studies={name: one_thread()(study) for name, study in studies.STUDIES.items()},
+        studies={studies.DEPTH_DRIFT_FILE: one_thread()(_depth_drift)},
         strategy=samples.strategy,
         sharded=ShardedForm("k3verify.attnres.sharded", ("h",), position_axis=0,
                             gather=lambda ranks: {"h": replicated(ranks, "h")}),

@@ -21,7 +21,8 @@ import triton.language as tl
 
 from .numerics import dtype_name, resolve_dtype
 
-__all__ = ["block", "device_for", "interpreted", "multiprocessors", "tl", "triton", "unavailable_reason"]
+__all__ = ["block", "device_for", "dot", "dot_fp32", "interpreted", "multiprocessors", "tl", "triton",
+           "unavailable_reason"]
 
 
 def interpreted() -> bool:
@@ -70,3 +71,24 @@ def device_for(x: torch.Tensor, what: str) -> torch.device:
 def multiprocessors(dev: torch.device) -> int:
     """Streaming multiprocessors of ``dev`` (1 on the CPU)."""
     return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+
+
+@triton.jit
+def dot(a, b, IEEE: tl.constexpr):
+    """``a @ b`` with fp32 accumulation. fp32 operands would silently run as tf32 on tensor
+    cores; ``IEEE`` keeps them fp32 (the interpreter, fp32 rows). 16-bit operands are exact either way."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def dot_fp32(a, b, IEEE: tl.constexpr):
+    """``a @ b`` of fp32 operands at about fp32 accuracy: exact products with ``IEEE`` (the
+    interpreter, fp32 rows), else tf32x3 on tensor cores (each operand split into a tf32 head and
+    tail; about 22 bits kept, and a bf16 or fp16 value is exact in the head)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision="tf32x3")

@@ -89,10 +89,10 @@ def aggregate(sources: torch.Tensor | Sequence[torch.Tensor], w: torch.Tensor, g
     if v.dim() != 3 or v.shape[0] < 2:
         raise ValueError(f"flash-attn-res mixes stored blocks and a partial sum: sources [N >= 2, T, d], "
                          f"got {list(v.shape)}")  # fmt: skip
-    v = v.cuda()
+    v, w, gamma = v.cuda(), w.cuda(), gamma.cuda()
     phases = _Phases()
-    state = phases.first(v[:-1], w.cuda()[None], gamma.cuda()[None], eps)
-    return phases.second(state[0], v[-1], w.cuda(), gamma.cuda(), eps, torch.bfloat16)
+    state = phases.first(v[:-1], w[None], gamma[None], eps)
+    return phases.second(state[0], v[-1], w, gamma, eps, torch.bfloat16)
 
 
 def walk(embedding: torch.Tensor, weights: AttnResWeights, sublayers: Sublayers, *, schedule: Schedule | None = None,

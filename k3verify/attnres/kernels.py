@@ -32,7 +32,7 @@ import torch
 from ..numerics import map_tensors, resolve_dtype
 from ..numerics.ops import RMS_NORM_EPS
 from ..numerics.validate import require_finite, require_float, require_tensor
-from ..triton_support import block, device_for, interpreted, tl, triton
+from ..triton_support import block, device_for, dot_fp32, interpreted, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
 from .chunkwise import Stats
 from .inputs import Options, Precision, Sublayers
@@ -96,7 +96,7 @@ def _logits_kernel(v, wg, ell, T, D, n, eps, BT: tl.constexpr, BD: tl.constexpr,
         else:
             # A bf16 square is exact in fp32; a tile's sum rounds at 2^-24, the tiles add in fp64.
             ss += tl.sum(x * x, axis=1).to(tl.float64)
-            acc += tl.dot(x, g, input_precision="tf32x3")
+            acc += dot_fp32(x, g, False)
     tl.store(ell + (t[:, None].to(tl.int64) * n + i) * QP + q[None, :], _normalised(acc, ss[:, None], D, eps),
              mask=(t < T)[:, None])  # fmt: skip
 
@@ -117,11 +117,7 @@ def _accumulate_kernel(v, ell, m_out, z_out, n_out, T, D, n, Q, BD: tl.constexpr
     P = tl.exp(L - m[:, None])  # padded blocks: weight 0
     X = tl.load(v + (src[:, None].to(tl.int64) * T + t) * D + dd[None, :], mask=(src < n)[:, None] & (dd < D)[None, :],
                 other=0.0).to(tl.float32)  # fmt: skip
-    if EXACT:
-        acc = tl.dot(P, X, input_precision="ieee")
-    else:
-        # tf32x3 keeps the weights to about 22 bits; a bf16 or fp16 stream is exact in tf32.
-        acc = tl.dot(P, X, input_precision="tf32x3")
+    acc = dot_fp32(P, X, EXACT)  # the weights to about 22 bits; a bf16 or fp16 stream exactly
     tl.store(n_out + (qq[:, None] * T + t) * D + dd[None, :], acc, mask=(qq < Q)[:, None] & (dd < D)[None, :])
     if pd == 0:
         tl.store(m_out + qq * T + t, m, mask=qq < Q)
@@ -220,8 +216,8 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
 def phase2(stats: Stats, partial: torch.Tensor | None, w: torch.Tensor, gamma: torch.Tensor, *,
            eps: float = RMS_NORM_EPS, out_dtype: torch.dtype | str | None = None) -> torch.Tensor:  # fmt: skip
     """One call's ``h:[T, d]`` from its query's statistics (``m, Z:[T]``, ``N:[T, d]``) and the
-    partial sum ``partial:[T, d]`` (``None`` at a block start), in ``out_dtype`` (default: the
-    partial's dtype, else fp32)."""
+    partial sum ``partial:[T, d]`` (``None`` at a block start) with its query's ``w, gamma:[d]``,
+    in ``out_dtype`` (default: the partial's dtype, else fp32)."""
     T, d = stats.N.shape
     dev = stats.N.device
     if partial is not None:
@@ -234,7 +230,9 @@ def phase2(stats: Stats, partial: torch.Tensor | None, w: torch.Tensor, gamma: t
     h = torch.empty(T, d, dtype=dtype, device=dev)
     if T == 0:
         return h
-    wg = _queries(torch.atleast_2d(w), torch.atleast_2d(gamma), d, dev, 1)[:, 0].contiguous()
+    if w.shape != (d,) or gamma.shape != (d,):
+        raise ValueError(f"w {list(w.shape)} and gamma {list(gamma.shape)} must both be [d] with d = {d}")
+    wg = (w.to(dev, torch.float32) * gamma.to(dev, torch.float32)).contiguous()
     _merge_kernel[(triton.cdiv(T, MERGE_TOKENS),)](
         stats.m.contiguous(), stats.Z.contiguous(), stats.N.contiguous(), partial if partial is not None else h, wg,
         h, T, d, float(eps), HAS_P=partial is not None, BT=MERGE_TOKENS, BD=MERGE_WIDTH,

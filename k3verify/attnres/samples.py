@@ -132,7 +132,8 @@ def make_cases(seed: int = 0) -> dict[str, Sample]:
     for name, schedule in (("walk", Schedule()), ("walk_full", Schedule.full())):
         cases[name] = walk_sample(schedule, **WALK, seed=seed)
     if torch.cuda.is_available():  # its rows are GPU rows, and its fp64 references run there (11 GB)
-        cases[K3_WALK] = walk_sample(Schedule(), **WALK_K3, seed=seed)
+        inputs, params = walk_sample(Schedule(), **WALK_K3, seed=seed)
+        cases[K3_WALK] = (inputs, dict(params, device="cuda"))
     return cases
 
 

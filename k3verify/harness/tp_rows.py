@@ -154,11 +154,12 @@ def rank_main(rank: int, world_size: int, recipe: Recipe) -> dict[str, torch.Ten
     key = (recipe.package, recipe.size, recipe.seed)
     if key not in _BUILT:
         _BUILT.clear()  # one module's inputs at a time: K3-width weights are large
-        _BUILT[key] = resolve_target(f"{recipe.package}:make_call")(recipe.size, recipe.seed, world_size)
+        call = resolve_target(f"{recipe.package}:make_call")(recipe.size, recipe.seed, world_size)
+        if dist.get_backend() == "nccl":  # moved once, for every variant
+            device = torch.device("cuda", torch.cuda.current_device())
+            call = map_tensors(call, lambda t: t.to(device))
+        _BUILT[key] = call
     call = dataclasses.replace(_BUILT[key], dtype=recipe.dtype, reduce_dtype=recipe.reduce_dtype)
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-        call = map_tensors(call, lambda t: t.to(device))
     out = resolve_target(f"{recipe.package}:rank_forward")(rank, world_size, call)
     return map_tensors(out, lambda t: t.detach().cpu())
 

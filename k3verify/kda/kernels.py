@@ -45,7 +45,7 @@ import torch
 from ..numerics import dtype_name, resolve_dtype
 from ..numerics.validate import require_block, require_finite, require_float, require_tensor
 from ..triton_support import block as _block
-from ..triton_support import device_for, interpreted, multiprocessors, tl, triton
+from ..triton_support import device_for, dot, interpreted, multiprocessors, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
 from .inputs import check_inputs
 from .tiled import ANCHORS, DEFAULT_ROW0_SHIFT
@@ -64,15 +64,6 @@ def unavailable_reason(operand_dtype: torch.dtype | str = torch.bfloat16) -> str
 
 
 # --- device helpers ----------------------------------------------------------------------
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    # fp32 operands would silently run as tf32 on tensor cores; "ieee" keeps them fp32.
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
@@ -216,8 +207,8 @@ def _intra_kernel(
         q_d = (qi * _exp_split(d, d_lo, IEEE)).to(OP)
         k_r = (ki * _exp_split(d, d_lo, IEEE)).to(OP)
         k_d = (ki * _exp_split(-d, -d_lo, IEEE)).to(OP)
-        A_q = _dot(q_d, tl.trans(k_d), IEEE)
-        A_k = _dot(k_r, tl.trans(k_d), IEEE)
+        A_q = dot(q_d, tl.trans(k_d), IEEE)
+        A_k = dot(k_r, tl.trans(k_d), IEEE)
         A_q = tl.where(r[:, None] >= r[None, :], A_q * scale, 0.0)
         A_k = tl.where(r[:, None] > r[None, :], A_k * bi[:, None], 0.0)
         _store_rows(Aqk, A_q, start, row0, length, h, row0, H, C, BC, BC)
@@ -232,16 +223,16 @@ def _intra_kernel(
             Gj = _rows(G, start, j * BC, length, h, 0, H, K, BC, BK)
             kj = _rows(k, start, j * BC, length, h, 0, H, K, BC, BK)
             k_c = (kj * _exp(s[None, :] - Gj, IEEE)).to(OP)
-            A_qj = _dot(q_o, tl.trans(k_c), IEEE) * scale
+            A_qj = dot(q_o, tl.trans(k_c), IEEE) * scale
             _store_rows(Aqk, A_qj, start, row0, length, h, j * BC, H, C, BC, BC)
-            A_kj = (_dot(k_o, tl.trans(k_c), IEEE) * bi[:, None]).to(OP)
+            A_kj = (dot(k_o, tl.trans(k_c), IEEE) * bi[:, None]).to(OP)
             W_j = _cols(W, start, j * BC, length, h, 0, H, K, BC, BK)
             U_j = _cols(U, start, j * BC, length, h, 0, H, V, BC, BV)
-            R_k -= _dot(A_kj, W_j, IEEE)
-            R_v -= _dot(A_kj, U_j, IEEE)
+            R_k -= dot(A_kj, W_j, IEEE)
+            R_v -= dot(A_kj, U_j, IEEE)
         M = _unit_lower_inverse(A_k, BC).to(OP)
-        _store_rows(W, _dot(M, R_k.to(OP), IEEE), start, row0, length, h, 0, H, K, BC, BK)
-        _store_rows(U, _dot(M, R_v.to(OP), IEEE), start, row0, length, h, 0, H, V, BC, BV)
+        _store_rows(W, dot(M, R_k.to(OP), IEEE), start, row0, length, h, 0, H, K, BC, BK)
+        _store_rows(U, dot(M, R_v.to(OP), IEEE), start, row0, length, h, 0, H, V, BC, BV)
         s = _pick_row(Gi, r, BC - 1)
         # Later tiles read these rows of G, W and U back.
         tl.debug_barrier()
@@ -293,10 +284,10 @@ def _state_kernel(
         k_end = tl.load((KE + (n * H + h) * K * C) + dk[:, None] * C + cc[None, :],
                         mask=(dk < K)[:, None] & (cc < length)[None, :], other=0.0)  # fmt: skip
         decay = tl.load(GL + (n * H + h) * K + dk, mask=dk < K, other=0.0)
-        v_new = _cols(U, start, 0, length, h, iv * BV, H, V, C, BV).to(tl.float32) - _dot(W_n, S.to(OP), IEEE)
+        v_new = _cols(U, start, 0, length, h, iv * BV, H, V, C, BV).to(tl.float32) - dot(W_n, S.to(OP), IEEE)
         v_op = v_new.to(OP)
         _store_rows(VN, v_op, start, 0, length, h, iv * BV, H, V, C, BV)
-        S = S * decay[:, None] + _dot(k_end, v_op, IEEE)
+        S = S * decay[:, None] + dot(k_end, v_op, IEEE)
     if STORE_HT:
         tl.store(hT + sh * K * V + soffs, S, mask=smask)
 
@@ -320,7 +311,7 @@ def _output_kernel(
     # Only the lower triangle of A_qk is written; the rest of the buffer is never read as data.
     A = tl.where(rows[:, None] >= rows[None, :], _cols(Aqk, start, 0, length, h, 0, H, C, C, C), 0.0).to(OP)
     v_new = _cols(VN, start, 0, length, h, iv * BV, H, V, C, BV)
-    out = scale * _dot(q_g, S, IEEE) + _dot(A, v_new, IEEE)
+    out = scale * dot(q_g, S, IEEE) + dot(A, v_new, IEEE)
     _store_rows(o, out, start, 0, length, h, iv * BV, H, V, C, BV)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..numerics.validate import require_block
-from ..triton_support import block, device_for, interpreted, tl, triton
+from ..triton_support import block, device_for, dot, interpreted, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
 from .cache import LatentCache
 from .inputs import check_inputs
@@ -80,19 +80,13 @@ def _decode_kernel(
             sc = tl.load(scales + slot, mask=pm, other=0.0)
             c = (c.to(tl.float32) * sc[:, None]).to(OP)
             kp = (kp.to(tl.float32) * sc[:, None]).to(OP)
-        if IEEE:
-            s = tl.dot(ql, tl.trans(c), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
-        else:
-            s = tl.dot(ql, tl.trans(c)) + tl.dot(qp, tl.trans(kp))
+        s = dot(ql, tl.trans(c), IEEE) + dot(qp, tl.trans(kp), IEEE)
         s = tl.where(pm[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         den = den * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(OP), c, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(OP), c)
+        acc = acc * alpha[:, None] + dot(p.to(OP), c, IEEE)
         m = m_new
     # An empty split (more splits than keys) leaves m = -inf, den = 0: weight 0 in the merge.
     out = acc / tl.where(den > 0, den, 1.0)[:, None]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..numerics.validate import require_finite, require_float, require_shape, require_tensor
-from ..triton_support import block, device_for, interpreted, tl, triton
+from ..triton_support import block, device_for, dot_fp32, interpreted, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
 from .inputs import TIE_BREAKS, MoEConfig, Routing
 
@@ -46,10 +46,7 @@ def _router_kernel(x, w, bias, idx_out, wt_out, T, D, E, rho, renorm_eps, K: tl.
                      other=0.0)  # fmt: skip
         ww = tl.load(w + dd[:, None].to(tl.int64) * E + e[None, :], mask=(dd < D)[:, None] & (e < E)[None, :],
                      other=0.0)  # fmt: skip
-        if EXACT:
-            acc += tl.dot(xx, ww, input_precision="ieee")
-        else:
-            acc += tl.dot(xx, ww, input_precision="tf32x3")
+        acc += dot_fp32(xx, ww, EXACT)
     s = tl.sigmoid(acc)
     b = tl.load(bias + e, mask=e < E, other=0.0)
     biased = tl.where((e < E)[None, :], s + b[None, :], float("-inf"))

@@ -134,19 +134,22 @@ def overflow_map(session: nox.Session) -> None:
 def gpu(session: nox.Session) -> None:
     """On a CUDA machine, in the Python already there (GPU machines have no network, so nothing
     is installed; fla-core and flash-attn-res come as wheels on PYTHONPATH): the GPU property
-    tests, the KDA overflow map with the kernel cells (ours and fla-core's), ``k3verify run
-    --modules kda`` and ``--modules attnres`` (compared against the committed H200 report).
+    tests, the KDA and AttnRes overflow maps with the kernel cells (ours and the third-party
+    kernels') and the AttnRes depth-drift curve of every kernel, ``k3verify run --modules kda``
+    and ``--modules attnres`` (compared against the committed H200 report), each report drawing
+    those maps.
     Output under ``reports/latest/gpu`` or the folder given as posarg."""
     out = session.posargs[0] if session.posargs else "reports/latest/gpu"
     python = sys.executable
     tests = ("properties/test_kda_kernels.py", "properties/test_kda_gpu.py", "properties/test_attnres_kernels.py")
     profile = os.environ.get("HYPOTHESIS_PROFILE", "gpu")  # gpu-explore for a nightly search
     session.run(python, "-m", "pytest", *tests, "-q", "-rs", env={"HYPOTHESIS_PROFILE": profile})
-    session.run(python, "-m", "k3verify", "overflow-map", "--module", "kda", "--quick", "--out", f"{out}/maps")
-    session.run(python, "-m", "k3verify", "run", "--modules", "kda", "--out", out)
+    maps = f"{out}/maps"
+    session.run(python, "-m", "k3verify", "overflow-map", "--module", "kda,attnres", "--quick", "--out", maps)
+    session.run(python, "-m", "k3verify", "run", "--modules", "kda", "--out", out, "--maps", maps)
     # flash-attn-res's row at K3's width fails (it cannot compile d = 7168): a result the
     # committed GPU report holds, so the compare decides, as the CPU session's does.
-    session.run(python, "-m", "k3verify", "run", "--modules", "attnres", "--out", f"{out}/attnres",
+    session.run(python, "-m", "k3verify", "run", "--modules", "attnres", "--out", f"{out}/attnres", "--maps", maps,
                 success_codes=[0, 1])  # fmt: skip
     session.run(python, "-m", "k3verify", "report", "compare", GPU_ATTNRES_BASELINE, f"{out}/attnres")
 

@@ -68,3 +68,16 @@ def test_a_registered_in_map_implementation_joins_the_quick_map() -> None:
     assert len(theirs) == 2 * 4 * 4 and {c["context"] for c in theirs} == {16, 128}
     assert all("frontier_adjacent" in c for c in result.cells)
     assert result.meta["agreement"]["all"]["disagree_away"] == 0
+
+
+def test_map_points_leave_out_the_points_an_implementation_refuses() -> None:
+    """``map_points`` keeps a registered implementation off the points it refuses by design
+    (no cell, so no crash counted as a disagreement), and on all the others."""
+    entry = registry.get("mla")
+    plugin = replace(next(i for i in entry.own_implementations() if i.form == "tiled" and i.dtype == "bf16"),
+                     implementation="plugin 0.1", source="plugin 0.1 (plugin)", in_map=True,
+                     map_points=lambda point: point["context"] > 16)
+    result = sweep_map(replace(entry, own_implementations=lambda: [plugin]), MapOptions(quick=True))
+    theirs = [c for c in result.cells if c.get("source") == plugin.source]
+    assert len(theirs) == 4 * 4 and {c["context"] for c in theirs} == {128}
+    assert result.meta["agreement"]["all"]["disagree_away"] == 0

@@ -215,7 +215,8 @@ def sweep_map(entry: Any, options: MapOptions, progress: Progress = lambda done,
             out.append(made | (f.judge(case, o, ref) if f.judge is not None else {}))
         if d.registered_on(point):
             for impl in impls:
-                out.append(_registered_cell(entry, impl, case, point, ref, d, cell))
+                if impl.map_points is None or impl.map_points(point):
+                    out.append(_registered_cell(entry, impl, case, point, ref, d, cell))
         return out
 
     cells = sweep(d.points(options), lambda p: d.make_case(p, options.seed), cells_at, progress)

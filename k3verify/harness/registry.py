@@ -77,7 +77,10 @@ class Implementation:
     compares against (``"recurrent"``: the definition; ``"chunkwise"``: the chunk-parallel
     form), so a chunked kernel is held to what a plain chunked implementation achieves.
     ``source`` says where it comes from (``k3verify``, an adapter, or a plugin's package and
-    version); ``in_map`` puts it in its module's overflow map, on the map's inputs.
+    version); ``in_map`` puts it in its module's overflow map, on the map's inputs, at every
+    point ``map_points`` accepts (default: all; an implementation that refuses some inputs by
+    design, such as a kernel that needs a stored block, names them here rather than crashing
+    there).
     """
 
     module: str
@@ -94,6 +97,7 @@ class Implementation:
     baseline: str = "recurrent"
     source: str = BUILTIN_SOURCE
     in_map: bool = False
+    map_points: Callable[[Mapping[str, Any]], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:

@@ -169,6 +169,9 @@ def _flash_attn_res() -> Implementation:
                                         aggregate=flash_attn_res.aggregate),
         cases=(*ALL, samples.K3_WALK), is_available=unavailable_as(flash_attn_res.unavailable_reason),
         source=f"adapter: {name}", predict=partial(_predict, stream_dtype="bf16", tile=TILE), in_map=True,
+        # Its phase 1 has no output for an empty stored set (a softmax over no logits), so the
+        # adapter refuses a call without a stored block; K3 never makes one (the embedding is stored).
+        map_points=lambda point: point["sources"] >= 2,
     )  # fmt: skip
 
 

@@ -130,28 +130,43 @@ def overflow_map(session: nox.Session) -> None:
     session.run("k3verify", "overflow-map", "--module", ",".join(session.posargs) or "all")
 
 
+def _gpu_out(session: nox.Session) -> str:
+    return session.posargs[0] if session.posargs else "reports/latest/gpu"
+
+
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
     """On a CUDA machine, in the Python already there (GPU machines have no network, so nothing
-    is installed; fla-core and flash-attn-res come as wheels on PYTHONPATH): the GPU property
-    tests, the KDA and AttnRes overflow maps with the kernel cells (ours and the third-party
-    kernels') and the AttnRes depth-drift curve of every kernel, ``k3verify run --modules kda``
-    and ``--modules attnres`` (compared against the committed H200 report), each report drawing
-    those maps.
-    Output under ``reports/latest/gpu`` or the folder given as posarg."""
-    out = session.posargs[0] if session.posargs else "reports/latest/gpu"
-    python = sys.executable
-    tests = ("properties/test_kda_kernels.py", "properties/test_kda_gpu.py", "properties/test_attnres_kernels.py")
-    profile = os.environ.get("HYPOTHESIS_PROFILE", "gpu")  # gpu-explore for a nightly search
-    session.run(python, "-m", "pytest", *tests, "-q", "-rs", env={"HYPOTHESIS_PROFILE": profile})
-    maps = f"{out}/maps"
-    session.run(python, "-m", "k3verify", "overflow-map", "--module", "kda,attnres", "--quick", "--out", maps)
-    session.run(python, "-m", "k3verify", "run", "--modules", "kda", "--out", out, "--maps", maps)
+    is installed; fla-core comes as a wheel on PYTHONPATH): the KDA GPU property tests, the KDA
+    overflow map with the kernel cells (ours and fla-core's) and ``k3verify run --modules kda``
+    drawing it. Output under ``reports/latest/gpu`` or the folder given as posarg."""
+    out = _gpu_out(session)
+    tests = ("properties/test_kda_kernels.py", "properties/test_kda_gpu.py")
+    _gpu_module(session, "kda", tests, out, f"{out}/maps")
+
+
+@nox.session(name="gpu-attnres", venv_backend="none")
+def gpu_attnres(session: nox.Session) -> None:
+    """On a CUDA machine (flash-attn-res as a wheel on PYTHONPATH): the AttnRes GPU property
+    tests, the AttnRes overflow map with kernel cells and every kernel's depth-drift curve, and
+    ``k3verify run --modules attnres`` drawing them, compared against the committed H200 report.
+    Output under ``reports/latest/gpu/attnres`` or the posarg."""
+    out = session.posargs[0] if session.posargs else f"{_gpu_out(session)}/attnres"
     # flash-attn-res's row at K3's width fails (it cannot compile d = 7168): a result the
     # committed GPU report holds, so the compare decides, as the CPU session's does.
-    session.run(python, "-m", "k3verify", "run", "--modules", "attnres", "--out", f"{out}/attnres", "--maps", maps,
-                success_codes=[0, 1])  # fmt: skip
-    session.run(python, "-m", "k3verify", "report", "compare", GPU_ATTNRES_BASELINE, f"{out}/attnres")
+    _gpu_module(session, "attnres", ("properties/test_attnres_kernels.py",), out, f"{out}/maps", success_codes=[0, 1])
+    session.run(sys.executable, "-m", "k3verify", "report", "compare", GPU_ATTNRES_BASELINE, out)
+
+
+def _gpu_module(session: nox.Session, module: str, tests: tuple[str, ...], out: str, maps: str,
+                **run_options: object) -> None:  # fmt: skip
+    """A module's GPU tests (profile ``gpu``, or ``gpu-explore`` for a nightly search), its quick
+    overflow map and its rows, the report drawing that map."""
+    python = sys.executable
+    profile = os.environ.get("HYPOTHESIS_PROFILE", "gpu")
+    session.run(python, "-m", "pytest", *tests, "-q", "-rs", env={"HYPOTHESIS_PROFILE": profile})
+    session.run(python, "-m", "k3verify", "overflow-map", "--module", module, "--quick", "--out", maps)
+    session.run(python, "-m", "k3verify", "run", "--modules", module, "--out", out, "--maps", maps, **run_options)
 
 
 @nox.session(name="gpu-tp", venv_backend="none")

@@ -259,7 +259,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
         BD=EXACT_WIDTH if exact else LOGITS_WIDTH, MODE=mode, num_stages=1 if exact else LOGITS_STAGES,
     )  # fmt: skip
     # bf16: the inner dimension is 4 × blocks, at least 16 for tl.dot.
-    acc_np = max(triton.next_power_of_2(n), 4) if mode == 1 else NP
+    acc_np = max(rows_np, 4) if mode == 1 else NP
     width = ACC_WIDTH if mode == 1 else EXACT_ACC_WIDTH
     _accumulate_kernel[(T * triton.cdiv(d, width),)](
         stored, ell, m, Z, N, T, d, n, Q, BD=width, QP=QP, NP=acc_np, MODE=mode,

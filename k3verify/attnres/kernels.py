@@ -9,7 +9,7 @@ logits and the softmax in fp32 and write the statistics in fp32 (SPEC §3):
   computes its RMS and its logits for every query as one product of the tile with the
   queries' ``w ⊙ γ`` (bf16 streams: exact products with a three-part bf16 split of ``w ⊙ γ``;
   fp16: tf32x3; fp32: fp64; the RMS scale is applied after the product, in fp64);
-  *accumulate*, one program per (token, width tile), forms for every query at once
+  *accumulate*, one program per token and quarter of the width, forms for every query at once
   ``m = max ℓ``, ``Z = Σ e^{ℓ−m}`` and ``N = Σ e^{ℓ−m} v``, reading each block's tile once
   (bf16: exact products of the tile with the weights split into three bf16 parts).
 - :func:`phase2`, per call: one program per token tile takes the partial sum's logit ``r``
@@ -45,18 +45,22 @@ __all__ = ["aggregate", "interpreted", "phase1", "phase2", "unavailable_reason",
 
 STREAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Logits: one [blocks × tokens, width] tile of 128 rows per step shares the step's w ⊙ γ parts
-# (read from cache); measured on an H200 at K3's shape, 64-wide steps and 3 stages are fastest.
+# (read from cache); measured on an H200 at K3's shape: 64-wide steps, 4 stages, 8 warps.
 LOGITS_ROWS = 128
 LOGITS_WIDTH = 64
-LOGITS_STAGES = 3
+LOGITS_STAGES = 4
+LOGITS_WARPS = 8
 EXACT_ROWS = 16  # fp64 products of a [rows, width, queries] tile
 EXACT_WIDTH = 16
-# Accumulate: 128-wide tiles with 2 warps are fastest for bf16 at K3's shape on an H200.
-ACC_WIDTH = 128
-ACC_WARPS = 2
-EXACT_ACC_WIDTH = 256
-MERGE_TOKENS = 4
-MERGE_WIDTH = 512
+# Accumulate (bf16, measured on an H200 at K3's shape): a token's width in 4 programs, 256-wide
+# tiles, 3 stages, 4 warps.
+ACC_SPLIT = 4
+ACC_WIDTH = 256
+ACC_STAGES = 3
+EXACT_ACC_WIDTH = 128
+# Merge: 2 tokens and 1024-wide tiles per step (measured on an H200, d = 1024 to 7168).
+MERGE_TOKENS = 2
+MERGE_WIDTH = 1024
 
 
 def unavailable_reason(stream_dtype: torch.dtype | str = torch.bfloat16) -> str | None:
@@ -121,42 +125,44 @@ def _logits_kernel(v, wg, g3, ell, T, D, n, eps, BT: tl.constexpr, BD: tl.conste
 
 
 @triton.jit
-def _accumulate_kernel(v, ell, m_out, z_out, n_out, T, D, n, Q, BD: tl.constexpr, QP: tl.constexpr,
-                       NP: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
-    """For one token and a width tile, every query at once: ``m, Z`` over the ``n`` stored blocks
-    and ``N = P X``, the weights ``P:[queries, blocks]`` times the blocks' tiles ``X:[blocks,
-    width]`` (loaded together, so their loads overlap); each output row is written once.
+def _accumulate_kernel(v, ell, m_out, z_out, n_out, T, D, n, Q, SPLIT: tl.constexpr, BD: tl.constexpr,
+                       QP: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    """For one token and ``1/SPLIT`` of the width, every query at once: ``m, Z`` over the ``n``
+    stored blocks and ``N = P X``, the weights ``P:[queries, blocks]`` times the blocks' tiles
+    ``X:[blocks, width]``, width tile by width tile; each output row is written once.
 
-    ``MODE`` as :func:`_logits_kernel`'s: 0 exact fp32 products; 1 (bf16 stream) ``P`` split into
-    three bf16 parts against the bf16 tile repeated, ``[P₁ P₂ P₃ 0] [X; X; X; 0]``: exact
-    products, the weights to 24 bits, the tile never converted; 2 (fp16) tf32x3."""
-    # A token's width tiles run next to each other: its rows are read and its outputs written
-    # as whole runs (measured on an H200, this order takes 20 % less time for the stores).
-    tiles = tl.cdiv(D, BD)
-    t = (tl.program_id(0) // tiles).to(tl.int64)
-    pd = tl.program_id(0) % tiles
-    dd = pd * BD + tl.arange(0, BD)
+    ``MODE`` as :func:`_logits_kernel`'s: 0 exact fp32 products; 1 (bf16 stream) ``P`` split
+    once into three bf16 parts, each times the bf16 tile (``NP >= 16`` rows, padding zero):
+    exact products, the weights to 24 bits, the tile never converted; 2 (fp16) tf32x3."""
+    # A token's tiles run in one program: the weights are formed once, the tile loads are
+    # pipelined ahead of the products and the stores, and a token's rows are read and its
+    # outputs written as long runs (measured on an H200: 1.74 ms against 2.03 ms for one
+    # program per tile, whose every program waits for its own loads).
+    t = (tl.program_id(0) // SPLIT).to(tl.int64)
+    part = tl.program_id(0) % SPLIT
+    span = tl.cdiv(tl.cdiv(D, SPLIT), BD) * BD
     qq = tl.arange(0, QP)
     src = tl.arange(0, NP)
     L = tl.load(ell + (t * n + src[None, :]) * QP + qq[:, None], mask=(src < n)[None, :], other=float("-inf"))
     m = tl.max(L, axis=1)
     P = tl.exp(L - m[:, None])  # padded blocks: weight 0
-    X = tl.load(v + (src[:, None].to(tl.int64) * T + t) * D + dd[None, :], mask=(src < n)[:, None] & (dd < D)[None, :],
-                other=0.0)  # fmt: skip
-    if MODE == 1:
-        p1 = P.to(tl.bfloat16)
-        rest = P - p1.to(tl.float32)
-        p2 = rest.to(tl.bfloat16)
-        p3 = (rest - p2.to(tl.float32)).to(tl.bfloat16)
-        # Interleaved along the inner dimension: column 4i + k of A is part k of block i's weight,
-        # row 4i + k of B is block i's tile (k < 3) or zero.
-        A = tl.reshape(tl.join(tl.join(p1, p2), tl.join(p3, tl.zeros_like(p3))), (QP, 4 * NP))
-        B = tl.reshape(tl.permute(tl.join(tl.join(X, X), tl.join(X, tl.zeros_like(X))), (0, 2, 3, 1)), (4 * NP, BD))
-        acc = tl.dot(A, B)
-    else:
-        acc = dot_fp32(P, X.to(tl.float32), MODE == 0)
-    tl.store(n_out + (qq[:, None] * T + t) * D + dd[None, :], acc, mask=(qq < Q)[:, None] & (dd < D)[None, :])
-    if pd == 0:
+    p1 = P.to(tl.bfloat16)
+    rest = P - p1.to(tl.float32)
+    p2 = rest.to(tl.bfloat16)
+    p3 = (rest - p2.to(tl.float32)).to(tl.bfloat16)
+    rows = v + (src[:, None].to(tl.int64) * T + t) * D
+    outs = n_out + (qq[:, None] * T + t) * D
+    for d0 in tl.range(part * span, tl.minimum(part * span + span, D), BD, num_stages=STAGES):
+        dd = d0 + tl.arange(0, BD)
+        X = tl.load(rows + dd[None, :], mask=(src < n)[:, None] & (dd < D)[None, :], other=0.0)
+        if MODE == 1:
+            acc = tl.dot(p1, X)
+            acc = tl.dot(p2, X, acc)
+            acc = tl.dot(p3, X, acc)
+        else:
+            acc = dot_fp32(P, X.to(tl.float32), MODE == 0)
+        tl.store(outs + dd[None, :], acc, mask=(qq < Q)[:, None] & (dd < D)[None, :])
+    if part == 0:
         tl.store(m_out + qq * T + t, m, mask=qq < Q)
         tl.store(z_out + qq * T + t, tl.sum(P, axis=1), mask=qq < Q)
 
@@ -257,13 +263,13 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     _logits_kernel[(triton.cdiv(T, BT),)](
         stored, wg, _split_bf16(wg) if mode == 1 else wg, ell, T, d, n, float(eps), BT=BT, QP=QP, NP=rows_np,
         BD=EXACT_WIDTH if exact else LOGITS_WIDTH, MODE=mode, num_stages=1 if exact else LOGITS_STAGES,
+        num_warps=4 if exact else LOGITS_WARPS,
     )  # fmt: skip
-    # bf16: the inner dimension is 4 × blocks, at least 16 for tl.dot.
-    acc_np = max(rows_np, 4) if mode == 1 else NP
     width = ACC_WIDTH if mode == 1 else EXACT_ACC_WIDTH
-    _accumulate_kernel[(T * triton.cdiv(d, width),)](
-        stored, ell, m, Z, N, T, d, n, Q, BD=width, QP=QP, NP=acc_np, MODE=mode,
-        num_warps=ACC_WARPS if mode == 1 else 4,
+    split = min(ACC_SPLIT, triton.cdiv(d, width))
+    _accumulate_kernel[(T * split,)](
+        stored, ell, m, Z, N, T, d, n, Q, SPLIT=split, BD=width, QP=QP, NP=NP, MODE=mode,
+        STAGES=1 if exact else ACC_STAGES, num_warps=4,
     )  # fmt: skip
     return Stats(m, Z, N)
 

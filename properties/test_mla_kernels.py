@@ -1,4 +1,5 @@
-"""Our Gated MLA Triton kernel (``k3verify.mla.kernels.decode``) against the fp64 oracle.
+"""Our Gated MLA Triton kernels (``k3verify.mla.kernels.decode`` and ``prefill``) against the
+fp64 oracle.
 
 Where no CUDA device is visible it runs under Triton's interpreter in fp32 and fp16, which the
 interpreter computes faithfully for this kernel (SPEC §5: fp32 and fp16 products are exact
@@ -51,12 +52,13 @@ def _on(x: dict, dtype: str) -> tuple:
             x["w_uv"].to(DEVICE, dt))  # fmt: skip
 
 
-def _verdict(x: dict, dtype: str, num_splits: int):
+def _verdict(x: dict, dtype: str, num_splits: int, kind: str = "decode"):
     ref = mla.expanded(x["q_nope"], x["q_pe"], x["cache"], x["w_uk"], x["w_uv"])
     exact = (x["q_nope"], x["q_pe"], mla.quantize(x["cache"], dtype) if is_float8(dtype) else x["cache"],
              x["w_uk"], x["w_uv"])  # fmt: skip
     base = mla.naive_baseline(*exact, dtype="bf16" if is_float8(dtype) else dtype)
-    got = kernels.decode(*_on(x, dtype), num_splits=num_splits).cpu()
+    options = dict(num_splits=num_splits) if kind == "decode" else {}
+    got = getattr(kernels, kind)(*_on(x, dtype), **options).cpu()
     out_dtype = got.dtype
     return baseline_rule(compare(got, ref, ulp_dtype=out_dtype), compare(base, ref, ulp_dtype=out_dtype),
                          noise_floor(ref, out_dtype)), got, ref  # fmt: skip
@@ -84,8 +86,31 @@ def test_decode_within_policy(dtype: str, p) -> None:
     assert_verdict(verdict, got, ref, f"heads, lengths, T, splits, seed = {p}")
 
 
+prefill_problems = st.tuples(
+    st.sampled_from([1, 3, 17]),  # heads
+    st.lists(st.integers(1, 90), min_size=1, max_size=3).map(tuple),  # context lengths in one batch
+    st.sampled_from([1, 7, 16, 40]),  # new tokens: one, under, at and over a query block
+    st.integers(0, 2**16),
+).filter(lambda p: min(p[1]) >= p[2] and len(p[1]) * p[2] * p[0] * samples.CONFIG.v_head_dim >= 1024)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "fp8_e4m3"])
+@FEW
+@given(prefill_problems)
+def test_prefill_within_policy(dtype: str, p) -> None:
+    """Rule baseline: the expanded chunked prefill, with and without earlier context (a request
+    whose every token is new has an empty prefix), several requests of different lengths."""
+    reason = REASONS["bf16" if is_float8(dtype) else dtype]
+    if reason is not None:
+        pytest.skip(reason)
+    heads, lengths, T, seed = p
+    verdict, got, ref = _verdict(_problem(heads, lengths, T, seed), dtype, 1, kind="prefill")
+    assert_verdict(verdict, got, ref, f"heads, lengths, T, seed = {p}")
+
+
 @pytest.mark.skipif(REASONS["fp32"] is not None, reason=str(REASONS["fp32"]))
-def test_dead_slots_are_never_read() -> None:
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_dead_slots_are_never_read(kind: str) -> None:
     """Bitwise: every dead slot (other requests' tails, spare pages) NaN or zero gives the same
     output, and a finite one (a read would make NaN)."""
     x = _problem(5, (21, 7, 40), 3, seed=4)
@@ -97,7 +122,7 @@ def test_dead_slots_are_never_read() -> None:
         pool = cache.pool.clone()
         pool[~live] = fill
         args[2] = replace(cache, pool=pool)
-        outs.append(kernels.decode(*args, num_splits=5))
+        outs.append(kernels.decode(*args, num_splits=5) if kind == "decode" else kernels.prefill(*args))
     assert bool(torch.isfinite(outs[0]).all())
     assert_identical(outs[0], outs[1], "dead slots NaN vs zero")
 
@@ -119,9 +144,11 @@ def test_a_chunk_is_its_tokens_one_by_one() -> None:
 
 
 @pytest.mark.skipif(REASONS["fp32"] is not None, reason=str(REASONS["fp32"]))
-def test_prefill_then_decode_steps_is_one_longer_prefill() -> None:
-    """Rule baseline, through the layer: prefill of T tokens then k decode steps with the kernel
-    (writing the cache as it goes) against one prefill of T + k tokens by the fp64 definition."""
+@pytest.mark.parametrize("prefill", ["decode", "prefill"])
+def test_prefill_then_decode_steps_is_one_longer_prefill(prefill: str) -> None:
+    """Rule baseline, through the layer: prefill of T tokens (by the decode kernel over a chunk,
+    or by the prefill kernel) then k decode steps with the decode kernel (writing the cache as it
+    goes) against one prefill of T + k tokens by the fp64 definition."""
     cfg = replace(samples.CONFIG, num_heads=3)
     w = layer.init_weights(cfg, seed=2)
     T, k = 20, 4
@@ -130,7 +157,8 @@ def test_prefill_then_decode_steps_is_one_longer_prefill() -> None:
     ref = layer.forward(x, w, cfg, cache64, form=mla.expanded).y
     wf = layer.MLAWeights(**{n: getattr(w, n).float() for n in w.__dataclass_fields__})
     cache = cache64.to(torch.float32)
-    out = layer.forward(x[:, :T].float(), wf, cfg, cache, form=kernels.decode, num_splits=2)
+    first = dict(form=kernels.decode, num_splits=2) if prefill == "decode" else dict(form=kernels.prefill)
+    out = layer.forward(x[:, :T].float(), wf, cfg, cache, **first)
     ys, cache = [out.y], out.cache
     for step in range(k):
         out = layer.forward(x[:, T + step : T + step + 1].float(), wf, cfg, cache, form=kernels.decode, num_splits=2)
@@ -152,6 +180,9 @@ def test_bad_arguments_are_named() -> None:
     with pytest.raises(RuntimeError, match="MLA kernels take bf16, fp16 or fp32 operands, not fp64"):
         kernels.decode(*(a.double() if isinstance(a, torch.Tensor) else a for a in args[:2]), args[2].to(torch.float64),
                        args[3].double(), args[4].double())  # fmt: skip
+    with pytest.raises(RuntimeError, match="MLA kernels take bf16, fp16 or fp32 operands, not fp64"):
+        kernels.prefill(*(a.double() if isinstance(a, torch.Tensor) else a for a in args[:2]),
+                        args[2].to(torch.float64), args[3].double(), args[4].double())  # fmt: skip
     with pytest.raises(ValueError, match="num_splits"):
         kernels.decode(*args, num_splits=0)
     bad = args[0].clone()

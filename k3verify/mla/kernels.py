@@ -1,4 +1,5 @@
-"""Gated MLA GPU kernels in Triton: absorbed attention over the paged latent cache (SPEC §2.4).
+"""Gated MLA GPU kernels in Triton: absorbed decode over the paged latent cache (SPEC §2.4) and
+the expanded chunked prefill (SPEC §2.3).
 
 ``decode(q_nope, q_pe, cache, w_uk, w_uv, *, scale=None, num_splits=1)`` takes the common MLA
 signature (:mod:`k3verify.mla.inputs`) and returns ``o:[B, T, H, Dv]``; query ``t`` of request
@@ -16,6 +17,19 @@ of the last ``T`` tokens, causal, works the same way):
 3. host: splits merged by their log-sum-exp in fp32, then ``o_h = W_UV,hᵀ o_lat,h`` (fp32
    product), written in the operand dtype.
 
+``prefill(q_nope, q_pe, cache, w_uk, w_uv, *, scale=None)`` is the expanded form of the same
+attention (SPEC §2.3), for chunks of many new tokens:
+
+1. host: the cached latents of every position the queries see are read through
+   ``block_table`` (dead slots selected away, an fp8 cache dequantised in fp32) and
+   up-projected per head, ``k^n = W_UKᵀ ĉ`` and ``v = W_UVᵀ ĉ`` (fp32 products, then the operand
+   dtype); ``k^p`` stays one vector per position, shared by the heads;
+2. kernel, one program per (request and head, block of queries): one fp32 online softmax of
+   ``τ (q^n·k^n + q^p·k^p)`` over the *prefix* (positions before the chunk, every one
+   visible) and then the chunk's own tokens (causal). The online softmax is the log-sum-exp
+   merge of the two parts taken key tile by key tile, so there is no second pass and an empty
+   prefix adds nothing; the output is written in the operand dtype.
+
 Operands are the dtype the queries are given in (bf16, fp16, fp32; with an fp8 cache, bf16 or
 fp16). Under Triton's interpreter fp32 and fp16 are faithful (its fp16 conversions round to
 nearest even and its fp16 products are exact); bf16 and fp8 need a GPU
@@ -29,14 +43,21 @@ import torch
 from ..numerics.validate import require_block
 from ..triton_support import block, device_for, dot, interpreted, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
-from .cache import LatentCache
-from .inputs import check_inputs
+from .cache import LatentCache, gather, split_entry
+from .inputs import check_inputs, heads_first
+from .reference import expand
 
-__all__ = ["decode", "interpreted", "latent_attention", "unavailable_reason"]
+__all__ = ["decode", "expanded_operands", "interpreted", "latent_attention", "prefill", "prefill_attention",
+           "unavailable_reason"]
 
 OPERAND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KEYS = 32  # key positions per tile
 HEADS = 16  # heads per program (a tl.dot side)
+# Prefill tiles (16 x 16 under the interpreter, where size is time): 128 queries by 64 keys on 8
+# warps compiles for sm_90 without spills at K3's widths (not yet timed on a GPU).
+PREFILL_QUERIES = 128
+PREFILL_KEYS = 64
+PREFILL_WARPS = 8
 
 
 def unavailable_reason(operand_dtype: torch.dtype | str = torch.bfloat16) -> str | None:
@@ -96,6 +117,71 @@ def _decode_kernel(
              mask=hm)  # fmt: skip
 
 
+@triton.jit
+def _softmax_step(qn, qp, kn_at, kp_at, v_at, pos, ok, seen, dn, dr, dv, Dn, Dr, Dv, scale, m, den, acc,
+                  IEEE: tl.constexpr):  # fmt: skip
+    """One key tile of an fp32 online softmax: the keys at positions ``pos:[BN]`` (int32
+    offsets from this head's ``kn_at``, ``v_at`` and this request's shared ``kp_at``), ``ok:[BN]``
+    the keys to load (the rest read as 0), ``seen:[BM, BN]`` the visible pairs. Returns the new
+    ``m, den, acc``."""
+    kn = tl.load(kn_at + pos[:, None] * Dn + dn[None, :], mask=ok[:, None] & (dn < Dn)[None, :], other=0.0)
+    kp = tl.load(kp_at + pos[:, None] * Dr + dr[None, :], mask=ok[:, None] & (dr < Dr)[None, :], other=0.0)
+    vv = tl.load(v_at + pos[:, None] * Dv + dv[None, :], mask=ok[:, None] & (dv < Dv)[None, :], other=0.0)
+    s = (dot(qn, tl.trans(kn), IEEE) + dot(qp, tl.trans(kp), IEEE)) * scale
+    s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    # A query that has seen no key yet keeps m = -inf: its exponentials use 0 instead (all 0).
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - ref)
+    p = tl.exp(s - ref[:, None])
+    return m_new, den * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + dot(p.to(qn.dtype), vv, IEEE)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_n, q_p, k_n, k_p, v, o, starts, T, H, L, Dn, Dr, Dv, scale,
+    BM: tl.constexpr, BN: tl.constexpr, BDN: tl.constexpr, BDR: tl.constexpr, BDV: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """A block of ``BM`` queries of one (request, head): one fp32 online softmax over the prefix
+    (the ``starts[b]`` positions before the chunk, every one visible) and then the chunk's own
+    tokens (key ``start + i`` visible to query ``t`` when ``i <= t``) — the two parts' log-sum-exp
+    merge of SPEC §2.3, done as the softmax goes. Writes ``o:[B, T, H, Dv]`` in its dtype."""
+    bh = tl.program_id(0).to(tl.int64)
+    b = bh // H
+    # 64-bit arithmetic on the per-program bases only: the tiles' offsets stay 32-bit (a tensor of
+    # 64-bit addresses per element costs twice the registers and spills).
+    kn_at = k_n + bh * L * Dn
+    v_at = v + bh * L * Dv
+    kp_at = k_p + b * L * Dr
+    tq = tl.program_id(1) * BM + tl.arange(0, BM)
+    start = tl.load(starts + b).to(tl.int32)
+    dn = tl.arange(0, BDN)
+    dr = tl.arange(0, BDR)
+    dv = tl.arange(0, BDV)
+    qm = tq < T
+    qn = tl.load(q_n + bh * T * Dn + tq[:, None] * Dn + dn[None, :], mask=qm[:, None] & (dn < Dn)[None, :], other=0.0)
+    qp = tl.load(q_p + bh * T * Dr + tq[:, None] * Dr + dr[None, :], mask=qm[:, None] & (dr < Dr)[None, :], other=0.0)
+    m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, BDV], dtype=tl.float32)
+    for n0 in range(0, start, BN):
+        pos = n0 + tl.arange(0, BN)
+        ok = pos < start
+        m, den, acc = _softmax_step(qn, qp, kn_at, kp_at, v_at, pos, ok, ok[None, :] & qm[:, None], dn, dr, dv, Dn, Dr,
+                                    Dv, scale, m, den, acc, IEEE)  # fmt: skip
+    for n0 in range(0, tl.minimum(T, (tl.program_id(1) + 1) * BM), BN):
+        i = n0 + tl.arange(0, BN)
+        ok = i < T
+        seen = (i[None, :] <= tq[:, None]) & ok[None, :] & qm[:, None]
+        m, den, acc = _softmax_step(qn, qp, kn_at, kp_at, v_at, start + i, ok, seen, dn, dr, dv, Dn, Dr, Dv, scale, m,
+                                    den, acc, IEEE)  # fmt: skip
+    out = acc / tl.where(den > 0, den, 1.0)[:, None]  # every query sees itself: den > 0
+    o_at = o + (b * T * H + bh % H) * Dv
+    tl.store(o_at + (tq * H)[:, None] * Dv + dv[None, :], out.to(o.dtype.element_ty),
+             mask=qm[:, None] & (dv < Dv)[None, :])  # fmt: skip
+
+
 def decode(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -142,3 +228,60 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache
     )  # fmt: skip
     weights = torch.softmax(lse, dim=0)  # e^{lse_s - LSE}; an empty split's -inf gets 0
     return (weights[..., None] * o_part).sum(0).reshape(B, T, H, R)
+
+
+def prefill(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: LatentCache,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Expanded chunked prefill over the paged cache (the common MLA signature): ``o:[B, T, H,
+    Dv]`` in the operand dtype; the queries' tokens must already be in the cache (as the layer
+    writes them)."""
+    _, scale = check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
+    reason = unavailable_reason(q_nope.dtype)
+    if reason is not None:
+        raise RuntimeError(reason)
+    q_n, q_p, k_n, k_p, v, starts = expanded_operands(q_nope, q_pe, cache, w_uk, w_uv,
+                                                      device_for(q_nope, "the MLA kernels"))  # fmt: skip
+    return prefill_attention(q_n, q_p, k_n, k_p, v, starts, scale=scale)
+
+
+def prefill_attention(q_n: torch.Tensor, q_p: torch.Tensor, k_n: torch.Tensor, k_p: torch.Tensor, v: torch.Tensor,
+                      starts: torch.Tensor, *, scale: float) -> torch.Tensor:  # fmt: skip
+    """The prefill kernel alone on :func:`expanded_operands`' tensors: ``o:[B, T, H, Dv]`` in
+    the operand dtype."""
+    B, H, T, Dn = q_n.shape
+    L, Dr, Dv = k_n.shape[2], q_p.shape[-1], v.shape[-1]
+    o = torch.empty(B, T, H, Dv, dtype=q_n.dtype, device=q_n.device)
+    bm = 16 if interpreted() else PREFILL_QUERIES
+    _prefill_kernel[(B * H, triton.cdiv(T, bm))](
+        q_n, q_p, k_n, k_p, v, o, starts, T, H, L, Dn, Dr, Dv, float(scale), BM=bm,
+        BN=16 if interpreted() else PREFILL_KEYS, BDN=block(Dn), BDR=block(Dr), BDV=block(Dv),
+        IEEE=q_n.dtype == torch.float32, num_warps=PREFILL_WARPS, num_stages=2,
+    )  # fmt: skip
+    return o
+
+
+def expanded_operands(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache, w_uk: torch.Tensor,
+                      w_uv: torch.Tensor, dev: torch.device) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """What an expanded prefill kernel reads, on ``dev`` in the queries' dtype: ``q_n:[B, H, T,
+    Dn]``, ``q_p:[B, H, T, Dr]``, ``k_n:[B, H, L, Dn]``, ``k_p:[B, L, Dr]`` (one per position,
+    shared by the heads), ``v:[B, H, L, Dv]`` for every cached position (``L = max seq_lens``;
+    dead slots and positions past a request's length are zeros, never the slot's contents), and
+    ``starts:[B]`` int64, each request's number of earlier tokens. The up-projections are fp32
+    products of the cached latents (an fp8 cache dequantised in fp32), then the queries' dtype."""
+    op = q_nope.dtype
+    moved = LatentCache(*(None if t is None else t.to(dev) for t in (cache.pool, cache.block_table, cache.seq_lens,
+                                                                     cache.scales)))  # fmt: skip
+    entries, _ = gather(moved, torch.float32)
+    R, Dn = w_uk.shape[1], w_uk.shape[2]
+    K, V = expand(entries, w_uk.to(dev, torch.float32), w_uv.to(dev, torch.float32))
+    starts = moved.seq_lens.to(torch.int64) - q_nope.shape[1]
+    return (heads_first(q_nope.to(dev)).contiguous(), heads_first(q_pe.to(dev)).contiguous(),
+            K[..., :Dn].to(op).contiguous(), split_entry(entries, R)[1].to(op).contiguous(), V.to(op).contiguous(),
+            starts.contiguous())  # fmt: skip

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ... import mla
+from ...adapters import torch_sdpa
 from ...mla import kernels, samples
 from ...mla.samples import PAGE_SIZE
 from ...numerics import dtype_name, is_float8, resolve_dtype
@@ -144,16 +145,29 @@ def _form(form: str, dtype: str, cases: tuple[str, ...] = ("default", "decode"),
     )
 
 
-def _kernel(dtype: str, cases: tuple[str, ...] = ("default", "decode", "hot"), **options: Any) -> Implementation:
-    """Our absorbed paged-attention kernel: fp32 and fp16 wherever Triton runs (the interpreter is
-    faithful there), bf16 and the fp8 cache (bf16 operands) on a CUDA device only; held to the
-    plain definition storing the same dtype (an fp8 row: the fp8-cache baseline)."""
+def _kernel(dtype: str, cases: tuple[str, ...] = ("default", "decode", "hot"), kind: str = "decode",
+            **options: Any) -> Implementation:  # fmt: skip
+    """One of our kernels (``kind``: the absorbed paged decode or the expanded chunked prefill):
+    fp32 and fp16 wherever Triton runs (the interpreter is faithful there), bf16 and the fp8
+    cache (bf16 operands) on a CUDA device only; held to the plain definition storing the same
+    dtype (an fp8 row: the fp8-cache baseline)."""
     fp8 = dtype == FP8_CACHE
     return Implementation(
-        module="mla", implementation="k3verify", form="kernel:decode", dtype=dtype,
+        module="mla", implementation="k3verify", form=f"kernel:{kind}", dtype=dtype,
         params=dict(options) | (dict(cache=FP8_CACHE, operands=FP8_CACHE_OPERANDS) if fp8 else {}),
-        rule=BASELINE_RULE, run=partial(call, kernels.decode, dtype=dtype, **options), cases=cases,
+        rule=BASELINE_RULE, run=partial(call, getattr(kernels, kind), dtype=dtype, **options), cases=cases,
         is_available=unavailable_as(partial(kernels.unavailable_reason, FP8_CACHE_OPERANDS if fp8 else dtype)),
+    )  # fmt: skip
+
+
+def _sdpa(backend: str) -> Implementation:
+    """torch's SDPA on one CUDA backend, the expanded prefill in bf16
+    (:mod:`k3verify.adapters.torch_sdpa` says what it computes); a backend that refuses K3's
+    head widths fails with its own message."""
+    return Implementation(
+        module="mla", implementation="torch sdpa", form="kernel:prefill", dtype="bf16", params=dict(backend=backend),
+        rule=BASELINE_RULE, run=partial(call, partial(torch_sdpa.prefill, backend=backend), dtype="bf16"),
+        cases=("default", "hot"), is_available=unavailable_as(partial(torch_sdpa.unavailable_reason, backend)),
     )  # fmt: skip
 
 
@@ -179,6 +193,11 @@ def own_implementations() -> list[Implementation]:
         _kernel("bf16"),
         _kernel("bf16", num_splits=SPLITS),
         _kernel(FP8_CACHE, num_splits=SPLITS),
+        _kernel("fp32", kind="prefill"),
+        _kernel("fp16", ("default", "hot"), kind="prefill"),
+        _kernel("bf16", kind="prefill"),
+        _kernel(FP8_CACHE, ("default",), kind="prefill"),
+        *(_sdpa(backend) for backend in torch_sdpa.BACKENDS),
     ]
 
 

@@ -27,13 +27,12 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from functools import partial
-from pathlib import Path
 from typing import Any
 
+import gpu_timing
 import torch
-from gpu_timing import copy_bandwidth, launch_split, ms, write_results
+from gpu_timing import attempt, copy_bandwidth, launch_split, ms, write_results
 
 from k3verify import attnres
 from k3verify.adapters import flash_attn_res
@@ -92,7 +91,7 @@ def _flash_runs(x: dict[str, torch.Tensor]) -> dict[tuple[str, str], Any]:
     """flash-attn-res's two ops on one block's inputs (a width it cannot compile: the error)."""
     stored, part, w, gamma = x["stored"], x["partial"], x["w"], x["gamma"]
     phases = flash_attn_res._Phases()
-    state = _try(partial(phases.first, stored, w, gamma, RMS_NORM_EPS))
+    state = attempt(partial(phases.first, stored, w, gamma, RMS_NORM_EPS))
     if isinstance(state, str):
         return {("phase1", "flash-attn-res"): state}
     return {("phase1", "flash-attn-res"): partial(phases.first, stored, w, gamma, RMS_NORM_EPS),
@@ -134,7 +133,7 @@ def _time_runs(runs: dict[tuple[str, str], Any], T: int, d: int, copy_tbps: floa
     moved = {"phase1": STORED * T * d * 2 + QUERIES * T * d * 4, "phase2": T * d * (2 + 4 + 2)}
     rows = []
     for (phase, name), run in runs.items():
-        t = run if isinstance(run, str) else _try(partial(ms, run, f"attnres {phase} T={T} d={d}", name))
+        t = run if isinstance(run, str) else attempt(partial(ms, run, f"attnres {phase} T={T} d={d}", name))
         row = dict(kind="block", phase=phase, T=T, d=d, implementation=name)
         if isinstance(t, str):
             rows.append(row | dict(error=t))
@@ -164,14 +163,6 @@ def block_rows(copy_tbps: float, tokens: tuple[int, ...], peer_timeout: float | 
             if peer_timeout is not None:
                 rows += _flash_rows(T, d, peer_timeout, log)
     return _with_ratios(rows)
-
-
-def _try(fn):
-    """``fn()``, or the error it raised as one line (a peer that cannot compile is a result)."""
-    try:
-        return fn()
-    except Exception as exc:  # reported, not hidden
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
 
 
 def _with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -275,16 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.flash_child:
         return flash_child(*args.flash_child)
-    if not torch.cuda.is_available():
-        print("no CUDA device: the AttnRes GPU benchmark needs one", file=sys.stderr)
+    begun = gpu_timing.start(args.out, "the AttnRes GPU benchmark")
+    if begun is None:
         return 2
-    started = time.time()
-
-    def log(msg: str) -> None:
-        print(f"[{time.time() - started:6.1f} s] {msg}", flush=True)
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out, log = begun
     tokens = TOKENS[:1] if args.quick else TOKENS
     copy_tbps = copy_bandwidth()
     log(f"copy bandwidth {copy_tbps:.2f} TB/s")

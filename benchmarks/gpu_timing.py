@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +65,28 @@ def write_results(out: Path, stem: str, result: dict[str, Any], markdown: str) -
     (out / f"{stem}_benchmark.json").write_text(json.dumps(bench, indent=1))
     (out / f"{stem}.md").write_text(markdown)
     print(markdown)
+
+
+def attempt(fn: Callable[[], Any]) -> Any:
+    """``fn()``, or the error it raised as one line (a peer that cannot run or compile is a
+    result to report, not a crash)."""
+    try:
+        return fn()
+    except Exception as exc:  # reported, not hidden
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+
+
+def start(out: str, what: str) -> tuple[Path, Callable[[str], None]] | None:
+    """The output folder (created) and a logger stamping seconds since now; ``None``, with the
+    reason on stderr, where there is no CUDA device for ``what``."""
+    if not torch.cuda.is_available():
+        print(f"no CUDA device: {what} needs one", file=sys.stderr)
+        return None
+    started = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - started:6.1f} s] {msg}", flush=True)
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder, log

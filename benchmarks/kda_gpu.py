@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from functools import partial
-from pathlib import Path
 from typing import Any
 
+import gpu_timing
 import torch
 from gpu_timing import copy_bandwidth, launch_split, write_results
 from gpu_timing import ms as _ms
@@ -212,20 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", choices=("ours", "all"), help="only the per-launch time split of prefill")
     parser.add_argument("--tune", action="store_true", help="only each prefill launch's time per launch configuration")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("no CUDA device: the KDA GPU benchmark needs one", file=sys.stderr)
-        return 2
-    reason = fla.unavailable_reason(gpu=True)
+    reason = fla.unavailable_reason(gpu=True) if torch.cuda.is_available() else None
     if reason is not None:
         print(f"{reason}: the peer is missing", file=sys.stderr)
         return 2
-    started = time.time()
-
-    def log(msg: str) -> None:
-        print(f"[{time.time() - started:6.1f} s] {msg}", flush=True)
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    begun = gpu_timing.start(args.out, "the KDA GPU benchmark")
+    if begun is None:
+        return 2
+    out, log = begun
     if args.split or args.tune:
         rows = tune_rows(log) if args.tune else split_rows(log, peers=args.split == "all")
         (out / ("kda_gpu_tune.json" if args.tune else "kda_gpu_split.json")).write_text(json.dumps(rows, indent=2))

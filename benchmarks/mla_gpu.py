@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from functools import partial
-from pathlib import Path
 from typing import Any
 
+import gpu_timing
 import torch
 import torch.nn.functional as F
-from gpu_timing import copy_bandwidth, ms, write_results
+from gpu_timing import attempt, copy_bandwidth, ms, write_results
 
 from k3verify.harness.environment import environment
 from k3verify.mla import kernels
@@ -47,14 +46,6 @@ PREFILL = [(8192, 12), (8192, 96)]
 SPLITS = (1, 2, 4, 8, 16)
 FLEX_OPTIONS = ({}, {"BLOCK_M": 16, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4},
                 {"BLOCK_M": 16, "BLOCK_N": 16, "num_stages": 1, "num_warps": 4})  # fmt: skip
-
-
-def _try(fn):
-    """``fn()``, or the error it raised as one line (a peer that cannot run is a result)."""
-    try:
-        return fn()
-    except Exception as exc:  # reported, not hidden
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
 
 
 def paged_cache(B: int, ctx: int, storage: str, gen: torch.Generator) -> LatentCache:
@@ -115,7 +106,7 @@ def _flex_row(flex, cache: LatentCache, q_lat: torch.Tensor, q_pe: torch.Tensor,
     refused = []
     for options in FLEX_OPTIONS:
         run = partial(flex, q, keys, values, scale=SCALE, enable_gqa=True, kernel_options=options or None)
-        first = _try(run)
+        first = attempt(run)
         if isinstance(first, str):
             refused.append(f"{options or 'default'}: {first}")
             continue
@@ -154,7 +145,7 @@ def prefill_rows(shapes: list[tuple[int, int]], log) -> list[dict[str, Any]]:
                 with sdpa_kernel(backend):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE)
 
-            first = _try(run)
+            first = attempt(run)
             row = dict(kind="prefill", T=T, heads=H, implementation=f"sdpa {name}")
             if isinstance(first, str):
                 rows.append(row | dict(error=first))
@@ -198,16 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="reports/latest/bench", help="output folder")
     parser.add_argument("--quick", action="store_true", help="decode at B = 64 only")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("no CUDA device: the MLA GPU benchmark needs one", file=sys.stderr)
+    begun = gpu_timing.start(args.out, "the MLA GPU benchmark")
+    if begun is None:
         return 2
-    started = time.time()
-
-    def log(msg: str) -> None:
-        print(f"[{time.time() - started:6.1f} s] {msg}", flush=True)
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out, log = begun
     copy_tbps = copy_bandwidth()
     log(f"copy bandwidth {copy_tbps:.2f} TB/s")
     shapes = [s for s in DECODE if s[0] == 64] if args.quick else DECODE

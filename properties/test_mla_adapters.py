@@ -1,8 +1,9 @@
-"""Third-party Gated MLA kernels behind k3verify's signature: torch's SDPA (expanded prefill).
+"""Third-party Gated MLA kernels behind k3verify's signature: torch's SDPA (expanded prefill) and
+flex_attention (absorbed decode).
 
-The GPU backends' rows run only on a CUDA device; here the adapter's own arithmetic (operands,
-joined heads, the bottom-right causal mask per request) is checked through SDPA's math backend,
-which runs anywhere. Rule used: ``baseline`` (error vs the fp64 definition <= 2 x the plain
+Their rows run only on a CUDA device; here each adapter's own arithmetic (operands, joined or
+absorbed heads, the causal mask per request) is checked through what runs anywhere: SDPA's math
+backend, flex_attention eager. Rule used: ``baseline`` (error vs the fp64 definition <= 2 x the plain
 definition storing the same dtype + noise floor).
 """
 
@@ -17,28 +18,36 @@ from hypothesis import strategies as st
 from verdicts import assert_verdict
 
 from k3verify import mla
-from k3verify.adapters import torch_sdpa
+from k3verify.adapters import torch_flex, torch_sdpa
 from k3verify.harness import registry
 from k3verify.mla import samples
 from k3verify.numerics import baseline_rule, compare, noise_floor
 
+ADAPTERS = {
+    "sdpa math": lambda *args: torch_sdpa.prefill(*args, backend="math"),
+    "flex eager": lambda *args: torch_flex.decode(*args, compiled=False),
+}
 
+
+@pytest.mark.parametrize("adapter", sorted(ADAPTERS))
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on purpose
 @settings(max_examples=6, deadline=None)
 @given(st.sampled_from([1, 3]), st.lists(st.integers(1, 60), min_size=1, max_size=3).map(tuple),
        st.sampled_from([1, 5, 16]), st.integers(0, 2**16))  # fmt: skip
-def test_sdpa_adapter_arithmetic_within_policy(heads: int, lengths: tuple[int, ...], T: int, seed: int) -> None:
-    """Rule baseline (fp32, math backend): every request's own length, an empty prefix where
-    every token is new."""
+def test_adapter_arithmetic_within_policy(adapter: str, heads: int, lengths: tuple[int, ...], T: int,
+                                          seed: int) -> None:  # fmt: skip
+    """Rule baseline (fp32): every request's own length, an empty prefix where every token is
+    new, chunks of several tokens (causal inside the chunk)."""
     T = min(T, min(lengths))
     x = samples.layer_inputs(replace(samples.CONFIG, num_heads=heads), lengths, T, seed=seed)
     exact = (x["q_nope"], x["q_pe"], x["cache"], x["w_uk"], x["w_uv"])
     ref = mla.expanded(*exact)
     base = mla.naive_baseline(*exact, dtype="fp32")
-    got = torch_sdpa.prefill(x["q_nope"].float(), x["q_pe"].float(), x["cache"].to(torch.float32), x["w_uk"].float(),
-                             x["w_uv"].float(), backend="math").cpu()  # fmt: skip
+    got = ADAPTERS[adapter](x["q_nope"].float(), x["q_pe"].float(), x["cache"].to(torch.float32), x["w_uk"].float(),
+                            x["w_uv"].float()).cpu()  # fmt: skip
     verdict = baseline_rule(compare(got, ref, ulp_dtype=torch.float32), compare(base, ref, ulp_dtype=torch.float32),
                             noise_floor(ref, torch.float32))  # fmt: skip
-    assert_verdict(verdict, got, ref, f"heads, lengths, T, seed = {heads, lengths, T, seed}")
+    assert_verdict(verdict, got, ref, f"{adapter}: heads, lengths, T, seed = {heads, lengths, T, seed}")
 
 
 def test_sdpa_rows_are_registered_and_say_why_not() -> None:
@@ -50,3 +59,7 @@ def test_sdpa_rows_are_registered_and_say_why_not() -> None:
         assert all(i.is_available() == (False, torch_sdpa.unavailable_reason(i.params["backend"])) for i in rows)
     with pytest.raises(ValueError, match="unknown SDPA backend 'fa3'"):
         torch_sdpa.unavailable_reason("fa3")
+    flex = [i for i in registry.get("mla").implementations() if i.implementation == "torch flex_attention"]
+    assert [i.form for i in flex] == ["kernel:decode"]
+    if not torch.cuda.is_available():
+        assert flex[0].is_available() == (False, torch_flex.unavailable_reason())

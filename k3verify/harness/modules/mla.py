@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ... import mla
-from ...adapters import torch_sdpa
+from ...adapters import torch_flex, torch_sdpa
 from ...mla import kernels, samples
 from ...mla.samples import PAGE_SIZE
 from ...numerics import dtype_name, is_float8, resolve_dtype
@@ -171,6 +171,16 @@ def _sdpa(backend: str) -> Implementation:
     )  # fmt: skip
 
 
+def _flex() -> Implementation:
+    """torch's compiled flex_attention on the absorbed decode in bf16
+    (:mod:`k3verify.adapters.torch_flex` says what it computes)."""
+    return Implementation(
+        module="mla", implementation="torch flex_attention", form="kernel:decode", dtype="bf16", params={},
+        rule=BASELINE_RULE, run=partial(call, torch_flex.decode, dtype="bf16"), cases=("default", "decode", "hot"),
+        is_available=unavailable_as(torch_flex.unavailable_reason),
+    )  # fmt: skip
+
+
 def own_implementations() -> list[Implementation]:
     """What ``k3verify run`` verifies for Gated MLA."""
     return [
@@ -198,6 +208,7 @@ def own_implementations() -> list[Implementation]:
         _kernel("bf16", kind="prefill"),
         _kernel(FP8_CACHE, ("default",), kind="prefill"),
         *(_sdpa(backend) for backend in torch_sdpa.BACKENDS),
+        _flex(),
     ]
 
 

@@ -1,4 +1,5 @@
-"""Our Stable LatentMoE router kernel (``k3verify.moe.kernels.route``) against the references.
+"""Our Stable LatentMoE kernels (the router ``k3verify.moe.kernels.route`` and the grouped
+experts ``k3verify.moe.kernels.grouped``) against the references.
 
 It runs under Triton's interpreter where no CUDA device is visible (fp32, which the interpreter
 computes faithfully). Rules used:
@@ -9,6 +10,9 @@ computes faithfully). Rules used:
   and on exact ties, the documented tie rule, exactly.
 - ``baseline``: the mixture weights vs the fp64 router's <= 2 x the fp32 reference router's
   error + noise floor (both on the same, agreeing choices).
+- ``baseline`` for the layer with the grouped expert kernels: ``y`` vs the fp64 definition <=
+  2 x the plain definition storing the same dtype + noise floor, on the same routing (problems
+  have >= 1024 outputs).
 - ``structural``: bad arguments are named.
 """
 
@@ -22,8 +26,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from verdicts import assert_verdict
 
+from k3verify import moe
 from k3verify.moe import kernels, router
-from k3verify.moe.inputs import MoEConfig
+from k3verify.moe.inputs import MoEConfig, Routing
 from k3verify.moe.layer import init_weights
 from k3verify.numerics import baseline_rule, compare, noise_floor
 
@@ -89,3 +94,45 @@ def test_bad_arguments_are_named() -> None:
         kernels.route(bad, w_r.float(), b.float(), cfg)
     with pytest.raises(ValueError, match="logits_dtype"):
         kernels.route(x.float(), w_r.float(), b.float(), dataclasses.replace(cfg, logits_dtype="bf16"))
+
+
+EXPERT_REASONS = {d: kernels.experts_unavailable_reason(d) for d in ("fp32", "bf16", "fp16")}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@FEW
+@given(st.sampled_from(["situ", "swiglu"]), st.sampled_from([(8, 2), (16, 4)]), st.integers(16, 40), st.booleans(),
+       st.integers(0, 2**16))  # fmt: skip
+def test_grouped_experts_within_policy(dtype: str, activation: str, ek, T: int, skewed: bool, seed: int) -> None:
+    """Rule baseline: sizes that are no multiple of a tile, experts left without tokens and,
+    skewed, every token on the same experts (one expert's rows over several tiles)."""
+    if EXPERT_REASONS[dtype] is not None:
+        pytest.skip(EXPERT_REASONS[dtype])
+    E, k = ek
+    cfg = MoEConfig(hidden_size=64, num_experts=E, top_k=k, latent_size=40, expert_hidden=24, activation=activation)
+    w = init_weights(cfg, seed=seed)
+    x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    r = router.route(x, w.w_router, w.bias, cfg)
+    if skewed:
+        p = torch.full((T, k), cfg.routed_scaling_factor / k, dtype=torch.float64)
+        r = Routing(torch.arange(k).repeat(T, 1), p)
+    ref = moe.recurrent(x, w, cfg, routing=r)
+    base = moe.naive_baseline(x, w, cfg, dtype=dtype, routing=r)
+    dt = DTYPES[dtype]
+    got = kernels.grouped(x.to(dt), w.to(dt), cfg, routing=r).cpu()
+    verdict = baseline_rule(compare(got, ref, ulp_dtype=dt), compare(base, ref, ulp_dtype=dt), noise_floor(ref, dt))
+    assert_verdict(verdict, got, ref, f"activation, (E, k), T, skewed, seed = {activation, ek, T, skewed, seed}")
+
+
+@pytest.mark.skipif(EXPERT_REASONS["fp32"] is not None, reason=str(EXPERT_REASONS["fp32"]))
+def test_grouped_experts_name_bad_arguments() -> None:
+    """Structural: a dtype the kernels do not take is named; the common checks come from the
+    forms' validation."""
+    cfg = MoEConfig(hidden_size=16, num_experts=4, top_k=2, latent_size=8, expert_hidden=8)
+    w = init_weights(cfg, seed=0)
+    x = torch.randn(4, 16, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="MoE expert kernels take bf16, fp16 or fp32"):
+        kernels.grouped(x, w, cfg)
+    with pytest.raises(ValueError, match="x"):
+        kernels.grouped(x[:, :8].float(), w.to(torch.float32), cfg)

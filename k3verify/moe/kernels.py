@@ -1,4 +1,4 @@
-"""Stable LatentMoE GPU kernels in Triton: the router (SPEC §4).
+"""Stable LatentMoE GPU kernels in Triton: the router and the routed experts (SPEC §4).
 
 ``route(x, w_router, bias, config) -> Routing`` in one launch, one program per tile of tokens:
 
@@ -11,21 +11,48 @@
 
 Inputs are fp32 (SPEC's FP32 router); under Triton's interpreter the kernel is faithful
 (:mod:`k3verify.triton_support`).
+
+``grouped(x, weights, config, *, routing=None) -> y`` is the layer with its routed experts in
+two grouped launches over the token rows sorted by expert (:func:`k3verify.moe.dispatch`; the
+sort and its counts on the host):
+
+- *up*: one program per (tile of one expert's rows, tile of the expert hidden): the rows of the
+  latent ``z`` gathered by token as they load (the permutation is never materialised), ``z W1_e``
+  and ``z W3_e`` with operand-dtype tiles and fp32 accumulation, and the activation fused as
+  the epilogue (SiTU in fp32 from the fp32 sums, then stored in the operand dtype);
+- *down*: ``h W2_e`` the same way, each row scaled by its routing weight (fp32) and stored in
+  fp32; each token then sums its ``k`` rows in slot order on the host (deterministic, no atomics).
+
+The router (the reference's fp32 router, or the routing given), ``z = x W↓``, ``RMSNorm_γ(u) W↑``
+and the shared MLP run on the host in fp32. Operands are ``x``'s dtype: bf16 or fp16 on a GPU,
+fp32 anywhere Triton runs.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..numerics import map_tensors
 from ..numerics.validate import require_finite, require_float, require_shape, require_tensor
-from ..triton_support import block, device_for, dot_fp32, interpreted, tl, triton
+from ..triton_support import block, device_for, dot, dot_fp32, interpreted, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
-from .inputs import TIE_BREAKS, MoEConfig, Routing
+from .chunkwise import dispatch
+from .inputs import TIE_BREAKS, MoEConfig, MoEWeights, Routing, check_inputs
+from .layer import layer_output
+from .router import routing_for
 
-__all__ = ["interpreted", "route", "unavailable_reason"]
+__all__ = ["grouped", "interpreted", "route", "unavailable_reason"]
 
 TOKENS = 16  # a tl.dot side
 WIDTH = 32
+# Grouped expert launches: rows x columns x depth per program and step (16 under the
+# interpreter, where size is time); the largest tiles the sm_90 compile keeps without spills
+# on 4 warps (the up launch holds two accumulators), not yet timed on a GPU.
+EXPERT_ROWS = 64
+EXPERT_UP_COLS = 64
+EXPERT_DOWN_COLS = 128
+EXPERT_DEPTH = 64
+EXPERT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def unavailable_reason(dtype: torch.dtype | str = torch.float32) -> str | None:
@@ -98,3 +125,137 @@ def route(x: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor, config: M
             BT=TOKENS, BD=WIDTH, BE=block(E), HIGHEST=config.tie_break == "highest_index", EXACT=interpreted(),
         )  # fmt: skip
     return Routing(idx, wt)
+
+
+@triton.jit
+def _tanh(y):
+    """``tanh`` in fp32 to a few ulp: ``(1 − e^{−2|y|}) / (1 + e^{−2|y|})`` (no overflow), and
+    below ``|y| = 1/8``, where that difference cancels, its Taylor series to ``y⁹`` (the next
+    term is under 1e-12 of it). ``±1`` at ``±inf``, NaN for NaN."""
+    a = tl.abs(y)
+    t = tl.exp(-2.0 * a)
+    far = (1.0 - t) / (1.0 + t)
+    y2 = y * y
+    near = y * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0 + y2 * (62.0 / 2835.0)))))
+    return tl.where(a < 0.125, near, tl.where(y < 0, -far, far))
+
+
+@triton.jit
+def _activation(g, u, beta1, beta2, SWIGLU: tl.constexpr):
+    """SiTU ``β1 tanh(g/β1) σ(g) · β2 tanh(u/β2)`` (or SwiGLU ``g σ(g) u``) of fp32 sums, in fp32
+    (SPEC: computed in FP32)."""
+    sig = tl.sigmoid(g)
+    if SWIGLU:
+        return g * sig * u
+    return beta1 * _tanh(g / beta1) * sig * (beta2 * _tanh(u / beta2))
+
+
+@triton.jit
+def _expert_tile(tile_expert, tile_row, offsets, BM: tl.constexpr):
+    """The expert of tile ``program_id(0)``, its rows ``[BM]`` (sorted order) and their mask."""
+    i = tl.program_id(0)
+    e = tl.load(tile_expert + i).to(tl.int64)
+    rows = tl.load(tile_row + i) + tl.arange(0, BM)
+    return e, rows, rows < tl.load(offsets + e + 1)
+
+
+@triton.jit
+def _up_kernel(z, token, w1, w3, h, tile_expert, tile_row, offsets, Dl, F, beta1, beta2, BM: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """``h = act(z W1_e, z W3_e)`` for one tile of expert ``e``'s rows and ``BN`` hidden columns."""
+    e, rows, rm = _expert_tile(tile_expert, tile_row, offsets, BM)
+    src = tl.load(token + rows, mask=rm, other=0)  # the token each sorted row comes from
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cm = cols < F
+    w1_at = w1 + e * Dl * F
+    w3_at = w3 + e * Dl * F
+    g = tl.zeros([BM, BN], dtype=tl.float32)
+    u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, Dl, BK):
+        kk = k0 + tl.arange(0, BK)
+        km = kk < Dl
+        a = tl.load(z + src[:, None] * Dl + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        wm = km[:, None] & cm[None, :]
+        g += dot(a, tl.load(w1_at + kk[:, None] * F + cols[None, :], mask=wm, other=0.0), IEEE)
+        u += dot(a, tl.load(w3_at + kk[:, None] * F + cols[None, :], mask=wm, other=0.0), IEEE)
+    out = _activation(g, u, beta1, beta2, SWIGLU)
+    tl.store(h + rows[:, None].to(tl.int64) * F + cols[None, :], out.to(h.dtype.element_ty),
+             mask=rm[:, None] & cm[None, :])  # fmt: skip
+
+
+@triton.jit
+def _down_kernel(h, w2, weight, out, tile_expert, tile_row, offsets, F, Dl, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """``out = p · (h W2_e)`` for one tile of expert ``e``'s rows and ``BN`` latent columns (fp32)."""
+    e, rows, rm = _expert_tile(tile_expert, tile_row, offsets, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cm = cols < Dl
+    w2_at = w2 + e * F * Dl
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, F, BK):
+        kk = k0 + tl.arange(0, BK)
+        km = kk < F
+        a = tl.load(h + rows[:, None].to(tl.int64) * F + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        acc += dot(a, tl.load(w2_at + kk[:, None] * Dl + cols[None, :], mask=km[:, None] & cm[None, :], other=0.0),
+                   IEEE)  # fmt: skip
+    p = tl.load(weight + rows, mask=rm, other=0.0)
+    tl.store(out + rows[:, None].to(tl.int64) * Dl + cols[None, :], acc * p[:, None], mask=rm[:, None] & cm[None, :])
+
+
+def experts_unavailable_reason(dtype: torch.dtype | str = torch.bfloat16) -> str | None:
+    """Why the grouped expert kernels cannot give faithful results for ``dtype`` here, or ``None``."""
+    return _unavailable("the MoE expert kernels", dtype, EXPERT_DTYPES, (torch.float32, torch.float16))
+
+
+def _tile_table(offsets: list[int], rows: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(expert, first row)`` of every tile of ``rows`` sorted rows, no tile across two experts
+    (an expert with no rows has no tile)."""
+    expert, first = [], []
+    for e in range(len(offsets) - 1):
+        for r0 in range(offsets[e], offsets[e + 1], rows):
+            expert.append(e)
+            first.append(r0)
+    return (torch.tensor(expert, dtype=torch.int32, device=dev), torch.tensor(first, dtype=torch.int32, device=dev))
+
+
+def grouped(x: torch.Tensor, weights: MoEWeights, config: MoEConfig, *, routing: Routing | None = None) -> torch.Tensor:
+    """The layer ``y:[T, d]`` in ``x``'s dtype with the routed experts in the grouped kernels
+    (module docstring); ``routing`` as the forms take it (default: the fp32 router on ``x``)."""
+    dims = check_inputs(x, weights, config, routing)
+    reason = experts_unavailable_reason(x.dtype)
+    if reason is not None:
+        raise RuntimeError(reason)
+    dev = device_for(x, "the MoE expert kernels")
+    op = x.dtype
+    w32 = map_tensors(weights, lambda t: t.to(dev, torch.float32))
+    x32 = x.to(dev, torch.float32)
+    r = routing_for(x32, w32, config, None if routing is None else routing.to(torch.float32), torch.float32)
+    r = Routing(r.indices.to(dev), r.weights.to(dev))
+    z = (x32 @ w32.w_latent_down).to(op).contiguous()
+    d = dispatch(r.indices, dims.E)
+    P = d.order.numel()
+    bm = 16 if interpreted() else EXPERT_ROWS
+    bn_up = 16 if interpreted() else EXPERT_UP_COLS
+    bn_down = 16 if interpreted() else EXPERT_DOWN_COLS
+    bk = 16 if interpreted() else EXPERT_DEPTH
+    tile_expert, tile_row = _tile_table(d.offsets, bm, dev)
+    offsets = torch.tensor(d.offsets, dtype=torch.int32, device=dev)
+    h = torch.empty(P, dims.H, dtype=op, device=dev)
+    out = torch.empty(P, dims.Dl, dtype=torch.float32, device=dev)
+    tiles = tile_expert.numel()
+    if tiles:
+        exact = op == torch.float32
+        _up_kernel[(tiles, triton.cdiv(dims.H, bn_up))](
+            z, d.token.to(torch.int32), weights.w1.to(dev, op).contiguous(), weights.w3.to(dev, op).contiguous(), h,
+            tile_expert, tile_row, offsets, dims.Dl, dims.H, float(config.beta1), float(config.beta2), BM=bm,
+            BN=bn_up, BK=bk, SWIGLU=config.activation == "swiglu", IEEE=exact,
+        )  # fmt: skip
+        _down_kernel[(tiles, triton.cdiv(dims.Dl, bn_down))](
+            h, weights.w2.to(dev, op).contiguous(), r.weights.reshape(-1)[d.order].contiguous(), out, tile_expert,
+            tile_row, offsets, dims.H, dims.Dl, BM=bm, BN=bn_down, BK=bk, IEEE=exact,
+        )  # fmt: skip
+    # Each token's k rows, summed in slot order (the recurrent form's order).
+    slot_rows = torch.empty_like(d.order)
+    slot_rows[d.order] = torch.arange(P, device=dev)
+    u = out[slot_rows].reshape(dims.T, dims.k, dims.Dl).sum(1)
+    return layer_output(u, x32, w32, config).to(op)

@@ -157,6 +157,17 @@ def _router_kernel() -> Implementation:
     )  # fmt: skip
 
 
+def _grouped_kernel(dtype: str, cases: tuple[str, ...] = ALL_CASES) -> Implementation:
+    """The layer with our grouped expert kernels (SiTU fused into the first): fp32 and fp16
+    wherever Triton runs (the interpreter is faithful there), bf16 on a CUDA device; held to the
+    plain definition storing the same dtype."""
+    return Implementation(
+        module="moe", implementation="k3verify", form="kernel:grouped", dtype=dtype, params={},
+        rule=BASELINE_RULE, run=partial(call, kernels.grouped, dtype=resolve_dtype(dtype)), cases=cases,
+        is_available=unavailable_as(partial(kernels.experts_unavailable_reason, dtype)),
+    )  # fmt: skip
+
+
 def own_implementations() -> list[Implementation]:
     """What ``k3verify run`` verifies for Stable LatentMoE."""
     return [
@@ -172,6 +183,11 @@ def own_implementations() -> list[Implementation]:
         # A static activation scale of 1: fine at unit inputs; x × 2^8 passes 448 (expected overflow).
         _form("tiled", "fp8_e4m3", ("default", "scaled"), fp8_scaling="static"),
         _router_kernel(),
+        _grouped_kernel("fp32"),
+        _grouped_kernel("bf16"),
+        # fp16: not on scaled_swiglu, whose SwiGLU hidden passes 65504 (the tiled fp16 row
+        # predicts and shows that overflow).
+        _grouped_kernel("fp16", ("default", "decode", "skewed", "scaled")),
     ]
 
 

@@ -30,18 +30,24 @@ fp32 anywhere Triton runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 
 from ..numerics import map_tensors
 from ..numerics.validate import require_finite, require_float, require_shape, require_tensor
 from ..triton_support import block, device_for, dot, dot_fp32, interpreted, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
-from .chunkwise import dispatch
+from .chunkwise import Dispatch, dispatch
 from .inputs import TIE_BREAKS, MoEConfig, MoEWeights, Routing, check_inputs
 from .layer import layer_output
 from .router import routing_for
 
-__all__ = ["grouped", "interpreted", "route", "unavailable_reason"]
+__all__ = ["grouped", "interpreted", "route", "routed_layer", "unavailable_reason"]
+
+# (z [T k, Dl] sorted rows, dispatch, p [T k] sorted, weights) -> p · E_e(z) [T k, Dl] fp32
+Experts = Callable[[torch.Tensor, Dispatch, torch.Tensor, MoEWeights], torch.Tensor]
 
 TOKENS = 16  # a tl.dot side
 WIDTH = 32
@@ -218,44 +224,61 @@ def _tile_table(offsets: list[int], rows: int, dev: torch.device) -> tuple[torch
     return (torch.tensor(expert, dtype=torch.int32, device=dev), torch.tensor(first, dtype=torch.int32, device=dev))
 
 
-def grouped(x: torch.Tensor, weights: MoEWeights, config: MoEConfig, *, routing: Routing | None = None) -> torch.Tensor:
-    """The layer ``y:[T, d]`` in ``x``'s dtype with the routed experts in the grouped kernels
-    (module docstring); ``routing`` as the forms take it (default: the fp32 router on ``x``)."""
+def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config: MoEConfig, routing: Routing | None,
+                 dev: torch.device) -> torch.Tensor:  # fmt: skip
+    """The layer ``y:[T, d]`` in ``x``'s dtype with its routed experts computed by ``experts``:
+    the routing (given, or the fp32 router on ``x``), ``z = x W↓`` (fp32, then ``x``'s dtype)
+    and the expert-sorted order on ``dev``; ``experts(z, dispatch, p, weights)`` returns each
+    sorted row's weighted expert output ``p · E_e(z)`` ``[T k, Dl]`` in fp32 (``p:[T k]`` fp32 in
+    sorted order, ``weights`` in ``x``'s dtype on ``dev``); each token's rows are summed in slot
+    order, and ``RMSNorm_γ(u) W↑`` plus the shared MLP taken in fp32."""
     dims = check_inputs(x, weights, config, routing)
-    reason = experts_unavailable_reason(x.dtype)
-    if reason is not None:
-        raise RuntimeError(reason)
-    dev = device_for(x, "the MoE expert kernels")
     op = x.dtype
     w32 = map_tensors(weights, lambda t: t.to(dev, torch.float32))
     x32 = x.to(dev, torch.float32)
     r = routing_for(x32, w32, config, None if routing is None else routing.to(torch.float32), torch.float32)
-    r = Routing(r.indices.to(dev), r.weights.to(dev))
+    d = dispatch(r.indices.to(dev), dims.E)
     z = (x32 @ w32.w_latent_down).to(op).contiguous()
-    d = dispatch(r.indices, dims.E)
-    P = d.order.numel()
+    p = r.weights.to(dev).reshape(-1)[d.order].contiguous()
+    out = experts(z, d, p, map_tensors(weights, lambda t: t.to(dev, op)))
+    slot_rows = torch.empty_like(d.order)
+    slot_rows[d.order] = torch.arange(d.order.numel(), device=dev)
+    u = out[slot_rows].reshape(dims.T, dims.k, dims.Dl).sum(1)  # slot order, as the recurrent form
+    return layer_output(u, x32, w32, config).to(op)
+
+
+def _grouped_experts(z: torch.Tensor, d: Dispatch, p: torch.Tensor, w: MoEWeights, config: MoEConfig) -> torch.Tensor:
+    """The two grouped launches on the sorted rows: ``p · SiTU(z W1_e, z W3_e) W2_e``, fp32."""
+    P, (Dl, H) = d.order.numel(), w.w1.shape[1:]
+    dev, op = z.device, z.dtype
     bm = 16 if interpreted() else EXPERT_ROWS
     bn_up = 16 if interpreted() else EXPERT_UP_COLS
     bn_down = 16 if interpreted() else EXPERT_DOWN_COLS
     bk = 16 if interpreted() else EXPERT_DEPTH
     tile_expert, tile_row = _tile_table(d.offsets, bm, dev)
     offsets = torch.tensor(d.offsets, dtype=torch.int32, device=dev)
-    h = torch.empty(P, dims.H, dtype=op, device=dev)
-    out = torch.empty(P, dims.Dl, dtype=torch.float32, device=dev)
+    h = torch.empty(P, H, dtype=op, device=dev)
+    out = torch.empty(P, Dl, dtype=torch.float32, device=dev)
     tiles = tile_expert.numel()
     if tiles:
         exact = op == torch.float32
-        _up_kernel[(tiles, triton.cdiv(dims.H, bn_up))](
-            z, d.token.to(torch.int32), weights.w1.to(dev, op).contiguous(), weights.w3.to(dev, op).contiguous(), h,
-            tile_expert, tile_row, offsets, dims.Dl, dims.H, float(config.beta1), float(config.beta2), BM=bm,
-            BN=bn_up, BK=bk, SWIGLU=config.activation == "swiglu", IEEE=exact,
+        _up_kernel[(tiles, triton.cdiv(H, bn_up))](
+            z, d.token.to(torch.int32), w.w1.contiguous(), w.w3.contiguous(), h, tile_expert, tile_row, offsets, Dl,
+            H, float(config.beta1), float(config.beta2), BM=bm, BN=bn_up, BK=bk, SWIGLU=config.activation == "swiglu",
+            IEEE=exact,
         )  # fmt: skip
-        _down_kernel[(tiles, triton.cdiv(dims.Dl, bn_down))](
-            h, weights.w2.to(dev, op).contiguous(), r.weights.reshape(-1)[d.order].contiguous(), out, tile_expert,
-            tile_row, offsets, dims.H, dims.Dl, BM=bm, BN=bn_down, BK=bk, IEEE=exact,
+        _down_kernel[(tiles, triton.cdiv(Dl, bn_down))](
+            h, w.w2.contiguous(), p, out, tile_expert, tile_row, offsets, H, Dl, BM=bm, BN=bn_down, BK=bk,
+            IEEE=exact,
         )  # fmt: skip
-    # Each token's k rows, summed in slot order (the recurrent form's order).
-    slot_rows = torch.empty_like(d.order)
-    slot_rows[d.order] = torch.arange(P, device=dev)
-    u = out[slot_rows].reshape(dims.T, dims.k, dims.Dl).sum(1)
-    return layer_output(u, x32, w32, config).to(op)
+    return out
+
+
+def grouped(x: torch.Tensor, weights: MoEWeights, config: MoEConfig, *, routing: Routing | None = None) -> torch.Tensor:
+    """The layer ``y:[T, d]`` in ``x``'s dtype with the routed experts in the grouped kernels
+    (module docstring); ``routing`` as the forms take it (default: the fp32 router on ``x``)."""
+    reason = experts_unavailable_reason(x.dtype)
+    if reason is not None:
+        raise RuntimeError(reason)
+    experts = partial(_grouped_experts, config=config)
+    return routed_layer(experts, x, weights, config, routing, device_for(x, "the MoE expert kernels"))

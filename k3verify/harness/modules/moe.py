@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ... import moe
+from ...adapters import torch_grouped_mm
 from ...moe import kernels, samples, studies
 from ...numerics import compute_dtype, dtype_name, resolve_dtype
 from ..environment import one_thread
@@ -168,6 +169,16 @@ def _grouped_kernel(dtype: str, cases: tuple[str, ...] = ALL_CASES) -> Implement
     )  # fmt: skip
 
 
+def _torch_grouped_mm() -> Implementation:
+    """torch's ``_grouped_mm`` (CUTLASS on a GPU) for the expert GEMMs in bf16, SiTU between
+    them (:mod:`k3verify.adapters.torch_grouped_mm`)."""
+    return Implementation(
+        module="moe", implementation="torch _grouped_mm", form="kernel:grouped", dtype="bf16", params={},
+        rule=BASELINE_RULE, run=partial(call, torch_grouped_mm.grouped, dtype=torch.bfloat16), cases=ALL_CASES,
+        is_available=unavailable_as(torch_grouped_mm.unavailable_reason),
+    )  # fmt: skip
+
+
 def own_implementations() -> list[Implementation]:
     """What ``k3verify run`` verifies for Stable LatentMoE."""
     return [
@@ -188,6 +199,7 @@ def own_implementations() -> list[Implementation]:
         # fp16: not on scaled_swiglu, whose SwiGLU hidden passes 65504 (the tiled fp16 row
         # predicts and shows that overflow).
         _grouped_kernel("fp16", ("default", "decode", "skewed", "scaled")),
+        _torch_grouped_mm(),
     ]
 
 

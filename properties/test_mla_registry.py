@@ -37,11 +37,17 @@ def test_quick_overflow_map_agrees_with_its_prediction(tmp_path: Path) -> None:
     score statistics among them); JSON + PNG are written from the MapSpec."""
     assert isinstance(registry.get("mla").overflow_map, MapDefinition)
     result = quick_map("mla")
-    assert len(result.cells) == 2 * 4 * 4 * 3 * 2 * 2  # contexts x q x latent scales x dtypes x variants x tiles
+    own = [c for c in result.cells if c["implementation"] == "k3verify tiled"]
+    assert len(own) == 2 * 4 * 4 * 3 * 2 * 2  # contexts x q x latent scales x dtypes x variants x tiles
+    # Our decode kernel's rows that run here (fp16 under the interpreter; bf16 and the fp8 cache
+    # on a GPU): one cell per point each, predicted like the tiled form.
+    kernels = [i for i in registry.get("mla").implementations() if i.in_map and i.unavailable() is None]
+    assert {i.form for i in kernels} <= {"kernel:decode"}
+    assert len(result.cells) - len(own) == 2 * 4 * 4 * len(kernels)
     keys = {"operand_dtype", "context", "variant", "setting", "log2_q_scale", "log2_latent_scale", "q_scale",
             "latent_scale", "max_score", "score_bound", "min_row_max", "max_lse", "binding", "headroom",
             "explanation"}
-    assert all(keys <= c.keys() for c in result.cells)
+    assert all(keys <= c.keys() for c in own)
     assert all("overflow" in c for c in result.cells if not c["finite"])
 
     def outcomes(**where) -> set[bool]:
@@ -81,3 +87,22 @@ def test_map_points_leave_out_the_points_an_implementation_refuses() -> None:
     theirs = [c for c in result.cells if c.get("source") == plugin.source]
     assert len(theirs) == 4 * 4 and {c["context"] for c in theirs} == {128}
     assert result.meta["agreement"]["all"]["disagree_away"] == 0
+
+
+def test_a_crash_agrees_only_where_overflow_is_predicted() -> None:
+    """A registered cell that raises counts as non-finite: predicted non-finite there (its
+    inputs overflow the kernel's fp16), it agrees; predicted finite, it disagrees."""
+    entry = registry.get("mla")
+    kernel = next(i for i in entry.own_implementations() if i.in_map and i.dtype == "fp16")
+
+    def refuse(case):
+        raise ValueError("refused")
+
+    crashing = replace(kernel, implementation="crashing 0.1", source="crashing 0.1 (plugin)", run=refuse)
+    result = sweep_map(replace(entry, own_implementations=lambda: [crashing]), MapOptions(quick=True))
+    theirs = [c for c in result.cells if c.get("source") == crashing.source]
+    assert theirs and all(not c["finite"] and c["overflow"] == "ValueError: refused" for c in theirs)
+    assert {c["predicted_finite"] for c in theirs} == {True, False}
+    disagree = [c for c in theirs if c["predicted_finite"]]
+    assert result.meta["agreement"]["all"]["disagree_away"] + result.meta["agreement"]["all"]["disagree_adjacent"] \
+        == len(disagree)

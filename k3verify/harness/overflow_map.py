@@ -243,11 +243,16 @@ def _registered_cell(entry: Any, impl: Any, case: Any, point: dict[str, Any], re
     base = {"module": entry.name, **{k: v for k, v in labels.items() if k not in point or k == spec.figure},
             **{k: v for k, v in point.items() if k != spec.figure}, "implementation": f"{impl.implementation} "
             f"{impl.form}", "source": impl.source} | keys
+    prediction = impl.predict(case) if impl.predict is not None else None
     try:
         out = as_outputs(impl.run(case), entry.outputs, impl.label)[entry.primary]
     except Exception as exc:  # a crashing implementation is a cell that says so, not a crashed map
-        return base | {"finite": False, "predicted_finite": True, "rms_ratio": None, "max_abs": None,
-                       "nonfinite": None, "overflow": f"{type(exc).__name__}: {exc}"}
-    prediction = impl.predict(case) if impl.predict is not None else None
+        # It agrees with its prediction only where that predicts a non-finite result (an input
+        # that overflows the dtype it is cast to, which a kernel's validation refuses by name).
+        why = getattr(prediction, "explanation", None)
+        return base | {"finite": False, "predicted_finite": True if prediction is None else bool(prediction.finite),
+                       "rms_ratio": None, "max_abs": None, "nonfinite": None,
+                       "overflow": f"{type(exc).__name__}: {exc}",
+                       **({"explanation": why() if callable(why) else why} if why is not None else {})}
     lines = impl.explain(case) if impl.explain is not None and not bool(out.isfinite().all()) else []
     return cell(base, out.detach().cpu(), lines, ref, impl.dtype, prediction)

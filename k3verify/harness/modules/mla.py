@@ -152,10 +152,17 @@ def _kernel(dtype: str, cases: tuple[str, ...] = ("default", "decode", "hot"), k
     cache (bf16 operands) on a CUDA device only; held to the plain definition storing the same
     dtype (an fp8 row: the fp8-cache baseline)."""
     fp8 = dtype == FP8_CACHE
+    # The decode kernel stores what the tiled form stores (q̃, the latents and o in the operand
+    # dtype; its latent output stays fp32, a convex combination of latents that fit), so its
+    # map cells take the tiled form's prediction. (The prefill kernel also stores the expanded
+    # k^n and v, which that prediction does not model: no map cells yet.)
+    in_map = kind == "decode" and dtype != "fp32"
     return Implementation(
         module="mla", implementation="k3verify", form=f"kernel:{kind}", dtype=dtype,
         params=dict(options) | (dict(cache=FP8_CACHE, operands=FP8_CACHE_OPERANDS) if fp8 else {}),
         rule=BASELINE_RULE, run=partial(call, getattr(kernels, kind), dtype=dtype, **options), cases=cases,
+        predict=partial(_predict, dtype=dtype, operand_dtype=FP8_CACHE_OPERANDS if fp8 else dtype, **options)
+        if in_map else None, in_map=in_map,
         is_available=unavailable_as(partial(kernels.unavailable_reason, FP8_CACHE_OPERANDS if fp8 else dtype)),
     )  # fmt: skip
 

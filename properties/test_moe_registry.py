@@ -171,7 +171,7 @@ def test_routing_flips_study_covers_every_map_scale() -> None:
     """Structural: the entry lists the study as ``moe_routing_flips.json``; by default it covers
     every log2 input scale of the full map (so every quick-map scale too); each changed fraction
     lies in [0, 1] and no more pairs than tokens change (a changed token has at least one of its
-    k pairs changed)."""
+    k pairs changed); the error each router's choices cause in ``y`` is recorded beside them."""
     entry = registry.get("moe")
     assert set(entry.studies) == {"moe_routing_flips.json"}
     quick = entry.studies["moe_routing_flips.json"](0, True)  # what a quick map writes
@@ -185,3 +185,9 @@ def test_routing_flips_study_covers_every_map_scale() -> None:
     for f in doc["by_scale"]:
         for key in ("bf16_vs_fp32", "bf16_vs_fp64", "fp32_vs_fp64"):
             assert 0.0 <= f[key]["changed_pairs"] <= f[key]["changed_tokens"] <= 1.0
+        # What the choices cost in y: none where the choices and weights agree to fp32 rounding
+        # (an fp32 router's weights differ from fp64's by rounding only), more where bf16 logits
+        # change choices.
+        assert f["fp32_y_error"] < 1e-5
+        if f["bf16_vs_fp64"]["changed_pairs"] > 0:
+            assert f["bf16_y_error"] > f["fp32_y_error"]

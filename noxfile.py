@@ -182,9 +182,11 @@ def gpu_tp(session: nox.Session) -> None:
 @nox.session(name="gpu-bench", venv_backend="none")
 def gpu_bench(session: nox.Session) -> None:
     """On a CUDA machine: the KDA kernels against fla-core, the AttnRes kernels against
-    flash-attn-res and torch.compile, and the MLA kernels against flex_attention and torch SDPA
-    (do_bench), speed ratios, bandwidth and accuracy."""
+    flash-attn-res and torch.compile, the MLA kernels against flex_attention and torch SDPA, and
+    the MoE expert kernels against torch._grouped_mm (do_bench), speed ratios, bandwidth and
+    accuracy."""
     out = session.posargs[0] if session.posargs else "reports/latest/gpu"
     session.run(sys.executable, "benchmarks/kda_gpu.py", "--out", out)
     session.run(sys.executable, "benchmarks/attnres_gpu.py", "--out", out)
     session.run(sys.executable, "benchmarks/mla_gpu.py", "--out", out)
+    session.run(sys.executable, "benchmarks/moe_gpu.py", "--out", out)

@@ -158,6 +158,26 @@ def gpu_attnres(session: nox.Session) -> None:
     session.run(sys.executable, "-m", "k3verify", "report", "compare", GPU_ATTNRES_BASELINE, out)
 
 
+@nox.session(name="gpu-mla", venv_backend="none")
+def gpu_mla(session: nox.Session) -> None:
+    """On a CUDA machine: the MLA kernel and adapter tests, the MLA overflow map with the decode
+    kernel's cells, and ``k3verify run --modules mla`` (our kernels, SDPA and flex_attention
+    rows) drawing it. Output under ``reports/latest/gpu/mla`` or the posarg."""
+    out = session.posargs[0] if session.posargs else f"{_gpu_out(session)}/mla"
+    tests = ("properties/test_mla_kernels.py", "properties/test_mla_adapters.py")
+    _gpu_module(session, "mla", tests, out, f"{out}/maps")
+
+
+@nox.session(name="gpu-moe", venv_backend="none")
+def gpu_moe(session: nox.Session) -> None:
+    """On a CUDA machine: the MoE kernel and adapter tests, the MoE overflow map (with the routing
+    flips of our router kernel) and ``k3verify run --modules moe`` drawing it. Output under
+    ``reports/latest/gpu/moe`` or the posarg."""
+    out = session.posargs[0] if session.posargs else f"{_gpu_out(session)}/moe"
+    tests = ("properties/test_moe_kernels.py", "properties/test_moe_adapters.py")
+    _gpu_module(session, "moe", tests, out, f"{out}/maps")
+
+
 def _gpu_module(session: nox.Session, module: str, tests: tuple[str, ...], out: str, maps: str,
                 **run_options: object) -> None:  # fmt: skip
     """A module's GPU tests (profile ``gpu``, or ``gpu-explore`` for a nightly search), its quick

@@ -20,7 +20,7 @@ arithmetic).
 
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 
@@ -30,13 +30,26 @@ from ..moe.kernels import routed_layer
 from ..moe.situ import activation
 
 
+@lru_cache(maxsize=1)
+def _cpu_fallback() -> str | None:
+    """Why torch cannot run ``_grouped_mm`` on the CPU (its loop of matrix products), or ``None``."""
+    try:
+        torch._grouped_mm(torch.zeros(2, 16), torch.zeros(1, 16, 16), offs=torch.tensor([2], dtype=torch.int32))
+    except Exception as exc:  # the reason is the row's
+        return f"torch {torch.__version__} runs no _grouped_mm on the CPU ({type(exc).__name__})"
+    return None
+
+
 def unavailable_reason(dtype: torch.dtype = torch.bfloat16) -> str | None:
-    """Why ``_grouped_mm`` rows cannot run here for ``dtype``, or ``None``."""
+    """Why ``_grouped_mm`` cannot run here for ``dtype`` (bf16: CUTLASS on a CUDA device; any
+    other dtype: torch's CPU loop, which tests the adapter's arithmetic), or ``None``."""
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no _grouped_mm"
-    if dtype == torch.bfloat16 and not torch.cuda.is_available():
-        return "torch._grouped_mm in bf16 is measured on a CUDA device (CUTLASS); none is visible"
-    return None
+    if dtype == torch.bfloat16:
+        if not torch.cuda.is_available():
+            return "torch._grouped_mm in bf16 is measured on a CUDA device (CUTLASS); none is visible"
+        return None
+    return _cpu_fallback()
 
 
 def _experts(z: torch.Tensor, d: Dispatch, p: torch.Tensor, w: MoEWeights, config: MoEConfig) -> torch.Tensor:
@@ -51,9 +64,9 @@ def _experts(z: torch.Tensor, d: Dispatch, p: torch.Tensor, w: MoEWeights, confi
 
 def grouped(x: torch.Tensor, weights: MoEWeights, config: MoEConfig, *, routing: Routing | None = None) -> torch.Tensor:
     """The layer ``y:[T, d]`` in ``x``'s dtype with the routed experts in ``torch._grouped_mm``
-    (on the CUDA device when there is one, else the CPU)."""
+    (bf16 on the CUDA device, any other dtype on the CPU)."""
     reason = unavailable_reason(x.dtype)
     if reason is not None:
         raise RuntimeError(reason)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device("cuda" if x.dtype == torch.bfloat16 else "cpu")
     return routed_layer(partial(_experts, config=config), x, weights, config, routing, dev)

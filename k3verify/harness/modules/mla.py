@@ -145,6 +145,12 @@ def _form(form: str, dtype: str, cases: tuple[str, ...] = ("default", "decode"),
     )
 
 
+def _kernel_map_points(point: dict[str, Any]) -> bool:
+    """Under Triton's interpreter a kernel's map cells stop at a context of 128 (one cell at 512
+    tokens costs seconds there, the full map minutes); on a GPU every point."""
+    return not kernels.interpreted() or point["context"] <= 128
+
+
 def _kernel(dtype: str, cases: tuple[str, ...] = ("default", "decode", "hot"), kind: str = "decode",
             **options: Any) -> Implementation:  # fmt: skip
     """One of our kernels (``kind``: the absorbed paged decode or the expanded chunked prefill):
@@ -162,7 +168,7 @@ def _kernel(dtype: str, cases: tuple[str, ...] = ("default", "decode", "hot"), k
         params=dict(options) | (dict(cache=FP8_CACHE, operands=FP8_CACHE_OPERANDS) if fp8 else {}),
         rule=BASELINE_RULE, run=partial(call, getattr(kernels, kind), dtype=dtype, **options), cases=cases,
         predict=partial(_predict, dtype=dtype, operand_dtype=FP8_CACHE_OPERANDS if fp8 else dtype, **options)
-        if in_map else None, in_map=in_map,
+        if in_map else None, in_map=in_map, map_points=_kernel_map_points if in_map else None,
         is_available=unavailable_as(partial(kernels.unavailable_reason, FP8_CACHE_OPERANDS if fp8 else dtype)),
     )  # fmt: skip
 

@@ -244,7 +244,7 @@ def markdown(result: dict[str, Any]) -> str:
             continue
         tb = f"{r['tbps']:.2f} TB/s" if "tbps" in r else ""
         frac = f"{100 * r['fraction_of_copy']:.0f}%" if "fraction_of_copy" in r else ""
-        ratio = f"{r['ratio_peer_over_ours']:.2f}x" if "ratio_peer_over_ours" in r else ""
+        ratio = gpu_timing.ratio_cell(r)
         lines.append(f"| {r['kind']} | {r.get('phase', 'all')} | {r['T']} | {r['d']} | {r['implementation']} | "
                      f"{r['ms']:.4f} | {tb} | {frac} | {ratio} |")  # fmt: skip
     lines += ["", "| logit scale | implementation | RMS ratio vs fp64 | plain bf16 definition |", "|---|---|---|---|"]
@@ -256,9 +256,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="reports/latest/bench", help="output folder")
-    parser.add_argument("--quick", action="store_true", help="T = 8192 only")
+    parser = gpu_timing.arguments(__doc__, "T = 8192 only")
     parser.add_argument("--peer-timeout", type=float, default=120.0,
                         help="seconds flash-attn-res may take at one shape, compile included (default 120)")
     parser.add_argument("--no-flash", action="store_true", help="leave flash-attn-res out of the block rows")

@@ -5,6 +5,7 @@ Every timing's repetitions are kept in :data:`SAMPLES` for the pytest-benchmark-
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -90,3 +91,17 @@ def start(out: str, what: str) -> tuple[Path, Callable[[str], None]] | None:
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     return folder, log
+
+
+def arguments(doc: str, quick: str) -> argparse.ArgumentParser:
+    """A benchmark's parser: its docstring's first line, ``--out`` and ``--quick`` (``quick``
+    says what it keeps); the script adds its own options."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default="reports/latest/bench", help="output folder")
+    parser.add_argument("--quick", action="store_true", help=quick)
+    return parser
+
+
+def ratio_cell(row: dict[str, Any]) -> str:
+    """A row's ``peer / ours`` ratio as a table cell (empty for our own rows)."""
+    return f"{row['ratio_peer_over_ours']:.2f}x" if "ratio_peer_over_ours" in row else ""

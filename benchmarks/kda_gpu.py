@@ -16,7 +16,6 @@ beside the CPU benchmarks' saved runs).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from functools import partial
@@ -205,9 +204,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="reports/latest/bench", help="output folder")
-    parser.add_argument("--quick", action="store_true", help="default launch configuration only, no sweep")
+    parser = gpu_timing.arguments(__doc__, "default launch configuration only, no sweep")
     parser.add_argument("--split", choices=("ours", "all"), help="only the per-launch time split of prefill")
     parser.add_argument("--tune", action="store_true", help="only each prefill launch's time per launch configuration")
     args = parser.parse_args(argv)

@@ -25,7 +25,6 @@ Ratios are ``peer time / our time`` (> 1: ours is faster). Writes ``mla_gpu.json
 
 from __future__ import annotations
 
-import argparse
 import sys
 from functools import partial
 from typing import Any
@@ -166,7 +165,7 @@ def markdown(result: dict[str, Any]) -> str:
         if r["kind"] != "decode":
             continue
         frac = f"{100 * r['fraction_of_copy']:.0f}%" if "fraction_of_copy" in r else ""
-        ratio = f"{r['ratio_peer_over_ours']:.2f}x" if "ratio_peer_over_ours" in r else ""
+        ratio = gpu_timing.ratio_cell(r)
         note = (f"splits {r['num_splits']}" if "num_splits" in r else r.get("error", "")
                 or f"kernel_options {r.get('kernel_options') or 'default'}")  # fmt: skip
         t = f"{r['ms']:.4f}" if "ms" in r else "-"
@@ -178,16 +177,14 @@ def markdown(result: dict[str, Any]) -> str:
             if "error" in r:
                 lines.append(f"| {r['T']} | {r['heads']} | {r['implementation']} | {r['error']} | | |")
                 continue
-            ratio = f"{r['ratio_peer_over_ours']:.2f}x" if "ratio_peer_over_ours" in r else ""
+            ratio = gpu_timing.ratio_cell(r)
             lines.append(f"| {r['T']} | {r['heads']} | {r['implementation']} | {r['ms']:.4f} | {r['tflops']:.0f} | "
                          f"{ratio} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="reports/latest/bench", help="output folder")
-    parser.add_argument("--quick", action="store_true", help="decode at B = 64 only")
+    parser = gpu_timing.arguments(__doc__, "decode at B = 64 only")
     args = parser.parse_args(argv)
     begun = gpu_timing.start(args.out, "the MLA GPU benchmark")
     if begun is None:

@@ -21,7 +21,6 @@ Ratios are ``peer time / our time`` (> 1: ours is faster). Writes ``moe_gpu.json
 
 from __future__ import annotations
 
-import argparse
 import sys
 from functools import partial
 from typing import Any
@@ -121,7 +120,7 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {r['T']} | {r['H']} | {r['implementation']} | {r['error']} | | | |")
             continue
         frac = f"{100 * r['fraction_of_peak']:.0f}%" if "fraction_of_peak" in r else ""
-        ratio = f"{r['ratio_peer_over_ours']:.2f}x" if "ratio_peer_over_ours" in r else ""
+        ratio = gpu_timing.ratio_cell(r)
         lines.append(f"| {r['T']} | {r['H']} | {r['implementation']} | {r['ms']:.3f} | {r['tflops']:.0f} | {frac} | "
                      f"{ratio} |")  # fmt: skip
     lines += ["", "| T | expert hidden | part | ms |", "|---|---|---|---|"]
@@ -132,9 +131,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="reports/latest/bench", help="output folder")
-    parser.add_argument("--quick", action="store_true", help="T = 4096, expert hidden 384 only")
+    parser = gpu_timing.arguments(__doc__, "T = 4096, expert hidden 384 only")
     args = parser.parse_args(argv)
     begun = gpu_timing.start(args.out, "the MoE GPU benchmark")
     if begun is None:

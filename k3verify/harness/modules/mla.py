@@ -180,7 +180,8 @@ def _sdpa(backend: str) -> Implementation:
     head widths fails with its own message."""
     return Implementation(
         module="mla", implementation="torch sdpa", form="kernel:prefill", dtype="bf16", params=dict(backend=backend),
-        rule=BASELINE_RULE, run=partial(call, partial(torch_sdpa.prefill, backend=backend), dtype="bf16"),
+        source=f"adapter: torch {torch.__version__}", rule=BASELINE_RULE,
+        run=partial(call, partial(torch_sdpa.prefill, backend=backend), dtype="bf16"),
         cases=("default", "hot"), is_available=unavailable_as(partial(torch_sdpa.unavailable_reason, backend)),
     )  # fmt: skip
 
@@ -190,7 +191,8 @@ def _flex() -> Implementation:
     (:mod:`k3verify.adapters.torch_flex` says what it computes)."""
     return Implementation(
         module="mla", implementation="torch flex_attention", form="kernel:decode", dtype="bf16", params={},
-        rule=BASELINE_RULE, run=partial(call, torch_flex.decode, dtype="bf16"), cases=("default", "decode", "hot"),
+        source=f"adapter: torch {torch.__version__}", rule=BASELINE_RULE,
+        run=partial(call, torch_flex.decode, dtype="bf16"), cases=("default", "decode", "hot"),
         is_available=unavailable_as(torch_flex.unavailable_reason),
     )  # fmt: skip
 

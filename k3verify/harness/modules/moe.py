@@ -174,7 +174,8 @@ def _torch_grouped_mm() -> Implementation:
     them (:mod:`k3verify.adapters.torch_grouped_mm`)."""
     return Implementation(
         module="moe", implementation="torch _grouped_mm", form="kernel:grouped", dtype="bf16", params={},
-        rule=BASELINE_RULE, run=partial(call, torch_grouped_mm.grouped, dtype=torch.bfloat16), cases=ALL_CASES,
+        source=f"adapter: torch {torch.__version__}", rule=BASELINE_RULE,
+        run=partial(call, torch_grouped_mm.grouped, dtype=torch.bfloat16), cases=ALL_CASES,
         is_available=unavailable_as(torch_grouped_mm.unavailable_reason),
     )  # fmt: skip
 

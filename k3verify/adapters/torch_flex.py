@@ -23,6 +23,8 @@ import torch
 
 from ..mla.cache import LatentCache, gather
 from ..mla.inputs import check_inputs
+from ..mla.recurrent import absorb_output, absorb_query
+from ..numerics import map_tensors
 
 
 def unavailable_reason() -> str | None:
@@ -51,10 +53,9 @@ def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache, w_uk: t
         raise RuntimeError(unavailable_reason())
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     op = q_nope.dtype
-    q_lat = torch.einsum("bthn,hrn->bthr", q_nope.to(dev, torch.float32), w_uk.to(dev, torch.float32)).to(op)
+    q_lat = absorb_query(q_nope.to(dev, torch.float32), w_uk.to(dev, torch.float32)).to(op)
     q = torch.cat([q_lat, q_pe.to(dev)], dim=-1).transpose(1, 2).contiguous()  # [B, H, T, R + Dr]
-    moved = LatentCache(*(None if t is None else t.to(dev) for t in (cache.pool, cache.block_table, cache.seq_lens,
-                                                                     cache.scales)))  # fmt: skip
+    moved = map_tensors(cache, lambda t: t.to(dev))
     entries, _ = gather(moved, torch.float32)
     keys = entries.to(op)[:, None].contiguous()  # [B, 1, L, R + Dr]
     values = keys[..., : w_uk.shape[1]].contiguous()
@@ -66,4 +67,4 @@ def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache, w_uk: t
     block_mask = create_block_mask(visible, dims.B, None, dims.T, keys.shape[2], device=dev)
     attend = _compiled() if compiled else flex_attention
     o_lat = attend(q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=True, kernel_options=kernel_options)
-    return torch.einsum("bhtr,hrv->bthv", o_lat.float(), w_uv.to(dev, torch.float32)).to(op)
+    return absorb_output(o_lat.float(), w_uv.to(dev, torch.float32)).to(op)

@@ -40,12 +40,14 @@ from __future__ import annotations
 
 import torch
 
+from ..numerics import map_tensors
 from ..numerics.validate import require_block
 from ..triton_support import block, device_for, dot, interpreted, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
-from .cache import LatentCache, gather, split_entry
+from .cache import LatentCache, gather
 from .inputs import check_inputs, heads_first
-from .reference import expand
+from .recurrent import absorb_query
+from .reference import up_project
 
 __all__ = ["decode", "expanded_operands", "interpreted", "latent_attention", "prefill", "prefill_attention",
            "unavailable_reason"]
@@ -201,7 +203,7 @@ def decode(
         raise RuntimeError(reason)
     dev = device_for(q_nope, "the MLA kernels")
     op = q_nope.dtype
-    q_lat = torch.einsum("bthn,hrn->bthr", q_nope.to(dev, torch.float32), w_uk.to(dev, torch.float32)).to(op)
+    q_lat = absorb_query(q_nope.to(dev, torch.float32), w_uk.to(dev, torch.float32)).to(op)
     o_lat = latent_attention(q_lat, q_pe.to(dev), cache, scale=scale, num_splits=num_splits)
     return torch.einsum("bthr,hrv->bthv", o_lat, w_uv.to(dev, torch.float32)).to(op)
 
@@ -276,12 +278,9 @@ def expanded_operands(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LatentCac
     ``starts:[B]`` int64, each request's number of earlier tokens. The up-projections are fp32
     products of the cached latents (an fp8 cache dequantised in fp32), then the queries' dtype."""
     op = q_nope.dtype
-    moved = LatentCache(*(None if t is None else t.to(dev) for t in (cache.pool, cache.block_table, cache.seq_lens,
-                                                                     cache.scales)))  # fmt: skip
+    moved = map_tensors(cache, lambda t: t.to(dev))
     entries, _ = gather(moved, torch.float32)
-    R, Dn = w_uk.shape[1], w_uk.shape[2]
-    K, V = expand(entries, w_uk.to(dev, torch.float32), w_uv.to(dev, torch.float32))
+    k_n, v, k_p = up_project(entries, w_uk.to(dev, torch.float32), w_uv.to(dev, torch.float32))
     starts = moved.seq_lens.to(torch.int64) - q_nope.shape[1]
     return (heads_first(q_nope.to(dev)).contiguous(), heads_first(q_pe.to(dev)).contiguous(),
-            K[..., :Dn].to(op).contiguous(), split_entry(entries, R)[1].to(op).contiguous(), V.to(op).contiguous(),
-            starts.contiguous())  # fmt: skip
+            k_n.to(op).contiguous(), k_p.to(op).contiguous(), v.to(op).contiguous(), starts.contiguous())  # fmt: skip

@@ -23,6 +23,17 @@ from .cache import LatentCache, gather, split_entry
 from .inputs import Dims, FormOptions, check_inputs, heads_first, key_mask, working_dtype
 
 
+def up_project(entries: torch.Tensor, w_uk: torch.Tensor,
+               w_uv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Per-head keys and values of cached entries, the shared rope key kept once.
+
+    ``entries:[B, L, R + Dr]``, ``w_uk:[H, R, Dn]``, ``w_uv:[H, R, Dv]`` -> ``k^n:[B, H, L, Dn]``,
+    ``v:[B, H, L, Dv]`` and ``k^p:[B, L, Dr]`` (a view of ``entries``). Computes in the inputs' dtype.
+    """
+    c_hat, k_pe = split_entry(entries, w_uk.shape[1])
+    return torch.einsum("blr,hrn->bhln", c_hat, w_uk), torch.einsum("blr,hrv->bhlv", c_hat, w_uv), k_pe
+
+
 def expand(entries: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head keys and values from cached entries.
 
@@ -30,11 +41,8 @@ def expand(entries: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> tup
     ``K:[B, H, L, Dn + Dr]`` (``[k^n_h ; k^p]``, the ``k^p`` part identical for every head) and
     ``V:[B, H, L, Dv]``. Computes in the inputs' dtype.
     """
-    c_hat, k_pe = split_entry(entries, w_uk.shape[1])
-    k_nope = torch.einsum("blr,hrn->bhln", c_hat, w_uk)
-    v = torch.einsum("blr,hrv->bhlv", c_hat, w_uv)
-    k_pe = k_pe[:, None].expand(-1, w_uk.shape[0], -1, -1)
-    return torch.cat([k_nope, k_pe], dim=-1), v
+    k_nope, v, k_pe = up_project(entries, w_uk, w_uv)
+    return torch.cat([k_nope, k_pe[:, None].expand(-1, w_uk.shape[0], -1, -1)], dim=-1), v
 
 
 def expanded(

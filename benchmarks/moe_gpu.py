@@ -9,9 +9,10 @@ the TP-local expert hidden 384 (3072 / 8) at T = 4096 and 16384 tokens, and the 
 
 - experts: our two grouped launches (``kernels._grouped_experts``: up with SiTU fused, down
   with the routing weight) against ``torch._grouped_mm`` for the same two GEMMs with SiTU as
-  separate torch operations between them (``adapters.torch_grouped_mm``), on the same sorted
-  rows; TFLOP/s counts ``6 P Dl H`` (``P = T k`` rows) against the bf16 matmul peak measured in
-  the same run (an 8192³ ``torch.matmul``).
+  separate torch operations between them (``adapters.torch_grouped_mm``, its fused ``[W1 | W3]``
+  made once, as a deployment stores it), on the same sorted rows; TFLOP/s counts ``6 P Dl H``
+  (``P = T k`` rows) against the bf16 matmul peak measured in the same run (an 8192³
+  ``torch.matmul``).
 - layer: the time of each part of our path — router, dispatch (sort and counts), ``z = x W↓``,
   the expert GEMMs, the combine (each token's rows summed) — and of the whole.
 
@@ -79,7 +80,7 @@ def shape_rows(T: int, H: int, peak: float, log) -> list[dict[str, Any]]:
                  fraction_of_peak=flops / (ours * 1e-3) / 1e12 / peak)]  # fmt: skip
     log(f"experts T={T} H={H}: {ours:.3f} ms, {rows[-1]['tflops']:.0f} TFLOP/s "
         f"({100 * rows[-1]['fraction_of_peak']:.0f}% of matmul peak)")  # fmt: skip
-    peer = partial(torch_grouped_mm._experts, z, d, p, w, config=cfg)
+    peer = partial(torch_grouped_mm._experts, z, d, p, w, config=cfg, w13=torch_grouped_mm.fused_up(w))
     first = attempt(peer)
     if isinstance(first, str):
         rows.append(dict(kind="experts", T=T, H=H, implementation="torch._grouped_mm + SiTU", error=first))
@@ -96,10 +97,10 @@ def shape_rows(T: int, H: int, peak: float, log) -> list[dict[str, Any]]:
         "router": route,
         "dispatch": partial(dispatch, r.indices, cfg.num_experts),
         "latent down-projection": lambda: x.bfloat16() @ w.w_latent_down,
-        "expert GEMMs": partial(kernels._grouped_experts, z, d, p, w, cfg),
         "combine": lambda: out[slot_rows].reshape(T, cfg.top_k, -1).sum(1),
         "layer": partial(kernels.grouped, x.bfloat16(), w, cfg, routing=r),
     }
+    rows.append(dict(kind="layer", T=T, H=H, part="expert GEMMs", ms=ours))  # timed above
     for name, fn in parts.items():
         t = attempt(partial(ms, fn, group, name))
         rows.append(dict(kind="layer", T=T, H=H, part=name) | (dict(error=t) if isinstance(t, str) else dict(ms=t)))

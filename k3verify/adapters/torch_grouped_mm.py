@@ -52,12 +52,20 @@ def unavailable_reason(dtype: torch.dtype = torch.bfloat16) -> str | None:
     return _cpu_fallback()
 
 
-def _experts(z: torch.Tensor, d: Dispatch, p: torch.Tensor, w: MoEWeights, config: MoEConfig) -> torch.Tensor:
-    """``p · act(z W1_e, z W3_e) W2_e`` of the sorted rows by two ``_grouped_mm`` calls (fp32 out)."""
+def fused_up(w: MoEWeights) -> torch.Tensor:
+    """``[W1_e | W3_e]`` of every expert, ``[E, Dl, 2H]``: the up weight a deployment stores
+    fused (made once, outside anything timed)."""
+    return torch.cat([w.w1, w.w3], dim=-1).contiguous()
+
+
+def _experts(z: torch.Tensor, d: Dispatch, p: torch.Tensor, w: MoEWeights, config: MoEConfig,
+             w13: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """``p · act(z W1_e, z W3_e) W2_e`` of the sorted rows by two ``_grouped_mm`` calls (fp32
+    out); ``w13`` is :func:`fused_up` of ``w`` when the caller made it already."""
     H = w.w1.shape[-1]
     rows = z[d.token].contiguous()
     ends = torch.tensor(d.offsets[1:], dtype=torch.int32, device=z.device)
-    pre = torch._grouped_mm(rows, torch.cat([w.w1, w.w3], dim=-1).contiguous(), offs=ends)
+    pre = torch._grouped_mm(rows, fused_up(w) if w13 is None else w13, offs=ends)
     h = activation(pre[:, :H], pre[:, H:], config.activation, beta1=config.beta1, beta2=config.beta2).to(z.dtype)
     return torch._grouped_mm(h.contiguous(), w.w2.contiguous(), offs=ends).float() * p[:, None]
 

@@ -30,12 +30,12 @@ fp32 anywhere Triton runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
 
-from ..numerics import map_tensors
 from ..numerics.validate import require_finite, require_float, require_shape, require_tensor
 from ..triton_support import block, device_for, dot, dot_fp32, interpreted, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
@@ -59,6 +59,7 @@ EXPERT_UP_COLS = 64
 EXPERT_DOWN_COLS = 128
 EXPERT_DEPTH = 64
 EXPERT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+EXPERT_MATRICES = ("w1", "w3", "w2")
 
 
 def unavailable_reason(dtype: torch.dtype | str = torch.float32) -> str | None:
@@ -215,13 +216,17 @@ def experts_unavailable_reason(dtype: torch.dtype | str = torch.bfloat16) -> str
 
 def _tile_table(offsets: list[int], rows: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(expert, first row)`` of every tile of ``rows`` sorted rows, no tile across two experts
-    (an expert with no rows has no tile)."""
-    expert, first = [], []
-    for e in range(len(offsets) - 1):
-        for r0 in range(offsets[e], offsets[e + 1], rows):
-            expert.append(e)
-            first.append(r0)
-    return (torch.tensor(expert, dtype=torch.int32, device=dev), torch.tensor(first, dtype=torch.int32, device=dev))
+    (an expert with no rows has no tile), int32 on ``dev``."""
+    start = torch.tensor(offsets, dtype=torch.int64, device=dev)
+    tiles = (start[1:] - start[:-1] + rows - 1) // rows
+    expert = torch.repeat_interleave(torch.arange(tiles.numel(), device=dev), tiles)
+    within = torch.arange(expert.numel(), device=dev) - (torch.cumsum(tiles, 0) - tiles)[expert]
+    return expert.to(torch.int32), (start[expert] + within * rows).to(torch.int32)
+
+
+def _moved(weights: MoEWeights, names: Sequence[str], dev: torch.device, dtype: torch.dtype) -> MoEWeights:
+    """``weights`` with the tensors ``names`` on ``dev`` in ``dtype`` (the others as they are)."""
+    return dataclasses.replace(weights, **{n: getattr(weights, n).to(dev, dtype) for n in names})
 
 
 def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config: MoEConfig, routing: Routing | None,
@@ -230,17 +235,21 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
     the routing (given, or the fp32 router on ``x``), ``z = x W↓`` (fp32, then ``x``'s dtype)
     and the expert-sorted order on ``dev``; ``experts(z, dispatch, p, weights)`` returns each
     sorted row's weighted expert output ``p · E_e(z)`` ``[T k, Dl]`` in fp32 (``p:[T k]`` fp32 in
-    sorted order, ``weights`` in ``x``'s dtype on ``dev``); each token's rows are summed in slot
-    order, and ``RMSNorm_γ(u) W↑`` plus the shared MLP taken in fp32."""
+    sorted order, the expert matrices ``w1, w3, w2`` of ``weights`` in ``x``'s dtype on ``dev``);
+    each token's rows are summed in slot order, and ``RMSNorm_γ(u) W↑`` plus the shared MLP
+    taken in fp32."""
     dims = check_inputs(x, weights, config, routing)
     op = x.dtype
-    w32 = map_tensors(weights, lambda t: t.to(dev, torch.float32))
+    # The expert matrices (most of the layer: 59 GB in bf16 at K3's full hidden size) reach the
+    # experts in x's dtype only; everything else runs in fp32.
+    others = [n for n in weights.tensors() if n not in EXPERT_MATRICES]
+    w32 = _moved(weights, others, dev, torch.float32)
     x32 = x.to(dev, torch.float32)
     r = routing_for(x32, w32, config, None if routing is None else routing.to(torch.float32), torch.float32)
     d = dispatch(r.indices.to(dev), dims.E)
     z = (x32 @ w32.w_latent_down).to(op).contiguous()
     p = r.weights.to(dev).reshape(-1)[d.order].contiguous()
-    out = experts(z, d, p, map_tensors(weights, lambda t: t.to(dev, op)))
+    out = experts(z, d, p, _moved(weights, EXPERT_MATRICES, dev, op))
     slot_rows = torch.empty_like(d.order)
     slot_rows[d.order] = torch.arange(d.order.numel(), device=dev)
     u = out[slot_rows].reshape(dims.T, dims.k, dims.Dl).sum(1)  # slot order, as the recurrent form

@@ -18,10 +18,9 @@ import torch
 from . import kernels
 from .balancing import quantile_balancing
 from .inputs import MoEConfig, MoEWeights, Routing
-from .layer import init_weights, latent_output, shared_output
+from .layer import glu, init_weights, latent_output, shared_output
 from .router import changed_choices, mixture_weights, router_logits, select
 from .samples import log2_scale_grid
-from .situ import activation
 
 # Only logits are needed for the choices, so the production router's sizes are affordable on a
 # CPU; the error they cause in y is measured through small experts behind that router (what a
@@ -36,10 +35,7 @@ def _routed_latent(z: torch.Tensor, w: MoEWeights, cfg: MoEConfig, routing: Rout
     """``u = Σ_j p_j E_j(z)`` of ``z:[T, Dl]`` (fp64) with every token's own experts gathered at
     once (small experts: ``[T, k, Dl, H]`` fits), in the recurrent form's slot order."""
     i = routing.indices[: z.shape[0]]
-    g = torch.einsum("td,tkdh->tkh", z, w.w1[i])
-    u = torch.einsum("td,tkdh->tkh", z, w.w3[i])
-    h = activation(g, u, cfg.activation, beta1=cfg.beta1, beta2=cfg.beta2)
-    out = torch.einsum("tkh,tkhd->tkd", h, w.w2[i])
+    out = glu(z[:, None, None, :], w.w1[i], w.w3[i], w.w2[i], cfg)[:, :, 0]  # [T, k, Dl]
     return (routing.weights[: z.shape[0], :, None].to(z.dtype) * out).sum(1)
 
 

@@ -64,13 +64,35 @@ def _verdict(x: dict, dtype: str, num_splits: int, kind: str = "decode"):
                          noise_floor(ref, out_dtype)), got, ref  # fmt: skip
 
 
-problems = st.tuples(
-    st.sampled_from([1, 5, 17]),  # heads: one, and not a multiple of the 16-head block
-    st.lists(st.integers(3, 45), min_size=1, max_size=3).map(tuple),  # variable context lengths
-    st.sampled_from([1, 3]),  # query tokens per request (decode, a short chunk)
-    st.sampled_from([1, 2, 5]),  # key splits, more than some requests' keys
-    st.integers(0, 2**16),
-).filter(lambda p: min(p[1]) >= p[2] and len(p[1]) * p[2] * p[0] * samples.CONFIG.v_head_dim >= 1024)
+MIN_OUTPUTS = 1024  # the baseline rule's smallest problem: requests x T x heads x Dv outputs
+
+
+def _sized(heads_and_tokens: list[tuple[int, int]], length: tuple[int, int], splits: list[int] | None = None):
+    """Problems ``(heads, lengths, T[, splits], seed)`` of at least ``MIN_OUTPUTS`` outputs,
+    every request at least ``T`` long, built so (no filter: a filtered draw starves the search):
+    the pair ``(heads, T)`` is drawn first, then enough requests (1 to 3) of lengths in
+    ``length`` to reach the size."""
+
+    @st.composite
+    def draw(draw_one):
+        heads, T = draw_one(st.sampled_from(heads_and_tokens))
+        per = heads * T * samples.CONFIG.v_head_dim
+        fewest = -(-MIN_OUTPUTS // per)
+        lengths = tuple(draw_one(st.lists(st.integers(max(T, length[0]), length[1]), min_size=fewest, max_size=3)))
+        extra = () if splits is None else (draw_one(st.sampled_from(splits)),)
+        return (heads, lengths, T, *extra, draw_one(st.integers(0, 2**16)))
+
+    return draw()
+
+
+def _pairs(heads: tuple[int, ...], tokens: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The (heads, T) pairs that three requests can bring to ``MIN_OUTPUTS`` outputs."""
+    return [(h, t) for h in heads for t in tokens if 3 * h * t * samples.CONFIG.v_head_dim >= MIN_OUTPUTS]
+
+
+# heads: one, and not a multiple of the 16-head block; query tokens per request: decode, a
+# short chunk; key splits more than some requests' keys; variable context lengths.
+problems = _sized(_pairs((1, 5, 17), (1, 3)), (3, 45), splits=[1, 2, 5])
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "fp8_e4m3"])
@@ -86,12 +108,8 @@ def test_decode_within_policy(dtype: str, p) -> None:
     assert_verdict(verdict, got, ref, f"heads, lengths, T, splits, seed = {p}")
 
 
-prefill_problems = st.tuples(
-    st.sampled_from([1, 3, 17]),  # heads
-    st.lists(st.integers(1, 90), min_size=1, max_size=3).map(tuple),  # context lengths in one batch
-    st.sampled_from([1, 7, 16, 40]),  # new tokens: one, under, at and over a query block
-    st.integers(0, 2**16),
-).filter(lambda p: min(p[1]) >= p[2] and len(p[1]) * p[2] * p[0] * samples.CONFIG.v_head_dim >= 1024)
+# new tokens: one, under, at and over a query block; context lengths in one batch.
+prefill_problems = _sized(_pairs((1, 3, 17), (1, 7, 16, 40)), (1, 90))
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "fp8_e4m3"])

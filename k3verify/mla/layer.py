@@ -220,4 +220,6 @@ def forward(
     cache = append(cache, entries)
     o = form(q_nope, q_pe, cache, w.w_uk, w.w_uv, scale=cfg.softmax_scale, **options)
     gate = output_gate(x, w)
-    return LayerOutput(output_projection(o.to(x.dtype), gate, w), cache, o, gate, entries)
+    # A GPU kernel's output comes back to x's device (a kernel form may run where x is not).
+    o = o.to(x.device, x.dtype)
+    return LayerOutput(output_projection(o, gate, w), cache, o, gate, entries)

@@ -90,6 +90,8 @@ def shape_rows(T: int, H: int, peak: float, log) -> list[dict[str, Any]]:
         rows.append(dict(kind="experts", T=T, H=H, implementation="torch._grouped_mm + SiTU", ms=t,
                          tflops=flops / (t * 1e-3) / 1e12, ratio_peer_over_ours=t / ours))  # fmt: skip
         log(f"  torch._grouped_mm + SiTU: {t:.3f} ms ({t / ours:.2f}x ours)")
+    del peer, first  # its fused [W1 | W3] (40 GB at the full hidden) before the layer is timed
+    torch.cuda.empty_cache()
     slot_rows = torch.empty_like(d.order)
     slot_rows[d.order] = torch.arange(P, device="cuda")
     out = kernels._grouped_experts(z, d, p, w, cfg)

@@ -1,12 +1,14 @@
 """Stable LatentMoE GPU kernels in Triton: the router and the routed experts (SPEC §4).
 
-``route(x, w_router, bias, config) -> Routing`` in one launch, one program per tile of tokens:
+``route(x, w_router, bias, config) -> Routing`` in two launches:
 
-- logits ``r = x W_r`` in fp32: products of fp32 tiles with fp32 accumulation (tf32x3 on a
-  GPU, which keeps about 22 bits of each operand; exact fp32 products under the interpreter);
-- ``s = σ(r)`` and the selection ``TopK_k(s + b)`` by ``k`` rounds of a row maximum, each
-  round taking the lowest (or, with ``tie_break="highest_index"``, the highest) expert index
-  among equal biased scores, as the reference's stable sort does;
+- logits ``r = x W_r`` in fp32, one program per tile of tokens by experts: products of fp32
+  tiles with fp32 accumulation (tf32x3 on a GPU, which keeps about 22 bits of each operand;
+  exact fp32 products under the interpreter);
+- one program per few tokens over all experts: ``s = σ(r)`` and the selection ``TopK_k(s + b)``
+  by ``k`` rounds of a row maximum, each round taking the lowest (or, with
+  ``tie_break="highest_index"``, the highest) expert index among equal biased scores, as the
+  reference's stable sort does;
 - the weights ``ρ s_I / (Σ s_I + renorm_eps)`` from the unbiased scores of the selected experts.
 
 Inputs are fp32 (SPEC's FP32 router); under Triton's interpreter the kernel is faithful
@@ -51,6 +53,10 @@ Experts = Callable[[torch.Tensor, Dispatch, torch.Tensor, MoEWeights], torch.Ten
 
 TOKENS = 16  # a tl.dot side
 WIDTH = 32
+# Router: logit tiles of tokens x experts on a GPU; the selection takes a few tokens' full rows.
+LOGIT_TOKENS = 64
+LOGIT_EXPERTS = 64
+SELECT_TOKENS = 4
 # Grouped expert launches: rows x columns x depth per program and step (16 under the
 # interpreter, where size is time); the largest tiles the sm_90 compile keeps without spills
 # on 4 warps (the up launch holds two accumulators), not yet timed on a GPU.
@@ -68,11 +74,10 @@ def unavailable_reason(dtype: torch.dtype | str = torch.float32) -> str | None:
 
 
 @triton.jit
-def _router_kernel(x, w, bias, idx_out, wt_out, T, D, E, rho, renorm_eps, K: tl.constexpr, KP: tl.constexpr,
-                   BT: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, HIGHEST: tl.constexpr,
-                   EXACT: tl.constexpr):  # fmt: skip
+def _logits_kernel(x, w, r, T, D, E, BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, EXACT: tl.constexpr):
+    """``r = x W_r`` in fp32 for one ``BT x BE`` tile of tokens by experts."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
-    e = tl.arange(0, BE)
+    e = tl.program_id(1) * BE + tl.arange(0, BE)
     acc = tl.zeros([BT, BE], dtype=tl.float32)
     for d0 in range(0, D, BD):
         dd = d0 + tl.arange(0, BD)
@@ -81,7 +86,19 @@ def _router_kernel(x, w, bias, idx_out, wt_out, T, D, E, rho, renorm_eps, K: tl.
         ww = tl.load(w + dd[:, None].to(tl.int64) * E + e[None, :], mask=(dd < D)[:, None] & (e < E)[None, :],
                      other=0.0)  # fmt: skip
         acc += dot_fp32(xx, ww, EXACT)
-    s = tl.sigmoid(acc)
+    tl.store(r + t[:, None].to(tl.int64) * E + e[None, :], acc, mask=(t < T)[:, None] & (e < E)[None, :])
+
+
+@triton.jit
+def _select_kernel(r, bias, idx_out, wt_out, T, E, rho, renorm_eps, K: tl.constexpr, KP: tl.constexpr,
+                   BT: tl.constexpr, BE: tl.constexpr, HIGHEST: tl.constexpr):  # fmt: skip
+    """``s = σ(r)``, the top ``K`` of ``s + b`` by ``K`` rounds of a row maximum (ties to the
+    lowest, or highest, index) and the renormalised weights, for ``BT`` tokens over all experts."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    e = tl.arange(0, BE)
+    logits = tl.load(r + t[:, None].to(tl.int64) * E + e[None, :], mask=(t < T)[:, None] & (e < E)[None, :],
+                     other=0.0)  # fmt: skip
+    s = tl.sigmoid(logits)
     b = tl.load(bias + e, mask=e < E, other=0.0)
     biased = tl.where((e < E)[None, :], s + b[None, :], float("-inf"))
     cols = tl.arange(0, KP)
@@ -126,10 +143,20 @@ def route(x: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor, config: M
     idx = torch.empty(T, k, dtype=torch.int64, device=dev)
     wt = torch.empty(T, k, dtype=torch.float32, device=dev)
     if T:
-        _router_kernel[(triton.cdiv(T, TOKENS),)](
-            x.to(dev).contiguous(), w_router.to(dev).contiguous(), bias.to(dev).contiguous(), idx, wt, T, d, E,
-            float(config.routed_scaling_factor), float(config.renorm_eps), K=k, KP=max(2, triton.next_power_of_2(k)),
-            BT=TOKENS, BD=WIDTH, BE=block(E), HIGHEST=config.tie_break == "highest_index", EXACT=interpreted(),
+        # Two launches: the logits as a tiled GEMM (one program over all E experts would hold a
+        # [tokens, E] accumulator and a [depth, E] weight tile: 266 KB of shared memory at E = 896),
+        # then the selection, which needs every expert of a token at once but no product.
+        logits = torch.empty(T, E, dtype=torch.float32, device=dev)
+        bt = TOKENS if interpreted() else LOGIT_TOKENS
+        be = min(block(E), 16 if interpreted() else LOGIT_EXPERTS)
+        _logits_kernel[(triton.cdiv(T, bt), triton.cdiv(E, be))](
+            x.to(dev).contiguous(), w_router.to(dev).contiguous(), logits, T, d, E, BT=bt, BE=be, BD=WIDTH,
+            EXACT=interpreted(),
+        )  # fmt: skip
+        _select_kernel[(triton.cdiv(T, SELECT_TOKENS),)](
+            logits, bias.to(dev).contiguous(), idx, wt, T, E, float(config.routed_scaling_factor),
+            float(config.renorm_eps), K=k, KP=max(2, triton.next_power_of_2(k)), BT=SELECT_TOKENS, BE=block(E),
+            HIGHEST=config.tie_break == "highest_index",
         )  # fmt: skip
     return Routing(idx, wt)
 

@@ -54,16 +54,22 @@ def route(x: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor, config: M
     return Routing(indices, mixture_weights(scores, indices, config), scores)
 
 
-def topk_gap(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Per token, the k-th minus the (k+1)-th largest biased score ``[T]`` (inf when k = E).
+def topk_gap(scores: torch.Tensor, bias: torch.Tensor, top_k: int, *, ordered: bool = False) -> torch.Tensor:
+    """Per token, the k-th minus the (k+1)-th largest biased score ``[T]`` (inf when k = E); with
+    ``ordered``, the smallest difference between neighbours among the k + 1 largest.
 
-    A perturbation of every biased score by less than half this gap cannot change the selection.
+    A perturbation of every biased score by less than half this gap cannot change the selection
+    (with ``ordered``: neither the selection nor its best-first order).
     """
     biased = scores + bias.to(scores.dtype)
-    if top_k >= biased.shape[-1]:
+    if top_k >= biased.shape[-1] and not ordered:
         return torch.full(biased.shape[:-1], float("inf"), dtype=biased.dtype)
-    top = torch.topk(biased, top_k + 1, dim=-1).values  # values only: the tie order does not matter
-    return top[:, -2] - top[:, -1]
+    top = torch.topk(biased, min(top_k + 1, biased.shape[-1]), dim=-1).values  # values only: tie order is moot
+    if not ordered:
+        return top[:, -2] - top[:, -1]
+    if top.shape[-1] < 2:
+        return torch.full(biased.shape[:-1], float("inf"), dtype=biased.dtype)
+    return (top[:, :-1] - top[:, 1:]).amin(-1)
 
 
 def changed_choices(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:

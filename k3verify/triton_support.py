@@ -74,13 +74,15 @@ def multiprocessors(dev: torch.device) -> int:
 
 
 @triton.jit
-def dot(a, b, IEEE: tl.constexpr):
-    """``a @ b`` with fp32 accumulation. fp32 operands would silently run as tf32 on tensor
-    cores; ``IEEE`` keeps them fp32 (the interpreter, fp32 rows). 16-bit operands are exact either way."""
+def dot(a, b, IEEE: tl.constexpr, acc=None):
+    """``acc + a @ b`` (``a @ b`` when ``acc`` is None) with fp32 accumulation; an ``acc`` given
+    is the product's own accumulator (no separate add). fp32 operands would silently run as tf32
+    on tensor cores; ``IEEE`` keeps them fp32 (the interpreter, fp32 rows). 16-bit operands are
+    exact either way."""
     if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b, acc, input_precision="ieee")
     else:
-        return tl.dot(a, b)
+        return tl.dot(a, b, acc)
 
 
 @triton.jit

@@ -55,11 +55,17 @@ __all__ = ["decode", "expanded_operands", "interpreted", "latent_attention", "pr
 OPERAND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KEYS = 32  # key positions per tile
 HEADS = 16  # heads per program (a tl.dot side)
-# Prefill tiles (16 x 16 under the interpreter, where size is time): 128 queries by 64 keys on 8
-# warps compiles for sm_90 without spills at K3's widths (not yet timed on a GPU).
+# Prefill tiles (16 x 16 under the interpreter, where size is time), the fastest of those timed on
+# an H200 at K3's widths (benchmarks/mla_gpu.py): 128 queries by 64 keys, 8 warps, 3 stages.
+# The query block must be a multiple of the key block (the diagonal's tiles start on it).
 PREFILL_QUERIES = 128
 PREFILL_KEYS = 64
 PREFILL_WARPS = 8
+PREFILL_STAGES = 3
+# Decode launch shape (latent_attention): 32-key tiles on 4 warps, 3 stages, the fastest timed on
+# an H200 at 12 heads (two programs per SM, two cache tiles in flight in each).
+DECODE_WARPS = 4
+DECODE_STAGES = 3
 
 
 def unavailable_reason(operand_dtype: torch.dtype | str = torch.bfloat16) -> str | None:
@@ -92,10 +98,17 @@ def _decode_kernel(
     m = tl.full([BH], float("-inf"), dtype=tl.float32)
     den = tl.zeros([BH], dtype=tl.float32)
     acc = tl.zeros([BH, BR], dtype=tl.float32)
+    # Each tile's pages are read one iteration ahead: a cache load whose address comes from a
+    # load in the same iteration is single-buffered by the software pipeliner, one whose address
+    # was read the iteration before is buffered num_stages - 1 deep (the bandwidth of the pass).
+    ahead = k0 + tl.arange(0, BN)
+    next_page = tl.load(block_table + b * max_pages + ahead // page_size, mask=ahead < k1, other=0).to(tl.int32)
     for n0 in range(k0, k1, BN):
         pos = n0 + tl.arange(0, BN)
         pm = pos < k1
-        page = tl.load(block_table + b * max_pages + pos // page_size, mask=pm, other=0)
+        page = next_page
+        ahead = pos + BN
+        next_page = tl.load(block_table + b * max_pages + ahead // page_size, mask=ahead < k1, other=0).to(tl.int32)
         slot = page.to(tl.int64) * page_size + pos % page_size
         c = tl.load(pool + slot[:, None] * W + rr[None, :], mask=pm[:, None] & (rr < R)[None, :], other=0.0)
         kp = tl.load(pool + slot[:, None] * W + R + pp[None, :], mask=pm[:, None] & (pp < Dr)[None, :], other=0.0)
@@ -103,13 +116,13 @@ def _decode_kernel(
             sc = tl.load(scales + slot, mask=pm, other=0.0)
             c = (c.to(tl.float32) * sc[:, None]).to(OP)
             kp = (kp.to(tl.float32) * sc[:, None]).to(OP)
-        s = dot(ql, tl.trans(c), IEEE) + dot(qp, tl.trans(kp), IEEE)
+        s = dot(qp, tl.trans(kp), IEEE, dot(ql, tl.trans(c), IEEE))
         s = tl.where(pm[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         den = den * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + dot(p.to(OP), c, IEEE)
+        acc = dot(p.to(OP), c, IEEE, acc * alpha[:, None])
         m = m_new
     # An empty split (more splits than keys) leaves m = -inf, den = 0: weight 0 in the merge.
     out = acc / tl.where(den > 0, den, 1.0)[:, None]
@@ -120,23 +133,31 @@ def _decode_kernel(
 
 
 @triton.jit
-def _softmax_step(qn, qp, kn_at, kp_at, v_at, pos, ok, seen, dn, dr, dv, Dn, Dr, Dv, scale, m, den, acc,
-                  IEEE: tl.constexpr):  # fmt: skip
-    """One key tile of an fp32 online softmax: the keys at positions ``pos:[BN]`` (int32
-    offsets from this head's ``kn_at``, ``v_at`` and this request's shared ``kp_at``), ``ok:[BN]``
-    the keys to load (the rest read as 0), ``seen:[BM, BN]`` the visible pairs. Returns the new
-    ``m, den, acc``."""
-    kn = tl.load(kn_at + pos[:, None] * Dn + dn[None, :], mask=ok[:, None] & (dn < Dn)[None, :], other=0.0)
-    kp = tl.load(kp_at + pos[:, None] * Dr + dr[None, :], mask=ok[:, None] & (dr < Dr)[None, :], other=0.0)
-    vv = tl.load(v_at + pos[:, None] * Dv + dv[None, :], mask=ok[:, None] & (dv < Dv)[None, :], other=0.0)
-    s = (dot(qn, tl.trans(kn), IEEE) + dot(qp, tl.trans(kp), IEEE)) * scale
-    s = tl.where(seen, s, float("-inf"))
+def _softmax_step(qn, qp, kn_at, kp_at, v_at, pos, ok, seen, dn, dr, dv, Dn, Dr, Dv, scale2, m, den, acc,
+                  IEEE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """One key tile of an fp32 online softmax in base 2 (``m`` in units of log2, ``scale2 = τ
+    log2 e``): the keys at positions ``pos:[BN]`` (int32 offsets from this head's ``kn_at``,
+    ``v_at`` and this request's shared ``kp_at``). With ``MASKED``, ``ok:[BN]`` are the keys to
+    load (the rest read as 0) and ``seen:[BM, BN]`` the visible pairs; without, every key of
+    the tile is loaded and seen by every query. Returns the new ``m, den, acc``."""
+    if MASKED:
+        kn = tl.load(kn_at + pos[:, None] * Dn + dn[None, :], mask=ok[:, None] & (dn < Dn)[None, :], other=0.0)
+        kp = tl.load(kp_at + pos[:, None] * Dr + dr[None, :], mask=ok[:, None] & (dr < Dr)[None, :], other=0.0)
+        vv = tl.load(v_at + pos[:, None] * Dv + dv[None, :], mask=ok[:, None] & (dv < Dv)[None, :], other=0.0)
+    else:
+        kn = tl.load(kn_at + pos[:, None] * Dn + dn[None, :], mask=(dn < Dn)[None, :], other=0.0)
+        kp = tl.load(kp_at + pos[:, None] * Dr + dr[None, :], mask=(dr < Dr)[None, :], other=0.0)
+        vv = tl.load(v_at + pos[:, None] * Dv + dv[None, :], mask=(dv < Dv)[None, :], other=0.0)
+    # The rope part accumulates onto the nope part's product (one accumulator, no separate add).
+    s = dot(qp, tl.trans(kp), IEEE, dot(qn, tl.trans(kn), IEEE)) * scale2
+    if MASKED:
+        s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     # A query that has seen no key yet keeps m = -inf: its exponentials use 0 instead (all 0).
     ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m - ref)
-    p = tl.exp(s - ref[:, None])
-    return m_new, den * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + dot(p.to(qn.dtype), vv, IEEE)
+    alpha = tl.exp2(m - ref)
+    p = tl.exp2(s - ref[:, None])
+    return m_new, den * alpha + tl.sum(p, axis=1), dot(p.to(qn.dtype), vv, IEEE, acc * alpha[:, None])
 
 
 @triton.jit
@@ -156,7 +177,9 @@ def _prefill_kernel(
     kn_at = k_n + bh * L * Dn
     v_at = v + bh * L * Dv
     kp_at = k_p + b * L * Dr
-    tq = tl.program_id(1) * BM + tl.arange(0, BM)
+    # The longest query blocks (the last, causal) first: the short ones fill the tail of the launch.
+    qb = tl.num_programs(1) - 1 - tl.program_id(1)
+    tq = qb * BM + tl.arange(0, BM)
     start = tl.load(starts + b).to(tl.int32)
     dn = tl.arange(0, BDN)
     dr = tl.arange(0, BDR)
@@ -167,17 +190,25 @@ def _prefill_kernel(
     m = tl.full([BM], float("-inf"), dtype=tl.float32)
     den = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, BDV], dtype=tl.float32)
+    scale2 = scale * 1.4426950408889634  # log2 e: the softmax runs in base 2
     for n0 in range(0, start, BN):
         pos = n0 + tl.arange(0, BN)
         ok = pos < start
         m, den, acc = _softmax_step(qn, qp, kn_at, kp_at, v_at, pos, ok, ok[None, :] & qm[:, None], dn, dr, dv, Dn, Dr,
-                                    Dv, scale, m, den, acc, IEEE)  # fmt: skip
-    for n0 in range(0, tl.minimum(T, (tl.program_id(1) + 1) * BM), BN):
+                                    Dv, scale2, m, den, acc, IEEE, True)  # fmt: skip
+    # Key tiles left of the query block's diagonal are visible to every query of the block (no
+    # causal mask); only the tiles the diagonal crosses are masked.
+    diagonal = qb * BM
+    for n0 in range(0, diagonal, BN):
+        i = n0 + tl.arange(0, BN)
+        m, den, acc = _softmax_step(qn, qp, kn_at, kp_at, v_at, start + i, i < T, qm[:, None], dn, dr, dv, Dn, Dr, Dv,
+                                    scale2, m, den, acc, IEEE, False)  # fmt: skip
+    for n0 in range(diagonal, tl.minimum(T, diagonal + BM), BN):
         i = n0 + tl.arange(0, BN)
         ok = i < T
         seen = (i[None, :] <= tq[:, None]) & ok[None, :] & qm[:, None]
-        m, den, acc = _softmax_step(qn, qp, kn_at, kp_at, v_at, start + i, ok, seen, dn, dr, dv, Dn, Dr, Dv, scale, m,
-                                    den, acc, IEEE)  # fmt: skip
+        m, den, acc = _softmax_step(qn, qp, kn_at, kp_at, v_at, start + i, ok, seen, dn, dr, dv, Dn, Dr, Dv, scale2,
+                                    m, den, acc, IEEE, True)  # fmt: skip
     out = acc / tl.where(den > 0, den, 1.0)[:, None]  # every query sees itself: den > 0
     o_at = o + (b * T * H + bh % H) * Dv
     tl.store(o_at + (tq * H)[:, None] * Dv + dv[None, :], out.to(o.dtype.element_ty),
@@ -227,6 +258,7 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache
         q_lat.contiguous(), q_pe.contiguous(), pool, scales, table, cache.seq_lens.to(dev).contiguous(),
         o_part, lse, T, H, R, Dr, R + Dr, cache.page_size, table.shape[1], BT, float(scale), num_splits,
         BH=HEADS, BR=block(R), BDR=block(Dr), BN=KEYS, QUANT=cache.quantized, IEEE=q_lat.dtype == torch.float32,
+        num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
     )  # fmt: skip
     weights = torch.softmax(lse, dim=0)  # e^{lse_s - LSE}; an empty split's -inf gets 0
     return (weights[..., None] * o_part).sum(0).reshape(B, T, H, R)
@@ -260,11 +292,14 @@ def prefill_attention(q_n: torch.Tensor, q_p: torch.Tensor, k_n: torch.Tensor, k
     B, H, T, Dn = q_n.shape
     L, Dr, Dv = k_n.shape[2], q_p.shape[-1], v.shape[-1]
     o = torch.empty(B, T, H, Dv, dtype=q_n.dtype, device=q_n.device)
-    bm = 16 if interpreted() else PREFILL_QUERIES
+    bm, bn = (16, 16) if interpreted() else (PREFILL_QUERIES, PREFILL_KEYS)
+    if bm % bn:
+        # A key tile across the diagonal would be read unmasked by the full-tile loop.
+        raise ValueError(f"prefill query block {bm} is not a multiple of the key block {bn}")
     _prefill_kernel[(B * H, triton.cdiv(T, bm))](
-        q_n, q_p, k_n, k_p, v, o, starts, T, H, L, Dn, Dr, Dv, float(scale), BM=bm,
-        BN=16 if interpreted() else PREFILL_KEYS, BDN=block(Dn), BDR=block(Dr), BDV=block(Dv),
-        IEEE=q_n.dtype == torch.float32, num_warps=PREFILL_WARPS, num_stages=2,
+        q_n, q_p, k_n, k_p, v, o, starts, T, H, L, Dn, Dr, Dv, float(scale), BM=bm, BN=bn, BDN=block(Dn),
+        BDR=block(Dr), BDV=block(Dv),
+        IEEE=q_n.dtype == torch.float32, num_warps=PREFILL_WARPS, num_stages=PREFILL_STAGES,
     )  # fmt: skip
     return o
 

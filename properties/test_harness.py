@@ -13,7 +13,7 @@ import torch
 from k3verify.cli import main
 from k3verify.harness import registry, runner
 from k3verify.harness.map_files import write_map
-from k3verify.harness.overflow_map import MapOptions, agreement, sweep_map
+from k3verify.harness.overflow_map import MapOptions, agreement, mark_frontier, sweep_map
 from k3verify.numerics import EXPECTED_NONFINITE, FAIL, PASS
 
 
@@ -160,3 +160,15 @@ def test_map_files(kda_map) -> None:
     assert overflowed and all(c["rms_ratio"] is None and "overflowed" in c["overflow"] for c in overflowed)
     assert [p.suffix for p in paths] == [".json", ".png", ".png"]
     assert all(p.stat().st_size > 10_000 for p in paths[1:])
+
+
+def test_frontier_marks_every_cell_that_shares_a_position() -> None:
+    """Structural: two cells at one grid position (two registered kernels of one name and dtype
+    that differ only in a parameter) are each marked against their neighbours, none left out."""
+
+    def at(x: int, finite: bool, splits: int) -> dict:
+        return {"implementation": "k", "dtype": "bf16", "x": x, "predicted_finite": finite, "splits": splits}
+
+    cells = [at(0, True, 1), at(0, True, 4), at(1, False, 1), at(1, False, 4), at(2, False, 1)]
+    mark_frontier(cells, {"x": [0, 1, 2]}, fixed=("implementation", "dtype"))
+    assert [c["frontier_adjacent"] for c in cells] == [True, True, True, True, False]

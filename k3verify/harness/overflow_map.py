@@ -102,20 +102,22 @@ def mark_frontier(cells: Sequence[dict[str, Any]], axes: dict[str, Sequence[Any]
     ``axes`` maps each swept key to its values in grid order.
     """
     index = {key: {v: i for i, v in enumerate(values)} for key, values in axes.items()}
-    by_position: dict[tuple, dict[str, Any]] = {}
+    # Several cells can share a position (two registered kernels of one name and dtype that differ
+    # only in a parameter, such as a split count): each is judged against every neighbour there.
+    by_position: dict[tuple, list[dict[str, Any]]] = {}
     for c in cells:
-        by_position[(*(c[k] for k in fixed), *(index[k][c[k]] for k in axes))] = c
+        by_position.setdefault((*(c[k] for k in fixed), *(index[k][c[k]] for k in axes)), []).append(c)
     n_fixed = len(fixed)
-    for position, c in by_position.items():
+    for position, here in by_position.items():
         group, grid = position[:n_fixed], list(position[n_fixed:])
-        adjacent = False
+        neighbours = []
         for axis in range(len(grid)):
             for step in (-1, 1):
                 moved = grid.copy()
                 moved[axis] += step
-                n = by_position.get((*group, *moved))
-                adjacent |= n is not None and n["predicted_finite"] != c["predicted_finite"]
-        c["frontier_adjacent"] = adjacent
+                neighbours += by_position.get((*group, *moved), [])
+        for c in here:
+            c["frontier_adjacent"] = any(n["predicted_finite"] != c["predicted_finite"] for n in neighbours)
 
 
 # --- the sweep engine ----------------------------------------------------------------------

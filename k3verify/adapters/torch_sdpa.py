@@ -10,13 +10,18 @@ request with ``L`` cached positions sees keys ``j <= L − T + t``, the prefix a
 own tokens in one softmax. SDPA keeps its softmax in fp32 and writes the output in the operand
 dtype.
 
-A backend is chosen with ``torch.nn.attention.sdpa_kernel``; one that refuses the shapes
-raises (``No available kernel``), and that is the row's result. The rows need a CUDA device:
+A backend is chosen with ``torch.nn.attention.sdpa_kernel``. Whether it accepts K3's head widths
+(q/k 192, v 128) is asked of the backend itself, once per process, on a two-token call: one that
+refuses them (torch 2.11's flash backend wants one width for q, k and v) makes its rows
+``unavailable`` with torch's own reasons, rather than failing rows. The rows need a CUDA device:
 on the CPU only the math backend would run, which is not what a GPU deployment runs (``math``
 is accepted here, on any device, so that the adapter's own arithmetic can be tested anywhere).
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +29,7 @@ import torch.nn.functional as F
 from ..mla.cache import LatentCache
 from ..mla.inputs import check_inputs
 from ..mla.kernels import expanded_operands
+from ..mla.layer import MLAConfig
 
 BACKENDS = ("cudnn", "efficient", "flash")
 
@@ -41,9 +47,33 @@ def _backend(name: str):
 def unavailable_reason(backend: str = "cudnn") -> str | None:
     """Why the ``backend`` rows cannot run here, or ``None``."""
     _backend(backend)
-    if backend != "math" and not torch.cuda.is_available():
+    if backend == "math":
+        return None
+    if not torch.cuda.is_available():
         return f"torch SDPA's {backend} backend needs a CUDA device"
-    return None
+    return _refusal(backend)
+
+
+@functools.cache
+def _refusal(backend: str) -> str | None:
+    """Run ``backend`` once on K3's head widths (two bf16 tokens, causal, on the GPU): ``None`` if
+    it runs, else its error with the reasons torch gave as warnings."""
+    from torch.nn.attention import sdpa_kernel
+
+    cfg = MLAConfig()
+    q = torch.zeros(1, 1, 2, cfg.qk_head_dim, dtype=torch.bfloat16, device="cuda")
+    v = torch.zeros(1, 1, 2, cfg.v_head_dim, dtype=torch.bfloat16, device="cuda")
+    with warnings.catch_warnings(record=True) as said, sdpa_kernel(_backend(backend)):
+        warnings.simplefilter("always")
+        try:
+            F.scaled_dot_product_attention(q, q, v, is_causal=True)
+            return None
+        except RuntimeError as exc:
+            # torch explains a refusal in warnings; keep the specific ones ("... because:" heads them).
+            why = [str(w.message).split(" (Triggered internally")[0] for w in said]
+            why = [w for w in why if not w.rstrip().endswith("because:")]
+            return (f"torch {torch.__version__} SDPA's {backend} backend refuses K3's head widths (q/k "
+                    f"{cfg.qk_head_dim}, v {cfg.v_head_dim}): {exc}" + (f" ({'; '.join(why)})" if why else ""))
 
 
 def prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache, w_uk: torch.Tensor, w_uv: torch.Tensor,

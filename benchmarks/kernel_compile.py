@@ -1,0 +1,161 @@
+"""Compile the Triton kernels of a module for a GPU target without a GPU: registers, spills,
+shared memory.
+
+    python benchmarks/kernel_compile.py --module kda|mla|moe [--arch 90] [--warps 2 4 8]
+
+Device time is scarce; this shows on any machine whether a launch configuration spills, or
+needs more shared memory than an SM has, before it is timed (a spilling kernel is rarely the
+fast one). It compiles with the installed Triton and its bundled ``ptxas`` for ``sm_<arch>`` at
+K3's shapes (bf16 operands) and reads the resource usage with the bundled ``cuobjdump``. Every
+pointer is taken as 16-byte aligned and the integers named below as multiples of 16, as Triton's
+launcher specialises them on the GPU (without that the loads are neither vectorised nor
+pipelined, and the figures are not the GPU's). Triton on the GPU machine may be a different
+version; read the numbers as a guide, then time the candidates there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The kernels must compile, not run in the interpreter (chosen when the modules are imported).
+os.environ["TRITON_INTERPRET"] = "0"
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch configuration: the kernel, its constexprs, stages; argument types by name
+    (``*bf16`` when not named) and the integer arguments that are multiples of 16."""
+
+    name: str
+    fn: Any
+    constants: dict[str, Any]
+    stages: int
+    types: dict[str, str] = field(default_factory=dict)
+    divisible: frozenset[str] = frozenset()
+
+
+def usage(launch: Launch, arch: int, warps: int) -> str:
+    """``REG``/``STACK`` of one compiled kernel and its shared memory, or the compile error."""
+    fn = launch.fn
+    sig = {p.name: "constexpr" if p.is_constexpr else launch.types.get(p.name, "*bf16") for p in fn.params}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
+               if sig[p.name].startswith("*") or p.name in launch.divisible}  # fmt: skip
+    constexprs = {k: v for k, v in launch.constants.items() if sig.get(k) == "constexpr"}
+    try:
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=aligned),
+                                  target=GPUTarget("cuda", arch, 32),
+                                  options=dict(num_warps=warps, num_stages=launch.stages))  # fmt: skip
+    except Exception as exc:  # report any compiler failure and go on
+        return f"compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", out)
+    stack = re.search(r"STACK:(\d+)", out)
+    return (f"{regs.group(1) if regs else '?'} registers, {stack.group(1) if stack else '?'} B stack (spills), "
+            f"{compiled.metadata.shared} B shared")  # fmt: skip
+
+
+def kda_launches() -> list[Launch]:
+    """KDA at K = V = 128, chunk 64: the intra, state, output and decode launches."""
+    from k3verify.kda import kernels
+
+    types = {n: "*fp32" for n in ("g", "G", "GL", "h0", "hT", "pool")}
+    types |= {n: "*i64" for n in ("chunk_start", "chunk_end", "cu", "seq_chunks", "indices")}
+    types |= {"scale": "fp32", "anchor_offset": "fp32", "H": "i32", "T": "i32"}
+    shape = dict(K=128, V=128, BK=128, C=64, BC=16, ANCHOR=0, IEEE=False, HAS_H0=False, STORE_HT=False)
+    div = frozenset({"T"})  # T = 8192, 32768 at the benchmark shapes
+
+    def launch(name: str, fn: Any, stages: int, **extra: Any) -> Launch:
+        return Launch(name, fn, shape | extra, stages, types, div)
+
+    return [
+        launch("intra", kernels._intra_kernel, 3, BV=128),
+        *[launch(f"state block_v={bv} stages={st}", kernels._state_kernel, st, BV=bv, STAGES=st)
+          for bv in (32, 64) for st in (2, 3)],
+        *[launch(f"output block_v={bv}", kernels._output_kernel, 3, BV=bv) for bv in (64, 128)],
+        launch("decode block_v=64", kernels._recurrent_kernel, 3, BV=64),
+    ]
+
+
+def mla_launches() -> list[Launch]:
+    """Gated MLA at K3's widths (R = 512, Dr = 64, Dn = Dv = 128, pages of 64): the decode
+    kernel at its launch shape and the prefill kernel at its tiles."""
+    from k3verify.mla import kernels
+
+    i32, i64 = "i32", "*i64"
+    ints = ("T", "H", "R", "Dr", "W", "page_size", "max_pages", "BT", "num_splits")
+    decode = dict(block_table=i64, seq_lens=i64, o_part="*fp32", lse_part="*fp32", scale="fp32",
+                  **dict.fromkeys(ints, i32))
+    prefill = dict(starts=i64, scale="fp32", **{n: i32 for n in ("T", "H", "L", "Dn", "Dr", "Dv")})
+    return [
+        Launch(f"decode keys={kernels.KEYS} stages={kernels.DECODE_STAGES}", kernels._decode_kernel,
+               dict(BH=kernels.HEADS, BR=512, BDR=64, BN=kernels.KEYS, QUANT=False, IEEE=False),
+               kernels.DECODE_STAGES, decode, frozenset({"R", "Dr", "W", "page_size", "max_pages", "BT"})),
+        Launch(f"prefill {kernels.PREFILL_QUERIES}x{kernels.PREFILL_KEYS} stages={kernels.PREFILL_STAGES}",
+               kernels._prefill_kernel, dict(BM=kernels.PREFILL_QUERIES, BN=kernels.PREFILL_KEYS, BDN=128, BDR=64,
+                                             BDV=128, IEEE=False),
+               kernels.PREFILL_STAGES, prefill, frozenset({"T", "L", "Dn", "Dr", "Dv"})),
+    ]  # fmt: skip
+
+
+def moe_launches() -> list[Launch]:
+    """Stable LatentMoE at K3's shapes (d = 7168, E = 896, k = 16, latent 3584): the router's two
+    launches and the grouped expert launches."""
+    from k3verify.moe import kernels
+
+    i32, f32 = "i32", "fp32"
+    logits = dict(x="*fp32", w="*fp32", r="*fp32", T=i32, D=i32, E=i32)
+    select = dict(r="*fp32", bias="*fp32", idx_out="*i64", wt_out="*fp32", T=i32, E=i32, rho=f32, renorm_eps=f32)
+    tables = dict(token="*i32", tile_expert="*i32", tile_row="*i32", offsets="*i32")
+    up = tables | dict(Dl=i32, F=i32, beta1=f32, beta2=f32)
+    down = tables | dict(weight="*fp32", out="*fp32", F=i32, Dl=i32)
+    rows = kernels.EXPERT_ROWS
+    return [
+        Launch("router logits", kernels._logits_kernel, dict(BT=kernels.LOGIT_TOKENS, BE=kernels.LOGIT_EXPERTS,
+                                                              BD=kernels.WIDTH, EXACT=False), 3, logits,
+               frozenset({"D"})),
+        Launch("router selection", kernels._select_kernel, dict(K=16, KP=16, BT=kernels.SELECT_TOKENS, BE=1024,
+                                                                HIGHEST=False), 3, select),
+        Launch("experts up", kernels._up_kernel, dict(BM=rows, BN=kernels.EXPERT_UP_COLS, BK=kernels.EXPERT_DEPTH,
+                                                      SWIGLU=False, IEEE=False), 3, up, frozenset({"Dl", "F"})),
+        Launch("experts down", kernels._down_kernel, dict(BM=rows, BN=kernels.EXPERT_DOWN_COLS,
+                                                          BK=kernels.EXPERT_DEPTH, IEEE=False), 3, down,
+               frozenset({"Dl", "F"})),
+    ]  # fmt: skip
+
+
+MODULES = {"kda": kda_launches, "mla": mla_launches, "moe": moe_launches}
+
+
+def main(argv: list[str] | None = None, module: str | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    if module is None:
+        parser.add_argument("--module", choices=sorted(MODULES), required=True)
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
+    parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
+    args = parser.parse_args(argv)
+    module = module or args.module
+    print(f"Triton {triton.__version__}, sm_{args.arch}, {module}, bf16 operands at K3's shapes")
+    for launch in MODULES[module]():
+        for warps in args.warps:
+            print(f"{launch.name:28s} {warps} warps: {usage(launch, args.arch, warps)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

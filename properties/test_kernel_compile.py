@@ -1,0 +1,39 @@
+"""The offline compile report (``benchmarks/kernel_compile.py``, ``benchmarks/kda_compile.py``):
+every launch of a module compiles for sm_90 without a GPU and reports its registers.
+
+Rule: none (a tool check); a kernel that stops compiling, or a launch the report leaves out,
+fails here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHES = {"kda": 8, "mla": 2, "moe": 4}
+
+
+def _report(*args: str) -> list[str]:
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'benchmarks'}")
+    done = subprocess.run([sys.executable, *args, "--warps", "4"], capture_output=True, text=True, env=env,
+                          timeout=900, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [line for line in done.stdout.splitlines() if "warps:" in line]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", sorted(LAUNCHES))
+def test_compile_report_covers_every_launch(module: str) -> None:
+    lines = _report(str(ROOT / "benchmarks" / "kernel_compile.py"), "--module", module)
+    assert len(lines) == LAUNCHES[module] and all("registers" in line for line in lines), lines
+
+
+@pytest.mark.slow
+def test_kda_compile_is_the_kda_report() -> None:
+    lines = _report(str(ROOT / "benchmarks" / "kda_compile.py"))
+    assert len(lines) == LAUNCHES["kda"] and all("registers" in line for line in lines), lines

@@ -19,6 +19,8 @@ CONSTRAINTS = ("-c", "constraints.txt")
 BASELINE = "reports/baseline/cpu"
 TP_BASELINE = "reports/baseline/cpu-tp8"
 GPU_ATTNRES_BASELINE = "reports/baseline/gpu-h200-attnres/run"
+GPU_MLA_BASELINE = "reports/baseline/gpu-h200-mla/run"
+GPU_MOE_BASELINE = "reports/baseline/gpu-h200-moe/run"
 LATEST = "reports/latest"
 
 
@@ -162,20 +164,23 @@ def gpu_attnres(session: nox.Session) -> None:
 def gpu_mla(session: nox.Session) -> None:
     """On a CUDA machine: the MLA kernel and adapter tests, the MLA overflow map with the decode
     kernel's cells, and ``k3verify run --modules mla`` (our kernels, SDPA and flex_attention
-    rows) drawing it. Output under ``reports/latest/gpu/mla`` or the posarg."""
+    rows) drawing it, compared against the committed H200 report. Output under
+    ``reports/latest/gpu/mla`` or the posarg."""
     out = session.posargs[0] if session.posargs else f"{_gpu_out(session)}/mla"
     tests = ("properties/test_mla_kernels.py", "properties/test_mla_adapters.py")
     _gpu_module(session, "mla", tests, out, f"{out}/maps")
+    session.run(sys.executable, "-m", "k3verify", "report", "compare", GPU_MLA_BASELINE, out)
 
 
 @nox.session(name="gpu-moe", venv_backend="none")
 def gpu_moe(session: nox.Session) -> None:
     """On a CUDA machine: the MoE kernel and adapter tests, the MoE overflow map (with the routing
-    flips of our router kernel) and ``k3verify run --modules moe`` drawing it. Output under
-    ``reports/latest/gpu/moe`` or the posarg."""
+    flips of our router kernel) and ``k3verify run --modules moe`` drawing it, compared against
+    the committed H200 report. Output under ``reports/latest/gpu/moe`` or the posarg."""
     out = session.posargs[0] if session.posargs else f"{_gpu_out(session)}/moe"
     tests = ("properties/test_moe_kernels.py", "properties/test_moe_adapters.py")
     _gpu_module(session, "moe", tests, out, f"{out}/maps")
+    session.run(sys.executable, "-m", "k3verify", "report", "compare", GPU_MOE_BASELINE, out)
 
 
 def _gpu_module(session: nox.Session, module: str, tests: tuple[str, ...], out: str, maps: str,

@@ -68,3 +68,21 @@ def test_sdpa_rows_are_registered_and_say_why_not() -> None:
     assert [i.form for i in flex] == ["kernel:decode"]
     if not torch.cuda.is_available():
         assert flex[0].is_available() == (False, torch_flex.unavailable_reason())
+
+
+def test_sdpa_refusal_keeps_torch_s_specific_reasons() -> None:
+    """Structural: of the warnings torch gives when a backend refuses (torch 2.11's, as the H200
+    printed them), the reason stays; source locations, headers and the other backends'
+    "runtime disabled" go."""
+    said = [
+        "Memory Efficient attention has been runtime disabled. (Triggered internally at sdp_utils.cpp:539.)",
+        "Flash attention kernel not used because: (Triggered internally at sdp_utils.cpp:988.)",
+        "Flash attention requires q,k,v to have the same last dimension and to be less than or equal to 256. "
+        "Got Query.size(-1): 192, Key.size(-1): 192, Value.size(-1): 128 instead. (Triggered internally at "
+        "sdp_utils.cpp:180.)",
+        "cuDNN attention has been runtime disabled. (Triggered internally at sdp_utils.cpp:706.)",
+    ]
+    assert torch_sdpa.specific_reasons(said) == [
+        "Flash attention requires q,k,v to have the same last dimension and to be less than or equal to 256. "
+        "Got Query.size(-1): 192, Key.size(-1): 192, Value.size(-1): 128 instead."
+    ]

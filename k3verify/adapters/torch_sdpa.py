@@ -69,11 +69,17 @@ def _refusal(backend: str) -> str | None:
             F.scaled_dot_product_attention(q, q, v, is_causal=True)
             return None
         except RuntimeError as exc:
-            # torch explains a refusal in warnings; keep the specific ones ("... because:" heads them).
-            why = [str(w.message).split(" (Triggered internally")[0] for w in said]
-            why = [w for w in why if not w.rstrip().endswith("because:")]
+            why = specific_reasons([str(w.message) for w in said])
             return (f"torch {torch.__version__} SDPA's {backend} backend refuses K3's head widths (q/k "
                     f"{cfg.qk_head_dim}, v {cfg.v_head_dim}): {exc}" + (f" ({'; '.join(why)})" if why else ""))
+
+
+def specific_reasons(messages: list[str]) -> list[str]:
+    """The warnings in which torch says why a backend refused, without its source locations,
+    without the "... not used because:" headers and without the other backends' "has been
+    runtime disabled" (``sdpa_kernel`` disables every backend but the one asked for)."""
+    kept = [m.split(" (Triggered internally")[0].strip() for m in messages]
+    return [m for m in kept if m and not m.endswith("because:") and "has been runtime disabled" not in m]
 
 
 def prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache, w_uk: torch.Tensor, w_uv: torch.Tensor,

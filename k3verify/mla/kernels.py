@@ -46,7 +46,7 @@ from ..triton_support import block, device_for, dot, interpreted, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
 from .cache import LatentCache, gather
 from .inputs import check_inputs, heads_first
-from .recurrent import absorb_query
+from .recurrent import absorb_output, absorb_query
 from .reference import up_project
 
 __all__ = ["decode", "expanded_operands", "interpreted", "latent_attention", "prefill", "prefill_attention",
@@ -236,7 +236,7 @@ def decode(
     op = q_nope.dtype
     q_lat = absorb_query(q_nope.to(dev, torch.float32), w_uk.to(dev, torch.float32)).to(op)
     o_lat = latent_attention(q_lat, q_pe.to(dev), cache, scale=scale, num_splits=num_splits)
-    return torch.einsum("bthr,hrv->bthv", o_lat, w_uv.to(dev, torch.float32)).to(op)
+    return absorb_output(o_lat.transpose(1, 2), w_uv.to(dev, torch.float32)).to(op)
 
 
 def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache, *, scale: float,

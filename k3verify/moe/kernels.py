@@ -58,8 +58,9 @@ LOGIT_TOKENS = 64
 LOGIT_EXPERTS = 64
 SELECT_TOKENS = 4
 # Grouped expert launches: rows x columns x depth per program and step (16 under the
-# interpreter, where size is time); the largest tiles the sm_90 compile keeps without spills
-# on 4 warps (the up launch holds two accumulators), not yet timed on a GPU.
+# interpreter, where size is time), 4 warps. Timed on an H200 at 1.07-1.75x torch._grouped_mm
+# + SiTU (benchmarks/moe_gpu.py); chosen from an sm_90 compile that took the pointers as
+# unaligned, so larger tiles may now fit (benchmarks/kernel_compile.py --module moe).
 EXPERT_ROWS = 64
 EXPERT_UP_COLS = 64
 EXPERT_DOWN_COLS = 128

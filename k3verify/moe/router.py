@@ -62,14 +62,13 @@ def topk_gap(scores: torch.Tensor, bias: torch.Tensor, top_k: int, *, ordered: b
     (with ``ordered``: neither the selection nor its best-first order).
     """
     biased = scores + bias.to(scores.dtype)
-    if top_k >= biased.shape[-1] and not ordered:
-        return torch.full(biased.shape[:-1], float("inf"), dtype=biased.dtype)
     top = torch.topk(biased, min(top_k + 1, biased.shape[-1]), dim=-1).values  # values only: tie order is moot
+    neighbours = top[:, :-1] - top[:, 1:]  # [T, min(k + 1, E) - 1], best first
     if not ordered:
-        return top[:, -2] - top[:, -1]
-    if top.shape[-1] < 2:
+        neighbours = neighbours[:, top_k - 1 :]  # the k-th minus the (k+1)-th; none when k = E
+    if neighbours.shape[-1] == 0:
         return torch.full(biased.shape[:-1], float("inf"), dtype=biased.dtype)
-    return (top[:, :-1] - top[:, 1:]).amin(-1)
+    return neighbours.amin(-1)
 
 
 def changed_choices(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:

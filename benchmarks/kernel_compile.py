@@ -1,7 +1,7 @@
 """Compile the Triton kernels of a module for a GPU target without a GPU: registers, spills,
 shared memory.
 
-    python benchmarks/kernel_compile.py --module kda|mla|moe [--arch 90] [--warps 2 4 8]
+    python benchmarks/kernel_compile.py --module attnres|kda|mla|moe [--arch 90] [--warps 2 4 8]
 
 Device time is scarce; this shows on any machine whether a launch configuration spills, or
 needs more shared memory than an SM has, before it is timed (a spilling kernel is rarely the
@@ -98,17 +98,17 @@ def mla_launches() -> list[Launch]:
     from k3verify.mla import kernels
 
     i32, i64 = "i32", "*i64"
-    ints = ("T", "H", "R", "Dr", "W", "page_size", "max_pages", "BT", "num_splits")
+    ints = ("T", "H", "R", "Dr", "W", "page_size", "max_pages", "BT", "num_splits", "head_blocks")
     decode = dict(block_table=i64, seq_lens=i64, o_part="*fp32", lse_part="*fp32", scale="fp32",
                   **dict.fromkeys(ints, i32))
     prefill = dict(starts=i64, scale="fp32", **{n: i32 for n in ("T", "H", "L", "Dn", "Dr", "Dv")})
     return [
         Launch(f"decode keys={kernels.KEYS} stages={kernels.DECODE_STAGES}", kernels._decode_kernel,
-               dict(BH=kernels.HEADS, BR=512, BDR=64, BN=kernels.KEYS, QUANT=False, IEEE=False),
+               dict(BH=kernels.HEADS, BC=128, NC=4, BDR=64, BN=kernels.KEYS, QUANT=False, IEEE=False),
                kernels.DECODE_STAGES, decode, frozenset({"R", "Dr", "W", "page_size", "max_pages", "BT"})),
         Launch(f"prefill {kernels.PREFILL_QUERIES}x{kernels.PREFILL_KEYS} stages={kernels.PREFILL_STAGES}",
                kernels._prefill_kernel, dict(BM=kernels.PREFILL_QUERIES, BN=kernels.PREFILL_KEYS, BDN=128, BDR=64,
-                                             BDV=128, IEEE=False),
+                                             BDV=128, GROUP=kernels.PREFILL_GROUP, IEEE=False),
                kernels.PREFILL_STAGES, prefill, frozenset({"T", "L", "Dn", "Dr", "Dv"})),
     ]  # fmt: skip
 
@@ -139,7 +139,29 @@ def moe_launches() -> list[Launch]:
     ]  # fmt: skip
 
 
-MODULES = {"kda": kda_launches, "mla": mla_launches, "moe": moe_launches}
+def attnres_launches() -> list[Launch]:
+    """Block AttnRes at K3's shape (d = 7168, 24 queries over 8 stored blocks, bf16 stream): the
+    phase-1 logits and accumulate launches and the phase-2 merge."""
+    from k3verify.attnres import kernels
+
+    i32, f32 = "i32", "fp32"
+    stats = dict(m_out="*fp32", z_out="*fp32", n_out="*fp32")
+    logits = dict(wg="*fp32", ell="*fp32", T=i32, D=i32, n=i32, eps=f32)
+    accumulate = dict(ell="*fp32", T=i32, D=i32, n=i32, Q=i32, **stats)
+    merge = dict(m_in="*fp32", z_in="*fp32", n_in="*fp32", wg="*fp32", T=i32, D=i32, eps=f32)
+    return [
+        Launch("phase1 logits", kernels._logits_kernel, dict(BT=kernels.LOGITS_ROWS // 8, BD=kernels.LOGITS_WIDTH,
+                                                             QP=32, NP=8, MODE=1), kernels.LOGITS_STAGES, logits,
+               frozenset({"T", "D"})),
+        Launch("phase1 accumulate", kernels._accumulate_kernel, dict(SPLIT=kernels.ACC_SPLIT, BD=kernels.ACC_WIDTH,
+                                                                     QP=32, NP=16, MODE=1, STAGES=kernels.ACC_STAGES),
+               kernels.ACC_STAGES, accumulate, frozenset({"T", "D"})),
+        Launch("phase2 merge", kernels._merge_kernel, dict(HAS_P=True, BT=kernels.MERGE_TOKENS,
+                                                           BD=kernels.MERGE_WIDTH), 1, merge, frozenset({"T", "D"})),
+    ]  # fmt: skip
+
+
+MODULES = {"attnres": attnres_launches, "kda": kda_launches, "mla": mla_launches, "moe": moe_launches}
 
 
 def main(argv: list[str] | None = None, module: str | None = None) -> int:

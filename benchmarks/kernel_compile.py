@@ -110,6 +110,12 @@ def mla_launches() -> list[Launch]:
                kernels._prefill_kernel, dict(BM=kernels.PREFILL_QUERIES, BN=kernels.PREFILL_KEYS, BDN=128, BDR=64,
                                              BDV=128, GROUP=kernels.PREFILL_GROUP, IEEE=False),
                kernels.PREFILL_STAGES, prefill, frozenset({"T", "L", "Dn", "Dr", "Dv"})),
+        Launch(f"prefill fp32 {kernels.PREFILL_FP32_QUERIES}x{kernels.PREFILL_FP32_KEYS} "
+               f"stages={kernels.PREFILL_FP32_STAGES}",
+               kernels._prefill_kernel, dict(BM=kernels.PREFILL_FP32_QUERIES, BN=kernels.PREFILL_FP32_KEYS, BDN=128,
+                                             BDR=64, BDV=128, GROUP=kernels.PREFILL_GROUP, IEEE=True),
+               kernels.PREFILL_FP32_STAGES, prefill | dict.fromkeys(("q_n", "q_p", "k_n", "k_p", "v", "o"), "*fp32"),
+               frozenset({"T", "L", "Dn", "Dr", "Dv"})),
     ]  # fmt: skip
 
 

@@ -63,6 +63,12 @@ PREFILL_KEYS = 64
 PREFILL_WARPS = 8
 PREFILL_STAGES = 3
 PREFILL_GROUP = 2  # heads whose query blocks are launched together (the launch order)
+# fp32 operands take twice the shared memory per tile: 128 x 64 with 3 stages asks an H200 for
+# 295 KB against its 227 KB, so they run on half-size tiles with 2 stages (fp32 is a reference
+# path on the GPU, not a speed one).
+PREFILL_FP32_QUERIES = 64
+PREFILL_FP32_KEYS = 32
+PREFILL_FP32_STAGES = 2
 # Decode launch shape (latent_attention): 64-key tiles on 4 warps, 2 stages, the fastest timed on
 # an H200 (B = 64, context 32768: 12 heads as fast as 32-key tiles with 3 stages, 96 heads 17%
 # faster).
@@ -353,7 +359,7 @@ def prefill_attention(q_n: torch.Tensor, q_p: torch.Tensor, k_n: torch.Tensor, k
     B, H, T, Dn = q_n.shape
     L, Dr, Dv = k_n.shape[2], q_p.shape[-1], v.shape[-1]
     o = torch.empty(B, T, H, Dv, dtype=q_n.dtype, device=q_n.device)
-    bm, bn = (16, 16) if interpreted() else (PREFILL_QUERIES, PREFILL_KEYS)
+    bm, bn, stages = _prefill_tiles(q_n.dtype)
     if bm % bn:
         # A key tile across the diagonal would be read unmasked by the full-tile loop.
         raise ValueError(f"prefill query block {bm} is not a multiple of the key block {bn}")
@@ -361,9 +367,19 @@ def prefill_attention(q_n: torch.Tensor, q_p: torch.Tensor, k_n: torch.Tensor, k
     _prefill_kernel[(B * H * triton.cdiv(T, bm),)](
         q_n, q_p, k_n, k_p, v, o, starts, T, H, L, Dn, Dr, Dv, float(scale), BM=bm, BN=bn, BDN=block(Dn),
         BDR=block(Dr), BDV=block(Dv), GROUP=group,
-        IEEE=q_n.dtype == torch.float32, num_warps=PREFILL_WARPS, num_stages=PREFILL_STAGES,
+        IEEE=q_n.dtype == torch.float32, num_warps=PREFILL_WARPS, num_stages=stages,
     )  # fmt: skip
     return o
+
+
+def _prefill_tiles(dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(query block, key block, stages)`` of the prefill launch for operands of ``dtype``:
+    16 x 16 under the interpreter (where size is time), half-size tiles for fp32 on a GPU."""
+    if interpreted():
+        return 16, 16, PREFILL_STAGES
+    if dtype == torch.float32:
+        return PREFILL_FP32_QUERIES, PREFILL_FP32_KEYS, PREFILL_FP32_STAGES
+    return PREFILL_QUERIES, PREFILL_KEYS, PREFILL_STAGES
 
 
 def expanded_operands(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache, w_uk: torch.Tensor,

@@ -469,14 +469,15 @@ def chunk(
         cu_dev, start, end, seq_chunks = (t.to(dev) for t in (cu, *chunk_table(cu, C)))
     NS, NC = len(cu) - 1, len(start)
     if block_v is None:
-        # Measured on an H200 (benchmarks/kda_gpu.py --tune, state pass alone): 64 when the
-        # pass fills the device (H=96: 0.557 ms vs 0.764 at 32), else 32, more programs in the
-        # sequential pass (H=12, T=32768: 1.157 ms vs 1.434 at 64).
-        block_v = 64 if NS * H * triton.cdiv(V, 64) >= multiprocessors(dev) else 32
+        # Measured on an H200 (state pass alone, profiler): 64 when the pass fills the device
+        # (H=96: 0.560 ms vs 0.763 at 32), else 16, more programs in the sequential pass (H=12,
+        # T=32768: 1.083 ms vs 1.173 at 32 and 1.463 at 64; T=8192: 0.272 vs 0.295).
+        block_v = 64 if NS * H * triton.cdiv(V, 64) >= multiprocessors(dev) else 16
     BK, BV_full, BV = _block(K), _block(V), min(block_v, _block(V))
     BV_out = min(output_block_v, BV_full)
     if num_stages is None:
-        # Measured the same way: 3 stages at block_v 32 (1.157 vs 1.282 ms at 2), 2 at 64.
+        # Measured the same way: 3 stages at block_v 16 (1.083 vs 1.263 ms at 2) and 32 (1.157
+        # vs 1.282), 2 at 64.
         num_stages = 3 if BV <= 32 else 2
     ieee = op == torch.float32
     o = torch.empty(B * T, H, V, dtype=op, device=dev)

@@ -209,9 +209,12 @@ def gpu_bench(session: nox.Session) -> None:
     """On a CUDA machine: the KDA kernels against fla-core, the AttnRes kernels against
     flash-attn-res and torch.compile, the MLA kernels against flex_attention and torch SDPA, and
     the MoE expert kernels against torch._grouped_mm (do_bench), speed ratios, bandwidth and
-    accuracy."""
-    out = session.posargs[0] if session.posargs else "reports/latest/gpu"
-    session.run(sys.executable, "benchmarks/kda_gpu.py", "--out", out)
-    session.run(sys.executable, "benchmarks/attnres_gpu.py", "--out", out)
-    session.run(sys.executable, "benchmarks/mla_gpu.py", "--out", out)
-    session.run(sys.executable, "benchmarks/moe_gpu.py", "--out", out)
+    accuracy. ``nox -s gpu-bench -- OUT --quick`` runs each benchmark's ``--quick`` form (fewer
+    shapes, no launch sweeps), for CI-style use."""
+    folders = [a for a in session.posargs if not a.startswith("-")]
+    flags = [a for a in session.posargs if a.startswith("-")]
+    if any(f != "--quick" for f in flags):
+        session.error(f"gpu-bench takes an output folder and --quick, got {' '.join(session.posargs)}")
+    out = folders[0] if folders else "reports/latest/gpu"
+    for bench in ("kda_gpu", "attnres_gpu", "mla_gpu", "moe_gpu"):
+        session.run(sys.executable, f"benchmarks/{bench}.py", "--out", out, *flags)

@@ -213,7 +213,7 @@ def gpu_bench(session: nox.Session) -> None:
     shapes, no launch sweeps), for CI-style use."""
     folders = [a for a in session.posargs if not a.startswith("-")]
     flags = [a for a in session.posargs if a.startswith("-")]
-    if any(f != "--quick" for f in flags):
+    if len(folders) > 1 or any(f != "--quick" for f in flags):
         session.error(f"gpu-bench takes an output folder and --quick, got {' '.join(session.posargs)}")
     out = folders[0] if folders else "reports/latest/gpu"
     for bench in ("kda_gpu", "attnres_gpu", "mla_gpu", "moe_gpu"):

@@ -95,27 +95,31 @@ def kda_launches() -> list[Launch]:
 def mla_launches() -> list[Launch]:
     """Gated MLA at K3's widths (R = 512, Dr = 64, Dn = Dv = 128, pages of 64): the decode
     kernel at its launch shape and the prefill kernel at its tiles."""
+    import torch
+
     from k3verify.mla import kernels
 
     i32, i64 = "i32", "*i64"
     ints = ("T", "H", "R", "Dr", "W", "page_size", "max_pages", "BT", "num_splits", "head_blocks")
     decode = dict(block_table=i64, seq_lens=i64, o_part="*fp32", lse_part="*fp32", scale="fp32",
                   **dict.fromkeys(ints, i32))
-    prefill = dict(starts=i64, scale="fp32", **{n: i32 for n in ("T", "H", "L", "Dn", "Dr", "Dv")})
+    scalars = dict(starts=i64, scale="fp32", **{n: i32 for n in ("T", "H", "L", "Dn", "Dr", "Dv")})
+
+    def prefill(dtype: Any) -> Launch:
+        # The tiles the kernel itself picks for operands of this dtype on a GPU.
+        bm, bn, stages = kernels._prefill_tiles(dtype)
+        ieee = dtype == torch.float32
+        operands = dict.fromkeys(("q_n", "q_p", "k_n", "k_p", "v", "o"), "*fp32") if ieee else {}
+        return Launch(f"prefill {'fp32 ' if ieee else ''}{bm}x{bn} stages={stages}", kernels._prefill_kernel,
+                      dict(BM=bm, BN=bn, BDN=128, BDR=64, BDV=128, GROUP=kernels.PREFILL_GROUP, IEEE=ieee),
+                      stages, scalars | operands, frozenset({"T", "L", "Dn", "Dr", "Dv"}))
+
     return [
         Launch(f"decode keys={kernels.KEYS} stages={kernels.DECODE_STAGES}", kernels._decode_kernel,
                dict(BH=kernels.HEADS, BC=128, NC=4, BDR=64, BN=kernels.KEYS, QUANT=False, IEEE=False),
                kernels.DECODE_STAGES, decode, frozenset({"R", "Dr", "W", "page_size", "max_pages", "BT"})),
-        Launch(f"prefill {kernels.PREFILL_QUERIES}x{kernels.PREFILL_KEYS} stages={kernels.PREFILL_STAGES}",
-               kernels._prefill_kernel, dict(BM=kernels.PREFILL_QUERIES, BN=kernels.PREFILL_KEYS, BDN=128, BDR=64,
-                                             BDV=128, GROUP=kernels.PREFILL_GROUP, IEEE=False),
-               kernels.PREFILL_STAGES, prefill, frozenset({"T", "L", "Dn", "Dr", "Dv"})),
-        Launch(f"prefill fp32 {kernels.PREFILL_FP32_QUERIES}x{kernels.PREFILL_FP32_KEYS} "
-               f"stages={kernels.PREFILL_FP32_STAGES}",
-               kernels._prefill_kernel, dict(BM=kernels.PREFILL_FP32_QUERIES, BN=kernels.PREFILL_FP32_KEYS, BDN=128,
-                                             BDR=64, BDV=128, GROUP=kernels.PREFILL_GROUP, IEEE=True),
-               kernels.PREFILL_FP32_STAGES, prefill | dict.fromkeys(("q_n", "q_p", "k_n", "k_p", "v", "o"), "*fp32"),
-               frozenset({"T", "L", "Dn", "Dr", "Dv"})),
+        prefill(torch.bfloat16),
+        prefill(torch.float32),
     ]  # fmt: skip
 
 

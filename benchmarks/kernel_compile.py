@@ -1,5 +1,5 @@
 """Compile the Triton kernels of a module for a GPU target without a GPU: registers, spills,
-shared memory.
+shared memory, and the loads inside loops that are not prefetched.
 
     python benchmarks/kernel_compile.py --module attnres|kda|mla|moe [--arch 90] [--warps 2 4 8]
 
@@ -9,8 +9,11 @@ fast one). It compiles with the installed Triton and its bundled ``ptxas`` for `
 K3's shapes (bf16 operands) and reads the resource usage with the bundled ``cuobjdump``. Every
 pointer is taken as 16-byte aligned and the integers named below as multiples of 16, as Triton's
 launcher specialises them on the GPU (without that the loads are neither vectorised nor
-pipelined, and the figures are not the GPU's). Triton on the GPU machine may be a different
-version; read the numbers as a guide, then time the candidates there.
+pipelined, and the figures are not the GPU's). "Loads waited on in loops" counts the loads
+that Triton's pipeliner left synchronous inside a loop body (a mask along a tile's contiguous
+dimension is one cause): each one stalls every iteration on memory latency, which in a
+sequential loop such as KDA's state pass is the loop's own time. Triton on the GPU machine may
+be a different version; read the numbers as a guide, then time the candidates there.
 """
 
 from __future__ import annotations
@@ -66,8 +69,15 @@ def usage(launch: Launch, arch: int, warps: int) -> str:
         out = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     regs = re.search(r"REG:(\d+)", out)
     stack = re.search(r"STACK:(\d+)", out)
+    waited = waited_loads(compiled.asm["ttgir"])
     return (f"{regs.group(1) if regs else '?'} registers, {stack.group(1) if stack else '?'} B stack (spills), "
-            f"{compiled.metadata.shared} B shared")  # fmt: skip
+            f"{compiled.metadata.shared} B shared, {waited} loads waited on in loops")  # fmt: skip
+
+
+def waited_loads(ttgir: str) -> int:
+    """Synchronous ``tt.load`` operations inside ``scf.for`` bodies of a kernel's TTGIR (the
+    pipeliner turns the ones it prefetches into asynchronous copies)."""
+    return sum(len(re.findall(r"= tt\.load ", body.split("scf.yield")[0])) for body in ttgir.split("scf.for")[1:])
 
 
 def kda_launches() -> list[Launch]:
@@ -84,9 +94,11 @@ def kda_launches() -> list[Launch]:
         return Launch(name, fn, shape | extra, stages, types, div)
 
     return [
-        launch("intra", kernels._intra_kernel, 3, BV=128),
+        *[launch(f"prefix block_k={bk}", kernels._prefix_kernel, 3, BK=bk) for bk in (32, 64)],
+        *[launch(f"blocks {'A_qk' if qk else 'A_kk, W, U'} block_k={bk}", kernels._blocks_kernel, 3, BK=bk, BV=32,
+                 QK=qk) for qk in (True, False) for bk in (16, 32)],
         *[launch(f"state block_v={bv} stages={st}", kernels._state_kernel, st, BV=bv, STAGES=st)
-          for bv in (32, 64) for st in (2, 3)],
+          for bv in (16, 64) for st in (2, 3)],
         *[launch(f"output block_v={bv}", kernels._output_kernel, 3, BV=bv) for bv in (64, 128)],
         launch("decode block_v=64", kernels._recurrent_kernel, 3, BV=64),
     ]

@@ -83,7 +83,8 @@ LAUNCHES = [
     dict(block_v=16, num_stages=3),
     dict(block_v=64, num_stages=2, num_warps=8),
     dict(output_block_v=16, output_warps=8),
-    dict(intra_warps=2),
+    dict(intra_block_k=32, qk_warps=2, intra_warps=4, solve_block=16),
+    dict(prefix_block_k=16, prefix_warps=2),
 ]
 
 
@@ -248,6 +249,10 @@ def test_bad_arguments_are_named() -> None:
         kernels.chunk(*x, num_stages=1, operand_dtype=torch.float32)
     with pytest.raises(ValueError, match="output_block_v must be"):
         kernels.chunk(*x, output_block_v=48, operand_dtype=torch.float32)
+    with pytest.raises(ValueError, match="intra_block_k must be 16, 32, 64 or 128, got 8"):
+        kernels.chunk(*x, intra_block_k=8, operand_dtype=torch.float32)
+    with pytest.raises(ValueError, match="qk_warps must be 1, 2, 4 or 8, got 3"):
+        kernels.chunk(*x, qk_warps=3, operand_dtype=torch.float32)
     with pytest.raises(ValueError, match="end at the token count 20"):
         kernels.chunk(*x, cu_seqlens=torch.tensor([0, 5, 19]), operand_dtype=torch.float32)
     with pytest.raises(TypeError, match="cu_seqlens"):

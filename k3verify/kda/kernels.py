@@ -1,24 +1,28 @@
 """KDA GPU kernels in Triton: chunkwise prefill and fused recurrent decode.
 
-``chunk`` runs the chunkwise form of SPEC §1.5 with the two-level tiling of §1.6 in three
+``chunk`` runs the chunkwise form of SPEC §1.5 with the two-level tiling of §1.6 in five
 launches:
 
-1. *intra* (one program per chunk and head, tile by tile): the chunk-local log-decay prefix
-   ``G``, then for each 16-row sub-tile ``i`` the blocks ``A_qk[i, j]`` and ``A_kk[i, j]``
-   (``j <= i``) as operand-dtype matrix products with fp32 accumulation, and the pseudo-key/value
-   rows ``W_i, U_i`` by blocked forward substitution:
-   ``X_i = (I + A_kk[i,i])^{-1} (beta_i [exp(G_i) k_i ; v_i] - sum_{j<i} A_kk[i,j] X_j)``,
-   each diagonal inverse an fp32 product of powers of ``A_kk[i,i]`` (it is nilpotent).
-   Off-diagonal blocks split the decay at the query tile's start, so both factors are
-   ``<= 1``; diagonal blocks split it at the anchor chosen at compile time
-   (``tile_start``, ``tile_middle`` or ``row0_shift``, as in :mod:`k3verify.kda.tiled`).
-   It also stores what the later launches multiply: ``exp(G) q``, ``k exp(G_C - G)``
-   (transposed per chunk) and ``exp(G_C)``, so neither of them reads ``G`` or calls ``exp``.
-2. *state* (one program per sequence, head and value block; sequential over chunks): stores
+1. *prefix* (one program per chunk, head and key block): the chunk-local log-decay prefix
+   ``G`` (fp32) and what needs nothing else: ``exp(G) q`` (the output launch's operand),
+   ``exp(G) k`` (the right-hand side of ``W``), ``k exp(G_C - G)`` transposed per chunk (the
+   state update's operand) and ``exp(G_C)``, so no later launch calls ``exp`` on ``G`` again
+   except for the sub-tile blocks.
+2. *blocks*, twice (one program per chunk and head, key slice by key slice): the 16-row
+   sub-tile blocks ``(i, j)``, ``j <= i``, of ``A_qk`` and then of ``A_kk`` as operand-dtype
+   matrix products with fp32 accumulation. Off-diagonal blocks split the decay at the query
+   tile's start, so both factors are ``<= 1``; diagonal blocks split it at the anchor chosen at
+   compile time (``tile_start``, ``tile_middle`` or ``row0_shift``, as in
+   :mod:`k3verify.kda.tiled`). The ``A_kk`` launch goes on to ``T = (I + A_kk)^{-1}`` block by
+   block in fp32 (each diagonal inverse a product of powers of the nilpotent block) and the
+   pseudo-keys and values as whole-chunk products, ``W = T diag(beta) exp(G) k`` and
+   ``U = T diag(beta) v``. Two launches, not one: a ``[16, 16]`` block is the same registers on
+   every warp, so each launch keeps half the blocks live on as few warps as they need.
+3. *state* (one program per sequence, head and value block; sequential over chunks): stores
    the state entering each chunk, the pseudo-values ``V~ = U - W S`` and the next state
    ``exp(G_C) S + (k exp(G_C - G))^T V~``. Chunk bounds are arithmetic, so the loop prefetches
    the next chunk's operands (``num_stages``) while this one's products run.
-3. *output* (one program per chunk, head and value block):
+4. *output* (one program per chunk, head and value block):
    ``O = scale (exp(G) q) S + A_qk V~``.
 
 ``fused_recurrent`` is the decode kernel: one program per request, head and value block
@@ -162,91 +166,230 @@ def _pick_row(x, rows, r):
 
 
 @triton.jit
-def _intra_kernel(
-    q, k, v, g, beta, G, QG, KE, GL, Aqk, W, U, chunk_start, chunk_end, scale, anchor_offset,
-    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    C: tl.constexpr, BC: tl.constexpr, ANCHOR: tl.constexpr, IEEE: tl.constexpr,
+def _prefix_kernel(
+    q, k, g, G, QG, KG, KE, GL, chunk_start, chunk_end,
+    H, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
+    """Per chunk, head and key block: the chunk-local log-decay prefix ``G`` (fp32) and the
+    operands that need nothing else: ``exp(G) q`` (output launch), ``exp(G) k`` (the right-hand
+    side of ``W``), ``k exp(G_C - G)`` transposed to ``[K, C]`` (state update) and ``exp(G_C)``."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    col0 = tl.program_id(2) * BK
+    start = tl.load(chunk_start + n)
+    length = tl.load(chunk_end + n) - start
+    rows = tl.arange(0, C)
+    dk = col0 + tl.arange(0, BK)
+    # Rows past the end read g = 0, so G stays at the last real row's value there.
+    Gc = tl.cumsum(_rows(g, start, 0, length, h, col0, H, K, C, BK), axis=0)
+    _store_rows(G, Gc, start, 0, length, h, col0, H, K, C, BK)
+    e = _exp(Gc, IEEE)
+    _store_rows(QG, _rows(q, start, 0, length, h, col0, H, K, C, BK) * e, start, 0, length, h, col0, H, K, C, BK)
+    k_c = _rows(k, start, 0, length, h, col0, H, K, C, BK)
+    _store_rows(KG, k_c * e, start, 0, length, h, col0, H, K, C, BK)
+    s_end = _pick_row(Gc, rows, C - 1)
+    tl.store(GL + (n * H + h) * K + dk, _exp(s_end, IEEE), mask=dk < K)
+    # Rows past the end are stored too, as 0 (k is 0 there): the state pass then loads whole
+    # chunk blocks, with no mask along their contiguous dimension, which is what lets Triton
+    # prefetch them asynchronously (with one, the load waits inside the sequential loop).
+    k_end = k_c * _exp(s_end[None, :] - Gc, IEEE)
+    tl.store(KE + (n * H + h) * K * C + dk[:, None] * C + rows[None, :], tl.trans(k_end).to(KE.dtype.element_ty),
+             mask=(dk < K)[:, None])  # fmt: skip
+
+
+@triton.jit
+def _prefix_at(G, start, row, length, h, col0, H, K: tl.constexpr, BK: tl.constexpr):
+    """``G:[BK]`` at chunk row ``row``: the last real row's if the chunk ends before it, 0 for
+    ``row = -1`` (the prefix before the chunk's first row)."""
+    dk = col0 + tl.arange(0, BK)
+    row = tl.minimum(row, length - 1)
+    return tl.load(G + ((start + row) * H + h) * K + dk, mask=(dk < K) & (dk * 0 + row >= 0), other=0.0)
+
+
+@triton.jit
+def _diagonal(xi, ki, Gi, s, row0, length, anchor_offset, acc,
+              BC: tl.constexpr, ANCHOR: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """Add one key slice's share of the diagonal block ``x_i k_i^T`` with its decay (``x`` is
+    ``q`` for ``A_qk``, ``k`` for ``A_kk``; unscaled, unmasked) to ``acc:[BC, BC]`` fp32.
+    ``xi, ki:[BC, BK]`` are in the operand dtype, ``Gi`` the prefix, ``s`` its value at the
+    tile's start. ``exp(G_r - G_c)`` is split at the anchor ``a`` as ``exp(G_r - a) exp(a - G_c)``."""
+    r = tl.arange(0, BC)
+    ok = (row0 + r) < length
+    if ANCHOR == 0:
+        d = Gi - s[None, :]
+        d_lo = tl.zeros_like(d)
+    elif ANCHOR == 1:
+        # A partial tail tile splits at its last real row when that comes before the middle.
+        d = Gi - _pick_row(Gi, r, tl.minimum(BC // 2, length - 1 - row0))[None, :]
+        d_lo = tl.zeros_like(d)
+    else:
+        # G_r - a = (G_r - G_0) + offset sits near the offset (15 at BC = 16) even for
+        # neighbouring rows: rounded there, the factors of a product exp(G_r - G_c) that is
+        # near 1 carry errors up to 2^-24 * 16 each. The sum's rounding error is kept.
+        d, d_lo = _two_sum(Gi - _pick_row(Gi, r, 0)[None, :], anchor_offset)
+    # Padded rows get exponent 0 (their q, k are 0): no spurious inf * 0 there.
+    d = tl.where(ok[:, None], d, 0.0)
+    d_lo = tl.where(ok[:, None], d_lo, 0.0)
+    k_d = tl.trans((ki.to(tl.float32) * _exp_split(-d, -d_lo, IEEE)).to(ki.dtype))
+    return dot((xi.to(tl.float32) * _exp_split(d, d_lo, IEEE)).to(xi.dtype), k_d, IEEE, acc)
+
+
+@triton.jit
+def _to_tile_start(xi, Gi, s, row0, length, BC: tl.constexpr, IEEE: tl.constexpr):
+    """``x`` of tile ``i`` times ``exp(G - s)`` (``<= 1``), the row operand of its
+    off-diagonal blocks, in the operand dtype."""
+    ok = (row0 + tl.arange(0, BC)) < length
+    return (xi.to(tl.float32) * _exp(tl.where(ok[:, None], Gi - s[None, :], 0.0), IEEE)).to(xi.dtype)
+
+
+@triton.jit
+def _off_diagonal(x_o, kj, Gj, s, acc, IEEE: tl.constexpr):
+    """Add one key slice's share of block ``(i, j)``, ``j < i``, to ``acc``: the decay splits
+    at tile ``i``'s start ``s``, so the column factor ``exp(s - G_j)`` is ``<= 1`` too."""
+    return dot(x_o, tl.trans((kj.to(tl.float32) * _exp(s[None, :] - Gj, IEEE)).to(kj.dtype)), IEEE, acc)
+
+
+@triton.jit
+def _row_tile(x, k, G, acc, start, row0, length, h, col0, anchor_offset, H, K: tl.constexpr,
+              BC: tl.constexpr, BK: tl.constexpr, ANCHOR: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """Sub-tile ``i`` (rows ``row0 ..``) of one key slice: adds its diagonal block to ``acc``
+    and returns ``(k_i, G_i, s_i, x_i exp(G_i - s_i), acc)``, ``s_i`` the prefix at the tile's
+    start and the fourth the row operand of the tile's off-diagonal blocks."""
+    s = _prefix_at(G, start, row0 - 1, length, h, col0, H, K, BK)
+    xi = _cols(x, start, row0, length, h, col0, H, K, BC, BK)
+    ki = _cols(k, start, row0, length, h, col0, H, K, BC, BK)
+    Gi = _rows(G, start, row0, length, h, col0, H, K, BC, BK)
+    acc = _diagonal(xi, ki, Gi, s, row0, length, anchor_offset, acc, BC, ANCHOR, IEEE)
+    return ki, Gi, s, _to_tile_start(xi, Gi, s, row0, length, BC, IEEE), acc
+
+
+@triton.jit
+def _store_block(ptr, x, start, row0, col0, length, h, H, C: tl.constexpr, BC: tl.constexpr):
+    """Store ``x:[BC, BC]`` at rows ``row0 ..``, columns ``col0 ..`` of a ``[tokens, H, C]``
+    per-chunk matrix."""
+    _store_rows(ptr, x, start, row0, length, h, col0, H, C, BC, BC)
+
+
+@triton.jit
+def _blocks_kernel(
+    x, k, v, G, beta, Aqk, Tb, W, U, chunk_start, chunk_end, scale, anchor_offset,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, BC: tl.constexpr, ANCHOR: tl.constexpr, IEEE: tl.constexpr, QK: tl.constexpr,
+):  # fmt: skip
+    """The sub-tile blocks of ``x k^T`` with decay, ``x = q`` (``QK``: stores ``A_qk``) or
+    ``x = k`` (then ``T = (I + A_kk)^{-1}`` and ``W = T diag(beta) exp(G) k``,
+    ``U = T diag(beta) v``, where ``W`` holds ``exp(G) k`` on entry)."""
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     start = tl.load(chunk_start + n)
     length = tl.load(chunk_end + n) - start
-    OP = q.dtype.element_ty
-    # Operands are 16-row tiles; a whole-chunk fp32 tile measured slower on an H200.
+    tl.static_assert(C == BC or C == 2 * BC or C == 4 * BC, "a chunk is 1, 2 or 4 sub-tiles")
     r = tl.arange(0, BC)
-    dk = tl.arange(0, BK)
-    s = tl.zeros([BK], dtype=tl.float32)
-    for i in range(0, tl.cdiv(length, BC)):
-        row0 = i * BC
-        ok = (row0 + r) < length
-        # The chunk-local prefix, carried from the previous tile's last row; rows past the end
-        # read g = 0, so G stays at its last value there. Later tiles read these rows back.
-        Gi = s[None, :] + tl.cumsum(_rows(g, start, row0, length, h, 0, H, K, BC, BK), axis=0)
-        _store_rows(G, Gi, start, row0, length, h, 0, H, K, BC, BK)
-        qi = _rows(q, start, row0, length, h, 0, H, K, BC, BK)
-        ki = _rows(k, start, row0, length, h, 0, H, K, BC, BK)
-        bi = tl.load(beta + (start + row0 + r) * H + h, mask=ok, other=0.0).to(tl.float32)
-        _store_rows(QG, qi * _exp(Gi, IEEE), start, row0, length, h, 0, H, K, BC, BK)
-        # s, the prefix at the tile's start boundary, is the split of every off-diagonal block.
-        # Diagonal block: exp(G_r - G_c) = exp(G_r - a) exp(a - G_c), one product.
-        if ANCHOR == 0:
-            d = Gi - s[None, :]
-            d_lo = tl.zeros_like(d)
-        elif ANCHOR == 1:
-            # A partial tail tile reads the padded rows' prefix, i.e. the last real one.
-            d = Gi - _pick_row(Gi, r, tl.minimum(BC // 2, length - 1 - row0))[None, :]
-            d_lo = tl.zeros_like(d)
-        else:
-            # G_r - a = (G_r - G_0) + offset sits near the offset (15 at BC = 16) even for
-            # neighbouring rows: rounded there, the factors of a product exp(G_r - G_c) that is
-            # near 1 carry errors up to 2^-24 * 16 each. The sum's rounding error is kept.
-            d, d_lo = _two_sum(Gi - _pick_row(Gi, r, 0)[None, :], anchor_offset)
-        # Padded rows get exponent 0 (their q, k are 0): no spurious inf * 0 there.
-        d = tl.where(ok[:, None], d, 0.0)
-        d_lo = tl.where(ok[:, None], d_lo, 0.0)
-        q_d = (qi * _exp_split(d, d_lo, IEEE)).to(OP)
-        k_r = (ki * _exp_split(d, d_lo, IEEE)).to(OP)
-        k_d = (ki * _exp_split(-d, -d_lo, IEEE)).to(OP)
-        A_q = dot(q_d, tl.trans(k_d), IEEE)
-        A_k = dot(k_r, tl.trans(k_d), IEEE)
-        A_q = tl.where(r[:, None] >= r[None, :], A_q * scale, 0.0)
-        A_k = tl.where(r[:, None] > r[None, :], A_k * bi[:, None], 0.0)
-        _store_rows(Aqk, A_q, start, row0, length, h, row0, H, C, BC, BC)
+    # Block (i, j) accumulated over key slices of BK columns (fewer live registers than whole
+    # rows of K). Blocks past the chunk's sub-tiles stay 0 and unused.
+    a00 = tl.zeros([BC, BC], dtype=tl.float32)
+    a10, a11, a20, a21, a22, a30, a31, a32, a33 = a00, a00, a00, a00, a00, a00, a00, a00, a00
+    for col0 in range(0, K, BK):
+        k0, G0, _, _, a00 = _row_tile(x, k, G, a00, start, 0, length, h, col0, anchor_offset,
+                                      H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+        if C >= 2 * BC:
+            k1, G1, s1, x_o, a11 = _row_tile(x, k, G, a11, start, BC, length, h, col0, anchor_offset,
+                                             H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+            a10 = _off_diagonal(x_o, k0, G0, s1, a10, IEEE)
+        if C >= 4 * BC:
+            k2, G2, s2, x_o, a22 = _row_tile(x, k, G, a22, start, 2 * BC, length, h, col0, anchor_offset,
+                                             H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+            a20 = _off_diagonal(x_o, k0, G0, s2, a20, IEEE)
+            a21 = _off_diagonal(x_o, k1, G1, s2, a21, IEEE)
+            _, _, s3, x_o, a33 = _row_tile(x, k, G, a33, start, 3 * BC, length, h, col0, anchor_offset,
+                                           H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+            a30 = _off_diagonal(x_o, k0, G0, s3, a30, IEEE)
+            a31 = _off_diagonal(x_o, k1, G1, s3, a31, IEEE)
+            a32 = _off_diagonal(x_o, k2, G2, s3, a32, IEEE)
+    if QK:
+        # The causal lower triangle, scaled; the output launch reads nothing above it.
+        lower = r[:, None] >= r[None, :]
+        _store_block(Aqk, tl.where(lower, a00 * scale, 0.0), start, 0, 0, length, h, H, C, BC)
+        if C >= 2 * BC:
+            _store_block(Aqk, a10 * scale, start, BC, 0, length, h, H, C, BC)
+            _store_block(Aqk, tl.where(lower, a11 * scale, 0.0), start, BC, BC, length, h, H, C, BC)
+        if C >= 4 * BC:
+            _store_block(Aqk, a20 * scale, start, 2 * BC, 0, length, h, H, C, BC)
+            _store_block(Aqk, a21 * scale, start, 2 * BC, BC, length, h, H, C, BC)
+            _store_block(Aqk, tl.where(lower, a22 * scale, 0.0), start, 2 * BC, 2 * BC, length, h, H, C, BC)
+            _store_block(Aqk, a30 * scale, start, 3 * BC, 0, length, h, H, C, BC)
+            _store_block(Aqk, a31 * scale, start, 3 * BC, BC, length, h, H, C, BC)
+            _store_block(Aqk, a32 * scale, start, 3 * BC, 2 * BC, length, h, H, C, BC)
+            _store_block(Aqk, tl.where(lower, a33 * scale, 0.0), start, 3 * BC, 3 * BC, length, h, H, C, BC)
+    else:
+        _solve(v, beta, Tb, W, U, start, length, h, H, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33,
+               K, V, BK, BV, C, BC, IEEE)  # fmt: skip
 
-        # Right-hand sides beta_i [exp(G_i) k_i ; v_i], minus the earlier tiles' part.
-        R_k = bi[:, None] * ki * _exp(Gi, IEEE)
-        R_v = bi[:, None] * _rows(v, start, row0, length, h, 0, H, V, BC, BV)
-        d_s = tl.where(ok[:, None], Gi - s[None, :], 0.0)
-        q_o = (qi * _exp(d_s, IEEE)).to(OP)
-        k_o = (ki * _exp(d_s, IEEE)).to(OP)
-        for j in range(0, i):
-            Gj = _rows(G, start, j * BC, length, h, 0, H, K, BC, BK)
-            kj = _rows(k, start, j * BC, length, h, 0, H, K, BC, BK)
-            k_c = (kj * _exp(s[None, :] - Gj, IEEE)).to(OP)
-            A_qj = dot(q_o, tl.trans(k_c), IEEE) * scale
-            _store_rows(Aqk, A_qj, start, row0, length, h, j * BC, H, C, BC, BC)
-            A_kj = (dot(k_o, tl.trans(k_c), IEEE) * bi[:, None]).to(OP)
-            W_j = _cols(W, start, j * BC, length, h, 0, H, K, BC, BK)
-            U_j = _cols(U, start, j * BC, length, h, 0, H, V, BC, BV)
-            R_k -= dot(A_kj, W_j, IEEE)
-            R_v -= dot(A_kj, U_j, IEEE)
-        M = _unit_lower_inverse(A_k, BC).to(OP)
-        _store_rows(W, dot(M, R_k.to(OP), IEEE), start, row0, length, h, 0, H, K, BC, BK)
-        _store_rows(U, dot(M, R_v.to(OP), IEEE), start, row0, length, h, 0, H, V, BC, BV)
-        s = _pick_row(Gi, r, BC - 1)
-        # Later tiles read these rows of G, W and U back.
-        tl.debug_barrier()
 
-    # s is now G at the chunk's last row. What the state pass reads, each in the dtype it
-    # enters its product in: exp(G_C) and k * exp(G_C - G) (factors <= 1), the latter stored
-    # transposed ([K, C] per chunk) as the state update's left operand.
-    tl.store(GL + (n * H + h) * K + dk, _exp(s, IEEE), mask=dk < K)
-    for i in range(0, tl.cdiv(length, BC)):
-        row0 = i * BC
-        G_i = _rows(G, start, row0, length, h, 0, H, K, BC, BK)
-        k_end = _rows(k, start, row0, length, h, 0, H, K, BC, BK) * _exp(s[None, :] - G_i, IEEE)
-        tl.store(KE + (n * H + h) * K * C + dk[:, None] * C + (row0 + r)[None, :], tl.trans(k_end).to(OP),
-                 mask=(dk < K)[:, None] & ((row0 + r) < length)[None, :])  # fmt: skip
+@triton.jit
+def _solve(v, beta, Tb, W, U, start, length, h, H, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33,
+           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+           BC: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """From the blocks ``a_ij`` of ``k k^T`` with decay (before ``beta``): ``T = (I + A_kk)^{-1}``
+    block by block (``T_ii`` inverts a diagonal block; below it ``T_ij = -T_ii sum_{j<=m<i}
+    A_im T_mj``; all fp32), then ``W = T diag(beta) W`` and ``U = T diag(beta) v`` as
+    whole-chunk products."""
+    r = tl.arange(0, BC)
+    strict = r[:, None] > r[None, :]
+    b0 = _beta_rows(beta, start, 0, length, h, H, BC)
+    t00 = _unit_lower_inverse(tl.where(strict, a00 * b0[:, None], 0.0), BC)
+    _store_block(Tb, t00 * b0[None, :], start, 0, 0, length, h, H, C, BC)
+    if C >= 2 * BC:
+        b1 = _beta_rows(beta, start, BC, length, h, H, BC)
+        t11 = _unit_lower_inverse(tl.where(strict, a11 * b1[:, None], 0.0), BC)
+        t10 = -_dot32(t11, _dot32(a10 * b1[:, None], t00))
+        _store_block(Tb, t10 * b0[None, :], start, BC, 0, length, h, H, C, BC)
+        _store_block(Tb, t11 * b1[None, :], start, BC, BC, length, h, H, C, BC)
+    if C >= 4 * BC:
+        b2 = _beta_rows(beta, start, 2 * BC, length, h, H, BC)
+        b3 = _beta_rows(beta, start, 3 * BC, length, h, H, BC)
+        t22 = _unit_lower_inverse(tl.where(strict, a22 * b2[:, None], 0.0), BC)
+        t33 = _unit_lower_inverse(tl.where(strict, a33 * b3[:, None], 0.0), BC)
+        a20, a21 = a20 * b2[:, None], a21 * b2[:, None]
+        a30, a31, a32 = a30 * b3[:, None], a31 * b3[:, None], a32 * b3[:, None]
+        t21 = -_dot32(t22, _dot32(a21, t11))
+        t20 = -_dot32(t22, _dot32(a20, t00) + _dot32(a21, t10))
+        t32 = -_dot32(t33, _dot32(a32, t22))
+        t31 = -_dot32(t33, _dot32(a31, t11) + _dot32(a32, t21))
+        t30 = -_dot32(t33, _dot32(a30, t00) + _dot32(a31, t10) + _dot32(a32, t20))
+        _store_block(Tb, t20 * b0[None, :], start, 2 * BC, 0, length, h, H, C, BC)
+        _store_block(Tb, t21 * b1[None, :], start, 2 * BC, BC, length, h, H, C, BC)
+        _store_block(Tb, t22 * b2[None, :], start, 2 * BC, 2 * BC, length, h, H, C, BC)
+        _store_block(Tb, t30 * b0[None, :], start, 3 * BC, 0, length, h, H, C, BC)
+        _store_block(Tb, t31 * b1[None, :], start, 3 * BC, BC, length, h, H, C, BC)
+        _store_block(Tb, t32 * b2[None, :], start, 3 * BC, 2 * BC, length, h, H, C, BC)
+        _store_block(Tb, t33 * b3[None, :], start, 3 * BC, 3 * BC, length, h, H, C, BC)
+    # This program reads its own T diag(beta) back as one whole-chunk tile.
+    tl.debug_barrier()
+    # 64-row products (at C = 64) where blocked substitution would chain 16-row ones. Blocks
+    # above the diagonal were not written.
+    rows = tl.arange(0, C)
+    Tt = _cols(Tb, start, 0, length, h, 0, H, C, C, C)
+    Tt = tl.where((rows[:, None] // BC) >= (rows[None, :] // BC), Tt, 0.0)
+    for col0 in range(0, K, BV):
+        _store_rows(W, dot(Tt, _cols(W, start, 0, length, h, col0, H, K, C, BV), IEEE),
+                    start, 0, length, h, col0, H, K, C, BV)  # fmt: skip
+    for col0 in range(0, V, BV):
+        _store_rows(U, dot(Tt, _cols(v, start, 0, length, h, col0, H, V, C, BV), IEEE),
+                    start, 0, length, h, col0, H, V, C, BV)  # fmt: skip
+
+
+@triton.jit
+def _beta_rows(beta, start, row0, length, h, H, BC: tl.constexpr):
+    """``beta:[BC]`` fp32 of rows ``row0 ..`` of the chunk (0 past its end)."""
+    rr = row0 + tl.arange(0, BC)
+    return tl.load(beta + (start + rr) * H + h, mask=rr < length, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _dot32(a, b):
+    """``a @ b`` of fp32 ``[16, 16]`` blocks, exact products (the inverse's own precision)."""
+    return tl.dot(a, b, input_precision="ieee")
 
 
 # --- prefill: state pass and output ------------------------------------------------------
@@ -281,13 +424,14 @@ def _state_kernel(
         length = tl.minimum(eos - start, C)
         tl.store(Hs + (n * H + h) * K * V + soffs, S.to(OP), mask=smask)
         W_n = _cols(W, start, 0, length, h, 0, H, K, C, BK)
-        k_end = tl.load((KE + (n * H + h) * K * C) + dk[:, None] * C + cc[None, :],
-                        mask=(dk < K)[:, None] & (cc < length)[None, :], other=0.0)  # fmt: skip
+        # Whole [K, C] blocks (the prefix launch zeroes a partial chunk's tail): prefetched.
+        k_end = tl.load((KE + (n * H + h) * K * C) + dk[:, None] * C + cc[None, :], mask=(dk < K)[:, None], other=0.0)
         decay = tl.load(GL + (n * H + h) * K + dk, mask=dk < K, other=0.0)
         v_new = _cols(U, start, 0, length, h, iv * BV, H, V, C, BV).to(tl.float32) - dot(W_n, S.to(OP), IEEE)
         v_op = v_new.to(OP)
         _store_rows(VN, v_op, start, 0, length, h, iv * BV, H, V, C, BV)
-        S = S * decay[:, None] + dot(k_end, v_op, IEEE)
+        # The decayed state is the product's accumulator: one fused step, no separate add.
+        S = dot(k_end, v_op, IEEE, S * decay[:, None])
     if STORE_HT:
         tl.store(hT + sh * K * V + soffs, S, mask=smask)
 
@@ -428,6 +572,11 @@ def chunk(
     output_block_v: int = 64,
     num_warps: int = 4,
     intra_warps: int = 2,
+    qk_warps: int = 1,
+    intra_block_k: int = 16,
+    solve_block: int = 32,
+    prefix_block_k: int = 64,
+    prefix_warps: int = 4,
     output_warps: int = 4,
     num_stages: int | None = None,
     validate: bool = True,
@@ -438,9 +587,12 @@ def chunk(
     float dtype; they are cast to ``operand_dtype`` (``g`` to fp32) on the kernel's device.
     With ``cu_seqlens:[N+1]``, ``B`` must be 1 and ``initial_state`` is ``[N,H,K,V]``.
     ``tile`` must be 16 (the sub-tile is compiled in); ``chunk_size`` 16, 32 or 64.
-    ``block_v`` (default: by occupancy), ``num_warps`` and ``num_stages`` shape the state pass,
-    ``output_block_v`` and ``output_warps`` the output launch, ``intra_warps`` the intra-chunk
-    one (speed only; the defaults are the fastest measured on an H200, benchmarks/kda_gpu.py);
+    Launch shapes (speed only; the defaults are the fastest measured on an H200,
+    benchmarks/kda_gpu.py): ``block_v`` (default: by occupancy), ``num_warps`` and
+    ``num_stages`` the state pass; ``output_block_v`` and ``output_warps`` the output launch;
+    ``prefix_block_k`` and ``prefix_warps`` the prefix launch; ``intra_block_k`` (key slice),
+    ``qk_warps`` (``A_qk`` launch), ``intra_warps`` and ``solve_block`` (the ``A_kk`` launch and
+    the column width of its ``W``, ``U`` products) the sub-tile blocks.
     ``validate=False`` skips the value scans (NaN, positive log-decay) that wait for the device.
     Returns ``o:[B,T,H,V]`` in ``operand_dtype`` and the final state (fp32) on the kernel's device.
     """
@@ -453,6 +605,14 @@ def chunk(
         raise ValueError(f"unknown anchor {anchor!r}; choose one of {', '.join(ANCHORS)}")
     if block_v not in (None, 16, 32, 64, 128) or output_block_v not in (16, 32, 64, 128):
         raise ValueError(f"block_v and output_block_v must be 16, 32, 64 or 128, got {block_v}, {output_block_v}")
+    for name, value in (("intra_block_k", intra_block_k), ("solve_block", solve_block),
+                        ("prefix_block_k", prefix_block_k)):  # fmt: skip
+        if value not in (16, 32, 64, 128):
+            raise ValueError(f"{name} must be 16, 32, 64 or 128, got {value}")
+    for name, value in (("num_warps", num_warps), ("intra_warps", intra_warps), ("qk_warps", qk_warps),
+                        ("prefix_warps", prefix_warps), ("output_warps", output_warps)):  # fmt: skip
+        if value not in (1, 2, 4, 8):
+            raise ValueError(f"{name} must be 1, 2, 4 or 8, got {value}")
     if num_stages not in (2, 3, 4, None):
         # One stage gave wrong state-pass results on an H200 (Triton 3.6, block_v 32, H=96).
         raise ValueError(f"num_stages must be 2, 3 or 4, got {num_stages}")
@@ -475,6 +635,7 @@ def chunk(
         block_v = 64 if NS * H * triton.cdiv(V, 64) >= multiprocessors(dev) else 16
     BK, BV_full, BV = _block(K), _block(V), min(block_v, _block(V))
     BV_out = min(output_block_v, BV_full)
+    BKP = min(prefix_block_k, BK)
     if num_stages is None:
         # Measured the same way: 3 stages at block_v 16 (1.083 vs 1.263 ms at 2) and 32 (1.157
         # vs 1.282), 2 at 64.
@@ -484,19 +645,28 @@ def chunk(
     hT = torch.empty(NS, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.to(dev, torch.float32).contiguous() if initial_state is not None else None
     if NC:
-        QG, W = (torch.empty(B * T, H, K, dtype=op, device=dev) for _ in range(2))
         G = torch.empty(B * T, H, K, dtype=torch.float32, device=dev)
+        QG, W = (torch.empty(B * T, H, K, dtype=op, device=dev) for _ in range(2))
         KE = torch.empty(NC, H, K, C, dtype=op, device=dev)
         U, VN = (torch.empty(B * T, H, V, dtype=op, device=dev) for _ in range(2))
         GL = torch.empty(NC, H, K, dtype=torch.float32, device=dev)
-        Aqk = torch.empty(B * T, H, C, dtype=op, device=dev)
+        Aqk, Tb = (torch.empty(B * T, H, C, dtype=op, device=dev) for _ in range(2))
         Hs = torch.empty(NC, H, K, V, dtype=op, device=dev)
         offset = anchor_shift * (SUB_TILE - 1) / 2
-        _intra_kernel[(NC, H)](
-            *flat, g32, b_op, G, QG, KE, GL, Aqk, W, U, start, end, scale, offset,
-            H=H, K=K, V=V, BK=BK, BV=BV_full, C=C, BC=SUB_TILE, ANCHOR=_ANCHOR_CODE[anchor], IEEE=ieee,
-            num_warps=intra_warps,
+        # Launch defaults measured on an H200 at T=8192, H=96 (profiler, ms): prefix 0.662 at key
+        # blocks of 64 and 4 warps (0.737 at 32; 0.728 at 8 warps); both block launches 1.418 at
+        # key slices of 16, 1 + 2 warps and solve columns of 32 (1.442 with 2 warps for A_qk,
+        # 1.650 at slices of 32, 1.908 at solve columns of 16, 1.983 with 1 warp for A_kk).
+        _prefix_kernel[(NC, H, triton.cdiv(K, BKP))](
+            flat[0], flat[1], g32, G, QG, W, KE, GL, start, end, H=H, K=K, BK=BKP, C=C, IEEE=ieee,
+            num_warps=prefix_warps,
         )  # fmt: skip
+        for x, qk, warps in ((flat[0], True, qk_warps), (flat[1], False, intra_warps)):
+            _blocks_kernel[(NC, H)](
+                x, flat[1], flat[2], G, b_op, Aqk, Tb, W, U, start, end, scale, offset,
+                H=H, K=K, V=V, BK=min(intra_block_k, BK), BV=min(solve_block, BV_full, BK), C=C, BC=SUB_TILE,
+                ANCHOR=_ANCHOR_CODE[anchor], IEEE=ieee, QK=qk, num_warps=warps,
+            )  # fmt: skip
         _state_kernel[(triton.cdiv(V, BV), NS * H)](
             KE, GL, W, U, VN, Hs, h0, hT, cu_dev, seq_chunks,
             H=H, K=K, V=V, BK=BK, BV=BV, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None, IEEE=ieee,

@@ -202,8 +202,8 @@ def _prefix_at(G, start, row, length, h, col0, H, K: tl.constexpr, BK: tl.conste
     """``G:[BK]`` at chunk row ``row``: the last real row's if the chunk ends before it, 0 for
     ``row = -1`` (the prefix before the chunk's first row)."""
     dk = col0 + tl.arange(0, BK)
-    row = tl.minimum(row, length - 1)
-    return tl.load(G + ((start + row) * H + h) * K + dk, mask=(dk < K) & (dk * 0 + row >= 0), other=0.0)
+    at = tl.maximum(tl.minimum(row, length - 1), 0)
+    return tl.where(row >= 0, tl.load(G + ((start + at) * H + h) * K + dk, mask=dk < K, other=0.0), 0.0)
 
 
 @triton.jit
@@ -284,7 +284,6 @@ def _blocks_kernel(
     start = tl.load(chunk_start + n)
     length = tl.load(chunk_end + n) - start
     tl.static_assert(C == BC or C == 2 * BC or C == 4 * BC, "a chunk is 1, 2 or 4 sub-tiles")
-    r = tl.arange(0, BC)
     # Block (i, j) accumulated over key slices of BK columns (fewer live registers than whole
     # rows of K). Blocks past the chunk's sub-tiles stay 0 and unused.
     a00 = tl.zeros([BC, BC], dtype=tl.float32)
@@ -307,20 +306,19 @@ def _blocks_kernel(
             a31 = _off_diagonal(x_o, k1, G1, s3, a31, IEEE)
             a32 = _off_diagonal(x_o, k2, G2, s3, a32, IEEE)
     if QK:
-        # The causal lower triangle, scaled; the output launch reads nothing above it.
-        lower = r[:, None] >= r[None, :]
-        _store_block(Aqk, tl.where(lower, a00 * scale, 0.0), start, 0, 0, length, h, H, C, BC)
+        # Stored scaled; the output launch keeps only the causal lower triangle of what it reads.
+        _store_block(Aqk, a00 * scale, start, 0, 0, length, h, H, C, BC)
         if C >= 2 * BC:
             _store_block(Aqk, a10 * scale, start, BC, 0, length, h, H, C, BC)
-            _store_block(Aqk, tl.where(lower, a11 * scale, 0.0), start, BC, BC, length, h, H, C, BC)
+            _store_block(Aqk, a11 * scale, start, BC, BC, length, h, H, C, BC)
         if C >= 4 * BC:
             _store_block(Aqk, a20 * scale, start, 2 * BC, 0, length, h, H, C, BC)
             _store_block(Aqk, a21 * scale, start, 2 * BC, BC, length, h, H, C, BC)
-            _store_block(Aqk, tl.where(lower, a22 * scale, 0.0), start, 2 * BC, 2 * BC, length, h, H, C, BC)
+            _store_block(Aqk, a22 * scale, start, 2 * BC, 2 * BC, length, h, H, C, BC)
             _store_block(Aqk, a30 * scale, start, 3 * BC, 0, length, h, H, C, BC)
             _store_block(Aqk, a31 * scale, start, 3 * BC, BC, length, h, H, C, BC)
             _store_block(Aqk, a32 * scale, start, 3 * BC, 2 * BC, length, h, H, C, BC)
-            _store_block(Aqk, tl.where(lower, a33 * scale, 0.0), start, 3 * BC, 3 * BC, length, h, H, C, BC)
+            _store_block(Aqk, a33 * scale, start, 3 * BC, 3 * BC, length, h, H, C, BC)
     else:
         _solve(v, beta, Tb, W, U, start, length, h, H, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33,
                K, V, BK, BV, C, BC, IEEE)  # fmt: skip
@@ -342,7 +340,7 @@ def _solve(v, beta, Tb, W, U, start, length, h, H, a00, a10, a11, a20, a21, a22,
     if C >= 2 * BC:
         b1 = _beta_rows(beta, start, BC, length, h, H, BC)
         t11 = _unit_lower_inverse(tl.where(strict, a11 * b1[:, None], 0.0), BC)
-        t10 = -_dot32(t11, _dot32(a10 * b1[:, None], t00))
+        t10 = -_exact(t11, _exact(a10 * b1[:, None], t00))
         _store_block(Tb, t10 * b0[None, :], start, BC, 0, length, h, H, C, BC)
         _store_block(Tb, t11 * b1[None, :], start, BC, BC, length, h, H, C, BC)
     if C >= 4 * BC:
@@ -352,11 +350,11 @@ def _solve(v, beta, Tb, W, U, start, length, h, H, a00, a10, a11, a20, a21, a22,
         t33 = _unit_lower_inverse(tl.where(strict, a33 * b3[:, None], 0.0), BC)
         a20, a21 = a20 * b2[:, None], a21 * b2[:, None]
         a30, a31, a32 = a30 * b3[:, None], a31 * b3[:, None], a32 * b3[:, None]
-        t21 = -_dot32(t22, _dot32(a21, t11))
-        t20 = -_dot32(t22, _dot32(a20, t00) + _dot32(a21, t10))
-        t32 = -_dot32(t33, _dot32(a32, t22))
-        t31 = -_dot32(t33, _dot32(a31, t11) + _dot32(a32, t21))
-        t30 = -_dot32(t33, _dot32(a30, t00) + _dot32(a31, t10) + _dot32(a32, t20))
+        t21 = -_exact(t22, _exact(a21, t11))
+        t20 = -_exact(t22, _exact(a20, t00) + _exact(a21, t10))
+        t32 = -_exact(t33, _exact(a32, t22))
+        t31 = -_exact(t33, _exact(a31, t11) + _exact(a32, t21))
+        t30 = -_exact(t33, _exact(a30, t00) + _exact(a31, t10) + _exact(a32, t20))
         _store_block(Tb, t20 * b0[None, :], start, 2 * BC, 0, length, h, H, C, BC)
         _store_block(Tb, t21 * b1[None, :], start, 2 * BC, BC, length, h, H, C, BC)
         _store_block(Tb, t22 * b2[None, :], start, 2 * BC, 2 * BC, length, h, H, C, BC)
@@ -380,16 +378,16 @@ def _solve(v, beta, Tb, W, U, start, length, h, H, a00, a10, a11, a20, a21, a22,
 
 
 @triton.jit
+def _exact(a, b):
+    """``a @ b`` of fp32 ``[16, 16]`` blocks with exact products (the inverse's precision)."""
+    return dot(a, b, True)
+
+
+@triton.jit
 def _beta_rows(beta, start, row0, length, h, H, BC: tl.constexpr):
     """``beta:[BC]`` fp32 of rows ``row0 ..`` of the chunk (0 past its end)."""
     rr = row0 + tl.arange(0, BC)
     return tl.load(beta + (start + rr) * H + h, mask=rr < length, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _dot32(a, b):
-    """``a @ b`` of fp32 ``[16, 16]`` blocks, exact products (the inverse's own precision)."""
-    return tl.dot(a, b, input_precision="ieee")
 
 
 # --- prefill: state pass and output ------------------------------------------------------
@@ -452,7 +450,8 @@ def _output_kernel(
     soffs, smask = _state_offsets(iv, K, V, BK, BV)
     q_g = _cols(QG, start, 0, length, h, 0, H, K, C, BK)
     S = tl.load(Hs + (n * H + h) * K * V + soffs, mask=smask, other=0.0)
-    # Only the lower triangle of A_qk is written; the rest of the buffer is never read as data.
+    # Only blocks on and below the diagonal of A_qk are written (diagonal ones whole): the causal
+    # mask keeps what is data, so nothing above it is ever read as such.
     A = tl.where(rows[:, None] >= rows[None, :], _cols(Aqk, start, 0, length, h, 0, H, C, C, C), 0.0).to(OP)
     v_new = _cols(VN, start, 0, length, h, iv * BV, H, V, C, BV)
     out = scale * dot(q_g, S, IEEE) + dot(A, v_new, IEEE)

@@ -7,6 +7,7 @@ every run uses the same versions. ``session.posargs`` go to the underlying tool.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -189,9 +190,22 @@ def _gpu_module(session: nox.Session, module: str, tests: tuple[str, ...], out: 
     overflow map and its rows, the report drawing that map."""
     python = sys.executable
     profile = os.environ.get("HYPOTHESIS_PROFILE", "gpu")
-    session.run(python, "-m", "pytest", *tests, "-q", "-rs", env={"HYPOTHESIS_PROFILE": profile})
+    workers = _gpu_workers(session)
+    session.run(python, "-m", "pytest", *tests, "-q", "-rs", *workers, env={"HYPOTHESIS_PROFILE": profile})
     session.run(python, "-m", "k3verify", "overflow-map", "--module", module, "--quick", "--out", maps)
     session.run(python, "-m", "k3verify", "run", "--modules", module, "--out", out, "--maps", maps, **run_options)
+
+
+def _gpu_workers(session: nox.Session) -> tuple[str, ...]:
+    """pytest-xdist's worker count for the GPU tests when it is importable (a wheel on
+    PYTHONPATH, as fla-core): on a fresh device most of their time is Triton compiling each
+    kernel specialisation on one CPU core, which workers spread over the host's cores. The
+    derandomised ``gpu`` profile draws the same examples in any worker."""
+    if importlib.util.find_spec("xdist") is None:
+        session.log("pytest-xdist is not importable: the GPU tests run in one process")
+        return ()
+    workers = os.environ.get("K3VERIFY_GPU_WORKERS", str(min(8, max(1, (os.cpu_count() or 2) // 2))))
+    return ("-n", workers)
 
 
 @nox.session(name="gpu-tp", venv_backend="none")

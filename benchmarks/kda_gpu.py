@@ -69,10 +69,9 @@ def split_rows(log, peers: bool) -> list[dict[str, Any]]:
 
 
 TUNE = {
-    "_prefix_kernel": [dict(prefix_block_k=b, prefix_warps=w) for b in (32, 64) for w in (4, 8)],
     "_blocks_kernel": [
         dict(intra_block_k=b, qk_warps=q, intra_warps=w, solve_block=s)
-        for b, q, w, s in ((16, 1, 2, 32), (32, 1, 2, 32), (16, 2, 2, 32), (16, 1, 2, 16))
+        for b, q, w, s in ((16, 1, 2, 32), (16, 2, 2, 32), (16, 1, 4, 32), (16, 2, 4, 32))
     ],
     "_state_kernel": [dict(block_v=v, num_warps=w, num_stages=s) for v in (32, 64) for w in (4, 8) for s in (2, 3)],
     "_output_kernel": [dict(output_block_v=v, output_warps=w) for v in (64, 128) for w in (4, 8)],

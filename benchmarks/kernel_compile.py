@@ -84,7 +84,7 @@ def kda_launches() -> list[Launch]:
     """KDA at K = V = 128, chunk 64: the intra, state, output and decode launches."""
     from k3verify.kda import kernels
 
-    types = {n: "*fp32" for n in ("g", "G", "GL", "h0", "hT", "pool")}
+    types = {n: "*fp32" for n in ("g", "GL", "h0", "hT", "pool")}
     types |= {n: "*i64" for n in ("chunk_start", "chunk_end", "cu", "seq_chunks", "indices")}
     types |= {"scale": "fp32", "anchor_offset": "fp32", "H": "i32", "T": "i32"}
     shape = dict(K=128, V=128, BK=128, C=64, BC=16, ANCHOR=0, IEEE=False, HAS_H0=False, STORE_HT=False)
@@ -94,7 +94,6 @@ def kda_launches() -> list[Launch]:
         return Launch(name, fn, shape | extra, stages, types, div)
 
     return [
-        *[launch(f"prefix block_k={bk}", kernels._prefix_kernel, 3, BK=bk) for bk in (32, 64)],
         *[launch(f"blocks {'A_qk' if qk else 'A_kk, W, U'} block_k={bk}", kernels._blocks_kernel, 3, BK=bk, BV=32,
                  QK=qk) for qk in (True, False) for bk in (16, 32)],
         *[launch(f"state block_v={bv} stages={st}", kernels._state_kernel, st, BV=bv, STAGES=st)

@@ -84,7 +84,6 @@ LAUNCHES = [
     dict(block_v=64, num_stages=2, num_warps=8),
     dict(output_block_v=16, output_warps=8),
     dict(intra_block_k=32, qk_warps=2, intra_warps=4, solve_block=16),
-    dict(prefix_block_k=16, prefix_warps=2),
 ]
 
 

@@ -1,28 +1,28 @@
 """KDA GPU kernels in Triton: chunkwise prefill and fused recurrent decode.
 
-``chunk`` runs the chunkwise form of SPEC §1.5 with the two-level tiling of §1.6 in five
+``chunk`` runs the chunkwise form of SPEC §1.5 with the two-level tiling of §1.6 in four
 launches:
 
-1. *prefix* (one program per chunk, head and key block): the chunk-local log-decay prefix
-   ``G`` (fp32) and what needs nothing else: ``exp(G) q`` (the output launch's operand),
-   ``exp(G) k`` (the right-hand side of ``W``), ``k exp(G_C - G)`` transposed per chunk (the
-   state update's operand) and ``exp(G_C)``, so no later launch calls ``exp`` on ``G`` again
-   except for the sub-tile blocks.
-2. *blocks*, twice (one program per chunk and head, key slice by key slice): the 16-row
-   sub-tile blocks ``(i, j)``, ``j <= i``, of ``A_qk`` and then of ``A_kk`` as operand-dtype
-   matrix products with fp32 accumulation. Off-diagonal blocks split the decay at the query
-   tile's start, so both factors are ``<= 1``; diagonal blocks split it at the anchor chosen at
+1. *blocks*, twice (one program per chunk and head, key slice by key slice): the chunk-local
+   log-decay prefix ``G`` (fp32, summed tile by tile, never stored) and the 16-row sub-tile
+   blocks ``(i, j)``, ``j <= i``, of ``A_qk`` and then of ``A_kk`` as operand-dtype matrix
+   products with fp32 accumulation. Off-diagonal blocks split the decay at the query tile's
+   start, so both factors are ``<= 1``; diagonal blocks split it at the anchor chosen at
    compile time (``tile_start``, ``tile_middle`` or ``row0_shift``, as in
-   :mod:`k3verify.kda.tiled`). The ``A_kk`` launch goes on to ``T = (I + A_kk)^{-1}`` block by
-   block in fp32 (each diagonal inverse a product of powers of the nilpotent block) and the
-   pseudo-keys and values as whole-chunk products, ``W = T diag(beta) exp(G) k`` and
-   ``U = T diag(beta) v``. Two launches, not one: a ``[16, 16]`` block is the same registers on
-   every warp, so each launch keeps half the blocks live on as few warps as they need.
-3. *state* (one program per sequence, head and value block; sequential over chunks): stores
+   :mod:`k3verify.kda.tiled`). Each launch also stores what later launches multiply, so none of
+   them calls ``exp`` on ``G`` again: ``exp(G) q`` (the output launch's operand) from the
+   ``A_qk`` launch; ``exp(G) k``, ``k exp(G_C - G)`` transposed per chunk (the state update's
+   operand) and ``exp(G_C)`` from the ``A_kk`` launch, which goes on to
+   ``T = (I + A_kk)^{-1}`` block by block in fp32 (each diagonal inverse a product of powers of
+   the nilpotent block) and the pseudo-keys and values as whole-chunk products,
+   ``W = T diag(beta) exp(G) k`` and ``U = T diag(beta) v``. Two launches, not one: a
+   ``[16, 16]`` block is the same registers on every warp, so each launch keeps half the
+   blocks live on as few warps as they need.
+2. *state* (one program per sequence, head and value block; sequential over chunks): stores
    the state entering each chunk, the pseudo-values ``V~ = U - W S`` and the next state
    ``exp(G_C) S + (k exp(G_C - G))^T V~``. Chunk bounds are arithmetic, so the loop prefetches
    the next chunk's operands (``num_stages``) while this one's products run.
-4. *output* (one program per chunk, head and value block):
+3. *output* (one program per chunk, head and value block):
    ``O = scale (exp(G) q) S + A_qk V~``.
 
 ``fused_recurrent`` is the decode kernel: one program per request, head and value block
@@ -166,47 +166,6 @@ def _pick_row(x, rows, r):
 
 
 @triton.jit
-def _prefix_kernel(
-    q, k, g, G, QG, KG, KE, GL, chunk_start, chunk_end,
-    H, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
-    """Per chunk, head and key block: the chunk-local log-decay prefix ``G`` (fp32) and the
-    operands that need nothing else: ``exp(G) q`` (output launch), ``exp(G) k`` (the right-hand
-    side of ``W``), ``k exp(G_C - G)`` transposed to ``[K, C]`` (state update) and ``exp(G_C)``."""
-    n = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    col0 = tl.program_id(2) * BK
-    start = tl.load(chunk_start + n)
-    length = tl.load(chunk_end + n) - start
-    rows = tl.arange(0, C)
-    dk = col0 + tl.arange(0, BK)
-    # Rows past the end read g = 0, so G stays at the last real row's value there.
-    Gc = tl.cumsum(_rows(g, start, 0, length, h, col0, H, K, C, BK), axis=0)
-    _store_rows(G, Gc, start, 0, length, h, col0, H, K, C, BK)
-    e = _exp(Gc, IEEE)
-    _store_rows(QG, _rows(q, start, 0, length, h, col0, H, K, C, BK) * e, start, 0, length, h, col0, H, K, C, BK)
-    k_c = _rows(k, start, 0, length, h, col0, H, K, C, BK)
-    _store_rows(KG, k_c * e, start, 0, length, h, col0, H, K, C, BK)
-    s_end = _pick_row(Gc, rows, C - 1)
-    tl.store(GL + (n * H + h) * K + dk, _exp(s_end, IEEE), mask=dk < K)
-    # Rows past the end are stored too, as 0 (k is 0 there): the state pass then loads whole
-    # chunk blocks, with no mask along their contiguous dimension, which is what lets Triton
-    # prefetch them asynchronously (with one, the load waits inside the sequential loop).
-    k_end = k_c * _exp(s_end[None, :] - Gc, IEEE)
-    tl.store(KE + (n * H + h) * K * C + dk[:, None] * C + rows[None, :], tl.trans(k_end).to(KE.dtype.element_ty),
-             mask=(dk < K)[:, None])  # fmt: skip
-
-
-@triton.jit
-def _prefix_at(G, start, row, length, h, col0, H, K: tl.constexpr, BK: tl.constexpr):
-    """``G:[BK]`` at chunk row ``row``: the last real row's if the chunk ends before it, 0 for
-    ``row = -1`` (the prefix before the chunk's first row)."""
-    dk = col0 + tl.arange(0, BK)
-    at = tl.maximum(tl.minimum(row, length - 1), 0)
-    return tl.where(row >= 0, tl.load(G + ((start + at) * H + h) * K + dk, mask=dk < K, other=0.0), 0.0)
-
-
-@triton.jit
 def _diagonal(xi, ki, Gi, s, row0, length, anchor_offset, acc,
               BC: tl.constexpr, ANCHOR: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     """Add one key slice's share of the diagonal block ``x_i k_i^T`` with its decay (``x`` is
@@ -236,10 +195,10 @@ def _diagonal(xi, ki, Gi, s, row0, length, anchor_offset, acc,
 
 @triton.jit
 def _to_tile_start(xi, Gi, s, row0, length, BC: tl.constexpr, IEEE: tl.constexpr):
-    """``x`` of tile ``i`` times ``exp(G - s)`` (``<= 1``), the row operand of its
-    off-diagonal blocks, in the operand dtype."""
+    """``x`` of tile ``i`` times ``exp(G - s)`` (``<= 1``) in fp32: the row operand of its
+    off-diagonal blocks before rounding."""
     ok = (row0 + tl.arange(0, BC)) < length
-    return (xi.to(tl.float32) * _exp(tl.where(ok[:, None], Gi - s[None, :], 0.0), IEEE)).to(xi.dtype)
+    return xi.to(tl.float32) * _exp(tl.where(ok[:, None], Gi - s[None, :], 0.0), IEEE)
 
 
 @triton.jit
@@ -250,17 +209,49 @@ def _off_diagonal(x_o, kj, Gj, s, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _row_tile(x, k, G, acc, start, row0, length, h, col0, anchor_offset, H, K: tl.constexpr,
+def _row_tile(x, k, g, XG, s, acc, start, row0, length, h, col0, anchor_offset, H, K: tl.constexpr,
               BC: tl.constexpr, BK: tl.constexpr, ANCHOR: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """Sub-tile ``i`` (rows ``row0 ..``) of one key slice: adds its diagonal block to ``acc``
-    and returns ``(k_i, G_i, s_i, x_i exp(G_i - s_i), acc)``, ``s_i`` the prefix at the tile's
-    start and the fourth the row operand of the tile's off-diagonal blocks."""
-    s = _prefix_at(G, start, row0 - 1, length, h, col0, H, K, BK)
+    """Sub-tile ``i`` (rows ``row0 ..``) of one key slice, ``s:[BK]`` the log-decay prefix before
+    its first row: stores ``XG = x exp(G)``, adds the diagonal block to ``acc`` and returns
+    ``(k_i, G_i, x_i exp(G_i - s), acc)``, the third the row operand of the tile's off-diagonal
+    blocks (operand dtype)."""
     xi = _cols(x, start, row0, length, h, col0, H, K, BC, BK)
     ki = _cols(k, start, row0, length, h, col0, H, K, BC, BK)
-    Gi = _rows(G, start, row0, length, h, col0, H, K, BC, BK)
+    # Rows past the end read g = 0, so G stays at the last real row's value there. The prefix
+    # before the tile joins its first row, not every row: a scan that starts from it rounds as
+    # one over the whole chunk would (adding it to the tile's own prefix sums rounds twice).
+    gi = _rows(g, start, row0, length, h, col0, H, K, BC, BK)
+    Gi = tl.cumsum(tl.where((tl.arange(0, BC) == 0)[:, None], gi + s[None, :], gi), axis=0)
     acc = _diagonal(xi, ki, Gi, s, row0, length, anchor_offset, acc, BC, ANCHOR, IEEE)
-    return ki, Gi, s, _to_tile_start(xi, Gi, s, row0, length, BC, IEEE), acc
+    x_o = _to_tile_start(xi, Gi, s, row0, length, BC, IEEE)
+    if IEEE:
+        x_g = xi.to(tl.float32) * _exp(Gi, IEEE)
+    else:
+        # exp(G) = exp(G - s) exp(s): one exp per column instead of per element. The rounding
+        # of G - s it adds (an ulp of G at most) is far below a 16-bit operand's.
+        x_g = x_o * _exp(s, IEEE)[None, :]
+    _store_rows(XG, x_g, start, row0, length, h, col0, H, K, BC, BK)
+    return ki, Gi, x_o.to(xi.dtype), acc
+
+
+@triton.jit
+def _last_row(Gi, BC: tl.constexpr):
+    """The prefix after a tile's last row (the next tile's ``s``): ``Gi:[BC, BK] -> [BK]``."""
+    return _pick_row(Gi, tl.arange(0, BC), BC - 1)
+
+
+@triton.jit
+def _store_to_end(KE, ki, Gi, G_end, n, h, row0, col0, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+                  BK: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """``k exp(G_C - G)`` of one tile (``<= 1``), transposed into the chunk's ``[K, C]`` block.
+    Rows past the end are stored too, as 0 (k is 0 there): the state pass then loads whole
+    blocks, with no mask along their contiguous dimension, which is what lets Triton prefetch
+    them asynchronously (with one, the load waits inside the sequential loop)."""
+    dk = col0 + tl.arange(0, BK)
+    rows = row0 + tl.arange(0, BC)
+    k_end = ki.to(tl.float32) * _exp(G_end[None, :] - Gi, IEEE)
+    tl.store(KE + (n * H + h) * K * C + dk[:, None] * C + rows[None, :], tl.trans(k_end).to(KE.dtype.element_ty),
+             mask=(dk < K)[:, None])  # fmt: skip
 
 
 @triton.jit
@@ -272,13 +263,15 @@ def _store_block(ptr, x, start, row0, col0, length, h, H, C: tl.constexpr, BC: t
 
 @triton.jit
 def _blocks_kernel(
-    x, k, v, G, beta, Aqk, Tb, W, U, chunk_start, chunk_end, scale, anchor_offset,
+    x, k, v, g, beta, XG, Aqk, Tb, W, U, KE, GL, chunk_start, chunk_end, scale, anchor_offset,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, ANCHOR: tl.constexpr, IEEE: tl.constexpr, QK: tl.constexpr,
 ):  # fmt: skip
-    """The sub-tile blocks of ``x k^T`` with decay, ``x = q`` (``QK``: stores ``A_qk``) or
-    ``x = k`` (then ``T = (I + A_kk)^{-1}`` and ``W = T diag(beta) exp(G) k``,
-    ``U = T diag(beta) v``, where ``W`` holds ``exp(G) k`` on entry)."""
+    """The sub-tile blocks of ``x k^T`` with decay, ``x = q`` (``QK``: stores ``A_qk`` and
+    ``XG = exp(G) q``) or ``x = k`` (stores ``XG = W = exp(G) k``, ``k exp(G_C - G)`` and
+    ``exp(G_C)``, then ``T = (I + A_kk)^{-1}`` and ``W = T diag(beta) exp(G) k``,
+    ``U = T diag(beta) v``). ``G``, the chunk-local prefix of ``g``, is summed here, tile by
+    tile, in fp32."""
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     start = tl.load(chunk_start + n)
@@ -289,22 +282,42 @@ def _blocks_kernel(
     a00 = tl.zeros([BC, BC], dtype=tl.float32)
     a10, a11, a20, a21, a22, a30, a31, a32, a33 = a00, a00, a00, a00, a00, a00, a00, a00, a00
     for col0 in range(0, K, BK):
-        k0, G0, _, _, a00 = _row_tile(x, k, G, a00, start, 0, length, h, col0, anchor_offset,
-                                      H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+        s0 = tl.zeros([BK], dtype=tl.float32)
+        k0, G0, _, a00 = _row_tile(x, k, g, XG, s0, a00, start, 0, length, h, col0, anchor_offset,
+                                   H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+        s = _last_row(G0, BC)
         if C >= 2 * BC:
-            k1, G1, s1, x_o, a11 = _row_tile(x, k, G, a11, start, BC, length, h, col0, anchor_offset,
-                                             H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
-            a10 = _off_diagonal(x_o, k0, G0, s1, a10, IEEE)
+            k1, G1, x_o, a11 = _row_tile(x, k, g, XG, s, a11, start, BC, length, h, col0, anchor_offset,
+                                         H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+            a10 = _off_diagonal(x_o, k0, G0, s, a10, IEEE)
+            s = _last_row(G1, BC)
         if C >= 4 * BC:
-            k2, G2, s2, x_o, a22 = _row_tile(x, k, G, a22, start, 2 * BC, length, h, col0, anchor_offset,
-                                             H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
-            a20 = _off_diagonal(x_o, k0, G0, s2, a20, IEEE)
-            a21 = _off_diagonal(x_o, k1, G1, s2, a21, IEEE)
-            _, _, s3, x_o, a33 = _row_tile(x, k, G, a33, start, 3 * BC, length, h, col0, anchor_offset,
-                                           H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
-            a30 = _off_diagonal(x_o, k0, G0, s3, a30, IEEE)
-            a31 = _off_diagonal(x_o, k1, G1, s3, a31, IEEE)
-            a32 = _off_diagonal(x_o, k2, G2, s3, a32, IEEE)
+            k2, G2, x_o, a22 = _row_tile(x, k, g, XG, s, a22, start, 2 * BC, length, h, col0, anchor_offset,
+                                         H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+            a20 = _off_diagonal(x_o, k0, G0, s, a20, IEEE)
+            a21 = _off_diagonal(x_o, k1, G1, s, a21, IEEE)
+            s = _last_row(G2, BC)
+            k3, G3, x_o, a33 = _row_tile(x, k, g, XG, s, a33, start, 3 * BC, length, h, col0, anchor_offset,
+                                         H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+            a30 = _off_diagonal(x_o, k0, G0, s, a30, IEEE)
+            a31 = _off_diagonal(x_o, k1, G1, s, a31, IEEE)
+            a32 = _off_diagonal(x_o, k2, G2, s, a32, IEEE)
+        if not QK:
+            # The state pass's operands: the chunk's last prefix is known once every tile is.
+            if C == BC:
+                G_end = _last_row(G0, BC)
+            elif C == 2 * BC:
+                G_end = _last_row(G1, BC)
+            else:
+                G_end = _last_row(G3, BC)
+            dk = col0 + tl.arange(0, BK)
+            tl.store(GL + (n * H + h) * K + dk, _exp(G_end, IEEE), mask=dk < K)
+            _store_to_end(KE, k0, G0, G_end, n, h, 0, col0, H, K, C, BC, BK, IEEE)
+            if C >= 2 * BC:
+                _store_to_end(KE, k1, G1, G_end, n, h, BC, col0, H, K, C, BC, BK, IEEE)
+            if C >= 4 * BC:
+                _store_to_end(KE, k2, G2, G_end, n, h, 2 * BC, col0, H, K, C, BC, BK, IEEE)
+                _store_to_end(KE, k3, G3, G_end, n, h, 3 * BC, col0, H, K, C, BC, BK, IEEE)
     if QK:
         # Stored scaled; the output launch keeps only the causal lower triangle of what it reads.
         _store_block(Aqk, a00 * scale, start, 0, 0, length, h, H, C, BC)
@@ -422,7 +435,7 @@ def _state_kernel(
         length = tl.minimum(eos - start, C)
         tl.store(Hs + (n * H + h) * K * V + soffs, S.to(OP), mask=smask)
         W_n = _cols(W, start, 0, length, h, 0, H, K, C, BK)
-        # Whole [K, C] blocks (the prefix launch zeroes a partial chunk's tail): prefetched.
+        # Whole [K, C] blocks (the A_kk launch zeroes a partial chunk's tail): prefetched.
         k_end = tl.load((KE + (n * H + h) * K * C) + dk[:, None] * C + cc[None, :], mask=(dk < K)[:, None], other=0.0)
         decay = tl.load(GL + (n * H + h) * K + dk, mask=dk < K, other=0.0)
         v_new = _cols(U, start, 0, length, h, iv * BV, H, V, C, BV).to(tl.float32) - dot(W_n, S.to(OP), IEEE)
@@ -574,8 +587,6 @@ def chunk(
     qk_warps: int = 1,
     intra_block_k: int = 16,
     solve_block: int = 32,
-    prefix_block_k: int = 64,
-    prefix_warps: int = 4,
     output_warps: int = 4,
     num_stages: int | None = None,
     validate: bool = True,
@@ -589,7 +600,7 @@ def chunk(
     Launch shapes (speed only; the defaults are the fastest measured on an H200,
     benchmarks/kda_gpu.py): ``block_v`` (default: by occupancy), ``num_warps`` and
     ``num_stages`` the state pass; ``output_block_v`` and ``output_warps`` the output launch;
-    ``prefix_block_k`` and ``prefix_warps`` the prefix launch; ``intra_block_k`` (key slice),
+    ``intra_block_k`` (key slice),
     ``qk_warps`` (``A_qk`` launch), ``intra_warps`` and ``solve_block`` (the ``A_kk`` launch and
     the column width of its ``W``, ``U`` products) the sub-tile blocks.
     ``validate=False`` skips the value scans (NaN, positive log-decay) that wait for the device.
@@ -604,12 +615,11 @@ def chunk(
         raise ValueError(f"unknown anchor {anchor!r}; choose one of {', '.join(ANCHORS)}")
     if block_v not in (None, 16, 32, 64, 128) or output_block_v not in (16, 32, 64, 128):
         raise ValueError(f"block_v and output_block_v must be 16, 32, 64 or 128, got {block_v}, {output_block_v}")
-    for name, value in (("intra_block_k", intra_block_k), ("solve_block", solve_block),
-                        ("prefix_block_k", prefix_block_k)):  # fmt: skip
+    for name, value in (("intra_block_k", intra_block_k), ("solve_block", solve_block)):
         if value not in (16, 32, 64, 128):
             raise ValueError(f"{name} must be 16, 32, 64 or 128, got {value}")
     for name, value in (("num_warps", num_warps), ("intra_warps", intra_warps), ("qk_warps", qk_warps),
-                        ("prefix_warps", prefix_warps), ("output_warps", output_warps)):  # fmt: skip
+                        ("output_warps", output_warps)):  # fmt: skip
         if value not in (1, 2, 4, 8):
             raise ValueError(f"{name} must be 1, 2, 4 or 8, got {value}")
     if num_stages not in (2, 3, 4, None):
@@ -634,7 +644,6 @@ def chunk(
         block_v = 64 if NS * H * triton.cdiv(V, 64) >= multiprocessors(dev) else 16
     BK, BV_full, BV = _block(K), _block(V), min(block_v, _block(V))
     BV_out = min(output_block_v, BV_full)
-    BKP = min(prefix_block_k, BK)
     if num_stages is None:
         # Measured the same way: 3 stages at block_v 16 (1.083 vs 1.263 ms at 2) and 32 (1.157
         # vs 1.282), 2 at 64.
@@ -644,7 +653,6 @@ def chunk(
     hT = torch.empty(NS, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.to(dev, torch.float32).contiguous() if initial_state is not None else None
     if NC:
-        G = torch.empty(B * T, H, K, dtype=torch.float32, device=dev)
         QG, W = (torch.empty(B * T, H, K, dtype=op, device=dev) for _ in range(2))
         KE = torch.empty(NC, H, K, C, dtype=op, device=dev)
         U, VN = (torch.empty(B * T, H, V, dtype=op, device=dev) for _ in range(2))
@@ -652,17 +660,13 @@ def chunk(
         Aqk, Tb = (torch.empty(B * T, H, C, dtype=op, device=dev) for _ in range(2))
         Hs = torch.empty(NC, H, K, V, dtype=op, device=dev)
         offset = anchor_shift * (SUB_TILE - 1) / 2
-        # Launch defaults measured on an H200 at T=8192, H=96 (profiler, ms): prefix 0.662 at key
-        # blocks of 64 and 4 warps (0.737 at 32; 0.728 at 8 warps); both block launches 1.418 at
-        # key slices of 16, 1 + 2 warps and solve columns of 32 (1.442 with 2 warps for A_qk,
-        # 1.650 at slices of 32, 1.908 at solve columns of 16, 1.983 with 1 warp for A_kk).
-        _prefix_kernel[(NC, H, triton.cdiv(K, BKP))](
-            flat[0], flat[1], g32, G, QG, W, KE, GL, start, end, H=H, K=K, BK=BKP, C=C, IEEE=ieee,
-            num_warps=prefix_warps,
-        )  # fmt: skip
-        for x, qk, warps in ((flat[0], True, qk_warps), (flat[1], False, intra_warps)):
+        # Launch defaults measured on an H200 at T=8192, H=96 (profiler, ms, both block launches,
+        # with a separate prefix launch then): 1.418 at key slices of 16, 1 + 2 warps and solve
+        # columns of 32 (1.442 with 2 warps for A_qk, 1.650 at slices of 32, 1.908 at solve
+        # columns of 16, 1.983 with 1 warp for A_kk).
+        for x, xg, qk, warps in ((flat[0], QG, True, qk_warps), (flat[1], W, False, intra_warps)):
             _blocks_kernel[(NC, H)](
-                x, flat[1], flat[2], G, b_op, Aqk, Tb, W, U, start, end, scale, offset,
+                x, flat[1], flat[2], g32, b_op, xg, Aqk, Tb, W, U, KE, GL, start, end, scale, offset,
                 H=H, K=K, V=V, BK=min(intra_block_k, BK), BV=min(solve_block, BV_full, BK), C=C, BC=SUB_TILE,
                 ANCHOR=_ANCHOR_CODE[anchor], IEEE=ieee, QK=qk, num_warps=warps,
             )  # fmt: skip

@@ -191,7 +191,8 @@ def _gpu_module(session: nox.Session, module: str, tests: tuple[str, ...], out: 
     python = sys.executable
     profile = os.environ.get("HYPOTHESIS_PROFILE", "gpu")
     workers = _gpu_workers(session)
-    session.run(python, "-m", "pytest", *tests, "-q", "-rs", *workers, env={"HYPOTHESIS_PROFILE": profile})
+    session.run(python, "-m", "pytest", *tests, "-q", "-rs", "--durations=15", *workers,
+                env={"HYPOTHESIS_PROFILE": profile})  # fmt: skip
     session.run(python, "-m", "k3verify", "overflow-map", "--module", module, "--quick", "--out", maps)
     session.run(python, "-m", "k3verify", "run", "--modules", module, "--out", out, "--maps", maps, **run_options)
 

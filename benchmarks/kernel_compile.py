@@ -95,7 +95,9 @@ def kda_launches() -> list[Launch]:
 
     return [
         *[launch(f"blocks {'A_qk' if qk else 'A_kk, W, U'} block_k={bk}", kernels._blocks_kernel, 3, BK=bk, BV=32,
-                 QK=qk) for qk in (True, False) for bk in (16, 32)],
+                 QK=qk, WU=True) for qk in (True, False) for bk in (16, 32)],
+        launch("blocks A_kk block_k=16", kernels._blocks_kernel, 3, BK=16, BV=32, QK=False, WU=False),
+        launch("W, U block_v=64", kernels._wu_kernel, 3, BV=64),
         *[launch(f"state block_v={bv} stages={st}", kernels._state_kernel, st, BV=bv, STAGES=st)
           for bv in (16, 64) for st in (2, 3)],
         *[launch(f"output block_v={bv}", kernels._output_kernel, 3, BV=bv) for bv in (64, 128)],

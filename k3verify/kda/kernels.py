@@ -266,12 +266,13 @@ def _blocks_kernel(
     x, k, v, g, beta, XG, Aqk, Tb, W, U, KE, GL, chunk_start, chunk_end, scale, anchor_offset,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, ANCHOR: tl.constexpr, IEEE: tl.constexpr, QK: tl.constexpr,
+    WU: tl.constexpr,
 ):  # fmt: skip
     """The sub-tile blocks of ``x k^T`` with decay, ``x = q`` (``QK``: stores ``A_qk`` and
     ``XG = exp(G) q``) or ``x = k`` (stores ``XG = W = exp(G) k``, ``k exp(G_C - G)`` and
     ``exp(G_C)``, then ``T = (I + A_kk)^{-1}`` and ``W = T diag(beta) exp(G) k``,
-    ``U = T diag(beta) v``). ``G``, the chunk-local prefix of ``g``, is summed here, tile by
-    tile, in fp32."""
+    ``U = T diag(beta) v``, unless ``WU`` is off: then :func:`_wu_kernel` forms them). ``G``,
+    the chunk-local prefix of ``g``, is summed here, tile by tile, in fp32."""
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     start = tl.load(chunk_start + n)
@@ -334,17 +335,17 @@ def _blocks_kernel(
             _store_block(Aqk, a33 * scale, start, 3 * BC, 3 * BC, length, h, H, C, BC)
     else:
         _solve(v, beta, Tb, W, U, start, length, h, H, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33,
-               K, V, BK, BV, C, BC, IEEE)  # fmt: skip
+               K, V, BK, BV, C, BC, IEEE, WU)  # fmt: skip
 
 
 @triton.jit
 def _solve(v, beta, Tb, W, U, start, length, h, H, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33,
            K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-           BC: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+           BC: tl.constexpr, IEEE: tl.constexpr, WU: tl.constexpr):  # fmt: skip
     """From the blocks ``a_ij`` of ``k k^T`` with decay (before ``beta``): ``T = (I + A_kk)^{-1}``
     block by block (``T_ii`` inverts a diagonal block; below it ``T_ij = -T_ii sum_{j<=m<i}
-    A_im T_mj``; all fp32), then ``W = T diag(beta) W`` and ``U = T diag(beta) v`` as
-    whole-chunk products."""
+    A_im T_mj``; all fp32), stored as ``Tb = T diag(beta)``; then, with ``WU``,
+    ``W = T diag(beta) W`` and ``U = T diag(beta) v`` as whole-chunk products."""
     r = tl.arange(0, BC)
     strict = r[:, None] > r[None, :]
     b0 = _beta_rows(beta, start, 0, length, h, H, BC)
@@ -375,19 +376,52 @@ def _solve(v, beta, Tb, W, U, start, length, h, H, a00, a10, a11, a20, a21, a22,
         _store_block(Tb, t31 * b1[None, :], start, 3 * BC, BC, length, h, H, C, BC)
         _store_block(Tb, t32 * b2[None, :], start, 3 * BC, 2 * BC, length, h, H, C, BC)
         _store_block(Tb, t33 * b3[None, :], start, 3 * BC, 3 * BC, length, h, H, C, BC)
-    # This program reads its own T diag(beta) back as one whole-chunk tile.
-    tl.debug_barrier()
-    # 64-row products (at C = 64) where blocked substitution would chain 16-row ones. Blocks
-    # above the diagonal were not written.
+    if WU:
+        # This program reads its own T diag(beta) back as one whole-chunk tile.
+        tl.debug_barrier()
+        Tt = _block_lower(Tb, start, length, h, H, C, BC)
+        for col0 in range(0, K, BV):
+            _times_columns(Tt, W, W, start, length, h, col0, H, K, C, BV, IEEE)
+        for col0 in range(0, V, BV):
+            _times_columns(Tt, v, U, start, length, h, col0, H, V, C, BV, IEEE)
+
+
+@triton.jit
+def _block_lower(Tb, start, length, h, H, C: tl.constexpr, BC: tl.constexpr):
+    """The chunk's ``T diag(beta):[C, C]`` (operand dtype): blocks above the diagonal were not
+    written, so they are masked here."""
     rows = tl.arange(0, C)
     Tt = _cols(Tb, start, 0, length, h, 0, H, C, C, C)
-    Tt = tl.where((rows[:, None] // BC) >= (rows[None, :] // BC), Tt, 0.0)
-    for col0 in range(0, K, BV):
-        _store_rows(W, dot(Tt, _cols(W, start, 0, length, h, col0, H, K, C, BV), IEEE),
-                    start, 0, length, h, col0, H, K, C, BV)  # fmt: skip
-    for col0 in range(0, V, BV):
-        _store_rows(U, dot(Tt, _cols(v, start, 0, length, h, col0, H, V, C, BV), IEEE),
-                    start, 0, length, h, col0, H, V, C, BV)  # fmt: skip
+    return tl.where((rows[:, None] // BC) >= (rows[None, :] // BC), Tt, 0.0)
+
+
+@triton.jit
+def _times_columns(Tt, src, dst, start, length, h, col0, H, D: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
+                   IEEE: tl.constexpr):  # fmt: skip
+    """``dst[:, col0 ..] = Tt @ src[:, col0 ..]`` over the chunk's rows, ``BV`` columns of a
+    ``[tokens, H, D]`` tensor: a 64-row product (at C = 64) where blocked substitution would
+    chain 16-row ones. ``src`` may be ``dst`` (each column block is read before it is written)."""
+    _store_rows(dst, dot(Tt, _cols(src, start, 0, length, h, col0, H, D, C, BV), IEEE),
+                start, 0, length, h, col0, H, D, C, BV)  # fmt: skip
+
+
+@triton.jit
+def _wu_kernel(Tb, W, v, U, chunk_start, chunk_end, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+               C: tl.constexpr, BC: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """``W = T diag(beta) W`` and ``U = T diag(beta) v`` as a launch of their own, one program
+    per column block (the ``K / BV`` blocks of ``W``, then the ``V / BV`` of ``U``), chunk and
+    head, when the ``A_kk`` launch leaves them out."""
+    ib = tl.program_id(0)
+    n = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    start = tl.load(chunk_start + n)
+    length = tl.load(chunk_end + n) - start
+    Tt = _block_lower(Tb, start, length, h, H, C, BC)
+    n_w = tl.cdiv(K, BV)
+    if ib < n_w:
+        _times_columns(Tt, W, W, start, length, h, ib * BV, H, K, C, BV, IEEE)
+    else:
+        _times_columns(Tt, v, U, start, length, h, (ib - n_w) * BV, H, V, C, BV, IEEE)
 
 
 @triton.jit
@@ -587,6 +621,7 @@ def chunk(
     qk_warps: int = 1,
     intra_block_k: int = 16,
     solve_block: int = 32,
+    wu_warps: int | None = None,
     output_warps: int = 4,
     num_stages: int | None = None,
     validate: bool = True,
@@ -602,7 +637,9 @@ def chunk(
     ``num_stages`` the state pass; ``output_block_v`` and ``output_warps`` the output launch;
     ``intra_block_k`` (key slice),
     ``qk_warps`` (``A_qk`` launch), ``intra_warps`` and ``solve_block`` (the ``A_kk`` launch and
-    the column width of its ``W``, ``U`` products) the sub-tile blocks.
+    the column width of its ``W``, ``U`` products) the sub-tile blocks; ``wu_warps`` (default
+    ``None``: the ``A_kk`` launch forms ``W`` and ``U``) moves those products into a launch of
+    their own on that many warps, one program per column block, chunk and head.
     ``validate=False`` skips the value scans (NaN, positive log-decay) that wait for the device.
     Returns ``o:[B,T,H,V]`` in ``operand_dtype`` and the final state (fp32) on the kernel's device.
     """
@@ -619,7 +656,7 @@ def chunk(
         if value not in (16, 32, 64, 128):
             raise ValueError(f"{name} must be 16, 32, 64 or 128, got {value}")
     for name, value in (("num_warps", num_warps), ("intra_warps", intra_warps), ("qk_warps", qk_warps),
-                        ("output_warps", output_warps)):  # fmt: skip
+                        ("output_warps", output_warps), ("wu_warps", wu_warps or 4)):  # fmt: skip
         if value not in (1, 2, 4, 8):
             raise ValueError(f"{name} must be 1, 2, 4 or 8, got {value}")
     if num_stages not in (2, 3, 4, None):
@@ -664,11 +701,17 @@ def chunk(
         # with a separate prefix launch then): 1.418 at key slices of 16, 1 + 2 warps and solve
         # columns of 32 (1.442 with 2 warps for A_qk, 1.650 at slices of 32, 1.908 at solve
         # columns of 16, 1.983 with 1 warp for A_kk).
+        BV_wu = min(solve_block, BV_full, BK)
         for x, xg, qk, warps in ((flat[0], QG, True, qk_warps), (flat[1], W, False, intra_warps)):
             _blocks_kernel[(NC, H)](
                 x, flat[1], flat[2], g32, b_op, xg, Aqk, Tb, W, U, KE, GL, start, end, scale, offset,
-                H=H, K=K, V=V, BK=min(intra_block_k, BK), BV=min(solve_block, BV_full, BK), C=C, BC=SUB_TILE,
-                ANCHOR=_ANCHOR_CODE[anchor], IEEE=ieee, QK=qk, num_warps=warps,
+                H=H, K=K, V=V, BK=min(intra_block_k, BK), BV=BV_wu, C=C, BC=SUB_TILE,
+                ANCHOR=_ANCHOR_CODE[anchor], IEEE=ieee, QK=qk, WU=wu_warps is None, num_warps=warps,
+            )  # fmt: skip
+        if wu_warps is not None:
+            _wu_kernel[(triton.cdiv(K, BV_wu) + triton.cdiv(V, BV_wu), NC, H)](
+                Tb, W, flat[2], U, start, end, H=H, K=K, V=V, BV=BV_wu, C=C, BC=SUB_TILE, IEEE=ieee,
+                num_warps=wu_warps,
             )  # fmt: skip
         _state_kernel[(triton.cdiv(V, BV), NS * H)](
             KE, GL, W, U, VN, Hs, h0, hT, cu_dev, seq_chunks,

@@ -72,7 +72,7 @@ TUNE = {
     "_blocks_kernel": [
         dict(intra_block_k=b, qk_warps=q, intra_warps=w, solve_block=s)
         for b, q, w, s in ((16, 1, 2, 32), (16, 2, 2, 32), (16, 1, 4, 32), (16, 2, 4, 32))
-    ],
+    ] + [dict(block_registers=r) for r in (128, 168)] + [dict(qk_warps=2, intra_warps=4, block_registers=128)],
     "_wu_kernel": [dict(wu_warps=w, solve_block=b) for w in (2, 4, 8) for b in (32, 64)],
     "_state_kernel": [dict(block_v=v, num_warps=w, num_stages=s) for v in (32, 64) for w in (4, 8) for s in (2, 3)],
     "_output_kernel": [dict(output_block_v=v, output_warps=w) for v in (64, 128) for w in (4, 8)],
@@ -111,7 +111,8 @@ def _row(kind: str, shape: dict[str, int], peer: str, peer_ms: float, default: f
 
 
 def prefill_rows(sweep: bool, log) -> list[dict[str, Any]]:
-    configs = [dict(wu_warps=4), dict(wu_warps=4, solve_block=64), dict(block_v=32, num_stages=3),
+    configs = [dict(wu_warps=4), dict(wu_warps=4, solve_block=64), dict(block_registers=128),
+               dict(block_registers=168), dict(block_v=32, num_stages=3),
                dict(block_v=64, num_stages=2)] if sweep else []  # fmt: skip
     rows = []
     for shape in PREFILL:

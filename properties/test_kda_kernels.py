@@ -88,6 +88,7 @@ LAUNCHES = [
     dict(output_block_v=16, output_warps=8),
     dict(intra_block_k=32, qk_warps=2, intra_warps=4, solve_block=16),
     dict(wu_warps=2, solve_block=16),
+    dict(block_registers=128),
 ]
 
 

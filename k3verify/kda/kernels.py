@@ -202,10 +202,13 @@ def _to_tile_start(xi, Gi, s, row0, length, BC: tl.constexpr, IEEE: tl.constexpr
 
 
 @triton.jit
-def _off_diagonal(x_o, kj, Gj, s, acc, IEEE: tl.constexpr):
+def _off_diagonal(x_o, kE_j, e_j, s, acc, IEEE: tl.constexpr):
     """Add one key slice's share of block ``(i, j)``, ``j < i``, to ``acc``: the decay splits
-    at tile ``i``'s start ``s``, so the column factor ``exp(s - G_j)`` is ``<= 1`` too."""
-    return dot(x_o, tl.trans((kj.to(tl.float32) * _exp(s[None, :] - Gj, IEEE)).to(kj.dtype)), IEEE, acc)
+    at tile ``i``'s start ``s``, so the column factor ``exp(s - G_j)`` is ``<= 1`` too. It is
+    formed as ``kE_j exp(s - e_j)`` from tile ``j``'s ``kE_j = k_j exp(e_j - G_j)`` (``e_j`` the
+    prefix at its last row; both factors ``<= 1``): an exp per column, not per element, for
+    each block, and one fp32 tile kept per earlier tile instead of its ``k`` and ``G``."""
+    return dot(x_o, tl.trans((kE_j * _exp(s - e_j, IEEE)[None, :]).to(x_o.dtype)), IEEE, acc)
 
 
 @triton.jit
@@ -213,8 +216,10 @@ def _row_tile(x, k, g, XG, s, acc, start, row0, length, h, col0, anchor_offset, 
               BC: tl.constexpr, BK: tl.constexpr, ANCHOR: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     """Sub-tile ``i`` (rows ``row0 ..``) of one key slice, ``s:[BK]`` the log-decay prefix before
     its first row: stores ``XG = x exp(G)``, adds the diagonal block to ``acc`` and returns
-    ``(k_i, G_i, x_i exp(G_i - s), acc)``, the third the row operand of the tile's off-diagonal
-    blocks (operand dtype)."""
+    ``(k_i exp(e_i - G_i), e_i, x_i exp(G_i - s), acc)``: ``e_i:[BK]`` the prefix after the
+    tile's last row (the next tile's ``s``), the first (fp32, ``<= 1``) what the tile's column
+    factors and ``k exp(G_C - G)`` are formed from, the third the row operand of the tile's
+    off-diagonal blocks (operand dtype)."""
     xi = _cols(x, start, row0, length, h, col0, H, K, BC, BK)
     ki = _cols(k, start, row0, length, h, col0, H, K, BC, BK)
     # Rows past the end read g = 0, so G stays at the last real row's value there. The prefix
@@ -231,25 +236,20 @@ def _row_tile(x, k, g, XG, s, acc, start, row0, length, h, col0, anchor_offset, 
         # of G - s it adds (an ulp of G at most) is far below a 16-bit operand's.
         x_g = x_o * _exp(s, IEEE)[None, :]
     _store_rows(XG, x_g, start, row0, length, h, col0, H, K, BC, BK)
-    return ki, Gi, x_o.to(xi.dtype), acc
+    e = _pick_row(Gi, tl.arange(0, BC), BC - 1)
+    return ki.to(tl.float32) * _exp(e[None, :] - Gi, IEEE), e, x_o.to(xi.dtype), acc
 
 
 @triton.jit
-def _last_row(Gi, BC: tl.constexpr):
-    """The prefix after a tile's last row (the next tile's ``s``): ``Gi:[BC, BK] -> [BK]``."""
-    return _pick_row(Gi, tl.arange(0, BC), BC - 1)
-
-
-@triton.jit
-def _store_to_end(KE, ki, Gi, G_end, n, h, row0, col0, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+def _store_to_end(KE, kE_i, e_i, G_end, n, h, row0, col0, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                   BK: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """``k exp(G_C - G)`` of one tile (``<= 1``), transposed into the chunk's ``[K, C]`` block.
-    Rows past the end are stored too, as 0 (k is 0 there): the state pass then loads whole
-    blocks, with no mask along their contiguous dimension, which is what lets Triton prefetch
-    them asynchronously (with one, the load waits inside the sequential loop)."""
+    """``k exp(G_C - G) = kE exp(G_C - e)`` of one tile (``<= 1``), transposed into the chunk's
+    ``[K, C]`` block. Rows past the end are stored too, as 0 (k is 0 there): the state pass
+    then loads whole blocks, with no mask along their contiguous dimension, which is what lets
+    Triton prefetch them asynchronously (with one, the load waits inside the sequential loop)."""
     dk = col0 + tl.arange(0, BK)
     rows = row0 + tl.arange(0, BC)
-    k_end = ki.to(tl.float32) * _exp(G_end[None, :] - Gi, IEEE)
+    k_end = kE_i * _exp(G_end - e_i, IEEE)[None, :]
     tl.store(KE + (n * H + h) * K * C + dk[:, None] * C + rows[None, :], tl.trans(k_end).to(KE.dtype.element_ty),
              mask=(dk < K)[:, None])  # fmt: skip
 
@@ -283,42 +283,36 @@ def _blocks_kernel(
     a00 = tl.zeros([BC, BC], dtype=tl.float32)
     a10, a11, a20, a21, a22, a30, a31, a32, a33 = a00, a00, a00, a00, a00, a00, a00, a00, a00
     for col0 in range(0, K, BK):
-        s0 = tl.zeros([BK], dtype=tl.float32)
-        k0, G0, _, a00 = _row_tile(x, k, g, XG, s0, a00, start, 0, length, h, col0, anchor_offset,
-                                   H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
-        s = _last_row(G0, BC)
+        s = tl.zeros([BK], dtype=tl.float32)
+        kE0, e0, _, a00 = _row_tile(x, k, g, XG, s, a00, start, 0, length, h, col0, anchor_offset,
+                                    H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+        G_end = e0
         if C >= 2 * BC:
-            k1, G1, x_o, a11 = _row_tile(x, k, g, XG, s, a11, start, BC, length, h, col0, anchor_offset,
-                                         H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
-            a10 = _off_diagonal(x_o, k0, G0, s, a10, IEEE)
-            s = _last_row(G1, BC)
+            kE1, e1, x_o, a11 = _row_tile(x, k, g, XG, e0, a11, start, BC, length, h, col0, anchor_offset,
+                                          H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+            a10 = _off_diagonal(x_o, kE0, e0, e0, a10, IEEE)
+            G_end = e1
         if C >= 4 * BC:
-            k2, G2, x_o, a22 = _row_tile(x, k, g, XG, s, a22, start, 2 * BC, length, h, col0, anchor_offset,
-                                         H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
-            a20 = _off_diagonal(x_o, k0, G0, s, a20, IEEE)
-            a21 = _off_diagonal(x_o, k1, G1, s, a21, IEEE)
-            s = _last_row(G2, BC)
-            k3, G3, x_o, a33 = _row_tile(x, k, g, XG, s, a33, start, 3 * BC, length, h, col0, anchor_offset,
-                                         H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
-            a30 = _off_diagonal(x_o, k0, G0, s, a30, IEEE)
-            a31 = _off_diagonal(x_o, k1, G1, s, a31, IEEE)
-            a32 = _off_diagonal(x_o, k2, G2, s, a32, IEEE)
+            kE2, e2, x_o, a22 = _row_tile(x, k, g, XG, e1, a22, start, 2 * BC, length, h, col0, anchor_offset,
+                                          H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+            a20 = _off_diagonal(x_o, kE0, e0, e1, a20, IEEE)
+            a21 = _off_diagonal(x_o, kE1, e1, e1, a21, IEEE)
+            kE3, e3, x_o, a33 = _row_tile(x, k, g, XG, e2, a33, start, 3 * BC, length, h, col0, anchor_offset,
+                                          H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+            a30 = _off_diagonal(x_o, kE0, e0, e2, a30, IEEE)
+            a31 = _off_diagonal(x_o, kE1, e1, e2, a31, IEEE)
+            a32 = _off_diagonal(x_o, kE2, e2, e2, a32, IEEE)
+            G_end = e3
         if not QK:
             # The state pass's operands: the chunk's last prefix is known once every tile is.
-            if C == BC:
-                G_end = _last_row(G0, BC)
-            elif C == 2 * BC:
-                G_end = _last_row(G1, BC)
-            else:
-                G_end = _last_row(G3, BC)
             dk = col0 + tl.arange(0, BK)
             tl.store(GL + (n * H + h) * K + dk, _exp(G_end, IEEE), mask=dk < K)
-            _store_to_end(KE, k0, G0, G_end, n, h, 0, col0, H, K, C, BC, BK, IEEE)
+            _store_to_end(KE, kE0, e0, G_end, n, h, 0, col0, H, K, C, BC, BK, IEEE)
             if C >= 2 * BC:
-                _store_to_end(KE, k1, G1, G_end, n, h, BC, col0, H, K, C, BC, BK, IEEE)
+                _store_to_end(KE, kE1, e1, G_end, n, h, BC, col0, H, K, C, BC, BK, IEEE)
             if C >= 4 * BC:
-                _store_to_end(KE, k2, G2, G_end, n, h, 2 * BC, col0, H, K, C, BC, BK, IEEE)
-                _store_to_end(KE, k3, G3, G_end, n, h, 3 * BC, col0, H, K, C, BC, BK, IEEE)
+                _store_to_end(KE, kE2, e2, G_end, n, h, 2 * BC, col0, H, K, C, BC, BK, IEEE)
+                _store_to_end(KE, kE3, e3, G_end, n, h, 3 * BC, col0, H, K, C, BC, BK, IEEE)
     if QK:
         # Stored scaled; the output launch keeps only the causal lower triangle of what it reads.
         _store_block(Aqk, a00 * scale, start, 0, 0, length, h, H, C, BC)
@@ -622,6 +616,7 @@ def chunk(
     intra_block_k: int = 16,
     solve_block: int = 32,
     wu_warps: int | None = None,
+    block_registers: int | None = None,
     output_warps: int = 4,
     num_stages: int | None = None,
     validate: bool = True,
@@ -639,7 +634,9 @@ def chunk(
     ``qk_warps`` (``A_qk`` launch), ``intra_warps`` and ``solve_block`` (the ``A_kk`` launch and
     the column width of its ``W``, ``U`` products) the sub-tile blocks; ``wu_warps`` (default
     ``None``: the ``A_kk`` launch forms ``W`` and ``U``) moves those products into a launch of
-    their own on that many warps, one program per column block, chunk and head.
+    their own on that many warps, one program per column block, chunk and head;
+    ``block_registers`` caps the registers a thread of either block launch may use (ptxas
+    spills the rest), which lets more of their programs share an SM.
     ``validate=False`` skips the value scans (NaN, positive log-decay) that wait for the device.
     Returns ``o:[B,T,H,V]`` in ``operand_dtype`` and the final state (fp32) on the kernel's device.
     """
@@ -659,6 +656,8 @@ def chunk(
                         ("output_warps", output_warps), ("wu_warps", wu_warps or 4)):  # fmt: skip
         if value not in (1, 2, 4, 8):
             raise ValueError(f"{name} must be 1, 2, 4 or 8, got {value}")
+    if block_registers is not None and not 64 <= block_registers <= 255:
+        raise ValueError(f"block_registers must be from 64 to 255, got {block_registers}")
     if num_stages not in (2, 3, 4, None):
         # One stage gave wrong state-pass results on an H200 (Triton 3.6, block_v 32, H=96).
         raise ValueError(f"num_stages must be 2, 3 or 4, got {num_stages}")
@@ -707,6 +706,7 @@ def chunk(
                 x, flat[1], flat[2], g32, b_op, xg, Aqk, Tb, W, U, KE, GL, start, end, scale, offset,
                 H=H, K=K, V=V, BK=min(intra_block_k, BK), BV=BV_wu, C=C, BC=SUB_TILE,
                 ANCHOR=_ANCHOR_CODE[anchor], IEEE=ieee, QK=qk, WU=wu_warps is None, num_warps=warps,
+                **({} if block_registers is None else {"maxnreg": block_registers}),
             )  # fmt: skip
         if wu_warps is not None:
             _wu_kernel[(triton.cdiv(K, BV_wu) + triton.cdiv(V, BV_wu), NC, H)](

@@ -58,7 +58,8 @@ def split_rows(log, peers: bool) -> list[dict[str, Any]]:
     rows = []
     for shape in PREFILL:
         x = _inputs(**shape)
-        runs = {"ours": partial(kernels.chunk, *x, validate=False)}
+        runs = {"ours": partial(kernels.chunk, *x, validate=False),
+                "ours by_block": partial(kernels.chunk, *x, validate=False, block_plan="by_block")}
         if peers:
             runs["fla-core"] = partial(fla.chunk_gpu, *x, safe_gate=True, lower_bound=G_MIN)
         for name, run in runs.items():
@@ -111,9 +112,12 @@ def _row(kind: str, shape: dict[str, int], peer: str, peer_ms: float, default: f
 
 
 def prefill_rows(sweep: bool, log) -> list[dict[str, Any]]:
-    configs = [dict(wu_warps=4), dict(wu_warps=4, solve_block=64), dict(block_registers=128),
-               dict(block_registers=168), dict(block_v=32, num_stages=3),
-               dict(block_v=64, num_stages=2)] if sweep else []  # fmt: skip
+    # The other block plan is timed even in the quick form: the two are the candidates.
+    configs = [dict(block_plan="by_block"), dict(block_plan="by_block", wu_warps=4)]
+    configs += [dict(block_plan="by_block", intra_warps=4), dict(block_plan="by_block", qk_warps=2),
+                dict(wu_warps=4), dict(wu_warps=4, solve_block=64), dict(block_registers=128),
+                dict(block_registers=168), dict(block_v=32, num_stages=3),
+                dict(block_v=64, num_stages=2)] if sweep else []  # fmt: skip
     rows = []
     for shape in PREFILL:
         x = _inputs(**shape)
@@ -210,7 +214,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = gpu_timing.arguments(__doc__, "default launch configuration only, no sweep")
+    parser = gpu_timing.arguments(__doc__, "the default launch configuration and the by_block plan only, no sweep")
     parser.add_argument("--split", choices=("ours", "all"), help="only the per-launch time split of prefill")
     parser.add_argument("--tune", action="store_true", help="only each prefill launch's time per launch configuration")
     args = parser.parse_args(argv)

@@ -98,6 +98,8 @@ def kda_launches() -> list[Launch]:
                  QK=qk, WU=True) for qk in (True, False) for bk in (16, 32)],
         launch("blocks A_kk block_k=16", kernels._blocks_kernel, 3, BK=16, BV=32, QK=False, WU=False),
         launch("W, U block_v=64", kernels._wu_kernel, 3, BV=64),
+        launch("by_block diagonal block_k=16", kernels._diag_kernel, 3, BK=16),
+        launch("by_block off-diagonal, T block_k=16", kernels._pairs_kernel, 3, BK=16, BV=32, WU=False),
         *[launch(f"state block_v={bv} stages={st}", kernels._state_kernel, st, BV=bv, STAGES=st)
           for bv in (16, 64) for st in (2, 3)],
         *[launch(f"output block_v={bv}", kernels._output_kernel, 3, BV=bv) for bv in (64, 128)],

@@ -89,6 +89,9 @@ LAUNCHES = [
     dict(intra_block_k=32, qk_warps=2, intra_warps=4, solve_block=16),
     dict(wu_warps=2, solve_block=16),
     dict(block_registers=128),
+    dict(block_plan="by_block"),
+    dict(block_plan="by_block", anchor="row0_shift", chunk_size=32, wu_warps=4),
+    dict(block_plan="by_block", anchor="tile_middle", block_registers=128, intra_block_k=32),
 ]
 
 

@@ -17,7 +17,10 @@ launches:
    the nilpotent block) and the pseudo-keys and values as whole-chunk products,
    ``W = T diag(beta) exp(G) k`` and ``U = T diag(beta) v``. Two launches, not one: a
    ``[16, 16]`` block is the same registers on every warp, so each launch keeps half the
-   blocks live on as few warps as they need.
+   blocks live on as few warps as they need. ``block_plan="by_block"`` splits the same work
+   the other way: a launch of the diagonal blocks of both matrices, one small program per
+   sub-tile, and a launch of the off-diagonal blocks of both, each column operand formed
+   once for the two, followed by ``T``, ``W`` and ``U``.
 2. *state* (one program per sequence, head and value block; sequential over chunks): stores
    the state entering each chunk, the pseudo-values ``V~ = U - W S`` and the next state
    ``exp(G_C) S + (k exp(G_C - G))^T V~``. Chunk bounds are arithmetic, so the loop prefetches
@@ -57,6 +60,7 @@ from .tiled import ANCHORS, DEFAULT_ROW0_SHIFT
 SUB_TILE = 16
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ANCHOR_CODE = {name: i for i, name in enumerate(ANCHORS)}
+BLOCK_PLANS = ("by_matrix", "by_block")
 
 
 __all__ = ["chunk", "chunk_table", "fused_recurrent", "interpreted", "unavailable_reason"]
@@ -202,32 +206,37 @@ def _to_tile_start(xi, Gi, s, row0, length, BC: tl.constexpr, IEEE: tl.constexpr
 
 
 @triton.jit
-def _off_diagonal(x_o, kE_j, e_j, s, acc, IEEE: tl.constexpr):
-    """Add one key slice's share of block ``(i, j)``, ``j < i``, to ``acc``: the decay splits
-    at tile ``i``'s start ``s``, so the column factor ``exp(s - G_j)`` is ``<= 1`` too. It is
-    formed as ``kE_j exp(s - e_j)`` from tile ``j``'s ``kE_j = k_j exp(e_j - G_j)`` (``e_j`` the
-    prefix at its last row; both factors ``<= 1``): an exp per column, not per element, for
-    each block, and one fp32 tile kept per earlier tile instead of its ``k`` and ``G``."""
-    return dot(x_o, tl.trans((kE_j * _exp(s - e_j, IEEE)[None, :]).to(x_o.dtype)), IEEE, acc)
+def _column(kE_j, e_j, s, dtype: tl.constexpr, IEEE: tl.constexpr):
+    """The column operand ``(k_j exp(s - G_j))^T`` of block ``(i, j)``, ``j < i``, in ``dtype``:
+    the decay splits at tile ``i``'s start ``s``, so the factor is ``<= 1`` too. It is formed as
+    ``kE_j exp(s - e_j)`` from tile ``j``'s ``kE_j = k_j exp(e_j - G_j)`` (``e_j`` the prefix at
+    its last row; both factors ``<= 1``): an exp per column, not per element, for each block,
+    and one fp32 tile kept per earlier tile instead of its ``k`` and ``G``."""
+    return tl.trans((kE_j * _exp(s - e_j, IEEE)[None, :]).to(dtype))
 
 
 @triton.jit
-def _row_tile(x, k, g, XG, s, acc, start, row0, length, h, col0, anchor_offset, H, K: tl.constexpr,
-              BC: tl.constexpr, BK: tl.constexpr, ANCHOR: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """Sub-tile ``i`` (rows ``row0 ..``) of one key slice, ``s:[BK]`` the log-decay prefix before
-    its first row: stores ``XG = x exp(G)``, adds the diagonal block to ``acc`` and returns
-    ``(k_i exp(e_i - G_i), e_i, x_i exp(G_i - s), acc)``: ``e_i:[BK]`` the prefix after the
-    tile's last row (the next tile's ``s``), the first (fp32, ``<= 1``) what the tile's column
-    factors and ``k exp(G_C - G)`` are formed from, the third the row operand of the tile's
-    off-diagonal blocks (operand dtype)."""
-    xi = _cols(x, start, row0, length, h, col0, H, K, BC, BK)
-    ki = _cols(k, start, row0, length, h, col0, H, K, BC, BK)
-    # Rows past the end read g = 0, so G stays at the last real row's value there. The prefix
-    # before the tile joins its first row, not every row: a scan that starts from it rounds as
-    # one over the whole chunk would (adding it to the tile's own prefix sums rounds twice).
+def _off_diagonal(x_o, kE_j, e_j, s, acc, IEEE: tl.constexpr):
+    """Add one key slice's share of block ``(i, j)``, ``j < i``, to ``acc`` (:func:`_column`)."""
+    return dot(x_o, _column(kE_j, e_j, s, x_o.dtype, IEEE), IEEE, acc)
+
+
+@triton.jit
+def _tile_prefix(g, s, start, row0, length, h, col0, H, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """``G:[BC, BK]`` fp32 of the sub-tile at rows ``row0 ..``, ``s:[BK]`` the log-decay prefix
+    before its first row. Rows past the end read g = 0, so G stays at the last real row's value
+    there. The prefix before the tile joins its first row, not every row: a scan that starts
+    from it rounds as one over the whole chunk would (adding it to the tile's own prefix sums
+    rounds twice)."""
     gi = _rows(g, start, row0, length, h, col0, H, K, BC, BK)
-    Gi = tl.cumsum(tl.where((tl.arange(0, BC) == 0)[:, None], gi + s[None, :], gi), axis=0)
-    acc = _diagonal(xi, ki, Gi, s, row0, length, anchor_offset, acc, BC, ANCHOR, IEEE)
+    return tl.cumsum(tl.where((tl.arange(0, BC) == 0)[:, None], gi + s[None, :], gi), axis=0)
+
+
+@triton.jit
+def _row_operand(XG, xi, Gi, s, start, row0, length, h, col0, H, K: tl.constexpr, BC: tl.constexpr,
+                 BK: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """Stores ``XG = x exp(G)`` of one sub-tile and returns ``x exp(G - s)`` (fp32, ``<= 1``
+    times ``x``), the row operand of its off-diagonal blocks."""
     x_o = _to_tile_start(xi, Gi, s, row0, length, BC, IEEE)
     if IEEE:
         x_g = xi.to(tl.float32) * _exp(Gi, IEEE)
@@ -236,8 +245,47 @@ def _row_tile(x, k, g, XG, s, acc, start, row0, length, h, col0, anchor_offset, 
         # of G - s it adds (an ulp of G at most) is far below a 16-bit operand's.
         x_g = x_o * _exp(s, IEEE)[None, :]
     _store_rows(XG, x_g, start, row0, length, h, col0, H, K, BC, BK)
+    return x_o
+
+
+@triton.jit
+def _column_base(ki, Gi, BC: tl.constexpr, IEEE: tl.constexpr):
+    """``(k exp(e - G), e)`` of one sub-tile: ``e:[BK]`` the prefix after its last row (the next
+    tile's ``s``) and the fp32 tile (``<= 1`` times ``k``) that its column factors and
+    ``k exp(G_C - G)`` are formed from."""
     e = _pick_row(Gi, tl.arange(0, BC), BC - 1)
-    return ki.to(tl.float32) * _exp(e[None, :] - Gi, IEEE), e, x_o.to(xi.dtype), acc
+    return ki.to(tl.float32) * _exp(e[None, :] - Gi, IEEE), e
+
+
+@triton.jit
+def _row_tile(x, k, g, XG, s, acc, start, row0, length, h, col0, anchor_offset, H, K: tl.constexpr,
+              BC: tl.constexpr, BK: tl.constexpr, ANCHOR: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """Sub-tile ``i`` (rows ``row0 ..``) of one key slice, ``s:[BK]`` the log-decay prefix before
+    its first row: stores ``XG = x exp(G)``, adds the diagonal block to ``acc`` and returns
+    ``(k_i exp(e_i - G_i), e_i, x_i exp(G_i - s), acc)`` (:func:`_column_base`; the third the row
+    operand of the tile's off-diagonal blocks, in the operand dtype)."""
+    xi = _cols(x, start, row0, length, h, col0, H, K, BC, BK)
+    ki = _cols(k, start, row0, length, h, col0, H, K, BC, BK)
+    Gi = _tile_prefix(g, s, start, row0, length, h, col0, H, K, BC, BK)
+    acc = _diagonal(xi, ki, Gi, s, row0, length, anchor_offset, acc, BC, ANCHOR, IEEE)
+    x_o = _row_operand(XG, xi, Gi, s, start, row0, length, h, col0, H, K, BC, BK, IEEE)
+    kE, e = _column_base(ki, Gi, BC, IEEE)
+    return kE, e, x_o.to(xi.dtype), acc
+
+
+@triton.jit
+def _pair_tile(q, k, g, QG, KG, s, start, row0, length, h, col0, H, K: tl.constexpr, BC: tl.constexpr,
+               BK: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """:func:`_row_tile` for both matrices at once and without the diagonal block: stores
+    ``QG = q exp(G)`` and ``KG = k exp(G)`` and returns ``(k exp(e - G), e, q exp(G - s),
+    k exp(G - s))``, the last two in the operand dtype."""
+    qi = _cols(q, start, row0, length, h, col0, H, K, BC, BK)
+    ki = _cols(k, start, row0, length, h, col0, H, K, BC, BK)
+    Gi = _tile_prefix(g, s, start, row0, length, h, col0, H, K, BC, BK)
+    q_o = _row_operand(QG, qi, Gi, s, start, row0, length, h, col0, H, K, BC, BK, IEEE)
+    k_o = _row_operand(KG, ki, Gi, s, start, row0, length, h, col0, H, K, BC, BK, IEEE)
+    kE, e = _column_base(ki, Gi, BC, IEEE)
+    return kE, e, q_o.to(qi.dtype), k_o.to(ki.dtype)
 
 
 @triton.jit
@@ -252,6 +300,21 @@ def _store_to_end(KE, kE_i, e_i, G_end, n, h, row0, col0, H, K: tl.constexpr, C:
     k_end = kE_i * _exp(G_end - e_i, IEEE)[None, :]
     tl.store(KE + (n * H + h) * K * C + dk[:, None] * C + rows[None, :], tl.trans(k_end).to(KE.dtype.element_ty),
              mask=(dk < K)[:, None])  # fmt: skip
+
+
+@triton.jit
+def _store_state_operands(KE, GL, n, h, col0, G_end, kE0, e0, kE1, e1, kE2, e2, kE3, e3, H, K: tl.constexpr,
+                          C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """The state pass's operands of one key slice, once every sub-tile's prefix is known:
+    ``exp(G_C)`` and ``k exp(G_C - G)`` of the chunk's ``C / BC`` sub-tiles."""
+    dk = col0 + tl.arange(0, BK)
+    tl.store(GL + (n * H + h) * K + dk, _exp(G_end, IEEE), mask=dk < K)
+    _store_to_end(KE, kE0, e0, G_end, n, h, 0, col0, H, K, C, BC, BK, IEEE)
+    if C >= 2 * BC:
+        _store_to_end(KE, kE1, e1, G_end, n, h, BC, col0, H, K, C, BC, BK, IEEE)
+    if C >= 4 * BC:
+        _store_to_end(KE, kE2, e2, G_end, n, h, 2 * BC, col0, H, K, C, BC, BK, IEEE)
+        _store_to_end(KE, kE3, e3, G_end, n, h, 3 * BC, col0, H, K, C, BC, BK, IEEE)
 
 
 @triton.jit
@@ -286,7 +349,7 @@ def _blocks_kernel(
         s = tl.zeros([BK], dtype=tl.float32)
         kE0, e0, _, a00 = _row_tile(x, k, g, XG, s, a00, start, 0, length, h, col0, anchor_offset,
                                     H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
-        G_end = e0
+        G_end, kE1, e1, kE2, e2, kE3, e3 = e0, kE0, e0, kE0, e0, kE0, e0
         if C >= 2 * BC:
             kE1, e1, x_o, a11 = _row_tile(x, k, g, XG, e0, a11, start, BC, length, h, col0, anchor_offset,
                                           H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
@@ -304,15 +367,8 @@ def _blocks_kernel(
             a32 = _off_diagonal(x_o, kE2, e2, e2, a32, IEEE)
             G_end = e3
         if not QK:
-            # The state pass's operands: the chunk's last prefix is known once every tile is.
-            dk = col0 + tl.arange(0, BK)
-            tl.store(GL + (n * H + h) * K + dk, _exp(G_end, IEEE), mask=dk < K)
-            _store_to_end(KE, kE0, e0, G_end, n, h, 0, col0, H, K, C, BC, BK, IEEE)
-            if C >= 2 * BC:
-                _store_to_end(KE, kE1, e1, G_end, n, h, BC, col0, H, K, C, BC, BK, IEEE)
-            if C >= 4 * BC:
-                _store_to_end(KE, kE2, e2, G_end, n, h, 2 * BC, col0, H, K, C, BC, BK, IEEE)
-                _store_to_end(KE, kE3, e3, G_end, n, h, 3 * BC, col0, H, K, C, BC, BK, IEEE)
+            _store_state_operands(KE, GL, n, h, col0, G_end, kE0, e0, kE1, e1, kE2, e2, kE3, e3,
+                                  H, K, C, BC, BK, IEEE)  # fmt: skip
     if QK:
         # Stored scaled; the output launch keeps only the causal lower triangle of what it reads.
         _store_block(Aqk, a00 * scale, start, 0, 0, length, h, H, C, BC)
@@ -330,6 +386,100 @@ def _blocks_kernel(
     else:
         _solve(v, beta, Tb, W, U, start, length, h, H, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33,
                K, V, BK, BV, C, BC, IEEE, WU)  # fmt: skip
+
+
+@triton.jit
+def _diag_kernel(
+    q, k, g, Aqk, Akkd, chunk_start, chunk_end, scale, anchor_offset,
+    H, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, ANCHOR: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """The diagonal sub-tile blocks of ``A_qk`` (stored scaled) and of ``A_kk`` (fp32, into
+    ``Akkd:[tokens, H, BC]``), one program per sub-tile, chunk and head (``block_plan=
+    "by_block"``). The prefix before the sub-tile is summed tile by tile, as
+    :func:`_pairs_kernel` sums it."""
+    i = tl.program_id(0)
+    n = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    start = tl.load(chunk_start + n)
+    length = tl.load(chunk_end + n) - start
+    row0 = i * BC
+    if row0 < length:
+        acc_q = tl.zeros([BC, BC], dtype=tl.float32)
+        acc_k = tl.zeros([BC, BC], dtype=tl.float32)
+        for col0 in range(0, K, BK):
+            s = tl.zeros([BK], dtype=tl.float32)
+            for j in range(0, i):
+                Gj = _tile_prefix(g, s, start, j * BC, length, h, col0, H, K, BC, BK)
+                s = _pick_row(Gj, tl.arange(0, BC), BC - 1)
+            qi = _cols(q, start, row0, length, h, col0, H, K, BC, BK)
+            ki = _cols(k, start, row0, length, h, col0, H, K, BC, BK)
+            Gi = _tile_prefix(g, s, start, row0, length, h, col0, H, K, BC, BK)
+            acc_q = _diagonal(qi, ki, Gi, s, row0, length, anchor_offset, acc_q, BC, ANCHOR, IEEE)
+            acc_k = _diagonal(ki, ki, Gi, s, row0, length, anchor_offset, acc_k, BC, ANCHOR, IEEE)
+        _store_block(Aqk, acc_q * scale, start, row0, row0, length, h, H, C, BC)
+        _store_rows(Akkd, acc_k, start, row0, length, h, 0, H, BC, BC, BC)
+
+
+@triton.jit
+def _pairs_kernel(
+    q, k, v, g, beta, QG, Aqk, Akkd, Tb, W, U, KE, GL, chunk_start, chunk_end, scale,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    BC: tl.constexpr, IEEE: tl.constexpr, WU: tl.constexpr,
+):  # fmt: skip
+    """The off-diagonal sub-tile blocks of ``A_qk`` and ``A_kk`` together, each column operand
+    formed once for both (``block_plan="by_block"``), and the stores of ``exp(G) q``,
+    ``exp(G) k``, ``k exp(G_C - G)`` and ``exp(G_C)``; then, with the diagonal ``A_kk`` blocks of
+    :func:`_diag_kernel`, ``T``, and ``W``, ``U`` unless ``WU`` is off, as the ``A_kk`` launch
+    of :func:`_blocks_kernel` forms them."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    start = tl.load(chunk_start + n)
+    length = tl.load(chunk_end + n) - start
+    tl.static_assert(C == BC or C == 2 * BC or C == 4 * BC, "a chunk is 1, 2 or 4 sub-tiles")
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    q10, q20, q21, q30, q31, q32 = z, z, z, z, z, z
+    k10, k20, k21, k30, k31, k32 = z, z, z, z, z, z
+    for col0 in range(0, K, BK):
+        s = tl.zeros([BK], dtype=tl.float32)
+        kE0, e0, _, _ = _pair_tile(q, k, g, QG, W, s, start, 0, length, h, col0, H, K, BC, BK, IEEE)
+        G_end, kE1, e1, kE2, e2, kE3, e3 = e0, kE0, e0, kE0, e0, kE0, e0
+        if C >= 2 * BC:
+            kE1, e1, q_o, k_o = _pair_tile(q, k, g, QG, W, e0, start, BC, length, h, col0, H, K, BC, BK, IEEE)
+            c = _column(kE0, e0, e0, q_o.dtype, IEEE)
+            q10, k10 = dot(q_o, c, IEEE, q10), dot(k_o, c, IEEE, k10)
+            G_end = e1
+        if C >= 4 * BC:
+            kE2, e2, q_o, k_o = _pair_tile(q, k, g, QG, W, e1, start, 2 * BC, length, h, col0, H, K, BC, BK, IEEE)
+            c = _column(kE0, e0, e1, q_o.dtype, IEEE)
+            q20, k20 = dot(q_o, c, IEEE, q20), dot(k_o, c, IEEE, k20)
+            c = _column(kE1, e1, e1, q_o.dtype, IEEE)
+            q21, k21 = dot(q_o, c, IEEE, q21), dot(k_o, c, IEEE, k21)
+            kE3, e3, q_o, k_o = _pair_tile(q, k, g, QG, W, e2, start, 3 * BC, length, h, col0, H, K, BC, BK, IEEE)
+            c = _column(kE0, e0, e2, q_o.dtype, IEEE)
+            q30, k30 = dot(q_o, c, IEEE, q30), dot(k_o, c, IEEE, k30)
+            c = _column(kE1, e1, e2, q_o.dtype, IEEE)
+            q31, k31 = dot(q_o, c, IEEE, q31), dot(k_o, c, IEEE, k31)
+            c = _column(kE2, e2, e2, q_o.dtype, IEEE)
+            q32, k32 = dot(q_o, c, IEEE, q32), dot(k_o, c, IEEE, k32)
+            G_end = e3
+        _store_state_operands(KE, GL, n, h, col0, G_end, kE0, e0, kE1, e1, kE2, e2, kE3, e3,
+                              H, K, C, BC, BK, IEEE)  # fmt: skip
+    a00, a11, a22, a33 = z, z, z, z
+    a00 = _rows(Akkd, start, 0, length, h, 0, H, BC, BC, BC)
+    if C >= 2 * BC:
+        _store_block(Aqk, q10 * scale, start, BC, 0, length, h, H, C, BC)
+        a11 = _rows(Akkd, start, BC, length, h, 0, H, BC, BC, BC)
+    if C >= 4 * BC:
+        _store_block(Aqk, q20 * scale, start, 2 * BC, 0, length, h, H, C, BC)
+        _store_block(Aqk, q21 * scale, start, 2 * BC, BC, length, h, H, C, BC)
+        _store_block(Aqk, q30 * scale, start, 3 * BC, 0, length, h, H, C, BC)
+        _store_block(Aqk, q31 * scale, start, 3 * BC, BC, length, h, H, C, BC)
+        _store_block(Aqk, q32 * scale, start, 3 * BC, 2 * BC, length, h, H, C, BC)
+        a22 = _rows(Akkd, start, 2 * BC, length, h, 0, H, BC, BC, BC)
+        a33 = _rows(Akkd, start, 3 * BC, length, h, 0, H, BC, BC, BC)
+    _solve(v, beta, Tb, W, U, start, length, h, H, a00, k10, a11, k20, k21, a22, k30, k31, k32, a33,
+           K, V, BK, BV, C, BC, IEEE, WU)  # fmt: skip
 
 
 @triton.jit
@@ -617,6 +767,7 @@ def chunk(
     solve_block: int = 32,
     wu_warps: int | None = None,
     block_registers: int | None = None,
+    block_plan: str = "by_matrix",
     output_warps: int = 4,
     num_stages: int | None = None,
     validate: bool = True,
@@ -636,7 +787,11 @@ def chunk(
     ``None``: the ``A_kk`` launch forms ``W`` and ``U``) moves those products into a launch of
     their own on that many warps, one program per column block, chunk and head;
     ``block_registers`` caps the registers a thread of either block launch may use (ptxas
-    spills the rest), which lets more of their programs share an SM.
+    spills the rest), which lets more of their programs share an SM. ``block_plan`` splits the
+    sub-tile blocks over launches: ``"by_matrix"`` (an ``A_qk`` launch on ``qk_warps``, an
+    ``A_kk`` launch on ``intra_warps``) or ``"by_block"`` (the diagonal blocks of both, one
+    program per sub-tile, on ``qk_warps``; the off-diagonal blocks of both and ``T`` on
+    ``intra_warps``).
     ``validate=False`` skips the value scans (NaN, positive log-decay) that wait for the device.
     Returns ``o:[B,T,H,V]`` in ``operand_dtype`` and the final state (fp32) on the kernel's device.
     """
@@ -656,6 +811,8 @@ def chunk(
                         ("output_warps", output_warps), ("wu_warps", wu_warps or 4)):  # fmt: skip
         if value not in (1, 2, 4, 8):
             raise ValueError(f"{name} must be 1, 2, 4 or 8, got {value}")
+    if block_plan not in BLOCK_PLANS:
+        raise ValueError(f"unknown block_plan {block_plan!r}; choose one of {', '.join(BLOCK_PLANS)}")
     if block_registers is not None and not 64 <= block_registers <= 255:
         raise ValueError(f"block_registers must be from 64 to 255, got {block_registers}")
     if num_stages not in (2, 3, 4, None):
@@ -701,12 +858,25 @@ def chunk(
         # columns of 32 (1.442 with 2 warps for A_qk, 1.650 at slices of 32, 1.908 at solve
         # columns of 16, 1.983 with 1 warp for A_kk).
         BV_wu = min(solve_block, BV_full, BK)
-        for x, xg, qk, warps in ((flat[0], QG, True, qk_warps), (flat[1], W, False, intra_warps)):
-            _blocks_kernel[(NC, H)](
-                x, flat[1], flat[2], g32, b_op, xg, Aqk, Tb, W, U, KE, GL, start, end, scale, offset,
-                H=H, K=K, V=V, BK=min(intra_block_k, BK), BV=BV_wu, C=C, BC=SUB_TILE,
-                ANCHOR=_ANCHOR_CODE[anchor], IEEE=ieee, QK=qk, WU=wu_warps is None, num_warps=warps,
-                **({} if block_registers is None else {"maxnreg": block_registers}),
+        BKI = min(intra_block_k, BK)
+        cap = {} if block_registers is None else {"maxnreg": block_registers}
+        if block_plan == "by_matrix":
+            for x, xg, qk, warps in ((flat[0], QG, True, qk_warps), (flat[1], W, False, intra_warps)):
+                _blocks_kernel[(NC, H)](
+                    x, flat[1], flat[2], g32, b_op, xg, Aqk, Tb, W, U, KE, GL, start, end, scale, offset,
+                    H=H, K=K, V=V, BK=BKI, BV=BV_wu, C=C, BC=SUB_TILE, ANCHOR=_ANCHOR_CODE[anchor], IEEE=ieee,
+                    QK=qk, WU=wu_warps is None, num_warps=warps, **cap,
+                )  # fmt: skip
+        else:
+            Akkd = torch.empty(B * T, H, SUB_TILE, dtype=torch.float32, device=dev)
+            _diag_kernel[(C // SUB_TILE, NC, H)](
+                flat[0], flat[1], g32, Aqk, Akkd, start, end, scale, offset,
+                H=H, K=K, BK=BKI, C=C, BC=SUB_TILE, ANCHOR=_ANCHOR_CODE[anchor], IEEE=ieee, num_warps=qk_warps,
+            )  # fmt: skip
+            _pairs_kernel[(NC, H)](
+                flat[0], flat[1], flat[2], g32, b_op, QG, Aqk, Akkd, Tb, W, U, KE, GL, start, end, scale,
+                H=H, K=K, V=V, BK=BKI, BV=BV_wu, C=C, BC=SUB_TILE, IEEE=ieee, WU=wu_warps is None,
+                num_warps=intra_warps, **cap,
             )  # fmt: skip
         if wu_warps is not None:
             _wu_kernel[(triton.cdiv(K, BV_wu) + triton.cdiv(V, BV_wu), NC, H)](

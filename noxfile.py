@@ -186,12 +186,13 @@ def gpu_moe(session: nox.Session) -> None:
 
 def _gpu_module(session: nox.Session, module: str, tests: tuple[str, ...], out: str, maps: str,
                 **run_options: object) -> None:  # fmt: skip
-    """A module's GPU tests (profile ``gpu``, or ``gpu-explore`` for a nightly search), its quick
-    overflow map and its rows, the report drawing that map."""
+    """A module's GPU tests (profile ``gpu``, or ``gpu-explore`` for a nightly search; a line per
+    test as it ends, since on a fresh device the run is long), its quick overflow map and its
+    rows, the report drawing that map."""
     python = sys.executable
     profile = os.environ.get("HYPOTHESIS_PROFILE", "gpu")
     workers = _gpu_workers(session)
-    session.run(python, "-m", "pytest", *tests, "-q", "-rs", "--durations=15", *workers,
+    session.run(python, "-m", "pytest", *tests, "-v", "-rs", "--durations=15", *workers,
                 env={"HYPOTHESIS_PROFILE": profile})  # fmt: skip
     session.run(python, "-m", "k3verify", "overflow-map", "--module", module, "--quick", "--out", maps)
     session.run(python, "-m", "k3verify", "run", "--modules", module, "--out", out, "--maps", maps, **run_options)

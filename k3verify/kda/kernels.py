@@ -133,6 +133,13 @@ def _store_rows(ptr, x, start, row0, length, h, col0, H, D: tl.constexpr, R: tl.
 
 
 @triton.jit
+def _chunk_bounds(chunk_start, chunk_end, n):
+    """First token and length of chunk ``n`` (the chunk table's entries)."""
+    start = tl.load(chunk_start + n)
+    return start, tl.load(chunk_end + n) - start
+
+
+@triton.jit
 def _state_offsets(iv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """Offsets and mask of value block ``iv`` of one ``[K, V]`` state."""
     dk = tl.arange(0, BK)
@@ -338,8 +345,7 @@ def _blocks_kernel(
     the chunk-local prefix of ``g``, is summed here, tile by tile, in fp32."""
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    start = tl.load(chunk_start + n)
-    length = tl.load(chunk_end + n) - start
+    start, length = _chunk_bounds(chunk_start, chunk_end, n)
     tl.static_assert(C == BC or C == 2 * BC or C == 4 * BC, "a chunk is 1, 2 or 4 sub-tiles")
     # Block (i, j) accumulated over key slices of BK columns (fewer live registers than whole
     # rows of K). Blocks past the chunk's sub-tiles stay 0 and unused.
@@ -401,8 +407,7 @@ def _diag_kernel(
     i = tl.program_id(0)
     n = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2)
-    start = tl.load(chunk_start + n)
-    length = tl.load(chunk_end + n) - start
+    start, length = _chunk_bounds(chunk_start, chunk_end, n)
     row0 = i * BC
     if row0 < length:
         acc_q = tl.zeros([BC, BC], dtype=tl.float32)
@@ -434,8 +439,7 @@ def _pairs_kernel(
     of :func:`_blocks_kernel` forms them."""
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    start = tl.load(chunk_start + n)
-    length = tl.load(chunk_end + n) - start
+    start, length = _chunk_bounds(chunk_start, chunk_end, n)
     tl.static_assert(C == BC or C == 2 * BC or C == 4 * BC, "a chunk is 1, 2 or 4 sub-tiles")
     z = tl.zeros([BC, BC], dtype=tl.float32)
     q10, q20, q21, q30, q31, q32 = z, z, z, z, z, z
@@ -558,8 +562,7 @@ def _wu_kernel(Tb, W, v, U, chunk_start, chunk_end, H, K: tl.constexpr, V: tl.co
     ib = tl.program_id(0)
     n = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2)
-    start = tl.load(chunk_start + n)
-    length = tl.load(chunk_end + n) - start
+    start, length = _chunk_bounds(chunk_start, chunk_end, n)
     Tt = _block_lower(Tb, start, length, h, H, C, BC)
     n_w = tl.cdiv(K, BV)
     if ib < n_w:
@@ -634,8 +637,7 @@ def _output_kernel(
     iv = tl.program_id(0)
     n = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2)
-    start = tl.load(chunk_start + n)
-    length = tl.load(chunk_end + n) - start
+    start, length = _chunk_bounds(chunk_start, chunk_end, n)
     OP = VN.dtype.element_ty
     rows = tl.arange(0, C)
     soffs, smask = _state_offsets(iv, K, V, BK, BV)

@@ -200,9 +200,9 @@ def _gpu_module(session: nox.Session, module: str, tests: tuple[str, ...], out: 
 
 def _gpu_workers(session: nox.Session) -> tuple[str, ...]:
     """pytest-xdist's worker count for the GPU tests when it is importable (a wheel on
-    PYTHONPATH, as fla-core): on a fresh device most of their time is Triton compiling each
-    kernel specialisation on one CPU core, which workers spread over the host's cores. The
-    derandomised ``gpu`` profile draws the same examples in any worker."""
+    PYTHONPATH, as fla-core): on a fresh device Triton builds every kernel specialisation the
+    first time it is launched, on one CPU core, and workers spread those builds over the
+    host's cores. The derandomised ``gpu`` profile draws the same examples in any worker."""
     if importlib.util.find_spec("xdist") is None:
         session.log("pytest-xdist is not importable: the GPU tests run in one process")
         return ()

@@ -414,8 +414,10 @@ def _diag_kernel(
         acc_k = tl.zeros([BC, BC], dtype=tl.float32)
         for col0 in range(0, K, BK):
             s = tl.zeros([BK], dtype=tl.float32)
-            for j in range(0, i):
-                Gj = _tile_prefix(g, s, start, j * BC, length, h, col0, H, K, BC, BK)
+            # Unrolled over every earlier sub-tile a chunk can have, those at or after this one
+            # read as empty (g = 0 leaves s as it is): no load waits on a branch or a trip count.
+            for j in tl.static_range(0, C // BC - 1):
+                Gj = _tile_prefix(g, s, start, j * BC, tl.where(j < i, length, 0), h, col0, H, K, BC, BK)
                 s = _pick_row(Gj, tl.arange(0, BC), BC - 1)
             qi = _cols(q, start, row0, length, h, col0, H, K, BC, BK)
             ki = _cols(k, start, row0, length, h, col0, H, K, BC, BK)

@@ -81,7 +81,8 @@ def waited_loads(ttgir: str) -> int:
 
 
 def kda_launches() -> list[Launch]:
-    """KDA at K = V = 128, chunk 64: the intra, state, output and decode launches."""
+    """KDA at K = V = 128, chunk 64: the sub-tile block (both plans), W/U, state, output and decode
+    launches."""
     from k3verify.kda import kernels
 
     types = {n: "*fp32" for n in ("g", "GL", "h0", "hT", "pool")}

@@ -205,14 +205,6 @@ def _diagonal(xi, ki, Gi, s, row0, length, anchor_offset, acc,
 
 
 @triton.jit
-def _to_tile_start(xi, Gi, s, row0, length, BC: tl.constexpr, IEEE: tl.constexpr):
-    """``x`` of tile ``i`` times ``exp(G - s)`` (``<= 1``) in fp32: the row operand of its
-    off-diagonal blocks before rounding."""
-    ok = (row0 + tl.arange(0, BC)) < length
-    return xi.to(tl.float32) * _exp(tl.where(ok[:, None], Gi - s[None, :], 0.0), IEEE)
-
-
-@triton.jit
 def _column(kE_j, e_j, s, dtype: tl.constexpr, IEEE: tl.constexpr):
     """The column operand ``(k_j exp(s - G_j))^T`` of block ``(i, j)``, ``j < i``, in ``dtype``:
     the decay splits at tile ``i``'s start ``s``, so the factor is ``<= 1`` too. It is formed as
@@ -244,7 +236,11 @@ def _row_operand(XG, xi, Gi, s, start, row0, length, h, col0, H, K: tl.constexpr
                  BK: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     """Stores ``XG = x exp(G)`` of one sub-tile and returns ``x exp(G - s)`` (fp32, ``<= 1``
     times ``x``), the row operand of its off-diagonal blocks."""
-    x_o = _to_tile_start(xi, Gi, s, row0, length, BC, IEEE)
+    # Rows past the end take exponent 0. Their G - s is <= 0 anyway, but without the select
+    # ptxas spilled the default launches (offline report, Triton 3.9: 32 B at 1 warp for A_qk,
+    # 8 B at 2 for A_kk).
+    ok = (row0 + tl.arange(0, BC)) < length
+    x_o = xi.to(tl.float32) * _exp(tl.where(ok[:, None], Gi - s[None, :], 0.0), IEEE)
     if IEEE:
         x_g = xi.to(tl.float32) * _exp(Gi, IEEE)
     else:
@@ -332,6 +328,21 @@ def _store_block(ptr, x, start, row0, col0, length, h, H, C: tl.constexpr, BC: t
 
 
 @triton.jit
+def _store_below_diagonal(Aqk, a10, a20, a21, a30, a31, a32, scale, start, length, h, H, C: tl.constexpr,
+                          BC: tl.constexpr):  # fmt: skip
+    """Store the blocks of ``A_qk`` below the diagonal, scaled, for the chunk's ``C / BC``
+    sub-tiles."""
+    if C >= 2 * BC:
+        _store_block(Aqk, a10 * scale, start, BC, 0, length, h, H, C, BC)
+    if C >= 4 * BC:
+        _store_block(Aqk, a20 * scale, start, 2 * BC, 0, length, h, H, C, BC)
+        _store_block(Aqk, a21 * scale, start, 2 * BC, BC, length, h, H, C, BC)
+        _store_block(Aqk, a30 * scale, start, 3 * BC, 0, length, h, H, C, BC)
+        _store_block(Aqk, a31 * scale, start, 3 * BC, BC, length, h, H, C, BC)
+        _store_block(Aqk, a32 * scale, start, 3 * BC, 2 * BC, length, h, H, C, BC)
+
+
+@triton.jit
 def _blocks_kernel(
     x, k, v, g, beta, XG, Aqk, Tb, W, U, KE, GL, chunk_start, chunk_end, scale, anchor_offset,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -379,16 +390,11 @@ def _blocks_kernel(
         # Stored scaled; the output launch keeps only the causal lower triangle of what it reads.
         _store_block(Aqk, a00 * scale, start, 0, 0, length, h, H, C, BC)
         if C >= 2 * BC:
-            _store_block(Aqk, a10 * scale, start, BC, 0, length, h, H, C, BC)
             _store_block(Aqk, a11 * scale, start, BC, BC, length, h, H, C, BC)
         if C >= 4 * BC:
-            _store_block(Aqk, a20 * scale, start, 2 * BC, 0, length, h, H, C, BC)
-            _store_block(Aqk, a21 * scale, start, 2 * BC, BC, length, h, H, C, BC)
             _store_block(Aqk, a22 * scale, start, 2 * BC, 2 * BC, length, h, H, C, BC)
-            _store_block(Aqk, a30 * scale, start, 3 * BC, 0, length, h, H, C, BC)
-            _store_block(Aqk, a31 * scale, start, 3 * BC, BC, length, h, H, C, BC)
-            _store_block(Aqk, a32 * scale, start, 3 * BC, 2 * BC, length, h, H, C, BC)
             _store_block(Aqk, a33 * scale, start, 3 * BC, 3 * BC, length, h, H, C, BC)
+        _store_below_diagonal(Aqk, a10, a20, a21, a30, a31, a32, scale, start, length, h, H, C, BC)
     else:
         _solve(v, beta, Tb, W, U, start, length, h, H, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33,
                K, V, BK, BV, C, BC, IEEE, WU)  # fmt: skip
@@ -471,17 +477,11 @@ def _pairs_kernel(
             G_end = e3
         _store_state_operands(KE, GL, n, h, col0, G_end, kE0, e0, kE1, e1, kE2, e2, kE3, e3,
                               H, K, C, BC, BK, IEEE)  # fmt: skip
-    a00, a11, a22, a33 = z, z, z, z
-    a00 = _rows(Akkd, start, 0, length, h, 0, H, BC, BC, BC)
+    _store_below_diagonal(Aqk, q10, q20, q21, q30, q31, q32, scale, start, length, h, H, C, BC)
+    a00, a11, a22, a33 = _rows(Akkd, start, 0, length, h, 0, H, BC, BC, BC), z, z, z
     if C >= 2 * BC:
-        _store_block(Aqk, q10 * scale, start, BC, 0, length, h, H, C, BC)
         a11 = _rows(Akkd, start, BC, length, h, 0, H, BC, BC, BC)
     if C >= 4 * BC:
-        _store_block(Aqk, q20 * scale, start, 2 * BC, 0, length, h, H, C, BC)
-        _store_block(Aqk, q21 * scale, start, 2 * BC, BC, length, h, H, C, BC)
-        _store_block(Aqk, q30 * scale, start, 3 * BC, 0, length, h, H, C, BC)
-        _store_block(Aqk, q31 * scale, start, 3 * BC, BC, length, h, H, C, BC)
-        _store_block(Aqk, q32 * scale, start, 3 * BC, 2 * BC, length, h, H, C, BC)
         a22 = _rows(Akkd, start, 2 * BC, length, h, 0, H, BC, BC, BC)
         a33 = _rows(Akkd, start, 3 * BC, length, h, 0, H, BC, BC, BC)
     _solve(v, beta, Tb, W, U, start, length, h, H, a00, k10, a11, k20, k21, a22, k30, k31, k32, a33,
@@ -812,7 +812,8 @@ def chunk(
         if value not in (16, 32, 64, 128):
             raise ValueError(f"{name} must be 16, 32, 64 or 128, got {value}")
     for name, value in (("num_warps", num_warps), ("intra_warps", intra_warps), ("qk_warps", qk_warps),
-                        ("output_warps", output_warps), ("wu_warps", wu_warps or 4)):  # fmt: skip
+                        ("output_warps", output_warps),
+                        *([] if wu_warps is None else [("wu_warps", wu_warps)])):  # fmt: skip
         if value not in (1, 2, 4, 8):
             raise ValueError(f"{name} must be 1, 2, 4 or 8, got {value}")
     if block_plan not in BLOCK_PLANS:

@@ -190,12 +190,15 @@ def _gpu_module(session: nox.Session, module: str, tests: tuple[str, ...], out: 
     test as it ends, since on a fresh device the run is long), its quick overflow map and its
     rows, the report drawing that map."""
     python = sys.executable
+    # Autotuned peers (fla-core) keep their choices on disk (Triton's cache): the map and the
+    # run, each a new process, reuse what the tests tuned instead of tuning the same shapes again.
+    env = {"TRITON_CACHE_AUTOTUNING": "1"}
     profile = os.environ.get("HYPOTHESIS_PROFILE", "gpu")
-    workers = _gpu_workers(session)
-    session.run(python, "-m", "pytest", *tests, "-v", "-rs", "--durations=15", *workers,
-                env={"HYPOTHESIS_PROFILE": profile})  # fmt: skip
-    session.run(python, "-m", "k3verify", "overflow-map", "--module", module, "--quick", "--out", maps)
-    session.run(python, "-m", "k3verify", "run", "--modules", module, "--out", out, "--maps", maps, **run_options)
+    session.run(python, "-m", "pytest", *tests, "-v", "-rs", "--durations=15", *_gpu_workers(session),
+                env=env | {"HYPOTHESIS_PROFILE": profile})  # fmt: skip
+    session.run(python, "-m", "k3verify", "overflow-map", "--module", module, "--quick", "--out", maps, env=env)
+    session.run(python, "-m", "k3verify", "run", "--modules", module, "--out", out, "--maps", maps, env=env,
+                **run_options)  # fmt: skip
 
 
 def _gpu_workers(session: nox.Session) -> tuple[str, ...]:
@@ -207,7 +210,8 @@ def _gpu_workers(session: nox.Session) -> tuple[str, ...]:
         session.log("pytest-xdist is not importable: the GPU tests run in one process")
         return ()
     workers = os.environ.get("K3VERIFY_GPU_WORKERS", str(min(8, max(1, (os.cpu_count() or 2) // 2))))
-    return ("-n", workers)
+    # loadgroup: tests marked xdist_group share a worker (fla-core's autotuning, once).
+    return ("-n", workers, "--dist", "loadgroup")
 
 
 @nox.session(name="gpu-tp", venv_backend="none")

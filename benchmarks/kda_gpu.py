@@ -58,8 +58,7 @@ def split_rows(log, peers: bool) -> list[dict[str, Any]]:
     rows = []
     for shape in PREFILL:
         x = _inputs(**shape)
-        runs = {"ours": partial(kernels.chunk, *x, validate=False),
-                "ours by_block": partial(kernels.chunk, *x, validate=False, block_plan="by_block")}
+        runs = {"ours": partial(kernels.chunk, *x, validate=False)}
         if peers:
             runs["fla-core"] = partial(fla.chunk_gpu, *x, safe_gate=True, lower_bound=G_MIN)
         for name, run in runs.items():
@@ -70,11 +69,11 @@ def split_rows(log, peers: bool) -> list[dict[str, Any]]:
 
 
 TUNE = {
+    "_prefix_kernel": [dict(prefix_block_k=b, prefix_warps=w) for b in (32, 64) for w in (4, 8)],
     "_blocks_kernel": [
         dict(intra_block_k=b, qk_warps=q, intra_warps=w, solve_block=s)
-        for b, q, w, s in ((16, 1, 2, 32), (16, 2, 2, 32), (16, 1, 4, 32), (16, 2, 4, 32))
-    ] + [dict(block_registers=r) for r in (128, 168)] + [dict(qk_warps=2, intra_warps=4, block_registers=128)],
-    "_wu_kernel": [dict(wu_warps=w, solve_block=b) for w in (2, 4, 8) for b in (32, 64)],
+        for b, q, w, s in ((16, 1, 2, 32), (32, 1, 2, 32), (16, 2, 2, 32), (16, 1, 2, 16))
+    ],
     "_state_kernel": [dict(block_v=v, num_warps=w, num_stages=s) for v in (32, 64) for w in (4, 8) for s in (2, 3)],
     "_output_kernel": [dict(output_block_v=v, output_warps=w) for v in (64, 128) for w in (4, 8)],
 }
@@ -112,12 +111,7 @@ def _row(kind: str, shape: dict[str, int], peer: str, peer_ms: float, default: f
 
 
 def prefill_rows(sweep: bool, log) -> list[dict[str, Any]]:
-    # The other block plan is timed even in the quick form: the two are the candidates.
-    configs = [dict(block_plan="by_block"), dict(block_plan="by_block", wu_warps=4)]
-    configs += [dict(block_plan="by_block", intra_warps=4), dict(block_plan="by_block", qk_warps=2),
-                dict(wu_warps=4), dict(wu_warps=4, solve_block=64), dict(block_registers=128),
-                dict(block_registers=168), dict(block_v=32, num_stages=3),
-                dict(block_v=64, num_stages=2)] if sweep else []  # fmt: skip
+    configs = [dict(intra_block_k=32), dict(block_v=32, num_stages=3), dict(block_v=64, num_stages=2)] if sweep else []
     rows = []
     for shape in PREFILL:
         x = _inputs(**shape)
@@ -214,7 +208,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = gpu_timing.arguments(__doc__, "the default launch configuration and the by_block plan only, no sweep")
+    parser = gpu_timing.arguments(__doc__, "default launch configuration only, no sweep")
     parser.add_argument("--split", choices=("ours", "all"), help="only the per-launch time split of prefill")
     parser.add_argument("--tune", action="store_true", help="only each prefill launch's time per launch configuration")
     args = parser.parse_args(argv)

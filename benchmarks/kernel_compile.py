@@ -81,11 +81,10 @@ def waited_loads(ttgir: str) -> int:
 
 
 def kda_launches() -> list[Launch]:
-    """KDA at K = V = 128, chunk 64: the sub-tile block (both plans), W/U, state, output and decode
-    launches."""
+    """KDA at K = V = 128, chunk 64: the intra, state, output and decode launches."""
     from k3verify.kda import kernels
 
-    types = {n: "*fp32" for n in ("g", "GL", "h0", "hT", "pool")}
+    types = {n: "*fp32" for n in ("g", "G", "GL", "h0", "hT", "pool")}
     types |= {n: "*i64" for n in ("chunk_start", "chunk_end", "cu", "seq_chunks", "indices")}
     types |= {"scale": "fp32", "anchor_offset": "fp32", "H": "i32", "T": "i32"}
     shape = dict(K=128, V=128, BK=128, C=64, BC=16, ANCHOR=0, IEEE=False, HAS_H0=False, STORE_HT=False)
@@ -95,12 +94,9 @@ def kda_launches() -> list[Launch]:
         return Launch(name, fn, shape | extra, stages, types, div)
 
     return [
+        *[launch(f"prefix block_k={bk}", kernels._prefix_kernel, 3, BK=bk) for bk in (32, 64)],
         *[launch(f"blocks {'A_qk' if qk else 'A_kk, W, U'} block_k={bk}", kernels._blocks_kernel, 3, BK=bk, BV=32,
-                 QK=qk, WU=True) for qk in (True, False) for bk in (16, 32)],
-        launch("blocks A_kk block_k=16", kernels._blocks_kernel, 3, BK=16, BV=32, QK=False, WU=False),
-        launch("W, U block_v=64", kernels._wu_kernel, 3, BV=64),
-        launch("by_block diagonal block_k=16", kernels._diag_kernel, 3, BK=16),
-        launch("by_block off-diagonal, T block_k=16", kernels._pairs_kernel, 3, BK=16, BV=32, WU=False),
+                 QK=qk) for qk in (True, False) for bk in (16, 32)],
         *[launch(f"state block_v={bv} stages={st}", kernels._state_kernel, st, BV=bv, STAGES=st)
           for bv in (16, 64) for st in (2, 3)],
         *[launch(f"output block_v={bv}", kernels._output_kernel, 3, BV=bv) for bv in (64, 128)],

@@ -48,6 +48,11 @@ settings.register_profile("gpu", derandomize=True, max_examples=100, **_COMMON)
 settings.register_profile("gpu-explore", max_examples=1000, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# Under pytest-xdist every worker would start one intra-op thread per core for the CPU-side
+# oracles: the cores shared out instead of oversubscribed (8 workers x 16 threads on 16 cores).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 NIGHTLY_BUDGET_S = 1800.0
 NIGHTLY_OUT = "reports/latest/nightly.json"
 

@@ -87,11 +87,7 @@ LAUNCHES = [
     dict(block_v=64, num_stages=2, num_warps=8),
     dict(output_block_v=16, output_warps=8),
     dict(intra_block_k=32, qk_warps=2, intra_warps=4, solve_block=16),
-    dict(wu_warps=2, solve_block=16),
-    dict(block_registers=128),
-    dict(block_plan="by_block"),
-    dict(block_plan="by_block", anchor="row0_shift", chunk_size=32, wu_warps=4),
-    dict(block_plan="by_block", anchor="tile_middle", block_registers=128, intra_block_k=32),
+    dict(prefix_block_k=16, prefix_warps=2),
 ]
 
 
@@ -260,12 +256,6 @@ def test_bad_arguments_are_named() -> None:
         kernels.chunk(*x, intra_block_k=8, operand_dtype=torch.float32)
     with pytest.raises(ValueError, match="qk_warps must be 1, 2, 4 or 8, got 3"):
         kernels.chunk(*x, qk_warps=3, operand_dtype=torch.float32)
-    with pytest.raises(ValueError, match="wu_warps must be 1, 2, 4 or 8, got 0"):
-        kernels.chunk(*x, wu_warps=0, operand_dtype=torch.float32)
-    with pytest.raises(ValueError, match="unknown block_plan 'rows'; choose one of by_matrix, by_block"):
-        kernels.chunk(*x, block_plan="rows", operand_dtype=torch.float32)
-    with pytest.raises(ValueError, match="block_registers must be from 64 to 255, got 300"):
-        kernels.chunk(*x, block_registers=300, operand_dtype=torch.float32)
     with pytest.raises(ValueError, match="end at the token count 20"):
         kernels.chunk(*x, cu_seqlens=torch.tensor([0, 5, 19]), operand_dtype=torch.float32)
     with pytest.raises(TypeError, match="cu_seqlens"):

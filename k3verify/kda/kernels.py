@@ -1,31 +1,28 @@
 """KDA GPU kernels in Triton: chunkwise prefill and fused recurrent decode.
 
-``chunk`` runs the chunkwise form of SPEC §1.5 with the two-level tiling of §1.6 in four
+``chunk`` runs the chunkwise form of SPEC §1.5 with the two-level tiling of §1.6 in five
 launches:
 
-1. *blocks*, twice (one program per chunk and head, key slice by key slice): the chunk-local
-   log-decay prefix ``G`` (fp32, summed tile by tile, never stored) and the 16-row sub-tile
-   blocks ``(i, j)``, ``j <= i``, of ``A_qk`` and then of ``A_kk`` as operand-dtype matrix
-   products with fp32 accumulation. Off-diagonal blocks split the decay at the query tile's
-   start, so both factors are ``<= 1``; diagonal blocks split it at the anchor chosen at
+1. *prefix* (one program per chunk, head and key block): the chunk-local log-decay prefix
+   ``G`` (fp32) and what needs nothing else: ``exp(G) q`` (the output launch's operand),
+   ``exp(G) k`` (the right-hand side of ``W``), ``k exp(G_C - G)`` transposed per chunk (the
+   state update's operand) and ``exp(G_C)``, so no later launch calls ``exp`` on ``G`` again
+   except for the sub-tile blocks.
+2. *blocks*, twice (one program per chunk and head, key slice by key slice): the 16-row
+   sub-tile blocks ``(i, j)``, ``j <= i``, of ``A_qk`` and then of ``A_kk`` as operand-dtype
+   matrix products with fp32 accumulation. Off-diagonal blocks split the decay at the query
+   tile's start, so both factors are ``<= 1``; diagonal blocks split it at the anchor chosen at
    compile time (``tile_start``, ``tile_middle`` or ``row0_shift``, as in
-   :mod:`k3verify.kda.tiled`). Each launch also stores what later launches multiply, so none of
-   them calls ``exp`` on ``G`` again: ``exp(G) q`` (the output launch's operand) from the
-   ``A_qk`` launch; ``exp(G) k``, ``k exp(G_C - G)`` transposed per chunk (the state update's
-   operand) and ``exp(G_C)`` from the ``A_kk`` launch, which goes on to
-   ``T = (I + A_kk)^{-1}`` block by block in fp32 (each diagonal inverse a product of powers of
-   the nilpotent block) and the pseudo-keys and values as whole-chunk products,
-   ``W = T diag(beta) exp(G) k`` and ``U = T diag(beta) v``. Two launches, not one: a
-   ``[16, 16]`` block is the same registers on every warp, so each launch keeps half the
-   blocks live on as few warps as they need. ``block_plan="by_block"`` splits the same work
-   the other way: a launch of the diagonal blocks of both matrices, one small program per
-   sub-tile, and a launch of the off-diagonal blocks of both, each column operand formed
-   once for the two, followed by ``T``, ``W`` and ``U``.
-2. *state* (one program per sequence, head and value block; sequential over chunks): stores
+   :mod:`k3verify.kda.tiled`). The ``A_kk`` launch goes on to ``T = (I + A_kk)^{-1}`` block by
+   block in fp32 (each diagonal inverse a product of powers of the nilpotent block) and the
+   pseudo-keys and values as whole-chunk products, ``W = T diag(beta) exp(G) k`` and
+   ``U = T diag(beta) v``. Two launches, not one: a ``[16, 16]`` block is the same registers on
+   every warp, so each launch keeps half the blocks live on as few warps as they need.
+3. *state* (one program per sequence, head and value block; sequential over chunks): stores
    the state entering each chunk, the pseudo-values ``V~ = U - W S`` and the next state
    ``exp(G_C) S + (k exp(G_C - G))^T V~``. Chunk bounds are arithmetic, so the loop prefetches
    the next chunk's operands (``num_stages``) while this one's products run.
-3. *output* (one program per chunk, head and value block):
+4. *output* (one program per chunk, head and value block):
    ``O = scale (exp(G) q) S + A_qk V~``.
 
 ``fused_recurrent`` is the decode kernel: one program per request, head and value block
@@ -60,7 +57,6 @@ from .tiled import ANCHORS, DEFAULT_ROW0_SHIFT
 SUB_TILE = 16
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ANCHOR_CODE = {name: i for i, name in enumerate(ANCHORS)}
-BLOCK_PLANS = ("by_matrix", "by_block")
 
 
 __all__ = ["chunk", "chunk_table", "fused_recurrent", "interpreted", "unavailable_reason"]
@@ -177,6 +173,46 @@ def _pick_row(x, rows, r):
 
 
 @triton.jit
+def _prefix_kernel(
+    q, k, g, G, QG, KG, KE, GL, chunk_start, chunk_end,
+    H, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Per chunk, head and key block: the chunk-local log-decay prefix ``G`` (fp32) and the
+    operands that need nothing else: ``exp(G) q`` (output launch), ``exp(G) k`` (the right-hand
+    side of ``W``), ``k exp(G_C - G)`` transposed to ``[K, C]`` (state update) and ``exp(G_C)``."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    col0 = tl.program_id(2) * BK
+    start, length = _chunk_bounds(chunk_start, chunk_end, n)
+    rows = tl.arange(0, C)
+    dk = col0 + tl.arange(0, BK)
+    # Rows past the end read g = 0, so G stays at the last real row's value there.
+    Gc = tl.cumsum(_rows(g, start, 0, length, h, col0, H, K, C, BK), axis=0)
+    _store_rows(G, Gc, start, 0, length, h, col0, H, K, C, BK)
+    e = _exp(Gc, IEEE)
+    _store_rows(QG, _rows(q, start, 0, length, h, col0, H, K, C, BK) * e, start, 0, length, h, col0, H, K, C, BK)
+    k_c = _rows(k, start, 0, length, h, col0, H, K, C, BK)
+    _store_rows(KG, k_c * e, start, 0, length, h, col0, H, K, C, BK)
+    s_end = _pick_row(Gc, rows, C - 1)
+    tl.store(GL + (n * H + h) * K + dk, _exp(s_end, IEEE), mask=dk < K)
+    # Rows past the end are stored too, as 0 (k is 0 there): the state pass then loads whole
+    # chunk blocks, with no mask along their contiguous dimension, which is what lets Triton
+    # prefetch them asynchronously (with one, the load waits inside the sequential loop).
+    k_end = k_c * _exp(s_end[None, :] - Gc, IEEE)
+    tl.store(KE + (n * H + h) * K * C + dk[:, None] * C + rows[None, :], tl.trans(k_end).to(KE.dtype.element_ty),
+             mask=(dk < K)[:, None])  # fmt: skip
+
+
+@triton.jit
+def _prefix_at(G, start, row, length, h, col0, H, K: tl.constexpr, BK: tl.constexpr):
+    """``G:[BK]`` at chunk row ``row``: the last real row's if the chunk ends before it, 0 for
+    ``row = -1`` (the prefix before the chunk's first row)."""
+    dk = col0 + tl.arange(0, BK)
+    at = tl.maximum(tl.minimum(row, length - 1), 0)
+    return tl.where(row >= 0, tl.load(G + ((start + at) * H + h) * K + dk, mask=dk < K, other=0.0), 0.0)
+
+
+@triton.jit
 def _diagonal(xi, ki, Gi, s, row0, length, anchor_offset, acc,
               BC: tl.constexpr, ANCHOR: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     """Add one key slice's share of the diagonal block ``x_i k_i^T`` with its decay (``x`` is
@@ -205,119 +241,32 @@ def _diagonal(xi, ki, Gi, s, row0, length, anchor_offset, acc,
 
 
 @triton.jit
-def _column(kE_j, e_j, s, dtype: tl.constexpr, IEEE: tl.constexpr):
-    """The column operand ``(k_j exp(s - G_j))^T`` of block ``(i, j)``, ``j < i``, in ``dtype``:
-    the decay splits at tile ``i``'s start ``s``, so the factor is ``<= 1`` too. It is formed as
-    ``kE_j exp(s - e_j)`` from tile ``j``'s ``kE_j = k_j exp(e_j - G_j)`` (``e_j`` the prefix at
-    its last row; both factors ``<= 1``): an exp per column, not per element, for each block,
-    and one fp32 tile kept per earlier tile instead of its ``k`` and ``G``."""
-    return tl.trans((kE_j * _exp(s - e_j, IEEE)[None, :]).to(dtype))
-
-
-@triton.jit
-def _off_diagonal(x_o, kE_j, e_j, s, acc, IEEE: tl.constexpr):
-    """Add one key slice's share of block ``(i, j)``, ``j < i``, to ``acc`` (:func:`_column`)."""
-    return dot(x_o, _column(kE_j, e_j, s, x_o.dtype, IEEE), IEEE, acc)
-
-
-@triton.jit
-def _tile_prefix(g, s, start, row0, length, h, col0, H, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
-    """``G:[BC, BK]`` fp32 of the sub-tile at rows ``row0 ..``, ``s:[BK]`` the log-decay prefix
-    before its first row. Rows past the end read g = 0, so G stays at the last real row's value
-    there. The prefix before the tile joins its first row, not every row: a scan that starts
-    from it rounds as one over the whole chunk would (adding it to the tile's own prefix sums
-    rounds twice)."""
-    gi = _rows(g, start, row0, length, h, col0, H, K, BC, BK)
-    return tl.cumsum(tl.where((tl.arange(0, BC) == 0)[:, None], gi + s[None, :], gi), axis=0)
-
-
-@triton.jit
-def _row_operand(XG, xi, Gi, s, start, row0, length, h, col0, H, K: tl.constexpr, BC: tl.constexpr,
-                 BK: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """Stores ``XG = x exp(G)`` of one sub-tile and returns ``x exp(G - s)`` (fp32, ``<= 1``
-    times ``x``), the row operand of its off-diagonal blocks."""
-    # Rows past the end take exponent 0. Their G - s is <= 0 anyway, but without the select
-    # ptxas spilled the default launches (offline report, Triton 3.9: 32 B at 1 warp for A_qk,
-    # 8 B at 2 for A_kk).
+def _to_tile_start(xi, Gi, s, row0, length, BC: tl.constexpr, IEEE: tl.constexpr):
+    """``x`` of tile ``i`` times ``exp(G - s)`` (``<= 1``), the row operand of its
+    off-diagonal blocks, in the operand dtype."""
     ok = (row0 + tl.arange(0, BC)) < length
-    x_o = xi.to(tl.float32) * _exp(tl.where(ok[:, None], Gi - s[None, :], 0.0), IEEE)
-    if IEEE:
-        x_g = xi.to(tl.float32) * _exp(Gi, IEEE)
-    else:
-        # exp(G) = exp(G - s) exp(s): one exp per column instead of per element. The rounding
-        # of G - s it adds (an ulp of G at most) is far below a 16-bit operand's.
-        x_g = x_o * _exp(s, IEEE)[None, :]
-    _store_rows(XG, x_g, start, row0, length, h, col0, H, K, BC, BK)
-    return x_o
+    return (xi.to(tl.float32) * _exp(tl.where(ok[:, None], Gi - s[None, :], 0.0), IEEE)).to(xi.dtype)
 
 
 @triton.jit
-def _column_base(ki, Gi, BC: tl.constexpr, IEEE: tl.constexpr):
-    """``(k exp(e - G), e)`` of one sub-tile: ``e:[BK]`` the prefix after its last row (the next
-    tile's ``s``) and the fp32 tile (``<= 1`` times ``k``) that its column factors and
-    ``k exp(G_C - G)`` are formed from."""
-    e = _pick_row(Gi, tl.arange(0, BC), BC - 1)
-    return ki.to(tl.float32) * _exp(e[None, :] - Gi, IEEE), e
+def _off_diagonal(x_o, kj, Gj, s, acc, IEEE: tl.constexpr):
+    """Add one key slice's share of block ``(i, j)``, ``j < i``, to ``acc``: the decay splits
+    at tile ``i``'s start ``s``, so the column factor ``exp(s - G_j)`` is ``<= 1`` too."""
+    return dot(x_o, tl.trans((kj.to(tl.float32) * _exp(s[None, :] - Gj, IEEE)).to(kj.dtype)), IEEE, acc)
 
 
 @triton.jit
-def _row_tile(x, k, g, XG, s, acc, start, row0, length, h, col0, anchor_offset, H, K: tl.constexpr,
+def _row_tile(x, k, G, acc, start, row0, length, h, col0, anchor_offset, H, K: tl.constexpr,
               BC: tl.constexpr, BK: tl.constexpr, ANCHOR: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """Sub-tile ``i`` (rows ``row0 ..``) of one key slice, ``s:[BK]`` the log-decay prefix before
-    its first row: stores ``XG = x exp(G)``, adds the diagonal block to ``acc`` and returns
-    ``(k_i exp(e_i - G_i), e_i, x_i exp(G_i - s), acc)`` (:func:`_column_base`; the third the row
-    operand of the tile's off-diagonal blocks, in the operand dtype)."""
+    """Sub-tile ``i`` (rows ``row0 ..``) of one key slice: adds its diagonal block to ``acc``
+    and returns ``(k_i, G_i, s_i, x_i exp(G_i - s_i), acc)``, ``s_i`` the prefix at the tile's
+    start and the fourth the row operand of the tile's off-diagonal blocks."""
+    s = _prefix_at(G, start, row0 - 1, length, h, col0, H, K, BK)
     xi = _cols(x, start, row0, length, h, col0, H, K, BC, BK)
     ki = _cols(k, start, row0, length, h, col0, H, K, BC, BK)
-    Gi = _tile_prefix(g, s, start, row0, length, h, col0, H, K, BC, BK)
+    Gi = _rows(G, start, row0, length, h, col0, H, K, BC, BK)
     acc = _diagonal(xi, ki, Gi, s, row0, length, anchor_offset, acc, BC, ANCHOR, IEEE)
-    x_o = _row_operand(XG, xi, Gi, s, start, row0, length, h, col0, H, K, BC, BK, IEEE)
-    kE, e = _column_base(ki, Gi, BC, IEEE)
-    return kE, e, x_o.to(xi.dtype), acc
-
-
-@triton.jit
-def _pair_tile(q, k, g, QG, KG, s, start, row0, length, h, col0, H, K: tl.constexpr, BC: tl.constexpr,
-               BK: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """:func:`_row_tile` for both matrices at once and without the diagonal block: stores
-    ``QG = q exp(G)`` and ``KG = k exp(G)`` and returns ``(k exp(e - G), e, q exp(G - s),
-    k exp(G - s))``, the last two in the operand dtype."""
-    qi = _cols(q, start, row0, length, h, col0, H, K, BC, BK)
-    ki = _cols(k, start, row0, length, h, col0, H, K, BC, BK)
-    Gi = _tile_prefix(g, s, start, row0, length, h, col0, H, K, BC, BK)
-    q_o = _row_operand(QG, qi, Gi, s, start, row0, length, h, col0, H, K, BC, BK, IEEE)
-    k_o = _row_operand(KG, ki, Gi, s, start, row0, length, h, col0, H, K, BC, BK, IEEE)
-    kE, e = _column_base(ki, Gi, BC, IEEE)
-    return kE, e, q_o.to(qi.dtype), k_o.to(ki.dtype)
-
-
-@triton.jit
-def _store_to_end(KE, kE_i, e_i, G_end, n, h, row0, col0, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                  BK: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """``k exp(G_C - G) = kE exp(G_C - e)`` of one tile (``<= 1``), transposed into the chunk's
-    ``[K, C]`` block. Rows past the end are stored too, as 0 (k is 0 there): the state pass
-    then loads whole blocks, with no mask along their contiguous dimension, which is what lets
-    Triton prefetch them asynchronously (with one, the load waits inside the sequential loop)."""
-    dk = col0 + tl.arange(0, BK)
-    rows = row0 + tl.arange(0, BC)
-    k_end = kE_i * _exp(G_end - e_i, IEEE)[None, :]
-    tl.store(KE + (n * H + h) * K * C + dk[:, None] * C + rows[None, :], tl.trans(k_end).to(KE.dtype.element_ty),
-             mask=(dk < K)[:, None])  # fmt: skip
-
-
-@triton.jit
-def _store_state_operands(KE, GL, n, h, col0, G_end, kE0, e0, kE1, e1, kE2, e2, kE3, e3, H, K: tl.constexpr,
-                          C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """The state pass's operands of one key slice, once every sub-tile's prefix is known:
-    ``exp(G_C)`` and ``k exp(G_C - G)`` of the chunk's ``C / BC`` sub-tiles."""
-    dk = col0 + tl.arange(0, BK)
-    tl.store(GL + (n * H + h) * K + dk, _exp(G_end, IEEE), mask=dk < K)
-    _store_to_end(KE, kE0, e0, G_end, n, h, 0, col0, H, K, C, BC, BK, IEEE)
-    if C >= 2 * BC:
-        _store_to_end(KE, kE1, e1, G_end, n, h, BC, col0, H, K, C, BC, BK, IEEE)
-    if C >= 4 * BC:
-        _store_to_end(KE, kE2, e2, G_end, n, h, 2 * BC, col0, H, K, C, BC, BK, IEEE)
-        _store_to_end(KE, kE3, e3, G_end, n, h, 3 * BC, col0, H, K, C, BC, BK, IEEE)
+    return ki, Gi, s, _to_tile_start(xi, Gi, s, row0, length, BC, IEEE), acc
 
 
 @triton.jit
@@ -328,32 +277,14 @@ def _store_block(ptr, x, start, row0, col0, length, h, H, C: tl.constexpr, BC: t
 
 
 @triton.jit
-def _store_below_diagonal(Aqk, a10, a20, a21, a30, a31, a32, scale, start, length, h, H, C: tl.constexpr,
-                          BC: tl.constexpr):  # fmt: skip
-    """Store the blocks of ``A_qk`` below the diagonal, scaled, for the chunk's ``C / BC``
-    sub-tiles."""
-    if C >= 2 * BC:
-        _store_block(Aqk, a10 * scale, start, BC, 0, length, h, H, C, BC)
-    if C >= 4 * BC:
-        _store_block(Aqk, a20 * scale, start, 2 * BC, 0, length, h, H, C, BC)
-        _store_block(Aqk, a21 * scale, start, 2 * BC, BC, length, h, H, C, BC)
-        _store_block(Aqk, a30 * scale, start, 3 * BC, 0, length, h, H, C, BC)
-        _store_block(Aqk, a31 * scale, start, 3 * BC, BC, length, h, H, C, BC)
-        _store_block(Aqk, a32 * scale, start, 3 * BC, 2 * BC, length, h, H, C, BC)
-
-
-@triton.jit
 def _blocks_kernel(
-    x, k, v, g, beta, XG, Aqk, Tb, W, U, KE, GL, chunk_start, chunk_end, scale, anchor_offset,
+    x, k, v, G, beta, Aqk, Tb, W, U, chunk_start, chunk_end, scale, anchor_offset,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, ANCHOR: tl.constexpr, IEEE: tl.constexpr, QK: tl.constexpr,
-    WU: tl.constexpr,
 ):  # fmt: skip
-    """The sub-tile blocks of ``x k^T`` with decay, ``x = q`` (``QK``: stores ``A_qk`` and
-    ``XG = exp(G) q``) or ``x = k`` (stores ``XG = W = exp(G) k``, ``k exp(G_C - G)`` and
-    ``exp(G_C)``, then ``T = (I + A_kk)^{-1}`` and ``W = T diag(beta) exp(G) k``,
-    ``U = T diag(beta) v``, unless ``WU`` is off: then :func:`_wu_kernel` forms them). ``G``,
-    the chunk-local prefix of ``g``, is summed here, tile by tile, in fp32."""
+    """The sub-tile blocks of ``x k^T`` with decay, ``x = q`` (``QK``: stores ``A_qk``) or
+    ``x = k`` (then ``T = (I + A_kk)^{-1}`` and ``W = T diag(beta) exp(G) k``,
+    ``U = T diag(beta) v``, where ``W`` holds ``exp(G) k`` on entry)."""
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     start, length = _chunk_bounds(chunk_start, chunk_end, n)
@@ -363,139 +294,49 @@ def _blocks_kernel(
     a00 = tl.zeros([BC, BC], dtype=tl.float32)
     a10, a11, a20, a21, a22, a30, a31, a32, a33 = a00, a00, a00, a00, a00, a00, a00, a00, a00
     for col0 in range(0, K, BK):
-        s = tl.zeros([BK], dtype=tl.float32)
-        kE0, e0, _, a00 = _row_tile(x, k, g, XG, s, a00, start, 0, length, h, col0, anchor_offset,
-                                    H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
-        G_end, kE1, e1, kE2, e2, kE3, e3 = e0, kE0, e0, kE0, e0, kE0, e0
+        k0, G0, _, _, a00 = _row_tile(x, k, G, a00, start, 0, length, h, col0, anchor_offset,
+                                      H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
         if C >= 2 * BC:
-            kE1, e1, x_o, a11 = _row_tile(x, k, g, XG, e0, a11, start, BC, length, h, col0, anchor_offset,
-                                          H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
-            a10 = _off_diagonal(x_o, kE0, e0, e0, a10, IEEE)
-            G_end = e1
+            k1, G1, s1, x_o, a11 = _row_tile(x, k, G, a11, start, BC, length, h, col0, anchor_offset,
+                                             H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+            a10 = _off_diagonal(x_o, k0, G0, s1, a10, IEEE)
         if C >= 4 * BC:
-            kE2, e2, x_o, a22 = _row_tile(x, k, g, XG, e1, a22, start, 2 * BC, length, h, col0, anchor_offset,
-                                          H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
-            a20 = _off_diagonal(x_o, kE0, e0, e1, a20, IEEE)
-            a21 = _off_diagonal(x_o, kE1, e1, e1, a21, IEEE)
-            kE3, e3, x_o, a33 = _row_tile(x, k, g, XG, e2, a33, start, 3 * BC, length, h, col0, anchor_offset,
-                                          H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
-            a30 = _off_diagonal(x_o, kE0, e0, e2, a30, IEEE)
-            a31 = _off_diagonal(x_o, kE1, e1, e2, a31, IEEE)
-            a32 = _off_diagonal(x_o, kE2, e2, e2, a32, IEEE)
-            G_end = e3
-        if not QK:
-            _store_state_operands(KE, GL, n, h, col0, G_end, kE0, e0, kE1, e1, kE2, e2, kE3, e3,
-                                  H, K, C, BC, BK, IEEE)  # fmt: skip
+            k2, G2, s2, x_o, a22 = _row_tile(x, k, G, a22, start, 2 * BC, length, h, col0, anchor_offset,
+                                             H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+            a20 = _off_diagonal(x_o, k0, G0, s2, a20, IEEE)
+            a21 = _off_diagonal(x_o, k1, G1, s2, a21, IEEE)
+            _, _, s3, x_o, a33 = _row_tile(x, k, G, a33, start, 3 * BC, length, h, col0, anchor_offset,
+                                           H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+            a30 = _off_diagonal(x_o, k0, G0, s3, a30, IEEE)
+            a31 = _off_diagonal(x_o, k1, G1, s3, a31, IEEE)
+            a32 = _off_diagonal(x_o, k2, G2, s3, a32, IEEE)
     if QK:
         # Stored scaled; the output launch keeps only the causal lower triangle of what it reads.
         _store_block(Aqk, a00 * scale, start, 0, 0, length, h, H, C, BC)
         if C >= 2 * BC:
+            _store_block(Aqk, a10 * scale, start, BC, 0, length, h, H, C, BC)
             _store_block(Aqk, a11 * scale, start, BC, BC, length, h, H, C, BC)
         if C >= 4 * BC:
+            _store_block(Aqk, a20 * scale, start, 2 * BC, 0, length, h, H, C, BC)
+            _store_block(Aqk, a21 * scale, start, 2 * BC, BC, length, h, H, C, BC)
             _store_block(Aqk, a22 * scale, start, 2 * BC, 2 * BC, length, h, H, C, BC)
+            _store_block(Aqk, a30 * scale, start, 3 * BC, 0, length, h, H, C, BC)
+            _store_block(Aqk, a31 * scale, start, 3 * BC, BC, length, h, H, C, BC)
+            _store_block(Aqk, a32 * scale, start, 3 * BC, 2 * BC, length, h, H, C, BC)
             _store_block(Aqk, a33 * scale, start, 3 * BC, 3 * BC, length, h, H, C, BC)
-        _store_below_diagonal(Aqk, a10, a20, a21, a30, a31, a32, scale, start, length, h, H, C, BC)
     else:
         _solve(v, beta, Tb, W, U, start, length, h, H, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33,
-               K, V, BK, BV, C, BC, IEEE, WU)  # fmt: skip
-
-
-@triton.jit
-def _diag_kernel(
-    q, k, g, Aqk, Akkd, chunk_start, chunk_end, scale, anchor_offset,
-    H, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, ANCHOR: tl.constexpr,
-    IEEE: tl.constexpr,
-):  # fmt: skip
-    """The diagonal sub-tile blocks of ``A_qk`` (stored scaled) and of ``A_kk`` (fp32, into
-    ``Akkd:[tokens, H, BC]``), one program per sub-tile, chunk and head (``block_plan=
-    "by_block"``). The prefix before the sub-tile is summed tile by tile, as
-    :func:`_pairs_kernel` sums it."""
-    i = tl.program_id(0)
-    n = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2)
-    start, length = _chunk_bounds(chunk_start, chunk_end, n)
-    row0 = i * BC
-    if row0 < length:
-        acc_q = tl.zeros([BC, BC], dtype=tl.float32)
-        acc_k = tl.zeros([BC, BC], dtype=tl.float32)
-        for col0 in range(0, K, BK):
-            s = tl.zeros([BK], dtype=tl.float32)
-            # Unrolled over every earlier sub-tile a chunk can have, those at or after this one
-            # read as empty (g = 0 leaves s as it is): no load waits on a branch or a trip count.
-            for j in tl.static_range(0, C // BC - 1):
-                Gj = _tile_prefix(g, s, start, j * BC, tl.where(j < i, length, 0), h, col0, H, K, BC, BK)
-                s = _pick_row(Gj, tl.arange(0, BC), BC - 1)
-            qi = _cols(q, start, row0, length, h, col0, H, K, BC, BK)
-            ki = _cols(k, start, row0, length, h, col0, H, K, BC, BK)
-            Gi = _tile_prefix(g, s, start, row0, length, h, col0, H, K, BC, BK)
-            acc_q = _diagonal(qi, ki, Gi, s, row0, length, anchor_offset, acc_q, BC, ANCHOR, IEEE)
-            acc_k = _diagonal(ki, ki, Gi, s, row0, length, anchor_offset, acc_k, BC, ANCHOR, IEEE)
-        _store_block(Aqk, acc_q * scale, start, row0, row0, length, h, H, C, BC)
-        _store_rows(Akkd, acc_k, start, row0, length, h, 0, H, BC, BC, BC)
-
-
-@triton.jit
-def _pairs_kernel(
-    q, k, v, g, beta, QG, Aqk, Akkd, Tb, W, U, KE, GL, chunk_start, chunk_end, scale,
-    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-    BC: tl.constexpr, IEEE: tl.constexpr, WU: tl.constexpr,
-):  # fmt: skip
-    """The off-diagonal sub-tile blocks of ``A_qk`` and ``A_kk`` together, each column operand
-    formed once for both (``block_plan="by_block"``), and the stores of ``exp(G) q``,
-    ``exp(G) k``, ``k exp(G_C - G)`` and ``exp(G_C)``; then, with the diagonal ``A_kk`` blocks of
-    :func:`_diag_kernel`, ``T``, and ``W``, ``U`` unless ``WU`` is off, as the ``A_kk`` launch
-    of :func:`_blocks_kernel` forms them."""
-    n = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    start, length = _chunk_bounds(chunk_start, chunk_end, n)
-    tl.static_assert(C == BC or C == 2 * BC or C == 4 * BC, "a chunk is 1, 2 or 4 sub-tiles")
-    z = tl.zeros([BC, BC], dtype=tl.float32)
-    q10, q20, q21, q30, q31, q32 = z, z, z, z, z, z
-    k10, k20, k21, k30, k31, k32 = z, z, z, z, z, z
-    for col0 in range(0, K, BK):
-        s = tl.zeros([BK], dtype=tl.float32)
-        kE0, e0, _, _ = _pair_tile(q, k, g, QG, W, s, start, 0, length, h, col0, H, K, BC, BK, IEEE)
-        G_end, kE1, e1, kE2, e2, kE3, e3 = e0, kE0, e0, kE0, e0, kE0, e0
-        if C >= 2 * BC:
-            kE1, e1, q_o, k_o = _pair_tile(q, k, g, QG, W, e0, start, BC, length, h, col0, H, K, BC, BK, IEEE)
-            c = _column(kE0, e0, e0, q_o.dtype, IEEE)
-            q10, k10 = dot(q_o, c, IEEE, q10), dot(k_o, c, IEEE, k10)
-            G_end = e1
-        if C >= 4 * BC:
-            kE2, e2, q_o, k_o = _pair_tile(q, k, g, QG, W, e1, start, 2 * BC, length, h, col0, H, K, BC, BK, IEEE)
-            c = _column(kE0, e0, e1, q_o.dtype, IEEE)
-            q20, k20 = dot(q_o, c, IEEE, q20), dot(k_o, c, IEEE, k20)
-            c = _column(kE1, e1, e1, q_o.dtype, IEEE)
-            q21, k21 = dot(q_o, c, IEEE, q21), dot(k_o, c, IEEE, k21)
-            kE3, e3, q_o, k_o = _pair_tile(q, k, g, QG, W, e2, start, 3 * BC, length, h, col0, H, K, BC, BK, IEEE)
-            c = _column(kE0, e0, e2, q_o.dtype, IEEE)
-            q30, k30 = dot(q_o, c, IEEE, q30), dot(k_o, c, IEEE, k30)
-            c = _column(kE1, e1, e2, q_o.dtype, IEEE)
-            q31, k31 = dot(q_o, c, IEEE, q31), dot(k_o, c, IEEE, k31)
-            c = _column(kE2, e2, e2, q_o.dtype, IEEE)
-            q32, k32 = dot(q_o, c, IEEE, q32), dot(k_o, c, IEEE, k32)
-            G_end = e3
-        _store_state_operands(KE, GL, n, h, col0, G_end, kE0, e0, kE1, e1, kE2, e2, kE3, e3,
-                              H, K, C, BC, BK, IEEE)  # fmt: skip
-    _store_below_diagonal(Aqk, q10, q20, q21, q30, q31, q32, scale, start, length, h, H, C, BC)
-    a00, a11, a22, a33 = _rows(Akkd, start, 0, length, h, 0, H, BC, BC, BC), z, z, z
-    if C >= 2 * BC:
-        a11 = _rows(Akkd, start, BC, length, h, 0, H, BC, BC, BC)
-    if C >= 4 * BC:
-        a22 = _rows(Akkd, start, 2 * BC, length, h, 0, H, BC, BC, BC)
-        a33 = _rows(Akkd, start, 3 * BC, length, h, 0, H, BC, BC, BC)
-    _solve(v, beta, Tb, W, U, start, length, h, H, a00, k10, a11, k20, k21, a22, k30, k31, k32, a33,
-           K, V, BK, BV, C, BC, IEEE, WU)  # fmt: skip
+               K, V, BK, BV, C, BC, IEEE)  # fmt: skip
 
 
 @triton.jit
 def _solve(v, beta, Tb, W, U, start, length, h, H, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33,
            K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-           BC: tl.constexpr, IEEE: tl.constexpr, WU: tl.constexpr):  # fmt: skip
+           BC: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     """From the blocks ``a_ij`` of ``k k^T`` with decay (before ``beta``): ``T = (I + A_kk)^{-1}``
     block by block (``T_ii`` inverts a diagonal block; below it ``T_ij = -T_ii sum_{j<=m<i}
-    A_im T_mj``; all fp32), stored as ``Tb = T diag(beta)``; then, with ``WU``,
-    ``W = T diag(beta) W`` and ``U = T diag(beta) v`` as whole-chunk products."""
+    A_im T_mj``; all fp32), then ``W = T diag(beta) W`` and ``U = T diag(beta) v`` as
+    whole-chunk products."""
     r = tl.arange(0, BC)
     strict = r[:, None] > r[None, :]
     b0 = _beta_rows(beta, start, 0, length, h, H, BC)
@@ -526,51 +367,19 @@ def _solve(v, beta, Tb, W, U, start, length, h, H, a00, a10, a11, a20, a21, a22,
         _store_block(Tb, t31 * b1[None, :], start, 3 * BC, BC, length, h, H, C, BC)
         _store_block(Tb, t32 * b2[None, :], start, 3 * BC, 2 * BC, length, h, H, C, BC)
         _store_block(Tb, t33 * b3[None, :], start, 3 * BC, 3 * BC, length, h, H, C, BC)
-    if WU:
-        # This program reads its own T diag(beta) back as one whole-chunk tile.
-        tl.debug_barrier()
-        Tt = _block_lower(Tb, start, length, h, H, C, BC)
-        for col0 in range(0, K, BV):
-            _times_columns(Tt, W, W, start, length, h, col0, H, K, C, BV, IEEE)
-        for col0 in range(0, V, BV):
-            _times_columns(Tt, v, U, start, length, h, col0, H, V, C, BV, IEEE)
-
-
-@triton.jit
-def _block_lower(Tb, start, length, h, H, C: tl.constexpr, BC: tl.constexpr):
-    """The chunk's ``T diag(beta):[C, C]`` (operand dtype): blocks above the diagonal were not
-    written, so they are masked here."""
+    # This program reads its own T diag(beta) back as one whole-chunk tile.
+    tl.debug_barrier()
+    # 64-row products (at C = 64) where blocked substitution would chain 16-row ones. Blocks
+    # above the diagonal were not written.
     rows = tl.arange(0, C)
     Tt = _cols(Tb, start, 0, length, h, 0, H, C, C, C)
-    return tl.where((rows[:, None] // BC) >= (rows[None, :] // BC), Tt, 0.0)
-
-
-@triton.jit
-def _times_columns(Tt, src, dst, start, length, h, col0, H, D: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-                   IEEE: tl.constexpr):  # fmt: skip
-    """``dst[:, col0 ..] = Tt @ src[:, col0 ..]`` over the chunk's rows, ``BV`` columns of a
-    ``[tokens, H, D]`` tensor: a 64-row product (at C = 64) where blocked substitution would
-    chain 16-row ones. ``src`` may be ``dst`` (each column block is read before it is written)."""
-    _store_rows(dst, dot(Tt, _cols(src, start, 0, length, h, col0, H, D, C, BV), IEEE),
-                start, 0, length, h, col0, H, D, C, BV)  # fmt: skip
-
-
-@triton.jit
-def _wu_kernel(Tb, W, v, U, chunk_start, chunk_end, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-               C: tl.constexpr, BC: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """``W = T diag(beta) W`` and ``U = T diag(beta) v`` as a launch of their own, one program
-    per column block (the ``K / BV`` blocks of ``W``, then the ``V / BV`` of ``U``), chunk and
-    head, when the ``A_kk`` launch leaves them out."""
-    ib = tl.program_id(0)
-    n = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2)
-    start, length = _chunk_bounds(chunk_start, chunk_end, n)
-    Tt = _block_lower(Tb, start, length, h, H, C, BC)
-    n_w = tl.cdiv(K, BV)
-    if ib < n_w:
-        _times_columns(Tt, W, W, start, length, h, ib * BV, H, K, C, BV, IEEE)
-    else:
-        _times_columns(Tt, v, U, start, length, h, (ib - n_w) * BV, H, V, C, BV, IEEE)
+    Tt = tl.where((rows[:, None] // BC) >= (rows[None, :] // BC), Tt, 0.0)
+    for col0 in range(0, K, BV):
+        _store_rows(W, dot(Tt, _cols(W, start, 0, length, h, col0, H, K, C, BV), IEEE),
+                    start, 0, length, h, col0, H, K, C, BV)  # fmt: skip
+    for col0 in range(0, V, BV):
+        _store_rows(U, dot(Tt, _cols(v, start, 0, length, h, col0, H, V, C, BV), IEEE),
+                    start, 0, length, h, col0, H, V, C, BV)  # fmt: skip
 
 
 @triton.jit
@@ -618,7 +427,7 @@ def _state_kernel(
         length = tl.minimum(eos - start, C)
         tl.store(Hs + (n * H + h) * K * V + soffs, S.to(OP), mask=smask)
         W_n = _cols(W, start, 0, length, h, 0, H, K, C, BK)
-        # Whole [K, C] blocks (the A_kk launch zeroes a partial chunk's tail): prefetched.
+        # Whole [K, C] blocks (the prefix launch zeroes a partial chunk's tail): prefetched.
         k_end = tl.load((KE + (n * H + h) * K * C) + dk[:, None] * C + cc[None, :], mask=(dk < K)[:, None], other=0.0)
         decay = tl.load(GL + (n * H + h) * K + dk, mask=dk < K, other=0.0)
         v_new = _cols(U, start, 0, length, h, iv * BV, H, V, C, BV).to(tl.float32) - dot(W_n, S.to(OP), IEEE)
@@ -769,9 +578,8 @@ def chunk(
     qk_warps: int = 1,
     intra_block_k: int = 16,
     solve_block: int = 32,
-    wu_warps: int | None = None,
-    block_registers: int | None = None,
-    block_plan: str = "by_matrix",
+    prefix_block_k: int = 64,
+    prefix_warps: int = 4,
     output_warps: int = 4,
     num_stages: int | None = None,
     validate: bool = True,
@@ -785,17 +593,9 @@ def chunk(
     Launch shapes (speed only; the defaults are the fastest measured on an H200,
     benchmarks/kda_gpu.py): ``block_v`` (default: by occupancy), ``num_warps`` and
     ``num_stages`` the state pass; ``output_block_v`` and ``output_warps`` the output launch;
-    ``intra_block_k`` (key slice),
+    ``prefix_block_k`` and ``prefix_warps`` the prefix launch; ``intra_block_k`` (key slice),
     ``qk_warps`` (``A_qk`` launch), ``intra_warps`` and ``solve_block`` (the ``A_kk`` launch and
-    the column width of its ``W``, ``U`` products) the sub-tile blocks; ``wu_warps`` (default
-    ``None``: the ``A_kk`` launch forms ``W`` and ``U``) moves those products into a launch of
-    their own on that many warps, one program per column block, chunk and head;
-    ``block_registers`` caps the registers a thread of either block launch may use (ptxas
-    spills the rest), which lets more of their programs share an SM. ``block_plan`` splits the
-    sub-tile blocks over launches: ``"by_matrix"`` (an ``A_qk`` launch on ``qk_warps``, an
-    ``A_kk`` launch on ``intra_warps``) or ``"by_block"`` (the diagonal blocks of both, one
-    program per sub-tile, on ``qk_warps``; the off-diagonal blocks of both and ``T`` on
-    ``intra_warps``).
+    the column width of its ``W``, ``U`` products) the sub-tile blocks.
     ``validate=False`` skips the value scans (NaN, positive log-decay) that wait for the device.
     Returns ``o:[B,T,H,V]`` in ``operand_dtype`` and the final state (fp32) on the kernel's device.
     """
@@ -808,18 +608,14 @@ def chunk(
         raise ValueError(f"unknown anchor {anchor!r}; choose one of {', '.join(ANCHORS)}")
     if block_v not in (None, 16, 32, 64, 128) or output_block_v not in (16, 32, 64, 128):
         raise ValueError(f"block_v and output_block_v must be 16, 32, 64 or 128, got {block_v}, {output_block_v}")
-    for name, value in (("intra_block_k", intra_block_k), ("solve_block", solve_block)):
+    for name, value in (("intra_block_k", intra_block_k), ("solve_block", solve_block),
+                        ("prefix_block_k", prefix_block_k)):  # fmt: skip
         if value not in (16, 32, 64, 128):
             raise ValueError(f"{name} must be 16, 32, 64 or 128, got {value}")
     for name, value in (("num_warps", num_warps), ("intra_warps", intra_warps), ("qk_warps", qk_warps),
-                        ("output_warps", output_warps),
-                        *([] if wu_warps is None else [("wu_warps", wu_warps)])):  # fmt: skip
+                        ("prefix_warps", prefix_warps), ("output_warps", output_warps)):  # fmt: skip
         if value not in (1, 2, 4, 8):
             raise ValueError(f"{name} must be 1, 2, 4 or 8, got {value}")
-    if block_plan not in BLOCK_PLANS:
-        raise ValueError(f"unknown block_plan {block_plan!r}; choose one of {', '.join(BLOCK_PLANS)}")
-    if block_registers is not None and not 64 <= block_registers <= 255:
-        raise ValueError(f"block_registers must be from 64 to 255, got {block_registers}")
     if num_stages not in (2, 3, 4, None):
         # One stage gave wrong state-pass results on an H200 (Triton 3.6, block_v 32, H=96).
         raise ValueError(f"num_stages must be 2, 3 or 4, got {num_stages}")
@@ -842,6 +638,7 @@ def chunk(
         block_v = 64 if NS * H * triton.cdiv(V, 64) >= multiprocessors(dev) else 16
     BK, BV_full, BV = _block(K), _block(V), min(block_v, _block(V))
     BV_out = min(output_block_v, BV_full)
+    BKP = min(prefix_block_k, BK)
     if num_stages is None:
         # Measured the same way: 3 stages at block_v 16 (1.083 vs 1.263 ms at 2) and 32 (1.157
         # vs 1.282), 2 at 64.
@@ -851,6 +648,7 @@ def chunk(
     hT = torch.empty(NS, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.to(dev, torch.float32).contiguous() if initial_state is not None else None
     if NC:
+        G = torch.empty(B * T, H, K, dtype=torch.float32, device=dev)
         QG, W = (torch.empty(B * T, H, K, dtype=op, device=dev) for _ in range(2))
         KE = torch.empty(NC, H, K, C, dtype=op, device=dev)
         U, VN = (torch.empty(B * T, H, V, dtype=op, device=dev) for _ in range(2))
@@ -858,35 +656,19 @@ def chunk(
         Aqk, Tb = (torch.empty(B * T, H, C, dtype=op, device=dev) for _ in range(2))
         Hs = torch.empty(NC, H, K, V, dtype=op, device=dev)
         offset = anchor_shift * (SUB_TILE - 1) / 2
-        # Launch defaults measured on an H200 at T=8192, H=96 (profiler, ms, both block launches,
-        # with a separate prefix launch then): 1.418 at key slices of 16, 1 + 2 warps and solve
-        # columns of 32 (1.442 with 2 warps for A_qk, 1.650 at slices of 32, 1.908 at solve
-        # columns of 16, 1.983 with 1 warp for A_kk).
-        BV_wu = min(solve_block, BV_full, BK)
-        BKI = min(intra_block_k, BK)
-        cap = {} if block_registers is None else {"maxnreg": block_registers}
-        if block_plan == "by_matrix":
-            for x, xg, qk, warps in ((flat[0], QG, True, qk_warps), (flat[1], W, False, intra_warps)):
-                _blocks_kernel[(NC, H)](
-                    x, flat[1], flat[2], g32, b_op, xg, Aqk, Tb, W, U, KE, GL, start, end, scale, offset,
-                    H=H, K=K, V=V, BK=BKI, BV=BV_wu, C=C, BC=SUB_TILE, ANCHOR=_ANCHOR_CODE[anchor], IEEE=ieee,
-                    QK=qk, WU=wu_warps is None, num_warps=warps, **cap,
-                )  # fmt: skip
-        else:
-            Akkd = torch.empty(B * T, H, SUB_TILE, dtype=torch.float32, device=dev)
-            _diag_kernel[(C // SUB_TILE, NC, H)](
-                flat[0], flat[1], g32, Aqk, Akkd, start, end, scale, offset,
-                H=H, K=K, BK=BKI, C=C, BC=SUB_TILE, ANCHOR=_ANCHOR_CODE[anchor], IEEE=ieee, num_warps=qk_warps,
-            )  # fmt: skip
-            _pairs_kernel[(NC, H)](
-                flat[0], flat[1], flat[2], g32, b_op, QG, Aqk, Akkd, Tb, W, U, KE, GL, start, end, scale,
-                H=H, K=K, V=V, BK=BKI, BV=BV_wu, C=C, BC=SUB_TILE, IEEE=ieee, WU=wu_warps is None,
-                num_warps=intra_warps, **cap,
-            )  # fmt: skip
-        if wu_warps is not None:
-            _wu_kernel[(triton.cdiv(K, BV_wu) + triton.cdiv(V, BV_wu), NC, H)](
-                Tb, W, flat[2], U, start, end, H=H, K=K, V=V, BV=BV_wu, C=C, BC=SUB_TILE, IEEE=ieee,
-                num_warps=wu_warps,
+        # Launch defaults measured on an H200 at T=8192, H=96 (profiler, ms): prefix 0.662 at key
+        # blocks of 64 and 4 warps (0.737 at 32; 0.728 at 8 warps); both block launches 1.418 at
+        # key slices of 16, 1 + 2 warps and solve columns of 32 (1.442 with 2 warps for A_qk,
+        # 1.650 at slices of 32, 1.908 at solve columns of 16, 1.983 with 1 warp for A_kk).
+        _prefix_kernel[(NC, H, triton.cdiv(K, BKP))](
+            flat[0], flat[1], g32, G, QG, W, KE, GL, start, end, H=H, K=K, BK=BKP, C=C, IEEE=ieee,
+            num_warps=prefix_warps,
+        )  # fmt: skip
+        for x, qk, warps in ((flat[0], True, qk_warps), (flat[1], False, intra_warps)):
+            _blocks_kernel[(NC, H)](
+                x, flat[1], flat[2], G, b_op, Aqk, Tb, W, U, start, end, scale, offset,
+                H=H, K=K, V=V, BK=min(intra_block_k, BK), BV=min(solve_block, BV_full, BK), C=C, BC=SUB_TILE,
+                ANCHOR=_ANCHOR_CODE[anchor], IEEE=ieee, QK=qk, num_warps=warps,
             )  # fmt: skip
         _state_kernel[(triton.cdiv(V, BV), NS * H)](
             KE, GL, W, U, VN, Hs, h0, hT, cu_dev, seq_chunks,

@@ -75,6 +75,9 @@ def _chunk(p: KDAProblem, dtype: torch.dtype, **kw):
 # too) while the shifted anchor's exponent (G_r - G_0) + 15 was rounded near 15 before exp.
 @example(p=make_problem(1, 64, 1, 16, 16, g_min=-0.5, seed=0))
 @example(p=make_problem(2, 32, 1, 16, 16, g_min=-0.5, seed=0))
+# Failed on an H200 under tile_middle (2.13x the baseline; a parallel fp32 scan emulated on
+# the CPU gives 2.2x under every anchor) while the chunk prefix was summed so: see the prefix launch.
+@example(p=make_problem(1, 81, 1, 32, 16, g_min=-5.0, seed=81))
 def test_chunk_kernel_fp32_within_policy(p: KDAProblem, anchor: str) -> None:
     """Rule: baseline (naive chunkwise fp32)."""
     o, _ = _chunk(p, torch.float32, anchor=anchor)

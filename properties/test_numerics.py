@@ -31,6 +31,7 @@ from k3verify.numerics import (
     spacing,
     supported_dtypes,
 )
+from k3verify.numerics.ops import PREFIX_ORDERS, prefix_sum
 
 NARROW = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 
@@ -183,3 +184,26 @@ def test_the_test_helpers_say_what_differs() -> None:
         assert_rel_within(a, b, 1e-10)
     assert_identical(a, a.clone())
     assert_rel_within(b, b.clone(), 0.0)
+
+
+@given(n=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_prefix_sum_orders(n: int, seed: int) -> None:
+    """Rule: bitwise. Every order sums the same terms: equal on small integers (no rounding at
+    all); ``rounded`` is the fp64 sum rounded once, ``sequential`` one add after another."""
+    gen = torch.Generator().manual_seed(seed)
+    ints = torch.randint(-50, 50, (n, 3), generator=gen).float()
+    for order in PREFIX_ORDERS:
+        assert_identical(prefix_sum(ints, 0, order), ints.cumsum(0))
+    x = -5 * torch.rand(3, n, generator=gen)
+    assert_identical(prefix_sum(x, 1, "rounded"), x.double().cumsum(1).float())
+    running, seq = x[:, 0], [x[:, 0]]
+    for i in range(1, n):
+        running = running + x[:, i]
+        seq.append(running)
+    assert_identical(prefix_sum(x, 1, "sequential"), torch.stack(seq, 1))
+    assert prefix_sum(x.double(), 1, "parallel").dtype == torch.float64
+
+
+def test_prefix_sum_names_a_bad_order() -> None:
+    with pytest.raises(ValueError, match="unknown prefix order 'tree'; choose one of rounded, sequential, parallel"):
+        prefix_sum(torch.zeros(4), 0, "tree")

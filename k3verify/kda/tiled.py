@@ -22,6 +22,11 @@ A diagonal tile splits ``exp(G_i - G_j) = exp(G_i - a) * exp(a - G_j)`` at an an
 
 ``diagonal="fp32"`` instead forms diagonal tiles element by element in fp32 with no split
 (Kimi Linear's CUDA-core path), which cannot overflow.
+
+``prefix`` says how the chunk-local prefix ``G`` is summed in the accumulator dtype
+(:func:`k3verify.numerics.ops.prefix_sum`): ``rounded`` (each prefix correctly rounded, the
+default), ``sequential`` (row after row) or ``parallel`` (the shape of a GPU scan such as
+Triton's ``tl.cumsum``, whose fp32 rounding roughly doubles an fp32 kernel's error).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch
 
 from ..numerics import dtype_name, exp_fits, is_float8, ln_max, resolve_dtype
 from ..numerics.frontier import OverflowPrediction as _Prediction
+from ..numerics.ops import PREFIX_ORDERS, prefix_sum
 from ..numerics.rounding import OVERFLOW_MODES
 from ..numerics.trace import OverflowEvent, TracingRounder
 from ..numerics.validate import require_block
@@ -57,6 +63,7 @@ class TileConfig:
     anchor_shift: float = DEFAULT_ROW0_SHIFT
     diagonal: str = "matmul"
     overflow: str = "nonfinite"
+    prefix: str = "rounded"
 
     def __post_init__(self) -> None:
         require_block("chunk_size", self.chunk_size)
@@ -70,6 +77,8 @@ class TileConfig:
             raise ValueError(f"unknown diagonal path {self.diagonal!r}; choose one of {', '.join(DIAGONALS)}")
         if self.overflow not in OVERFLOW_MODES:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {self.overflow!r}")
+        if self.prefix not in PREFIX_ORDERS:
+            raise ValueError(f"unknown prefix order {self.prefix!r}; choose one of {', '.join(PREFIX_ORDERS)}")
         if not math.isfinite(self.anchor_shift) or self.anchor_shift < 0:
             raise ValueError(f"anchor_shift must be finite and >= 0, got {self.anchor_shift}")
 
@@ -116,6 +125,7 @@ def tiled(
     anchor_shift: float = DEFAULT_ROW0_SHIFT,
     diagonal: str = "matmul",
     overflow: str = "nonfinite",
+    prefix: str = "rounded",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Tiled low-precision KDA. Shapes as in :mod:`k3verify.kda.inputs`.
 
@@ -123,7 +133,7 @@ def tiled(
     accumulator dtype. Overflowing operands become inf/NaN (``overflow="nonfinite"``) so they
     show in the output; :func:`explain_overflow` says which operand and where.
     """
-    cfg = TileConfig(chunk_size, tile, operand_dtype, anchor, anchor_shift, diagonal, overflow)
+    cfg = TileConfig(chunk_size, tile, operand_dtype, anchor, anchor_shift, diagonal, overflow, prefix)
     dims, scale = check_inputs(q, k, v, g, beta, initial_state, scale)
     o, S = _tiled(q, k, v, g, beta, scale, initial_state, dims, cfg, _caster(cfg))
     return o, (S if output_final_state else None)
@@ -179,7 +189,7 @@ def _tiled(q, k, v, g, beta, scale: float, initial_state, dims: Dims, cfg: TileC
     # Kernel inputs arrive in the operand dtype; gates arrive in the accumulator dtype.
     qc, kc, vc = (to_chunks(cast("input " + n, t.to(acc)), cfg.chunk_size) for n, t in (("q", q), ("k", k), ("v", v)))
     bc = to_chunks(cast("input beta", beta.to(acc))[..., None], cfg.chunk_size)[..., 0]
-    G = to_chunks(g.to(acc), cfg.chunk_size).cumsum(-2)  # [B,H,N,C,K]
+    G = prefix_sum(to_chunks(g.to(acc), cfg.chunk_size), -2, cfg.prefix)  # [B,H,N,C,K]
     O, S = wy_pipeline(qc, kc, vc, bc, G, _intra_chunk(qc, kc, G, cfg, cast), S, scale, cast=cast)
     return from_chunks(O, dims.T).to(cfg.output_dtype), S
 

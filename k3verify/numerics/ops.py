@@ -14,3 +14,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: float 
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis (SPEC notation, eps 1e-5)."""
     y = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
     return y if weight is None else y * weight
+
+
+PREFIX_ORDERS = ("rounded", "sequential", "parallel")
+
+
+def prefix_sum(x: torch.Tensor, dim: int, order: str = "rounded") -> torch.Tensor:
+    """Inclusive prefix sum of ``x`` along ``dim`` in ``x``'s dtype, summed in a given order.
+
+    ``rounded``: each prefix correctly rounded (summed in fp64, rounded once; torch's CPU
+    ``cumsum`` does the same for fp32). ``sequential``: one add after another in ``x``'s dtype,
+    as a loop over rows does. ``parallel``: a Hillis-Steele scan in ``x``'s dtype (log2 n
+    rounds of strided adds), the shape of a GPU scan such as ``tl.cumsum``: neighbouring
+    prefixes round along different paths, so their difference carries an error of the
+    prefix's ulp, not of the difference's. fp64 input is summed in fp64 by every order.
+    """
+    if order not in PREFIX_ORDERS:
+        raise ValueError(f"unknown prefix order {order!r}; choose one of {', '.join(PREFIX_ORDERS)}")
+    if order == "rounded":
+        return x.to(torch.float64).cumsum(dim).to(x.dtype)
+    rows = x.movedim(dim, 0)
+    if rows.shape[0] == 0:
+        return x.clone()
+    if order == "sequential":
+        out = [rows[0]]
+        for row in rows[1:]:
+            out.append(out[-1] + row)
+        return torch.stack(out).movedim(0, dim)
+    stride = 1
+    while stride < rows.shape[0]:
+        rows = torch.cat([rows[:stride], rows[stride:] + rows[:-stride]])
+        stride *= 2
+    return rows.movedim(0, dim)
+

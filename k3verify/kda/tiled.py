@@ -38,7 +38,7 @@ import torch
 
 from ..numerics import dtype_name, exp_fits, is_float8, ln_max, resolve_dtype
 from ..numerics.frontier import OverflowPrediction as _Prediction
-from ..numerics.ops import PREFIX_ORDERS, prefix_sum
+from ..numerics.ops import prefix_sum, require_prefix_order
 from ..numerics.rounding import OVERFLOW_MODES
 from ..numerics.trace import OverflowEvent, TracingRounder
 from ..numerics.validate import require_block
@@ -77,8 +77,7 @@ class TileConfig:
             raise ValueError(f"unknown diagonal path {self.diagonal!r}; choose one of {', '.join(DIAGONALS)}")
         if self.overflow not in OVERFLOW_MODES:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {self.overflow!r}")
-        if self.prefix not in PREFIX_ORDERS:
-            raise ValueError(f"unknown prefix order {self.prefix!r}; choose one of {', '.join(PREFIX_ORDERS)}")
+        require_prefix_order(self.prefix)
         if not math.isfinite(self.anchor_shift) or self.anchor_shift < 0:
             raise ValueError(f"anchor_shift must be finite and >= 0, got {self.anchor_shift}")
 

@@ -19,6 +19,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: float 
 PREFIX_ORDERS = ("rounded", "sequential", "parallel")
 
 
+def require_prefix_order(order: str) -> str:
+    """``order`` if it is one of :data:`PREFIX_ORDERS`, else a ``ValueError`` naming them."""
+    if order not in PREFIX_ORDERS:
+        raise ValueError(f"unknown prefix order {order!r}; choose one of {', '.join(PREFIX_ORDERS)}")
+    return order
+
+
 def prefix_sum(x: torch.Tensor, dim: int, order: str = "rounded") -> torch.Tensor:
     """Inclusive prefix sum of ``x`` along ``dim`` in ``x``'s dtype, summed in a given order.
 
@@ -29,9 +36,7 @@ def prefix_sum(x: torch.Tensor, dim: int, order: str = "rounded") -> torch.Tenso
     prefixes round along different paths, so their difference carries an error of the
     prefix's ulp, not of the difference's. fp64 input is summed in fp64 by every order.
     """
-    if order not in PREFIX_ORDERS:
-        raise ValueError(f"unknown prefix order {order!r}; choose one of {', '.join(PREFIX_ORDERS)}")
-    if order == "rounded":
+    if require_prefix_order(order) == "rounded":
         return x.to(torch.float64).cumsum(dim).to(x.dtype)
     rows = x.movedim(dim, 0)
     if rows.shape[0] == 0:
@@ -46,4 +51,3 @@ def prefix_sum(x: torch.Tensor, dim: int, order: str = "rounded") -> torch.Tenso
         rows = torch.cat([rows[:stride], rows[stride:] + rows[:-stride]])
         stride *= 2
     return rows.movedim(0, dim)
-

@@ -81,7 +81,7 @@ def waited_loads(ttgir: str) -> int:
 
 
 def kda_launches() -> list[Launch]:
-    """KDA at K = V = 128, chunk 64: the intra, state, output and decode launches."""
+    """KDA at K = V = 128, chunk 64: the prefix, block, state, output and decode launches."""
     from k3verify.kda import kernels
 
     types = {n: "*fp32" for n in ("g", "G", "GL", "h0", "hT", "pool")}

@@ -173,6 +173,17 @@ def _pick_row(x, rows, r):
 
 
 @triton.jit
+def _chunk_head(INNER: tl.constexpr, H):
+    """``(n, h, i)``: chunk, head and inner block of this program in a 1-D grid of ``NC · H ·
+    INNER`` programs ordered inner block fastest, then head, then chunk. Programs that run
+    together then cover whole ``[tokens, H, D]`` rows of a few chunks rather than one head's
+    slice of many chunks (measured on an H200 at T=8192, H=96: prefix 0.538 ms against 0.594,
+    block launches 1.316 against 1.410, output 0.278 against 0.289)."""
+    pid = tl.program_id(0)
+    return (pid // INNER // H).to(tl.int64), (pid // INNER) % H, pid % INNER
+
+
+@triton.jit
 def _prefix_kernel(
     q, k, g, G, QG, KG, KE, GL, chunk_start, chunk_end,
     H, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr,
@@ -180,9 +191,8 @@ def _prefix_kernel(
     """Per chunk, head and key block: the chunk-local log-decay prefix ``G`` (fp32) and the
     operands that need nothing else: ``exp(G) q`` (output launch), ``exp(G) k`` (the right-hand
     side of ``W``), ``k exp(G_C - G)`` transposed to ``[K, C]`` (state update) and ``exp(G_C)``."""
-    n = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    col0 = tl.program_id(2) * BK
+    n, h, kb = _chunk_head(tl.cdiv(K, BK), H)
+    col0 = kb * BK
     start, length = _chunk_bounds(chunk_start, chunk_end, n)
     rows = tl.arange(0, C)
     dk = col0 + tl.arange(0, BK)
@@ -294,8 +304,8 @@ def _blocks_kernel(
     """The sub-tile blocks of ``x k^T`` with decay, ``x = q`` (``QK``: stores ``A_qk``) or
     ``x = k`` (then ``T = (I + A_kk)^{-1}`` and ``W = T diag(beta) exp(G) k``,
     ``U = T diag(beta) v``, where ``W`` holds ``exp(G) k`` on entry)."""
-    n = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    # Not `_`: the loop below unpacks into `_`, which Triton would then carry through the loop.
+    n, h, _single = _chunk_head(1, H)
     start, length = _chunk_bounds(chunk_start, chunk_end, n)
     tl.static_assert(C == BC or C == 2 * BC or C == 4 * BC, "a chunk is 1, 2 or 4 sub-tiles")
     # Block (i, j) accumulated over key slices of BK columns (fewer live registers than whole
@@ -454,9 +464,7 @@ def _output_kernel(
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IEEE: tl.constexpr,
 ):  # fmt: skip
-    iv = tl.program_id(0)
-    n = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2)
+    n, h, iv = _chunk_head(tl.cdiv(V, BV), H)
     start, length = _chunk_bounds(chunk_start, chunk_end, n)
     OP = VN.dtype.element_ty
     rows = tl.arange(0, C)
@@ -669,12 +677,12 @@ def chunk(
         # blocks of 64 and 4 warps (0.607 at 8 warps, 0.691 at 32 on 2); both block launches 1.418 at
         # key slices of 16, 1 + 2 warps and solve columns of 32 (1.442 with 2 warps for A_qk,
         # 1.650 at slices of 32, 1.908 at solve columns of 16, 1.983 with 1 warp for A_kk).
-        _prefix_kernel[(NC, H, triton.cdiv(K, BKP))](
+        _prefix_kernel[(NC * H * triton.cdiv(K, BKP),)](
             flat[0], flat[1], g32, G, QG, W, KE, GL, start, end, H=H, K=K, BK=BKP, C=C, IEEE=ieee,
             num_warps=prefix_warps,
         )  # fmt: skip
         for x, qk, warps in ((flat[0], True, qk_warps), (flat[1], False, intra_warps)):
-            _blocks_kernel[(NC, H)](
+            _blocks_kernel[(NC * H,)](
                 x, flat[1], flat[2], G, b_op, Aqk, Tb, W, U, start, end, scale, offset,
                 H=H, K=K, V=V, BK=min(intra_block_k, BK), BV=min(solve_block, BV_full, BK), C=C, BC=SUB_TILE,
                 ANCHOR=_ANCHOR_CODE[anchor], IEEE=ieee, QK=qk, num_warps=warps,
@@ -684,7 +692,7 @@ def chunk(
             H=H, K=K, V=V, BK=BK, BV=BV, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None, IEEE=ieee,
             STAGES=num_stages, num_warps=num_warps,
         )  # fmt: skip
-        _output_kernel[(triton.cdiv(V, BV_out), NC, H)](
+        _output_kernel[(NC * H * triton.cdiv(V, BV_out),)](
             QG, Aqk, VN, Hs, o, start, end, scale,
             H=H, K=K, V=V, BK=BK, BV=BV_out, C=C, IEEE=ieee, num_warps=output_warps,
         )  # fmt: skip

@@ -673,10 +673,11 @@ def chunk(
         Aqk, Tb = (torch.empty(B * T, H, C, dtype=op, device=dev) for _ in range(2))
         Hs = torch.empty(NC, H, K, V, dtype=op, device=dev)
         offset = anchor_shift * (SUB_TILE - 1) / 2
-        # Launch defaults measured on an H200 at T=8192, H=96 (profiler, ms): prefix 0.597 at key
-        # blocks of 64 and 4 warps (0.607 at 8 warps, 0.691 at 32 on 2); both block launches 1.418 at
-        # key slices of 16, 1 + 2 warps and solve columns of 32 (1.442 with 2 warps for A_qk,
-        # 1.650 at slices of 32, 1.908 at solve columns of 16, 1.983 with 1 warp for A_kk).
+        # Launch defaults measured on an H200 at T=8192, H=96 (profiler, ms; chunk-fastest grids,
+        # before _chunk_head): prefix 0.597 at key blocks of 64 and 4 warps (0.607 at 8 warps,
+        # 0.691 at 32 on 2); both block launches 1.418 at key slices of 16, 1 + 2 warps and solve
+        # columns of 32 (1.442 with 2 warps for A_qk, 1.650 at slices of 32, 1.908 at solve
+        # columns of 16, 1.983 with 1 warp for A_kk).
         _prefix_kernel[(NC * H * triton.cdiv(K, BKP),)](
             flat[0], flat[1], g32, G, QG, W, KE, GL, start, end, H=H, K=K, BK=BKP, C=C, IEEE=ieee,
             num_warps=prefix_warps,

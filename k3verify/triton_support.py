@@ -9,7 +9,10 @@ wrong, SPEC §5); :func:`unavailable_reason` says so for the other dtypes.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -71,6 +74,40 @@ def device_for(x: torch.Tensor, what: str) -> torch.device:
 def multiprocessors(dev: torch.device) -> int:
     """Streaming multiprocessors of ``dev`` (1 on the CPU)."""
     return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+
+
+@functools.cache
+def _side_stream(dev: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(dev)
+
+
+def mark(dev: torch.device) -> torch.cuda.Event | None:
+    """An event at the current point of ``dev``'s current stream (``None`` on the CPU)."""
+    if dev.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(dev))
+    return event
+
+
+@contextlib.contextmanager
+def beside(dev: torch.device, after: torch.cuda.Event | None) -> Iterator[None]:
+    """Launches inside run on a second stream of ``dev``, once ``after`` (a :func:`mark`) has
+    passed, concurrently with whatever the current stream runs from then on; :func:`join`
+    makes the current stream wait for them. On the CPU (the interpreter) they run in order."""
+    if dev.type != "cuda" or after is None:
+        yield
+        return
+    side = _side_stream(dev)
+    side.wait_event(after)
+    with torch.cuda.stream(side):
+        yield
+
+
+def join(dev: torch.device) -> None:
+    """The current stream of ``dev`` waits for what :func:`beside` launched."""
+    if dev.type == "cuda":
+        torch.cuda.current_stream(dev).wait_stream(_side_stream(dev))
 
 
 @triton.jit

@@ -91,6 +91,7 @@ LAUNCHES = [
     dict(output_block_v=16, output_warps=8),
     dict(intra_block_k=32, qk_warps=2, intra_warps=4, solve_block=16),
     dict(prefix_block_k=16, prefix_warps=2),
+    dict(solve_block=32, overlap=False),
 ]
 
 
@@ -341,3 +342,28 @@ def test_state_pool_matches_plain_state_bf16() -> None:
 def test_bf16_kernel_overflows_where_predicted(g_min: float, anchor: str) -> None:
     """Rule: frontier (bf16 shares fp32's exponent range, so the same frontier holds)."""
     _frontier(g_min, anchor, torch.bfloat16)
+
+
+@needs_bf16
+def test_overlapped_launches_give_the_bits_of_launches_in_order() -> None:
+    """Rule: bitwise. The ``A_qk`` launch runs on a second stream beside the state pass; the
+    output launch must wait for it. Two problems alternate, so an output launch that read
+    ``A_qk`` or ``exp(G) q`` early would find the other problem's values in reused memory; the
+    calls run on the default stream and on a stream of the caller's own."""
+    problems = [make_problem(2, 1000, 16, 128, 128, seed=seed) for seed in (3, 4)]
+    inputs = [[t.cuda() for t in p.args(torch.float32)] for p in problems]
+    states = [p.state(torch.float32).cuda() for p in problems]
+
+    def run(i: int, overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels.chunk(*inputs[i], initial_state=states[i], output_final_state=True, overlap=overlap)
+
+    refs = [run(i, False) for i in range(2)]
+    caller = torch.cuda.Stream()
+    caller.wait_stream(torch.cuda.current_stream())
+    for stream in (torch.cuda.current_stream(), caller):
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                for i in range(2):
+                    o, s = run(i, True)
+                    assert_identical(o, refs[i][0])
+                    assert_identical(s, refs[i][1])

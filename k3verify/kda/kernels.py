@@ -4,12 +4,10 @@
 launches:
 
 1. *prefix* (one program per chunk, head and key block): the chunk-local log-decay prefix
-   ``G`` (fp32) and what needs nothing else: ``exp(G) q`` (the output launch's operand),
-   ``exp(G) k`` (the right-hand side of ``W``), ``k exp(G_C - G)`` transposed per chunk (the
-   state update's operand) and ``exp(G_C)``, so no later launch calls ``exp`` on ``G`` again
-   except for the sub-tile blocks.
+   ``G`` (fp32) and what needs nothing else: ``exp(G) k`` (the right-hand side of ``W``),
+   ``k exp(G_C - G)`` transposed per chunk (the state update's operand) and ``exp(G_C)``.
 2. *blocks*, twice (one program per chunk and head, key slice by key slice): the 16-row
-   sub-tile blocks ``(i, j)``, ``j <= i``, of ``A_qk`` and then of ``A_kk`` as operand-dtype
+   sub-tile blocks ``(i, j)``, ``j <= i``, of ``A_kk`` and of ``A_qk`` as operand-dtype
    matrix products with fp32 accumulation. Off-diagonal blocks split the decay at the query
    tile's start, so both factors are ``<= 1``; diagonal blocks split it at the anchor chosen at
    compile time (``tile_start``, ``tile_middle`` or ``row0_shift``, as in
@@ -17,7 +15,9 @@ launches:
    block in fp32 (each diagonal inverse a product of powers of the nilpotent block) and the
    pseudo-keys and values as whole-chunk products, ``W = T diag(beta) exp(G) k`` and
    ``U = T diag(beta) v``. Two launches, not one: a ``[16, 16]`` block is the same registers on
-   every warp, so each launch keeps half the blocks live on as few warps as they need.
+   every warp, so each launch keeps half the blocks live on as few warps as they need. The
+   ``A_qk`` launch also stores ``exp(G) q`` (the output launch's operand); nothing but the
+   output launch waits for it, so on a GPU it runs on a second stream beside the state pass.
 3. *state* (one program per sequence, head and value block; sequential over chunks): stores
    the state entering each chunk, the pseudo-values ``V~ = U - W S`` and the next state
    ``exp(G_C) S + (k exp(G_C - G))^T V~``. Chunk bounds are arithmetic, so the loop prefetches
@@ -48,8 +48,8 @@ import torch
 
 from ..numerics import dtype_name, resolve_dtype
 from ..numerics.validate import require_block, require_finite, require_float, require_tensor
+from ..triton_support import beside, device_for, dot, interpreted, join, mark, multiprocessors, tl, triton
 from ..triton_support import block as _block
-from ..triton_support import device_for, dot, interpreted, multiprocessors, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
 from .inputs import check_inputs
 from .tiled import ANCHORS, DEFAULT_ROW0_SHIFT
@@ -185,12 +185,13 @@ def _chunk_head(INNER: tl.constexpr, H):
 
 @triton.jit
 def _prefix_kernel(
-    q, k, g, G, QG, KG, KE, GL, chunk_start, chunk_end,
+    k, g, G, KG, KE, GL, chunk_start, chunk_end,
     H, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """Per chunk, head and key block: the chunk-local log-decay prefix ``G`` (fp32) and the
-    operands that need nothing else: ``exp(G) q`` (output launch), ``exp(G) k`` (the right-hand
-    side of ``W``), ``k exp(G_C - G)`` transposed to ``[K, C]`` (state update) and ``exp(G_C)``."""
+    operands of the launches on the state pass's path that need nothing else: ``exp(G) k``
+    (the right-hand side of ``W``), ``k exp(G_C - G)`` transposed to ``[K, C]`` (state update)
+    and ``exp(G_C)``. (``exp(G) q`` is formed by the ``A_qk`` launch, off that path.)"""
     n, h, kb = _chunk_head(tl.cdiv(K, BK), H)
     col0 = kb * BK
     start, length = _chunk_bounds(chunk_start, chunk_end, n)
@@ -209,7 +210,6 @@ def _prefix_kernel(
         Gc = tl.cumsum(gc, axis=0)
     _store_rows(G, Gc, start, 0, length, h, col0, H, K, C, BK)
     e = _exp(Gc, IEEE)
-    _store_rows(QG, _rows(q, start, 0, length, h, col0, H, K, C, BK) * e, start, 0, length, h, col0, H, K, C, BK)
     k_c = _rows(k, start, 0, length, h, col0, H, K, C, BK)
     _store_rows(KG, k_c * e, start, 0, length, h, col0, H, K, C, BK)
     s_end = _pick_row(Gc, rows, C - 1)
@@ -275,15 +275,20 @@ def _off_diagonal(x_o, kj, Gj, s, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _row_tile(x, k, G, acc, start, row0, length, h, col0, anchor_offset, H, K: tl.constexpr,
-              BC: tl.constexpr, BK: tl.constexpr, ANCHOR: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+def _row_tile(x, k, G, XG, acc, start, row0, length, h, col0, anchor_offset, H, K: tl.constexpr,
+              STORE_XG: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, ANCHOR: tl.constexpr,
+              IEEE: tl.constexpr):  # fmt: skip
     """Sub-tile ``i`` (rows ``row0 ..``) of one key slice: adds its diagonal block to ``acc``
-    and returns ``(k_i, G_i, s_i, x_i exp(G_i - s_i), acc)``, ``s_i`` the prefix at the tile's
-    start and the fourth the row operand of the tile's off-diagonal blocks."""
+    (with ``STORE_XG`` also stores the tile's ``exp(G) x`` into ``XG``, as the prefix launch
+    would: the same ``G``, the same ``exp``) and returns ``(k_i, G_i, s_i, x_i exp(G_i - s_i),
+    acc)``, ``s_i`` the prefix at the tile's start and the fourth the row operand of the tile's
+    off-diagonal blocks."""
     s = _prefix_at(G, start, row0 - 1, length, h, col0, H, K, BK)
     xi = _cols(x, start, row0, length, h, col0, H, K, BC, BK)
     ki = _cols(k, start, row0, length, h, col0, H, K, BC, BK)
     Gi = _rows(G, start, row0, length, h, col0, H, K, BC, BK)
+    if STORE_XG:
+        _store_rows(XG, xi.to(tl.float32) * _exp(Gi, IEEE), start, row0, length, h, col0, H, K, BC, BK)
     acc = _diagonal(xi, ki, Gi, s, row0, length, anchor_offset, acc, BC, ANCHOR, IEEE)
     return ki, Gi, s, _to_tile_start(xi, Gi, s, row0, length, BC, IEEE), acc
 
@@ -297,11 +302,12 @@ def _store_block(ptr, x, start, row0, col0, length, h, H, C: tl.constexpr, BC: t
 
 @triton.jit
 def _blocks_kernel(
-    x, k, v, G, beta, Aqk, Tb, W, U, chunk_start, chunk_end, scale, anchor_offset,
+    x, k, v, G, beta, XG, Aqk, Tb, W, U, chunk_start, chunk_end, scale, anchor_offset,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, ANCHOR: tl.constexpr, IEEE: tl.constexpr, QK: tl.constexpr,
 ):  # fmt: skip
-    """The sub-tile blocks of ``x k^T`` with decay, ``x = q`` (``QK``: stores ``A_qk``) or
+    """The sub-tile blocks of ``x k^T`` with decay, ``x = q`` (``QK``: stores ``A_qk`` and
+    ``exp(G) q`` into ``XG``, for the output launch) or
     ``x = k`` (then ``T = (I + A_kk)^{-1}`` and ``W = T diag(beta) exp(G) k``,
     ``U = T diag(beta) v``, where ``W`` holds ``exp(G) k`` on entry)."""
     # Not `_`: the loop below unpacks into `_`, which Triton would then carry through the loop.
@@ -313,19 +319,19 @@ def _blocks_kernel(
     a00 = tl.zeros([BC, BC], dtype=tl.float32)
     a10, a11, a20, a21, a22, a30, a31, a32, a33 = a00, a00, a00, a00, a00, a00, a00, a00, a00
     for col0 in range(0, K, BK):
-        k0, G0, _, _, a00 = _row_tile(x, k, G, a00, start, 0, length, h, col0, anchor_offset,
-                                      H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+        k0, G0, _, _, a00 = _row_tile(x, k, G, XG, a00, start, 0, length, h, col0, anchor_offset,
+                                      H, K, QK, BC, BK, ANCHOR, IEEE)  # fmt: skip
         if C >= 2 * BC:
-            k1, G1, s1, x_o, a11 = _row_tile(x, k, G, a11, start, BC, length, h, col0, anchor_offset,
-                                             H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+            k1, G1, s1, x_o, a11 = _row_tile(x, k, G, XG, a11, start, BC, length, h, col0, anchor_offset,
+                                             H, K, QK, BC, BK, ANCHOR, IEEE)  # fmt: skip
             a10 = _off_diagonal(x_o, k0, G0, s1, a10, IEEE)
         if C >= 4 * BC:
-            k2, G2, s2, x_o, a22 = _row_tile(x, k, G, a22, start, 2 * BC, length, h, col0, anchor_offset,
-                                             H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+            k2, G2, s2, x_o, a22 = _row_tile(x, k, G, XG, a22, start, 2 * BC, length, h, col0, anchor_offset,
+                                             H, K, QK, BC, BK, ANCHOR, IEEE)  # fmt: skip
             a20 = _off_diagonal(x_o, k0, G0, s2, a20, IEEE)
             a21 = _off_diagonal(x_o, k1, G1, s2, a21, IEEE)
-            _, _, s3, x_o, a33 = _row_tile(x, k, G, a33, start, 3 * BC, length, h, col0, anchor_offset,
-                                           H, K, BC, BK, ANCHOR, IEEE)  # fmt: skip
+            _, _, s3, x_o, a33 = _row_tile(x, k, G, XG, a33, start, 3 * BC, length, h, col0, anchor_offset,
+                                           H, K, QK, BC, BK, ANCHOR, IEEE)  # fmt: skip
             a30 = _off_diagonal(x_o, k0, G0, s3, a30, IEEE)
             a31 = _off_diagonal(x_o, k1, G1, s3, a31, IEEE)
             a32 = _off_diagonal(x_o, k2, G2, s3, a32, IEEE)
@@ -594,11 +600,12 @@ def chunk(
     intra_warps: int = 2,
     qk_warps: int = 1,
     intra_block_k: int = 16,
-    solve_block: int = 32,
+    solve_block: int = 64,
     prefix_block_k: int = 64,
     prefix_warps: int = 4,
     output_warps: int = 4,
     num_stages: int | None = None,
+    overlap: bool = True,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise KDA prefill on the GPU (or the interpreter). Arguments as :func:`k3verify.kda.tiled`.
@@ -612,7 +619,9 @@ def chunk(
     ``num_stages`` the state pass; ``output_block_v`` and ``output_warps`` the output launch;
     ``prefix_block_k`` and ``prefix_warps`` the prefix launch; ``intra_block_k`` (key slice),
     ``qk_warps`` (``A_qk`` launch), ``intra_warps`` and ``solve_block`` (the ``A_kk`` launch and
-    the column width of its ``W``, ``U`` products) the sub-tile blocks.
+    the column width of its ``W``, ``U`` products) the sub-tile blocks. ``overlap`` (CUDA only)
+    runs the ``A_qk`` launch on a second stream beside the state pass; ``False`` runs the
+    launches in order on the current stream (the results are the same bits either way).
     ``validate=False`` skips the value scans (NaN, positive log-decay) that wait for the device.
     Returns ``o:[B,T,H,V]`` in ``operand_dtype`` and the final state (fp32) on the kernel's device.
     """
@@ -673,26 +682,35 @@ def chunk(
         Aqk, Tb = (torch.empty(B * T, H, C, dtype=op, device=dev) for _ in range(2))
         Hs = torch.empty(NC, H, K, V, dtype=op, device=dev)
         offset = anchor_shift * (SUB_TILE - 1) / 2
-        # Launch defaults measured on an H200 at T=8192, H=96 (profiler, ms; chunk-fastest grids,
-        # before _chunk_head): prefix 0.597 at key blocks of 64 and 4 warps (0.607 at 8 warps,
-        # 0.691 at 32 on 2); both block launches 1.418 at key slices of 16, 1 + 2 warps and solve
-        # columns of 32 (1.442 with 2 warps for A_qk, 1.650 at slices of 32, 1.908 at solve
-        # columns of 16, 1.983 with 1 warp for A_kk).
+        # Launch defaults measured on an H200 at T=8192, H=96 (ms a call, A_qk beside the state
+        # pass; docs/gpu.md): 2.43 as here but solve columns of 32, 2.29 at 64; 2.42 with 32-wide
+        # prefix key blocks, 2.50 on 8 prefix warps, 2.73 on 2 warps for A_qk or 4 for A_kk,
+        # 2.86 at key slices of 32, 2.50 on 8 output warps.
         _prefix_kernel[(NC * H * triton.cdiv(K, BKP),)](
-            flat[0], flat[1], g32, G, QG, W, KE, GL, start, end, H=H, K=K, BK=BKP, C=C, IEEE=ieee,
+            flat[1], g32, G, W, KE, GL, start, end, H=H, K=K, BK=BKP, C=C, IEEE=ieee,
             num_warps=prefix_warps,
         )  # fmt: skip
-        for x, qk, warps in ((flat[0], True, qk_warps), (flat[1], False, intra_warps)):
+        def blocks(x: torch.Tensor, qk: bool, warps: int) -> None:
             _blocks_kernel[(NC * H,)](
-                x, flat[1], flat[2], G, b_op, Aqk, Tb, W, U, start, end, scale, offset,
+                x, flat[1], flat[2], G, b_op, QG, Aqk, Tb, W, U, start, end, scale, offset,
                 H=H, K=K, V=V, BK=min(intra_block_k, BK), BV=min(solve_block, BV_full, BK), C=C, BC=SUB_TILE,
                 ANCHOR=_ANCHOR_CODE[anchor], IEEE=ieee, QK=qk, num_warps=warps,
             )  # fmt: skip
+
+        blocks(flat[1], False, intra_warps)
+        kk_done = mark(dev) if overlap else None
         _state_kernel[(triton.cdiv(V, BV), NS * H)](
             KE, GL, W, U, VN, Hs, h0, hT, cu_dev, seq_chunks,
             H=H, K=K, V=V, BK=BK, BV=BV, C=C, HAS_H0=h0 is not None, STORE_HT=hT is not None, IEEE=ieee,
             STAGES=num_stages, num_warps=num_warps,
         )  # fmt: skip
+        # The state pass is a chain over chunks that leaves most of the device idle, and A_qk
+        # (with e^G q) is needed only by the output launch: launched after the state pass on a
+        # second stream, it runs beside it (on an H200 at T=8192, H=96: 2.43 ms a call
+        # against 2.51 in order).
+        with beside(dev, kk_done):
+            blocks(flat[0], True, qk_warps)
+        join(dev)
         _output_kernel[(NC * H * triton.cdiv(V, BV_out),)](
             QG, Aqk, VN, Hs, o, start, end, scale,
             H=H, K=K, V=V, BK=BK, BV=BV_out, C=C, IEEE=ieee, num_warps=output_warps,

@@ -224,6 +224,26 @@ def gpu_tp(session: nox.Session) -> None:
                     "--out", f"{out}/{size}")  # fmt: skip
 
 
+# What a GPU machine without network lacks for the GPU sessions (its image has torch, triton,
+# pytest, hypothesis and pytest-xdist): the peers under test, and nox with what nox needs.
+GPU_WHEELS = ("fla-core", "flash-attn-res", "nox", "argcomplete", "colorlog", "dependency-groups", "virtualenv",
+              "distlib", "platformdirs", "python-discovery", "packaging", "filelock")  # fmt: skip
+
+
+@nox.session(name="gpu-wheels", venv_backend="none")
+def gpu_wheels(session: nox.Session) -> None:
+    """On a machine with network: download (not install) the wheels a GPU machine without network
+    needs for the GPU sessions, for CPython ``K3VERIFY_GPU_PYTHON`` (default 3.12) on x86-64 Linux,
+    into the folder given (default ``.gpu-wheels``), pinned as ``constraints.txt`` pins them. There:
+    ``pip install --no-index --no-deps --target /tmp/site DIR/*.whl`` and
+    ``PYTHONPATH=/tmp/site:$PWD`` (docs/gpu.md)."""
+    out = session.posargs[0] if session.posargs else ".gpu-wheels"
+    python = os.environ.get("K3VERIFY_GPU_PYTHON", "3.12")
+    platforms = [f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")]
+    session.run(sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--implementation=cp",
+                f"--python-version={python}", *platforms, "--dest", out, *CONSTRAINTS, *GPU_WHEELS)  # fmt: skip
+
+
 @nox.session(name="gpu-bench", venv_backend="none")
 def gpu_bench(session: nox.Session) -> None:
     """On a CUDA machine: the KDA kernels against fla-core, the AttnRes kernels against

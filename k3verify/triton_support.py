@@ -104,6 +104,12 @@ def beside(dev: torch.device, after: torch.cuda.Event | None) -> Iterator[None]:
         yield
 
 
+def wait(dev: torch.device, event: torch.cuda.Event | None) -> None:
+    """The current stream of ``dev`` waits for ``event`` (a :func:`mark`; nothing on the CPU)."""
+    if event is not None:
+        torch.cuda.current_stream(dev).wait_event(event)
+
+
 def join(dev: torch.device) -> None:
     """The current stream of ``dev`` waits for what :func:`beside` launched."""
     if dev.type == "cuda":

@@ -93,8 +93,9 @@ def mark(dev: torch.device) -> torch.cuda.Event | None:
 @contextlib.contextmanager
 def beside(dev: torch.device, after: torch.cuda.Event | None) -> Iterator[None]:
     """Launches inside run on a second stream of ``dev``, once ``after`` (a :func:`mark`) has
-    passed, concurrently with whatever the current stream runs from then on; :func:`join`
-    makes the current stream wait for them. On the CPU (the interpreter) they run in order."""
+    passed, concurrently with whatever the current stream runs from then on; a :func:`mark`
+    made inside, given to :func:`wait` outside, orders later work after them. With ``after``
+    ``None`` (and on the CPU, the interpreter) they run in order on the current stream."""
     if dev.type != "cuda" or after is None:
         yield
         return
@@ -108,12 +109,6 @@ def wait(dev: torch.device, event: torch.cuda.Event | None) -> None:
     """The current stream of ``dev`` waits for ``event`` (a :func:`mark`; nothing on the CPU)."""
     if event is not None:
         torch.cuda.current_stream(dev).wait_event(event)
-
-
-def join(dev: torch.device) -> None:
-    """The current stream of ``dev`` waits for what :func:`beside` launched."""
-    if dev.type == "cuda":
-        torch.cuda.current_stream(dev).wait_stream(_side_stream(dev))
 
 
 @triton.jit

@@ -48,7 +48,7 @@ import torch
 
 from ..numerics import dtype_name, resolve_dtype
 from ..numerics.validate import require_block, require_finite, require_float, require_tensor
-from ..triton_support import beside, device_for, dot, interpreted, join, mark, multiprocessors, tl, triton
+from ..triton_support import beside, device_for, dot, interpreted, mark, multiprocessors, tl, triton, wait
 from ..triton_support import block as _block
 from ..triton_support import unavailable_reason as _unavailable
 from .inputs import check_inputs
@@ -710,7 +710,8 @@ def chunk(
         # against 2.51 in order).
         with beside(dev, kk_done):
             blocks(flat[0], True, qk_warps)
-        join(dev)
+            qk_done = mark(dev) if kk_done is not None else None
+        wait(dev, qk_done)
         _output_kernel[(NC * H * triton.cdiv(V, BV_out),)](
             QG, Aqk, VN, Hs, o, start, end, scale,
             H=H, K=K, V=V, BK=BK, BV=BV_out, C=C, IEEE=ieee, num_warps=output_warps,

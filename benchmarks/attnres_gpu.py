@@ -44,7 +44,6 @@ from k3verify.numerics import compare
 from k3verify.numerics.ops import RMS_NORM_EPS
 
 QUERIES = 24  # one block of 12 layers: 24 sublayer calls
-SEGMENTS = (2, 4, 8)  # phase1(segments=...) timed beside the default
 STORED = 8  # the last block's stored set: the embedding and 7 blocks
 WIDTHS = (7168, 1024, 2048)  # K3's, and powers of two flash-attn-res compiles in time
 TOKENS = (8192, 32768)
@@ -85,9 +84,6 @@ def _block_runs(x: dict[str, torch.Tensor], compiled: tuple) -> dict[tuple[str, 
         ("phase1", "torch.compile chunkwise"): partial(first_c, stored, w, gamma),
         ("phase2", "torch.compile chunkwise"): partial(second_c, one.m, one.Z, one.N, part, w[0], gamma[0]),
     }
-    # Phase 1 in token segments, each segment's logits beside the previous one's accumulate.
-    for segments in SEGMENTS:
-        runs["phase1", f"k3verify segments={segments}"] = partial(kernels.phase1, stored, w, gamma, segments=segments)
     return runs
 
 
@@ -144,10 +140,10 @@ def _time_runs(runs: dict[tuple[str, str], Any], T: int, d: int, copy_tbps: floa
             log(f"{phase} {name} T={T} d={d}: {t}")
             continue
         row["ms"] = t
-        if name.startswith("k3verify") and copy_tbps:
+        if name == "k3verify" and copy_tbps:
             tbps = moved[phase] / (t * 1e-3) / 1e12
             row.update(bytes=moved[phase], tbps=tbps, fraction_of_copy=tbps / copy_tbps)
-            if phase == "phase1" and name == "k3verify":
+            if phase == "phase1":
                 row["split"] = launch_split(run, repeats=5)
         rows.append(row)
         share = f" ({100 * row['fraction_of_copy']:.0f}% of copy)" if "fraction_of_copy" in row else ""

@@ -33,7 +33,7 @@ import torch
 from ..numerics import map_tensors, resolve_dtype
 from ..numerics.ops import RMS_NORM_EPS
 from ..numerics.validate import require_finite, require_float, require_tensor
-from ..triton_support import beside, block, device_for, dot_fp32, interpreted, mark, tl, triton, wait
+from ..triton_support import block, device_for, dot_fp32, interpreted, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
 from .chunkwise import Stats
 from .inputs import Options, Precision, Sublayers
@@ -79,7 +79,7 @@ def _normalised(dot, ss, D, eps):
 
 
 @triton.jit
-def _logits_kernel(v, wg, g3, ell, t0, T, D, n, eps, BT: tl.constexpr, BD: tl.constexpr, QP: tl.constexpr,
+def _logits_kernel(v, wg, g3, ell, T, D, n, eps, BT: tl.constexpr, BD: tl.constexpr, QP: tl.constexpr,
                    NP: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
     """``ell[t, i, q] = (v[i, t] · wg[:, q]) / rms(v[i, t])`` for a tile of ``BT`` tokens and all
     ``n`` stored blocks, as one ``[NP·BT, width]`` tile per width step: each tile of the queries
@@ -91,7 +91,7 @@ def _logits_kernel(v, wg, g3, ell, t0, T, D, n, eps, BT: tl.constexpr, BD: tl.co
     sums added in fp32. 2 (fp16): one tf32x3 product per step (the stream is exact in tf32)."""
     r = tl.arange(0, NP * BT)
     src = r // BT
-    t = t0 + tl.program_id(0) * BT + r % BT
+    t = tl.program_id(0) * BT + r % BT
     ok = (src < n) & (t < T)
     q = tl.arange(0, QP)
     rows = v + (src.to(tl.int64) * T + t) * D
@@ -125,7 +125,7 @@ def _logits_kernel(v, wg, g3, ell, t0, T, D, n, eps, BT: tl.constexpr, BD: tl.co
 
 
 @triton.jit
-def _accumulate_kernel(v, ell, m_out, z_out, n_out, t0, T, D, n, Q, SPLIT: tl.constexpr, BD: tl.constexpr,
+def _accumulate_kernel(v, ell, m_out, z_out, n_out, T, D, n, Q, SPLIT: tl.constexpr, BD: tl.constexpr,
                        QP: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     """For one token and ``1/SPLIT`` of the width, every query at once: ``m, Z`` over the ``n``
     stored blocks and ``N = P X``, the weights ``P:[queries, blocks]`` times the blocks' tiles
@@ -138,7 +138,7 @@ def _accumulate_kernel(v, ell, m_out, z_out, n_out, t0, T, D, n, Q, SPLIT: tl.co
     # pipelined ahead of the products and the stores, and a token's rows are read and its
     # outputs written as long runs (measured on an H200: 1.74 ms against 2.03 ms for one
     # program per tile, whose every program waits for its own loads).
-    t = t0 + (tl.program_id(0) // SPLIT).to(tl.int64)
+    t = (tl.program_id(0) // SPLIT).to(tl.int64)
     part = tl.program_id(0) % SPLIT
     span = tl.cdiv(tl.cdiv(D, SPLIT), BD) * BD
     qq = tl.arange(0, QP)
@@ -234,15 +234,9 @@ def _split_bf16(x: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts).contiguous()
 
 
-def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: float = RMS_NORM_EPS,
-           segments: int = 1) -> Stats:  # fmt: skip
+def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: float = RMS_NORM_EPS) -> Stats:
     """Phase-1 statistics of queries ``w, gamma:[Q, d]`` over ``stored:[n, T, d]`` (the stream
-    dtype; ``n = 0`` allowed): ``m, Z:[Q, T]`` and ``N:[Q, T, d]``, fp32, on the stream's device.
-    ``segments`` (speed only, the same bits for any value): the tokens go in that many segments,
-    on a GPU each segment's logits launch on a second stream beside the previous segment's
-    accumulate launch."""
-    if not isinstance(segments, int) or isinstance(segments, bool) or segments < 1:
-        raise ValueError(f"segments must be a positive integer, got {segments!r}")
+    dtype; ``n = 0`` allowed): ``m, Z:[Q, T]`` and ``N:[Q, T, d]``, fp32, on the stream's device."""
     _check_stream("stored", stored)
     if stored.dim() != 3:
         raise ValueError(f"stored has shape {list(stored.shape)}; expected [n, T, d]")
@@ -266,29 +260,17 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     mode = 0 if exact else 1 if stored.dtype == torch.bfloat16 else 2
     wg = _queries(w, gamma, d, dev, QP)
     BT = max((EXACT_ROWS if exact else LOGITS_ROWS) // rows_np, 1)
+    _logits_kernel[(triton.cdiv(T, BT),)](
+        stored, wg, _split_bf16(wg) if mode == 1 else wg, ell, T, d, n, float(eps), BT=BT, QP=QP, NP=rows_np,
+        BD=EXACT_WIDTH if exact else LOGITS_WIDTH, MODE=mode, num_stages=1 if exact else LOGITS_STAGES,
+        num_warps=4 if exact else LOGITS_WARPS,
+    )  # fmt: skip
     width = ACC_WIDTH if mode == 1 else EXACT_ACC_WIDTH
     split = min(ACC_SPLIT, triton.cdiv(d, width))
-    g3 = _split_bf16(wg) if mode == 1 else wg
-    # Token segments: the logits of segment i + 1 (on a second stream) are formed while the
-    # accumulate launch of segment i runs. The logits launch is bound by reading the blocks, the
-    # accumulate launch mostly by writing N; side by side they share the memory system.
-    step = triton.cdiv(triton.cdiv(T, segments), BT) * BT
-    start = mark(dev) if segments > 1 else None
-    for t0 in range(0, T, step):
-        rows = min(step, T - t0)
-        with beside(dev, start):
-            _logits_kernel[(triton.cdiv(rows, BT),)](
-                stored, wg, g3, ell, t0, T, d, n, float(eps), BT=BT, QP=QP, NP=rows_np,
-                BD=EXACT_WIDTH if exact else LOGITS_WIDTH, MODE=mode, num_stages=1 if exact else LOGITS_STAGES,
-                num_warps=4 if exact else LOGITS_WARPS,
-            )  # fmt: skip
-            ready = mark(dev) if start is not None else None
-        wait(dev, ready)
-        _accumulate_kernel[(rows * split,)](
-            stored, ell, m, Z, N, t0, T, d, n, Q, SPLIT=split, BD=width, QP=QP, NP=NP, MODE=mode,
-            STAGES=1 if exact else ACC_STAGES, num_warps=4,
-        )  # fmt: skip
-    # The last wait covers every logits launch: they run in order on the second stream.
+    _accumulate_kernel[(T * split,)](
+        stored, ell, m, Z, N, T, d, n, Q, SPLIT=split, BD=width, QP=QP, NP=NP, MODE=mode,
+        STAGES=1 if exact else ACC_STAGES, num_warps=4,
+    )  # fmt: skip
     return Stats(m, Z, N)
 
 

@@ -683,9 +683,10 @@ def chunk(
         Hs = torch.empty(NC, H, K, V, dtype=op, device=dev)
         offset = anchor_shift * (SUB_TILE - 1) / 2
         # Launch defaults measured on an H200 at T=8192, H=96 (ms a call, A_qk beside the state
-        # pass; docs/gpu.md): 2.43 as here but solve columns of 32, 2.29 at 64; 2.42 with 32-wide
-        # prefix key blocks, 2.50 on 8 prefix warps, 2.73 on 2 warps for A_qk or 4 for A_kk,
-        # 2.86 at key slices of 32, 2.50 on 8 output warps.
+        # pass; docs/gpu.md): 2.43 as here but solve columns of 32, 2.29 at 64; 32-wide prefix
+        # key blocks 2.28 (but 0.47 against 0.37 at T=8192, H=12), 2.50 on 8 prefix warps, 2.73
+        # on 2 warps for A_qk or 4 for A_kk, 2.86 at key slices of 32, 2.50 on 8 output warps,
+        # 2.33 on 2.
         _prefix_kernel[(NC * H * triton.cdiv(K, BKP),)](
             flat[1], g32, G, W, KE, GL, start, end, H=H, K=K, BK=BKP, C=C, IEEE=ieee,
             num_warps=prefix_warps,

@@ -32,12 +32,8 @@ installed Triton and prints registers and shared memory. Writes ``attnres_one_la
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
 import sys
-import tempfile
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -326,6 +322,7 @@ def _constexprs(kw: dict[str, Any], d: int = 7168) -> tuple[dict[str, Any], int]
 
 def compile_usage(kw: dict[str, Any], arch: int = 90) -> str:
     """Registers and shared memory of a variant compiled for ``sm_<arch>`` (no GPU needed)."""
+    from kernel_compile import resource_usage
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -341,13 +338,8 @@ def compile_usage(kw: dict[str, Any], arch: int = 90) -> str:
     constexprs, warps = _constexprs(kw)
     compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))  # fmt: skip
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        out = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    regs = re.search(r"REG:(\d+)", out)
-    return f"{regs.group(1) if regs else '?'} registers (largest partition), {compiled.metadata.shared} B shared"
+    regs, stack = resource_usage(compiled.asm["cubin"])
+    return f"{regs} registers (largest partition), {stack} B stack (spills), {compiled.metadata.shared} B shared"
 
 
 def main(argv: list[str] | None = None) -> int:

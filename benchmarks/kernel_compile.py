@@ -62,16 +62,23 @@ def usage(launch: Launch, arch: int, warps: int) -> str:
                                   options=dict(num_warps=warps, num_stages=launch.stages))  # fmt: skip
     except Exception as exc:  # report any compiler failure and go on
         return f"compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    regs, stack = resource_usage(compiled.asm["cubin"])
+    waited = waited_loads(compiled.asm["ttgir"])
+    return (f"{regs} registers, {stack} B stack (spills), "
+            f"{compiled.metadata.shared} B shared, {waited} loads waited on in loops")  # fmt: skip
+
+
+def resource_usage(cubin: bytes) -> tuple[str, str]:
+    """Registers and spill stack bytes of a compiled kernel (``'?'`` where not reported), read from
+    its cubin with the ``cuobjdump`` that Triton bundles."""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
         f.flush()
         out = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     regs = re.search(r"REG:(\d+)", out)
     stack = re.search(r"STACK:(\d+)", out)
-    waited = waited_loads(compiled.asm["ttgir"])
-    return (f"{regs.group(1) if regs else '?'} registers, {stack.group(1) if stack else '?'} B stack (spills), "
-            f"{compiled.metadata.shared} B shared, {waited} loads waited on in loops")  # fmt: skip
+    return (regs.group(1) if regs else "?"), (stack.group(1) if stack else "?")
 
 
 def waited_loads(ttgir: str) -> int:

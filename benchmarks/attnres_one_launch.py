@@ -66,6 +66,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ws_writer_warps8": dict(warps=8),
     "no_wait": dict(exchange=False, look=0),
     "no_wait_no_logits": dict(exchange=False, look=0, math=False),
+    "ws_part_acc": dict(part_acc=True),
+    "split": dict(split=True),
+    "split_part_acc": dict(split=True, part_acc=True),
 }
 
 
@@ -86,11 +89,11 @@ def _loader(desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH: gl.constexpr, 
 
 
 @gluon.jit
-def _logits(ring, wsm, psm, full, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D, n, Q, eps,
-            TEAMS, S: gl.constexpr, NCH: gl.constexpr, CH: gl.constexpr, RING: gl.constexpr, NBUF: gl.constexpr,
-            LOOK: gl.constexpr, LW: gl.constexpr, MATH: gl.constexpr, EXCHANGE: gl.constexpr):
-    """Logits warps: pair j's partial logits ``[QP, 16]`` and squares posted to the team; pair
-    j - LOOK's team sum, softmax (m, Z written by slab 0) and weights in three bf16 parts."""
+def _partials(ring, wsm, slot, NCH: gl.constexpr, CH: gl.constexpr, LW: gl.constexpr, MATH: gl.constexpr,
+              PART_ACC: gl.constexpr):
+    """One pair's partial logits ``[QP, 16]`` (queries × rows; mma with the three parts of
+    ``w ⊙ γ``) and squares ``[16]`` over this slab, in the ``[QP, 16]`` blocked layout of ``LW``
+    warps. ``PART_ACC``: one accumulator per part (three shorter chains of dependent mma)."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, LW // 2], instr_shape=[16, 8])
@@ -98,84 +101,153 @@ def _logits(ring, wsm, psm, full, pready, pfree, pacc, pss, ctr, m_out, z_out, t
     OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
     XB: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LW, 1], [1, 0])
+    acc3 = gl.zeros([QP, R], gl.float32, MMA)
+    acc2 = gl.zeros([QP, R], gl.float32, MMA)
+    acc1 = gl.zeros([QP, R], gl.float32, MMA)
+    ss2 = gl.zeros([R, CH], gl.float32, XB)
+    for c in range(NCH):
+        tile = ring.index(slot * NCH + c)
+        xf = tile.load(XB).to(gl.float32)
+        ss2 += xf * xf
+        if MATH:
+            xb = tile.permute([1, 0]).load(OPB)
+            if PART_ACC:
+                acc3 = mma_v2(wsm.index(2 * NCH + c).load(OPA), xb, acc3)
+                acc2 = mma_v2(wsm.index(NCH + c).load(OPA), xb, acc2)
+                acc1 = mma_v2(wsm.index(c).load(OPA), xb, acc1)
+            else:
+                acc1 = mma_v2(wsm.index(2 * NCH + c).load(OPA), xb, acc1)
+                acc1 = mma_v2(wsm.index(NCH + c).load(OPA), xb, acc1)
+                acc1 = mma_v2(wsm.index(c).load(OPA), xb, acc1)
+    if PART_ACC:
+        acc1 = acc1 + (acc2 + acc3)
+    return gl.convert_layout(acc1, BL), gl.convert_layout(gl.sum(ss2, axis=1), gl.SliceLayout(0, BL))
+
+
+@gluon.jit
+def _post(pacc, pss, ctr, team, s, j, acc, ss, S: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr):
+    """Post pair ``j``'s partials of slab ``s`` to its team's buffer and count them (release)."""
+    QP: gl.constexpr = 32
+    R: gl.constexpr = 16
+    BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
     aq = gl.arange(0, QP, layout=gl.SliceLayout(1, BL))
     ar = gl.arange(0, R, layout=gl.SliceLayout(0, BL))
+    b = j % NBUF
+    row = (team * NBUF + b) * S + s
+    gl.store(pacc + (row * QP + aq[:, None]) * R + ar[None, :], acc)
+    gl.store(pss + row * R + ar, ss)
+    _bar()
+    gl.atomic_add(ctr + team * NBUF + b, 1, sem="release")
+
+
+@gluon.jit
+def _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s, kk, T, D, n, Q, eps, TEAMS,
+             S: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr, EXCHANGE: gl.constexpr):
+    """Pair ``kk``: wait for its team (or, without ``EXCHANGE``, take ``acc, ss`` as the whole),
+    sum the partials in slab order, softmax over each token's blocks (m, Z written by slab 0),
+    and hand each token's weights in three bf16 parts to the writer."""
+    QP: gl.constexpr = 32
+    R: gl.constexpr = 16
+    BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
+    aq = gl.arange(0, QP, layout=gl.SliceLayout(1, BL))
+    ar = gl.arange(0, R, layout=gl.SliceLayout(0, BL))
+    if EXCHANGE:
+        b = kk % NBUF
+        cptr = ctr + team * NBUF + b
+        target = S * (kk // NBUF + 1)
+        cur = gl.atomic_add(cptr, 0, sem="acquire")
+        while cur < target:
+            cur = gl.atomic_add(cptr, 0, sem="acquire")
+        _bar()
+        tot = gl.zeros([QP, R], gl.float32, BL)
+        sst = gl.zeros([R], gl.float64, gl.SliceLayout(0, BL))
+        base = (team * NBUF + b) * S
+        for mm in gl.static_range(S):
+            tot += gl.load(pacc + ((base + mm) * QP + aq[:, None]) * R + ar[None, :], cache_modifier=".cg")
+            sst += gl.load(pss + (base + mm) * R + ar, cache_modifier=".cg").to(gl.float64)
+    else:
+        tot = acc
+        sst = ss.to(gl.float64) * S
+    L = (tot.to(gl.float64) / gl.sqrt(sst[None, :] / D + eps)).to(gl.float32)
+    ok = ((ar % 8) < n)[None, :] & (aq >= 0)[:, None]
+    first = (ar < 8)[None, :] & (aq >= 0)[:, None]
+    L = gl.where(ok, L, float("-inf"))
+    m0 = gl.max(gl.where(first, L, float("-inf")), axis=1)
+    m1 = gl.max(gl.where(first, float("-inf"), L), axis=1)
+    P = gl.exp(L - gl.where(first, m0[:, None], m1[:, None]))
+    z0 = gl.sum(gl.where(first, P, 0.0), axis=1)
+    z1 = gl.sum(gl.where(first, 0.0, P), axis=1)
+    t0 = 2 * (team + kk * TEAMS)
+    if s == 0:
+        gl.store(m_out + aq * T + t0, m0, mask=aq < Q)
+        gl.store(z_out + aq * T + t0, z0, mask=aq < Q)
+        gl.store(m_out + aq * T + t0 + 1, m1, mask=aq < Q)
+        gl.store(z_out + aq * T + t0 + 1, z1, mask=aq < Q)
+    pb = kk % 2
+    mbarrier.wait(pfree.index(pb), ((kk // 2) & 1) ^ 1)
+    for u in gl.static_range(2):
+        if u == 0:
+            Pu = gl.where(first, P, 0.0)
+        else:
+            Pu = gl.where(first, 0.0, P)
+        p1 = Pu.to(gl.bfloat16)
+        rest = Pu - p1.to(gl.float32)
+        p2 = rest.to(gl.bfloat16)
+        p3 = (rest - p2.to(gl.float32)).to(gl.bfloat16)
+        psm.index(pb * 6 + 3 * u).store(p1)
+        psm.index(pb * 6 + 3 * u + 1).store(p2)
+        psm.index(pb * 6 + 3 * u + 2).store(p3)
+    _bar()
+    mbarrier.arrive(pready.index(pb))
+
+
+@gluon.jit
+def _logits(ring, wsm, psm, full, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D, n, Q, eps,
+            TEAMS, S: gl.constexpr, NCH: gl.constexpr, CH: gl.constexpr, RING: gl.constexpr, NBUF: gl.constexpr,
+            LOOK: gl.constexpr, LW: gl.constexpr, MATH: gl.constexpr, EXCHANGE: gl.constexpr,
+            PART_ACC: gl.constexpr):
+    """Logits warps doing both roles: pair j's partials posted, then pair j - LOOK's weights."""
+    QP: gl.constexpr = 32
+    R: gl.constexpr = 16
+    BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
     for j in range(nk + LOOK):
         acc = gl.zeros([QP, R], gl.float32, BL)
         ss = gl.zeros([R], gl.float32, gl.SliceLayout(0, BL))
         if j < nk:
             slot = j % RING
             mbarrier.wait(full.index(slot), (j // RING) & 1)
-            accm = gl.zeros([QP, R], gl.float32, MMA)
-            ss2 = gl.zeros([R, CH], gl.float32, XB)
-            for c in range(NCH):
-                tile = ring.index(slot * NCH + c)
-                xf = tile.load(XB).to(gl.float32)
-                ss2 += xf * xf
-                if MATH:
-                    xb = tile.permute([1, 0]).load(OPB)
-                    accm = mma_v2(wsm.index(2 * NCH + c).load(OPA), xb, accm)
-                    accm = mma_v2(wsm.index(NCH + c).load(OPA), xb, accm)
-                    accm = mma_v2(wsm.index(c).load(OPA), xb, accm)
-            acc = gl.convert_layout(accm, BL)
-            ss = gl.convert_layout(gl.sum(ss2, axis=1), gl.SliceLayout(0, BL))
+            acc, ss = _partials(ring, wsm, slot, NCH, CH, LW, MATH, PART_ACC)
             if EXCHANGE:
-                b = j % NBUF
-                row = (team * NBUF + b) * S + s
-                gl.store(pacc + (row * QP + aq[:, None]) * R + ar[None, :], acc)
-                gl.store(pss + row * R + ar, ss)
-                _bar()
-                gl.atomic_add(ctr + team * NBUF + b, 1, sem="release")
+                _post(pacc, pss, ctr, team, s, j, acc, ss, S, NBUF, LW)
         kk = j - LOOK
         if kk >= 0:
-            if EXCHANGE:
-                b = kk % NBUF
-                cptr = ctr + team * NBUF + b
-                target = S * (kk // NBUF + 1)
-                cur = gl.atomic_add(cptr, 0, sem="acquire")
-                while cur < target:
-                    cur = gl.atomic_add(cptr, 0, sem="acquire")
-                _bar()
-                tot = gl.zeros([QP, R], gl.float32, BL)
-                sst = gl.zeros([R], gl.float64, gl.SliceLayout(0, BL))
-                base = (team * NBUF + b) * S
-                for mm in gl.static_range(S):
-                    tot += gl.load(pacc + ((base + mm) * QP + aq[:, None]) * R + ar[None, :], cache_modifier=".cg")
-                    sst += gl.load(pss + (base + mm) * R + ar, cache_modifier=".cg").to(gl.float64)
-            else:
-                tot = acc
-                sst = ss.to(gl.float64) * S
-            L = (tot.to(gl.float64) / gl.sqrt(sst[None, :] / D + eps)).to(gl.float32)
-            ok = ((ar % 8) < n)[None, :] & (aq >= 0)[:, None]
-            first = (ar < 8)[None, :] & (aq >= 0)[:, None]
-            L = gl.where(ok, L, float("-inf"))
-            m0 = gl.max(gl.where(first, L, float("-inf")), axis=1)
-            m1 = gl.max(gl.where(first, float("-inf"), L), axis=1)
-            P = gl.exp(L - gl.where(first, m0[:, None], m1[:, None]))
-            z0 = gl.sum(gl.where(first, P, 0.0), axis=1)
-            z1 = gl.sum(gl.where(first, 0.0, P), axis=1)
-            t0 = 2 * (team + kk * TEAMS)
-            if s == 0:
-                gl.store(m_out + aq * T + t0, m0, mask=aq < Q)
-                gl.store(z_out + aq * T + t0, z0, mask=aq < Q)
-                gl.store(m_out + aq * T + t0 + 1, m1, mask=aq < Q)
-                gl.store(z_out + aq * T + t0 + 1, z1, mask=aq < Q)
-            pb = kk % 2
-            mbarrier.wait(pfree.index(pb), ((kk // 2) & 1) ^ 1)
-            for u in gl.static_range(2):
-                if u == 0:
-                    Pu = gl.where(first, P, 0.0)
-                else:
-                    Pu = gl.where(first, 0.0, P)
-                p1 = Pu.to(gl.bfloat16)
-                rest = Pu - p1.to(gl.float32)
-                p2 = rest.to(gl.bfloat16)
-                p3 = (rest - p2.to(gl.float32)).to(gl.bfloat16)
-                psm.index(pb * 6 + 3 * u).store(p1)
-                psm.index(pb * 6 + 3 * u + 1).store(p2)
-                psm.index(pb * 6 + 3 * u + 2).store(p3)
-            _bar()
-            mbarrier.arrive(pready.index(pb))
+            _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s, kk, T, D, n, Q, eps, TEAMS,
+                     S, NBUF, LW, EXCHANGE)
+
+
+@gluon.jit
+def _poster(ring, wsm, full, pacc, pss, ctr, team, s, nk, S: gl.constexpr, NCH: gl.constexpr, CH: gl.constexpr,
+            RING: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr, MATH: gl.constexpr, PART_ACC: gl.constexpr):
+    """Partials warps (``split`` variants): every pair's partials posted as soon as its slab lands."""
+    for j in range(nk):
+        slot = j % RING
+        mbarrier.wait(full.index(slot), (j // RING) & 1)
+        acc, ss = _partials(ring, wsm, slot, NCH, CH, LW, MATH, PART_ACC)
+        _post(pacc, pss, ctr, team, s, j, acc, ss, S, NBUF, LW)
+
+
+@gluon.jit
+def _weigher(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D, n, Q, eps, TEAMS,
+             S: gl.constexpr, NBUF: gl.constexpr, XW: gl.constexpr):
+    """Weights warps (``split`` variants): each pair's team wait, softmax and weights in turn."""
+    QP: gl.constexpr = 32
+    R: gl.constexpr = 16
+    BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [XW, 1], [1, 0])
+    acc = gl.zeros([QP, R], gl.float32, BL)
+    ss = gl.zeros([R], gl.float32, gl.SliceLayout(0, BL))
+    for kk in range(nk):
+        _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s, kk, T, D, n, Q, eps, TEAMS,
+                 S, NBUF, XW, True)
 
 
 @gluon.jit
@@ -222,7 +294,8 @@ def _writer(ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T, D, Q,
 def _ws_kernel(desc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr, T, D, n, Q, eps, TEAMS,
                S: gl.constexpr, W: gl.constexpr, CH: gl.constexpr, RING: gl.constexpr, NBUF: gl.constexpr,
                NW: gl.constexpr, LW: gl.constexpr, LOOK: gl.constexpr, EXCHANGE: gl.constexpr, MATH: gl.constexpr,
-               LREGS: gl.constexpr):
+               LREGS: gl.constexpr, PART_ACC: gl.constexpr, SPLIT: gl.constexpr, XW: gl.constexpr,
+               XREGS: gl.constexpr):
     """One program per (team, slab): its slab of ``w ⊙ γ`` into shared memory, then the three
     partitions."""
     QP: gl.constexpr = 32
@@ -260,12 +333,21 @@ def _ws_kernel(desc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr, T, D,
             wsm.index(j * NCH + c).store(gl.load(g3_ptr + (j * QP + wq[:, None]) * D + lo + c * CH + wc[None, :]))
     _bar()
 
-    gl.warp_specialize([
-        (_writer, (ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T, D, Q, TEAMS, NCH, CH, RING, NW)),
-        (_loader, (desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH, CH, RING)),
-        (_logits, (ring, wsm, psm, full, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D, n, Q, eps,
-                   TEAMS, S, NCH, CH, RING, NBUF, LOOK, LW, MATH, EXCHANGE)),
-    ], [1, LW], [24, LREGS])
+    if SPLIT:
+        gl.warp_specialize([
+            (_writer, (ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T, D, Q, TEAMS, NCH, CH, RING, NW)),
+            (_loader, (desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH, CH, RING)),
+            (_poster, (ring, wsm, full, pacc, pss, ctr, team, s, nk, S, NCH, CH, RING, NBUF, LW, MATH, PART_ACC)),
+            (_weigher, (psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D, n, Q, eps, TEAMS, S,
+                        NBUF, XW)),
+        ], [1, LW, XW], [24, LREGS, XREGS])
+    else:
+        gl.warp_specialize([
+            (_writer, (ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T, D, Q, TEAMS, NCH, CH, RING, NW)),
+            (_loader, (desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH, CH, RING)),
+            (_logits, (ring, wsm, psm, full, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D, n, Q,
+                       eps, TEAMS, S, NCH, CH, RING, NBUF, LOOK, LW, MATH, EXCHANGE, PART_ACC)),
+        ], [1, LW], [24, LREGS])
 
 
 _SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -281,23 +363,27 @@ def _descriptor(stored: torch.Tensor) -> TensorDescriptor:
 
 def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: float = ours.RMS_NORM_EPS,
            slabs: int = 16, ring: int = 4, warps: int = 4, logit_warps: int = 4, look: int = 1,
-           exchange: bool = True, math: bool = True, teams: int | None = None, lregs: int = 152) -> Stats:
+           exchange: bool = True, math: bool = True, teams: int | None = None, lregs: int = 152,
+           part_acc: bool = False, split: bool = False, weigh_warps: int = 4, xregs: int = 128) -> Stats:
     """Phase-1 statistics of ``w, gamma:[Q, d]`` (Q <= 32) over ``stored:[n, T, d]`` (bf16,
-    n <= 8, T even, d a multiple of 64 per slab) in one launch: ``m, Z:[Q, T]``, ``N:[Q, T, d]``."""
+    n <= 8, T even, d a multiple of 64 per slab) in one launch: ``m, Z:[Q, T]``, ``N:[Q, T, d]``.
+    ``split``: the partials and the weights in two partitions (``weigh_warps`` warps for the
+    latter), so that the partials never wait for the team."""
     n, T, d = stored.shape
     Q = w.shape[0]
     dev = stored.device
     W = d // slabs
-    if d % slabs or W % BOX or n > 8 or Q > QP or T % 2 or ring < look + 2 or not (exchange or look == 0):
+    if (d % slabs or W % BOX or n > 8 or Q > QP or T % 2 or ring < look + 2 or not (exchange or look == 0)
+            or (split and not exchange)):
         raise ValueError(f"unsupported shape or variant: stored {list(stored.shape)}, {Q} queries, slabs={slabs}, "
-                         f"ring={ring}, look={look}, exchange={exchange}")
+                         f"ring={ring}, look={look}, exchange={exchange}, split={split}")
     m = torch.empty(Q, T, dtype=torch.float32, device=dev)
     Z = torch.empty(Q, T, dtype=torch.float32, device=dev)
     N = torch.empty(Q, T, d, dtype=torch.float32, device=dev)
     g3 = ours._split_bf16(ours._queries(w, gamma, d, dev, QP).T.contiguous()).contiguous()  # [3, QP, d]
     if teams is None:
         teams = max(1, min(T // 2, torch.cuda.get_device_properties(dev).multi_processor_count // slabs))
-    nbuf = 2 * look + 2
+    nbuf = _buffers(ring, look, split)
     key = (teams, slabs, nbuf, dev)
     if key not in _SCRATCH:
         _SCRATCH[key] = (torch.empty(teams * nbuf * slabs * QP * 16, dtype=torch.float32, device=dev),
@@ -307,17 +393,27 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     _ws_kernel[(teams * slabs,)](
         _descriptor(stored), g3, m, Z, N, pacc, pss, counters[teams * nbuf:], counters, T, d, n, Q, float(eps), teams,
         S=slabs, W=W, CH=BOX, RING=ring, NBUF=nbuf, NW=warps, LW=logit_warps, LOOK=look, EXCHANGE=exchange,
-        MATH=math, LREGS=lregs, num_warps=warps,
+        MATH=math, LREGS=lregs, PART_ACC=part_acc, SPLIT=split, XW=weigh_warps, XREGS=xregs, num_warps=warps,
     )  # fmt: skip
     return Stats(m, Z, N)
 
 
+def _buffers(ring: int, look: int, split: bool) -> int:
+    """Partials buffers per team: a program posts pair j while a teammate may still read pair
+    j - look - 1 (one role), or, with split roles, pair j - 2 ring (its weights lag its ring)."""
+    return 2 * ring + 2 if split else 2 * look + 2
+
+
 def _constexprs(kw: dict[str, Any], d: int = 7168) -> tuple[dict[str, Any], int]:
     """The kernel's constexprs and warp count for a variant's keyword arguments."""
-    a = dict(slabs=16, ring=4, warps=4, logit_warps=4, look=1, exchange=True, math=True, lregs=152) | kw
-    return dict(S=a["slabs"], W=d // a["slabs"], CH=BOX, RING=a["ring"], NBUF=2 * a["look"] + 2, NW=a["warps"],
-                LW=a["logit_warps"], LOOK=a["look"], EXCHANGE=a["exchange"], MATH=a["math"],
-                LREGS=a["lregs"]), a["warps"]  # fmt: skip
+    a = dict(slabs=16, ring=4, warps=4, logit_warps=4, look=1, exchange=True, math=True, lregs=152, part_acc=False,
+             split=False, weigh_warps=4, xregs=128) | kw
+    nbuf = _buffers(a["ring"], a["look"], a["split"])
+    constexprs = dict(S=a["slabs"], W=d // a["slabs"], CH=BOX, RING=a["ring"], NBUF=nbuf, NW=a["warps"],
+                      LW=a["logit_warps"], LOOK=a["look"], EXCHANGE=a["exchange"], MATH=a["math"],
+                      LREGS=a["lregs"], PART_ACC=a["part_acc"], SPLIT=a["split"], XW=a["weigh_warps"],
+                      XREGS=a["xregs"])  # fmt: skip
+    return constexprs, a["warps"]
 
 
 def compile_usage(kw: dict[str, Any], arch: int = 90) -> str:

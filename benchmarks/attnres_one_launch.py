@@ -469,7 +469,12 @@ def main(argv: list[str] | None = None) -> int:
     runs = {"ours (two launches)": partial(ours.phase1, x["stored"], x["w"], x["gamma"])}
     runs |= {name: partial(phase1, x["stored"], x["w"], x["gamma"], **VARIANTS[name]) for name in args.variants}
     for name, run in runs.items():
-        got = run()
+        try:
+            got = run()
+        except Exception as exc:  # a variant that does not compile or run is a result; go on
+            rows.append(dict(variant=name, options=VARIANTS.get(name, {}), error=f"{type(exc).__name__}: {exc}"[:300]))
+            log(f"{name}: {rows[-1]['error']}")
+            continue
         agree = dict(m=(got.m - ref.m).abs().max().item(), Z=((got.Z - ref.Z).abs() / ref.Z).max().item(),
                      N=((got.N - ref.N).abs().max() / ref.N.abs().max()).item())  # fmt: skip
         t = ms(run, "attnres one launch", name, T=T, d=d)
@@ -482,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
              "", "| variant | options | ms | of copy | max abs dm | max rel dZ | max rel dN |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r['options']} | {r['error']} | | | | |")
+            continue
         a = r["agreement"]
         lines.append(f"| {r['variant']} | {r['options']} | {r['ms']:.4f} | {100 * r['fraction_of_copy']:.1f}% | "
                      f"{a['m']:.1e} | {a['Z']:.1e} | {a['N']:.1e} |")

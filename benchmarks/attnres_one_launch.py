@@ -32,6 +32,7 @@ installed Triton and prints registers and shared memory. Writes ``attnres_one_la
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 from functools import partial
 from typing import Any
@@ -390,10 +391,12 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
                          torch.empty(teams * nbuf * slabs * 16, dtype=torch.float32, device=dev))  # fmt: skip
     pacc, pss = _SCRATCH[key]
     counters = torch.zeros(teams * nbuf + 1, dtype=torch.int32, device=dev)
+    constexprs = _constexprs(d, slabs=slabs, ring=ring, warps=warps, logit_warps=logit_warps, look=look,
+                             exchange=exchange, math=math, lregs=lregs, part_acc=part_acc, split=split,
+                             weigh_warps=weigh_warps, xregs=xregs)  # fmt: skip
     _ws_kernel[(teams * slabs,)](
         _descriptor(stored), g3, m, Z, N, pacc, pss, counters[teams * nbuf:], counters, T, d, n, Q, float(eps), teams,
-        S=slabs, W=W, CH=BOX, RING=ring, NBUF=nbuf, NW=warps, LW=logit_warps, LOOK=look, EXCHANGE=exchange,
-        MATH=math, LREGS=lregs, PART_ACC=part_acc, SPLIT=split, XW=weigh_warps, XREGS=xregs, num_warps=warps,
+        **constexprs, num_warps=warps,
     )  # fmt: skip
     return Stats(m, Z, N)
 
@@ -404,16 +407,19 @@ def _buffers(ring: int, look: int, split: bool) -> int:
     return 2 * ring + 2 if split else 2 * look + 2
 
 
-def _constexprs(kw: dict[str, Any], d: int = 7168) -> tuple[dict[str, Any], int]:
-    """The kernel's constexprs and warp count for a variant's keyword arguments."""
-    a = dict(slabs=16, ring=4, warps=4, logit_warps=4, look=1, exchange=True, math=True, lregs=152, part_acc=False,
-             split=False, weigh_warps=4, xregs=128) | kw
-    nbuf = _buffers(a["ring"], a["look"], a["split"])
-    constexprs = dict(S=a["slabs"], W=d // a["slabs"], CH=BOX, RING=a["ring"], NBUF=nbuf, NW=a["warps"],
-                      LW=a["logit_warps"], LOOK=a["look"], EXCHANGE=a["exchange"], MATH=a["math"],
-                      LREGS=a["lregs"], PART_ACC=a["part_acc"], SPLIT=a["split"], XW=a["weigh_warps"],
-                      XREGS=a["xregs"])  # fmt: skip
-    return constexprs, a["warps"]
+def _constexprs(d: int, *, slabs: int, ring: int, warps: int, logit_warps: int, look: int, exchange: bool,
+                math: bool, lregs: int, part_acc: bool, split: bool, weigh_warps: int, xregs: int) -> dict[str, Any]:
+    """The kernel's constexprs for :func:`phase1`'s launch options at width ``d``."""
+    return dict(S=slabs, W=d // slabs, CH=BOX, RING=ring, NBUF=_buffers(ring, look, split), NW=warps, LW=logit_warps,
+                LOOK=look, EXCHANGE=exchange, MATH=math, LREGS=lregs, PART_ACC=part_acc, SPLIT=split, XW=weigh_warps,
+                XREGS=xregs)  # fmt: skip
+
+
+def _options(kw: dict[str, Any]) -> dict[str, Any]:
+    """A variant's launch options over :func:`phase1`'s defaults (``teams`` and ``eps`` left out)."""
+    defaults = {name: p.default for name, p in inspect.signature(phase1).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("eps", "teams")}  # fmt: skip
+    return defaults | kw
 
 
 def compile_usage(kw: dict[str, Any], arch: int = 90) -> str:
@@ -431,9 +437,10 @@ def compile_usage(kw: dict[str, Any], arch: int = 90) -> str:
     sig = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "*fp32") for p in fn.params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
              if sig[p.name].startswith("*") or p.name in ("T", "D")}  # fmt: skip
-    constexprs, warps = _constexprs(kw)
-    compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))  # fmt: skip
+    options = _options(kw)
+    source = GluonASTSource(fn=fn, signature=sig, constexprs=_constexprs(7168, **options), attrs=attrs)
+    compiled = triton.compile(source,
+                              target=GPUTarget("cuda", arch, 32), options=dict(num_warps=options["warps"]))  # fmt: skip
     regs, stack = resource_usage(compiled.asm["cubin"])
     return f"{regs} registers (largest partition), {stack} B stack (spills), {compiled.metadata.shared} B shared"
 

@@ -32,6 +32,7 @@ installed Triton and prints registers and shared memory. Writes ``attnres_one_la
 from __future__ import annotations
 
 import argparse
+import ast
 import inspect
 import sys
 from functools import partial
@@ -41,7 +42,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 try:
@@ -56,9 +57,9 @@ from k3verify.attnres.chunkwise import Stats
 # only) and the TMA copy into shared memory.
 _bar = getattr(gl, "thread_barrier", None) or gl.barrier
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 QP = 32  # queries padded to the products' tile
-BOX = 64  # columns of a TMA copy and of a product step
 # name -> keyword arguments of phase1
 VARIANTS: dict[str, dict[str, Any]] = {
     "ws": {},
@@ -67,10 +68,22 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ws_writer_warps8": dict(warps=8),
     "no_wait": dict(exchange=False, look=0),
     "no_wait_no_logits": dict(exchange=False, look=0, math=False),
-    "ws_part_acc": dict(part_acc=True),
+    "ws_chains3": dict(chains=3),
+    "ws_chains6": dict(chains=6),
     "split": dict(split=True),
-    "split_part_acc": dict(split=True, part_acc=True),
+    "split_chains6": dict(split=True, chains=6),
+    "split_chains6_ring6": dict(split=True, chains=6, ring=6),
+    "writer_only": dict(exchange=False, look=0, math=False, logits=False),
+    "writer_only_vector": dict(exchange=False, look=0, math=False, logits=False, store="vector"),
+    "writer_only_tma": dict(exchange=False, look=0, math=False, logits=False, box=32, store="tma"),
+    "no_wait_no_logits_vector": dict(exchange=False, look=0, math=False, store="vector"),
+    "no_wait_no_logits_tma": dict(exchange=False, look=0, math=False, box=32, store="tma"),
+    "no_wait_no_logits_box32": dict(exchange=False, look=0, math=False, box=32),
+    "no_wait_no_logits_warps8": dict(exchange=False, look=0, math=False, warps=8),
+    "split_chains6_vector": dict(split=True, chains=6, store="vector"),
+    "split_chains6_tma": dict(split=True, chains=6, box=32, store="tma"),
 }
+STORES = ("mma", "vector", "tma")  # the writer's ways of storing N (phase1's ``store``)
 
 
 @gluon.jit
@@ -91,10 +104,11 @@ def _loader(desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH: gl.constexpr, 
 
 @gluon.jit
 def _partials(ring, wsm, slot, NCH: gl.constexpr, CH: gl.constexpr, LW: gl.constexpr, MATH: gl.constexpr,
-              PART_ACC: gl.constexpr):
+              CHAINS: gl.constexpr):
     """One pair's partial logits ``[QP, 16]`` (queries × rows; mma with the three parts of
     ``w ⊙ γ``) and squares ``[16]`` over this slab, in the ``[QP, 16]`` blocked layout of ``LW``
-    warps. ``PART_ACC``: one accumulator per part (three shorter chains of dependent mma)."""
+    warps. ``CHAINS`` independent accumulators (1: one chain of dependent mma; 3: one a part; 6:
+    one a part and chunk parity), because one chain leaves the tensor cores waiting on latency."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, LW // 2], instr_shape=[16, 8])
@@ -102,32 +116,47 @@ def _partials(ring, wsm, slot, NCH: gl.constexpr, CH: gl.constexpr, LW: gl.const
     OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
     XB: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LW, 1], [1, 0])
-    acc3 = gl.zeros([QP, R], gl.float32, MMA)
-    acc2 = gl.zeros([QP, R], gl.float32, MMA)
-    acc1 = gl.zeros([QP, R], gl.float32, MMA)
+    a1 = gl.zeros([QP, R], gl.float32, MMA)
+    a2 = gl.zeros([QP, R], gl.float32, MMA)
+    a3 = gl.zeros([QP, R], gl.float32, MMA)
+    b1 = gl.zeros([QP, R], gl.float32, MMA)
+    b2 = gl.zeros([QP, R], gl.float32, MMA)
+    b3 = gl.zeros([QP, R], gl.float32, MMA)
     ss2 = gl.zeros([R, CH], gl.float32, XB)
-    for c in range(NCH):
+    for c in gl.static_range(NCH):
         tile = ring.index(slot * NCH + c)
         xf = tile.load(XB).to(gl.float32)
         ss2 += xf * xf
         if MATH:
             xb = tile.permute([1, 0]).load(OPB)
-            if PART_ACC:
-                acc3 = mma_v2(wsm.index(2 * NCH + c).load(OPA), xb, acc3)
-                acc2 = mma_v2(wsm.index(NCH + c).load(OPA), xb, acc2)
-                acc1 = mma_v2(wsm.index(c).load(OPA), xb, acc1)
+            w3 = wsm.index(2 * NCH + c).load(OPA)
+            w2 = wsm.index(NCH + c).load(OPA)
+            w1 = wsm.index(c).load(OPA)
+            if CHAINS == 1:
+                a1 = mma_v2(w3, xb, a1)
+                a1 = mma_v2(w2, xb, a1)
+                a1 = mma_v2(w1, xb, a1)
+            elif CHAINS == 3:
+                a3 = mma_v2(w3, xb, a3)
+                a2 = mma_v2(w2, xb, a2)
+                a1 = mma_v2(w1, xb, a1)
+            elif c % 2 == 0:
+                a3 = mma_v2(w3, xb, a3)
+                a2 = mma_v2(w2, xb, a2)
+                a1 = mma_v2(w1, xb, a1)
             else:
-                acc1 = mma_v2(wsm.index(2 * NCH + c).load(OPA), xb, acc1)
-                acc1 = mma_v2(wsm.index(NCH + c).load(OPA), xb, acc1)
-                acc1 = mma_v2(wsm.index(c).load(OPA), xb, acc1)
-    if PART_ACC:
-        acc1 = acc1 + (acc2 + acc3)
-    return gl.convert_layout(acc1, BL), gl.convert_layout(gl.sum(ss2, axis=1), gl.SliceLayout(0, BL))
+                b3 = mma_v2(w3, xb, b3)
+                b2 = mma_v2(w2, xb, b2)
+                b1 = mma_v2(w1, xb, b1)
+    acc = (a1 + (a2 + a3)) + (b1 + (b2 + b3))
+    return gl.convert_layout(acc, BL), gl.convert_layout(gl.sum(ss2, axis=1), gl.SliceLayout(0, BL))
 
 
 @gluon.jit
-def _post(pacc, pss, ctr, team, s, j, acc, ss, S: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr):
-    """Post pair ``j``'s partials of slab ``s`` to its team's buffer and count them (release)."""
+def _post(pacc, pss, ctr, team, s, j, acc, ss, S: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr,
+          OWN: gl.constexpr):
+    """Post pair ``j``'s partials of slab ``s`` to its team's buffer and count them (release; with
+    ``OWN``, on a counter of this program's own)."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
     BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
@@ -138,54 +167,84 @@ def _post(pacc, pss, ctr, team, s, j, acc, ss, S: gl.constexpr, NBUF: gl.constex
     gl.store(pacc + (row * QP + aq[:, None]) * R + ar[None, :], acc)
     gl.store(pss + row * R + ar, ss)
     _bar()
-    gl.atomic_add(ctr + team * NBUF + b, 1, sem="release")
+    group = team * S + s if OWN else team
+    gl.atomic_add(ctr + group * NBUF + b, 1, sem="release")
+
+
+@gluon.jit
+def _wait(cptr, target, RELAXED: gl.constexpr):
+    """Spin until the counter at ``cptr`` reaches ``target`` (acquire), then sync the partition.
+    ``RELAXED``: spin on relaxed reads (an acquire at GPU scope also invalidates the SM's L1 each
+    time), then acquire once."""
+    if RELAXED:
+        cur = gl.atomic_add(cptr, 0, sem="relaxed")
+        while cur < target:
+            cur = gl.atomic_add(cptr, 0, sem="relaxed")
+        gl.atomic_max(cptr, 0, sem="acquire")  # an RMW: an acquire load left unused is dropped
+    else:
+        cur = gl.atomic_add(cptr, 0, sem="acquire")
+        while cur < target:
+            cur = gl.atomic_add(cptr, 0, sem="acquire")
+    _bar()
+
+
+@gluon.jit
+def _softmax(L, q, r, n, m_out, z_out, t0, T, Q, STORE_MZ):
+    """Weights ``[rows q, 16]`` of logits ``L`` (the pair's two tokens' 8 blocks side by side;
+    blocks past ``n`` get none); with ``STORE_MZ`` each token's ``m, Z`` for queries ``q``."""
+    ok = ((r % 8) < n)[None, :] & (q >= 0)[:, None]
+    first = (r < 8)[None, :] & (q >= 0)[:, None]
+    L = gl.where(ok, L, float("-inf"))
+    m0 = gl.max(gl.where(first, L, float("-inf")), axis=1)
+    m1 = gl.max(gl.where(first, float("-inf"), L), axis=1)
+    P = gl.exp(L - gl.where(first, m0[:, None], m1[:, None]))
+    if STORE_MZ:
+        gl.store(m_out + q * T + t0, m0, mask=q < Q)
+        gl.store(z_out + q * T + t0, gl.sum(gl.where(first, P, 0.0), axis=1), mask=q < Q)
+        gl.store(m_out + q * T + t0 + 1, m1, mask=q < Q)
+        gl.store(z_out + q * T + t0 + 1, gl.sum(gl.where(first, 0.0, P), axis=1), mask=q < Q)
+    return P
 
 
 @gluon.jit
 def _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s, kk, T, D, n, Q, eps, TEAMS,
-             S: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr, EXCHANGE: gl.constexpr):
-    """Pair ``kk``: wait for its team (or, without ``EXCHANGE``, take ``acc, ss`` as the whole),
-    sum the partials in slab order, softmax over each token's blocks (m, Z written by slab 0),
-    and hand each token's weights in three bf16 parts to the writer."""
+             S: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr, EXCHANGE: gl.constexpr,
+             RELAXED: gl.constexpr, OWN: gl.constexpr):
+    """Pair ``kk``: wait for its team, sum the partials in slab order, softmax over each token's
+    blocks (m, Z written by slab 0), and hand each token's weights in three bf16 parts to the
+    writer (through ``psm``'s buffers, six tiles each). ``EXCHANGE`` 0: no wait, ``acc, ss``
+    taken as the whole; 1: the wait only, then as 0 (timing only); 2: all of it; 3: in two
+    rounds (:func:`_two_rounds`). ``OWN``: the wait is for this program's own post only (no
+    team coupling; wrong values, timing only)."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
     BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
     aq = gl.arange(0, QP, layout=gl.SliceLayout(1, BL))
     ar = gl.arange(0, R, layout=gl.SliceLayout(0, BL))
-    if EXCHANGE:
-        b = kk % NBUF
-        cptr = ctr + team * NBUF + b
-        target = S * (kk // NBUF + 1)
-        cur = gl.atomic_add(cptr, 0, sem="acquire")
-        while cur < target:
-            cur = gl.atomic_add(cptr, 0, sem="acquire")
-        _bar()
-        tot = gl.zeros([QP, R], gl.float32, BL)
-        sst = gl.zeros([R], gl.float64, gl.SliceLayout(0, BL))
-        base = (team * NBUF + b) * S
-        for mm in gl.static_range(S):
-            tot += gl.load(pacc + ((base + mm) * QP + aq[:, None]) * R + ar[None, :], cache_modifier=".cg")
-            sst += gl.load(pss + (base + mm) * R + ar, cache_modifier=".cg").to(gl.float64)
-    else:
-        tot = acc
-        sst = ss.to(gl.float64) * S
-    L = (tot.to(gl.float64) / gl.sqrt(sst[None, :] / D + eps)).to(gl.float32)
-    ok = ((ar % 8) < n)[None, :] & (aq >= 0)[:, None]
-    first = (ar < 8)[None, :] & (aq >= 0)[:, None]
-    L = gl.where(ok, L, float("-inf"))
-    m0 = gl.max(gl.where(first, L, float("-inf")), axis=1)
-    m1 = gl.max(gl.where(first, float("-inf"), L), axis=1)
-    P = gl.exp(L - gl.where(first, m0[:, None], m1[:, None]))
-    z0 = gl.sum(gl.where(first, P, 0.0), axis=1)
-    z1 = gl.sum(gl.where(first, 0.0, P), axis=1)
     t0 = 2 * (team + kk * TEAMS)
-    if s == 0:
-        gl.store(m_out + aq * T + t0, m0, mask=aq < Q)
-        gl.store(z_out + aq * T + t0, z0, mask=aq < Q)
-        gl.store(m_out + aq * T + t0 + 1, m1, mask=aq < Q)
-        gl.store(z_out + aq * T + t0 + 1, z1, mask=aq < Q)
-    pb = kk % 2
-    mbarrier.wait(pfree.index(pb), ((kk // 2) & 1) ^ 1)
+    b = kk % NBUF
+    if EXCHANGE == 3:
+        P = _two_rounds(pacc, pss, ctr, m_out, z_out, team, s, b, kk, T, D, n, Q, eps, TEAMS, S, NBUF, LW, RELAXED)
+    else:
+        if EXCHANGE:
+            group = team * S + s if OWN else team
+            _wait(ctr + group * NBUF + b, (1 if OWN else S) * (kk // NBUF + 1), RELAXED)
+        if EXCHANGE == 2:
+            tot = gl.zeros([QP, R], gl.float32, BL)
+            sst = gl.zeros([R], gl.float64, gl.SliceLayout(0, BL))
+            base = (team * NBUF + b) * S
+            for mm in gl.static_range(S):
+                tot += gl.load(pacc + ((base + mm) * QP + aq[:, None]) * R + ar[None, :], cache_modifier=".cg")
+                sst += gl.load(pss + (base + mm) * R + ar, cache_modifier=".cg").to(gl.float64)
+        else:
+            tot = acc
+            sst = ss.to(gl.float64) * S
+        L = (tot.to(gl.float64) / gl.sqrt(sst[None, :] / D + eps)).to(gl.float32)
+        P = _softmax(L, aq, ar, n, m_out, z_out, t0, T, Q, s == 0)
+    first = (ar < 8)[None, :] & (aq >= 0)[:, None]
+    PB: gl.constexpr = psm.shape[0] // 6
+    pb = kk % PB
+    mbarrier.wait(pfree.index(pb), ((kk // PB) & 1) ^ 1)
     for u in gl.static_range(2):
         if u == 0:
             Pu = gl.where(first, P, 0.0)
@@ -203,10 +262,43 @@ def _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s,
 
 
 @gluon.jit
+def _two_rounds(pacc, pss, ctr, m_out, z_out, team, s, b, kk, T, D, n, Q, eps, TEAMS, S: gl.constexpr,
+                NBUF: gl.constexpr, LW: gl.constexpr, RELAXED: gl.constexpr):
+    """Pair ``kk``'s weights ``[QP, 16]`` with a reduce-scatter over the team: slab ``s`` sums
+    the team's partials of its own ``QP / S`` queries only (and every slab's squares), takes
+    their softmax (and writes their ``m, Z``), and posts those weights; then every slab reads
+    the team's weights. Each program reads about a sixth of what one round reads."""
+    QP: gl.constexpr = 32
+    R: gl.constexpr = 16
+    QS: gl.constexpr = QP // S
+    gl.static_assert(QS * S == QP, "two rounds need the slabs to divide the padded queries")
+    BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
+    aq = gl.arange(0, QP, layout=gl.SliceLayout(1, BL))
+    ar = gl.arange(0, R, layout=gl.SliceLayout(0, BL))
+    q = s * QS + gl.arange(0, QS, layout=gl.SliceLayout(1, BL))
+    _wait(ctr + team * NBUF + b, S * (kk // NBUF + 1), RELAXED)
+    tot = gl.zeros([QS, R], gl.float32, BL)
+    sst = gl.zeros([R], gl.float64, gl.SliceLayout(0, BL))
+    base = (team * NBUF + b) * S
+    for mm in gl.static_range(S):
+        tot += gl.load(pacc + ((base + mm) * QP + q[:, None]) * R + ar[None, :], cache_modifier=".cg")
+        sst += gl.load(pss + (base + mm) * R + ar, cache_modifier=".cg").to(gl.float64)
+    L = (tot.to(gl.float64) / gl.sqrt(sst[None, :] / D + eps)).to(gl.float32)
+    P = _softmax(L, q, ar, n, m_out, z_out, 2 * (team + kk * TEAMS), T, Q, True)
+    row = team * NBUF + b
+    pw = pacc + TEAMS * NBUF * S * QP * R  # the weights buffers, after the partials'
+    gl.store(pw + (row * QP + q[:, None]) * R + ar[None, :], P)
+    _bar()
+    gl.atomic_add(ctr + TEAMS * NBUF + row, 1, sem="release")
+    _wait(ctr + TEAMS * NBUF + row, S * (kk // NBUF + 1), RELAXED)
+    return gl.load(pw + (row * QP + aq[:, None]) * R + ar[None, :], cache_modifier=".cg")
+
+
+@gluon.jit
 def _logits(ring, wsm, psm, full, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D, n, Q, eps,
             TEAMS, S: gl.constexpr, NCH: gl.constexpr, CH: gl.constexpr, RING: gl.constexpr, NBUF: gl.constexpr,
             LOOK: gl.constexpr, LW: gl.constexpr, MATH: gl.constexpr, EXCHANGE: gl.constexpr,
-            PART_ACC: gl.constexpr):
+            CHAINS: gl.constexpr, RELAXED: gl.constexpr, OWN: gl.constexpr):
     """Logits warps doing both roles: pair j's partials posted, then pair j - LOOK's weights."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
@@ -217,30 +309,74 @@ def _logits(ring, wsm, psm, full, pready, pfree, pacc, pss, ctr, m_out, z_out, t
         if j < nk:
             slot = j % RING
             mbarrier.wait(full.index(slot), (j // RING) & 1)
-            acc, ss = _partials(ring, wsm, slot, NCH, CH, LW, MATH, PART_ACC)
+            acc, ss = _partials(ring, wsm, slot, NCH, CH, LW, MATH, CHAINS)
             if EXCHANGE:
-                _post(pacc, pss, ctr, team, s, j, acc, ss, S, NBUF, LW)
+                _post(pacc, pss, ctr, team, s, j, acc, ss, S, NBUF, LW, OWN)
         kk = j - LOOK
         if kk >= 0:
             _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s, kk, T, D, n, Q, eps, TEAMS,
-                     S, NBUF, LW, EXCHANGE)
+                     S, NBUF, LW, EXCHANGE, RELAXED, OWN)
 
 
 @gluon.jit
 def _poster(ring, wsm, full, pacc, pss, ctr, team, s, nk, S: gl.constexpr, NCH: gl.constexpr, CH: gl.constexpr,
-            RING: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr, MATH: gl.constexpr, PART_ACC: gl.constexpr):
-    """Partials warps (``split`` variants): every pair's partials posted as soon as its slab lands."""
+            RING: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr, MATH: gl.constexpr, CHAINS: gl.constexpr,
+            WREG: gl.constexpr, OWN: gl.constexpr):
+    """Partials warps (``split`` variants): every pair's partials posted as soon as its slab lands
+    (``WREG``: by :func:`_poster_wreg`)."""
+    if WREG:
+        _poster_wreg(ring, wsm, full, pacc, pss, ctr, team, s, nk, S, NCH, CH, RING, NBUF, LW, OWN)
+    else:
+        for j in range(nk):
+            slot = j % RING
+            mbarrier.wait(full.index(slot), (j // RING) & 1)
+            acc, ss = _partials(ring, wsm, slot, NCH, CH, LW, MATH, CHAINS)
+            _post(pacc, pss, ctr, team, s, j, acc, ss, S, NBUF, LW, OWN)
+
+
+@gluon.jit
+def _poster_wreg(ring, wsm, full, pacc, pss, ctr, team, s, nk, S: gl.constexpr, NCH: gl.constexpr,
+                 CH: gl.constexpr, RING: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr, OWN: gl.constexpr):
+    """Partials warps with the slab of ``w ⊙ γ`` held in registers for the whole launch: the
+    products turned round (rows × queries, the pair's rows the ``mma``'s A operand, each warp
+    eight queries), so each pair reads only its ring slot from shared memory."""
+    QP: gl.constexpr = 32
+    R: gl.constexpr = 16
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, LW], instr_shape=[16, 8])
+    OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
+    XB: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LW, 1], [1, 0])
+    wb = ()  # the three parts of each chunk; Gluon builds tuples by concatenation, not unpacking
+    for c in gl.static_range(NCH):
+        wb = wb + (wsm.index(2 * NCH + c).permute([1, 0]).load(OPB), wsm.index(NCH + c).permute([1, 0]).load(OPB),  # noqa: RUF005
+                   wsm.index(c).permute([1, 0]).load(OPB))  # fmt: skip
     for j in range(nk):
         slot = j % RING
         mbarrier.wait(full.index(slot), (j // RING) & 1)
-        acc, ss = _partials(ring, wsm, slot, NCH, CH, LW, MATH, PART_ACC)
-        _post(pacc, pss, ctr, team, s, j, acc, ss, S, NBUF, LW)
+        a3 = gl.zeros([R, QP], gl.float32, MMA)
+        a2 = gl.zeros([R, QP], gl.float32, MMA)
+        a1 = gl.zeros([R, QP], gl.float32, MMA)
+        ss2 = gl.zeros([R, CH], gl.float32, XB)
+        for c in gl.static_range(NCH):
+            tile = ring.index(slot * NCH + c)
+            xf = tile.load(XB).to(gl.float32)
+            ss2 += xf * xf
+            xa = tile.load(OPA)
+            a3 = mma_v2(xa, wb[3 * c], a3)
+            a2 = mma_v2(xa, wb[3 * c + 1], a2)
+            a1 = mma_v2(xa, wb[3 * c + 2], a1)
+        acc = gl.convert_layout(gl.permute(a1 + (a2 + a3), [1, 0]), BL)
+        ss = gl.convert_layout(gl.sum(ss2, axis=1), gl.SliceLayout(0, BL))
+        _post(pacc, pss, ctr, team, s, j, acc, ss, S, NBUF, LW, OWN)
 
 
 @gluon.jit
 def _weigher(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D, n, Q, eps, TEAMS,
-             S: gl.constexpr, NBUF: gl.constexpr, XW: gl.constexpr):
-    """Weights warps (``split`` variants): each pair's team wait, softmax and weights in turn."""
+             S: gl.constexpr, NBUF: gl.constexpr, XW: gl.constexpr, EXCHANGE: gl.constexpr,
+             RELAXED: gl.constexpr, OWN: gl.constexpr):
+    """Weights warps (``split`` variants): each pair's team wait, softmax and weights in turn
+    (without ``EXCHANGE``: no wait, weights of zero logits; timing only)."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
     BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [XW, 1], [1, 0])
@@ -248,22 +384,46 @@ def _weigher(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D
     ss = gl.zeros([R], gl.float32, gl.SliceLayout(0, BL))
     for kk in range(nk):
         _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s, kk, T, D, n, Q, eps, TEAMS,
-                 S, NBUF, XW, True)
+                 S, NBUF, XW, EXCHANGE, RELAXED, OWN)
 
 
 @gluon.jit
-def _writer(ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T, D, Q, TEAMS, NCH: gl.constexpr,
-            CH: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr):
-    """Writer warps: ``N`` of each pair's two tokens for this slab, ``[QP, CH]`` products per step."""
+def _tma_tile(o, stage, ndesc, col, i, NSTAGE: gl.constexpr):
+    """Stage tile ``o`` in slot ``i % NSTAGE`` of ``stage`` once that slot's previous copy has read
+    it, and copy it by TMA to flat column ``col`` of ``N`` viewed ``[Q, T·d]`` (rows past ``Q``
+    clipped)."""
+    buf = stage.index(i % NSTAGE)
+    tma.store_wait(NSTAGE - 1)
+    _bar()
+    buf.store(o)
+    fence_async_shared()
+    _bar()
+    _tma_store(ndesc, [0, col], buf)
+
+
+@gluon.jit
+def _writer(ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo, nk, T, D, Q, TEAMS,
+            NCH: gl.constexpr, CH: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, STORE: gl.constexpr,
+            NSTAGE: gl.constexpr, LOGITS: gl.constexpr):
+    """Writer warps: ``N`` of each pair's two tokens for this slab, ``[QP, CH]`` products per step.
+    ``STORE``: 0 from the mma layout's registers (8-byte pieces), 1 through a layout of 16-byte
+    vectors, 2 staged in shared memory and copied by TMA (``_tma_tile``). Without ``LOGITS`` it
+    takes whatever the weights buffers hold (timing the data movement alone)."""
     QP: gl.constexpr = 32
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, NW // 2], instr_shape=[16, 8])
     OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    OB: gl.constexpr = gl.BlockedLayout([1, 4], [128 // CH, CH // 4], [NW, 1], [1, 0])
+    PB: gl.constexpr = psm.shape[0] // 6
     oq = gl.arange(0, QP, layout=gl.SliceLayout(1, MMA))
     oc = gl.arange(0, CH, layout=gl.SliceLayout(0, MMA))
+    bq = gl.arange(0, QP, layout=gl.SliceLayout(1, OB))
+    bc = gl.arange(0, CH, layout=gl.SliceLayout(0, OB))
+    row = T * D
     for k in range(nk):
-        pb = k % 2
-        mbarrier.wait(pready.index(pb), (k // 2) & 1)
+        pb = k % PB
+        if LOGITS:
+            mbarrier.wait(pready.index(pb), (k // PB) & 1)
         a01 = psm.index(pb * 6).load(OPA)
         a02 = psm.index(pb * 6 + 1).load(OPA)
         a03 = psm.index(pb * 6 + 2).load(OPA)
@@ -271,40 +431,49 @@ def _writer(ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T, D, Q,
         a12 = psm.index(pb * 6 + 4).load(OPA)
         a13 = psm.index(pb * 6 + 5).load(OPA)
         _bar()
-        mbarrier.arrive(pfree.index(pb))
+        if LOGITS:
+            mbarrier.arrive(pfree.index(pb))
         slot = k % RING
         mbarrier.wait(full.index(slot), (k // RING) & 1)
         t0 = 2 * (team + k * TEAMS)
-        out0 = n_out + (oq[:, None].to(gl.int64) * T + t0) * D + lo + oc[None, :]
         for c in range(NCH):
             xb = ring.index(slot * NCH + c).load(OPB)
             z = gl.zeros([QP, CH], gl.float32, MMA)
-            o = mma_v2(a03, xb, z)
-            o = mma_v2(a02, xb, o)
-            o = mma_v2(a01, xb, o)
-            gl.store(out0 + c * CH, o, mask=(oq < Q)[:, None])
-            o = mma_v2(a13, xb, z)
-            o = mma_v2(a12, xb, o)
-            o = mma_v2(a11, xb, o)
-            gl.store(out0 + D + c * CH, o, mask=(oq < Q)[:, None])
+            for u in gl.static_range(2):
+                if u == 0:
+                    o = mma_v2(a01, xb, mma_v2(a02, xb, mma_v2(a03, xb, z)))
+                else:
+                    o = mma_v2(a11, xb, mma_v2(a12, xb, mma_v2(a13, xb, z)))
+                col = (t0 + u) * D + lo + c * CH
+                if STORE == 0:
+                    gl.store(n_out + oq[:, None].to(gl.int64) * row + col + oc[None, :], o, mask=(oq < Q)[:, None])
+                elif STORE == 1:
+                    gl.store(n_out + bq[:, None].to(gl.int64) * row + col + bc[None, :], gl.convert_layout(o, OB),
+                             mask=(bq < Q)[:, None])
+                else:
+                    _tma_tile(o, stage, ndesc, col, (k * NCH + c) * 2 + u, NSTAGE)
         _bar()
         mbarrier.arrive(empty.index(slot))
+    if STORE == 2:
+        tma.store_wait(0)
 
 
 @gluon.jit
-def _ws_kernel(desc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr, T, D, n, Q, eps, TEAMS,
+def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr, T, D, n, Q, eps, TEAMS,
                S: gl.constexpr, W: gl.constexpr, CH: gl.constexpr, RING: gl.constexpr, NBUF: gl.constexpr,
                NW: gl.constexpr, LW: gl.constexpr, LOOK: gl.constexpr, EXCHANGE: gl.constexpr, MATH: gl.constexpr,
-               LREGS: gl.constexpr, PART_ACC: gl.constexpr, SPLIT: gl.constexpr, XW: gl.constexpr,
-               XREGS: gl.constexpr):
-    """One program per (team, slab): its slab of ``w ⊙ γ`` into shared memory, then the three
-    partitions."""
+               LREGS: gl.constexpr, CHAINS: gl.constexpr, SPLIT: gl.constexpr, XW: gl.constexpr,
+               XREGS: gl.constexpr, STORE: gl.constexpr, NSTAGE: gl.constexpr, LOGITS: gl.constexpr,
+               WREG: gl.constexpr, PB: gl.constexpr, RELAXED: gl.constexpr, OWN: gl.constexpr):
+    """One program per (team, slab): its slab of ``w ⊙ γ`` into shared memory, then the
+    partitions (three, or four with ``SPLIT``)."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
     NCH: gl.constexpr = W // CH
     WLD: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
-    SX: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    SX: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * CH), element_bitwidth=16, rank=2)
     SP: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    SO: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
 
     tk = gl.atomic_add(tickets, 1)
     team = tk // S
@@ -312,18 +481,23 @@ def _ws_kernel(desc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr, T, D,
     lo = s * W
     pairs = T // 2
     nk = (pairs - team + TEAMS - 1) // TEAMS
+    nlog = nk if LOGITS else 0  # pairs the logits partitions see
 
     ring = gl.allocate_shared_memory(gl.bfloat16, [RING * NCH, R, CH], SX)
     wsm = gl.allocate_shared_memory(gl.bfloat16, [3 * NCH, QP, CH], SX)
-    psm = gl.allocate_shared_memory(gl.bfloat16, [12, QP, R], SP)
+    psm = gl.allocate_shared_memory(gl.bfloat16, [PB * 6, QP, R], SP)
+    if STORE == 2:
+        stage = gl.allocate_shared_memory(gl.float32, [NSTAGE, QP, CH], SO)
+    else:
+        stage = gl.allocate_shared_memory(gl.float32, [1, 8, 32], SP)  # unused
     full = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    pfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    pready = gl.allocate_shared_memory(gl.int64, [PB, 1], mbarrier.MBarrierLayout())
+    pfree = gl.allocate_shared_memory(gl.int64, [PB, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(RING):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
+    for i in gl.static_range(PB):
         mbarrier.init(pready.index(i), count=1)
         mbarrier.init(pfree.index(i), count=1)
 
@@ -336,48 +510,73 @@ def _ws_kernel(desc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr, T, D,
 
     if SPLIT:
         gl.warp_specialize([
-            (_writer, (ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T, D, Q, TEAMS, NCH, CH, RING, NW)),
+            (_writer, (ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo, nk, T, D, Q, TEAMS,
+                       NCH, CH, RING, NW, STORE, NSTAGE, LOGITS)),
             (_loader, (desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH, CH, RING)),
-            (_poster, (ring, wsm, full, pacc, pss, ctr, team, s, nk, S, NCH, CH, RING, NBUF, LW, MATH, PART_ACC)),
-            (_weigher, (psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D, n, Q, eps, TEAMS, S,
-                        NBUF, XW)),
+            (_poster, (ring, wsm, full, pacc, pss, ctr, team, s, nlog, S, NCH, CH, RING, NBUF, LW, MATH, CHAINS,
+                       WREG, OWN)),
+            (_weigher, (psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q, eps, TEAMS, S,
+                        NBUF, XW, EXCHANGE, RELAXED, OWN)),
         ], [1, LW, XW], [24, LREGS, XREGS])
     else:
         gl.warp_specialize([
-            (_writer, (ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T, D, Q, TEAMS, NCH, CH, RING, NW)),
+            (_writer, (ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo, nk, T, D, Q, TEAMS,
+                       NCH, CH, RING, NW, STORE, NSTAGE, LOGITS)),
             (_loader, (desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH, CH, RING)),
-            (_logits, (ring, wsm, psm, full, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D, n, Q,
-                       eps, TEAMS, S, NCH, CH, RING, NBUF, LOOK, LW, MATH, EXCHANGE, PART_ACC)),
+            (_logits, (ring, wsm, psm, full, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q,
+                       eps, TEAMS, S, NCH, CH, RING, NBUF, LOOK, LW, MATH, EXCHANGE, CHAINS, RELAXED, OWN)),
         ], [1, LW], [24, LREGS])
 
 
 _SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _descriptor(stored: torch.Tensor) -> TensorDescriptor:
-    """TMA descriptor of ``stored:[n, T, d]`` viewed as ``[n, T·d]``: one box is a token's 8
-    block rows × 64 columns (rows past ``n`` read as zero)."""
+def _descriptors(stored: torch.Tensor, N: torch.Tensor, box: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of ``stored:[n, T, d]`` viewed as ``[n, T·d]`` (a box is a token's 8 block
+    rows × ``box`` columns, rows past ``n`` read as zero) and of ``N:[Q, T, d]`` viewed as
+    ``[Q, T·d]`` (a box is 32 query rows × ``box`` columns, rows past ``Q`` clipped; swizzled
+    where a row of the box fits the 128-byte swizzle, which TMA requires)."""
     n, T, d = stored.shape
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    return TensorDescriptor(stored.view(n, T * d), [n, T * d], [T * d, 1], [8, BOX], layout)
+    Q = N.shape[0]
+    sx = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * box), element_bitwidth=16, rank=2)
+    so = gl.NVMMASharedLayout(swizzle_byte_width=128 if 4 * box <= 128 else 0, element_bitwidth=32, rank=2)
+    return (TensorDescriptor(stored.view(n, T * d), [n, T * d], [T * d, 1], [8, box], sx),
+            TensorDescriptor(N.view(Q, T * d), [Q, T * d], [T * d, 1], [QP, box], so))
 
 
 def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: float = ours.RMS_NORM_EPS,
            slabs: int = 16, ring: int = 4, warps: int = 4, logit_warps: int = 4, look: int = 1,
            exchange: bool = True, math: bool = True, teams: int | None = None, lregs: int = 152,
-           part_acc: bool = False, split: bool = False, weigh_warps: int = 4, xregs: int = 128) -> Stats:
+           chains: int = 1, split: bool = False, weigh_warps: int = 4, xregs: int = 128, box: int = 64,
+           store: str = "mma", stages: int = 4, logits: bool = True, wreg: bool = False, gather: bool = True,
+           pbufs: int = 2, relaxed: bool = False, own: bool = False, rounds: int = 1) -> Stats:
     """Phase-1 statistics of ``w, gamma:[Q, d]`` (Q <= 32) over ``stored:[n, T, d]`` (bf16,
-    n <= 8, T even, d a multiple of 64 per slab) in one launch: ``m, Z:[Q, T]``, ``N:[Q, T, d]``.
+    n <= 8, T even, d a multiple of ``box`` per slab) in one launch: ``m, Z:[Q, T]``,
+    ``N:[Q, T, d]``. ``chains``: independent accumulators of the partial logits (1, 3 or 6).
     ``split``: the partials and the weights in two partitions (``weigh_warps`` warps for the
-    latter), so that the partials never wait for the team."""
+    latter), so that the partials never wait for the team. ``box``: columns of a TMA copy and of
+    a product step. ``store``: how the writer stores ``N`` (``"mma"``, ``"vector"`` or ``"tma"``
+    through ``stages`` staging tiles, which needs ``box`` <= 32). ``logits=False``: the writer
+    alone with the loader (wrong values, timing only). ``wreg`` (with ``split``): the partials
+    warps hold ``w ⊙ γ`` in registers (:func:`_poster_wreg`). ``gather=False``: the team wait
+    without reading the team's partials (wrong values, timing only). ``pbufs``: weights buffers
+    between the weights warps and the writer. ``relaxed``: the team wait spins on relaxed reads
+    and acquires once. ``own``: each program waits for its own posts only, reading the team's
+    buffers all the same (no coupling between the team; wrong values, timing only). ``rounds=2``:
+    the team's partials reduced in two rounds (:func:`_two_rounds`)."""
     n, T, d = stored.shape
     Q = w.shape[0]
     dev = stored.device
     W = d // slabs
-    if (d % slabs or W % BOX or n > 8 or Q > QP or T % 2 or ring < look + 2 or not (exchange or look == 0)
-            or (split and not exchange)):
+    # split needs the exchange: without it nothing holds the writer back to the partials warps,
+    # which then fall more than a ring behind and wait on a barrier phase long gone (a hang).
+    if (d % slabs or W % box or n > 8 or Q > QP or T % 2 or ring < look + 2 or not (exchange or look == 0)
+            or (split and not exchange) or chains not in (1, 3, 6) or rounds not in (1, 2)
+            or (rounds == 2 and (own or QP % slabs)) or store not in STORES
+            or (store == "tma" and 4 * box > 128)):
         raise ValueError(f"unsupported shape or variant: stored {list(stored.shape)}, {Q} queries, slabs={slabs}, "
-                         f"ring={ring}, look={look}, exchange={exchange}, split={split}")
+                         f"ring={ring}, look={look}, exchange={exchange}, split={split}, chains={chains}, box={box}, "
+                         f"store={store!r}, rounds={rounds}, own={own}")
     m = torch.empty(Q, T, dtype=torch.float32, device=dev)
     Z = torch.empty(Q, T, dtype=torch.float32, device=dev)
     N = torch.empty(Q, T, d, dtype=torch.float32, device=dev)
@@ -387,16 +586,18 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     nbuf = _buffers(ring, look, split)
     key = (teams, slabs, nbuf, dev)
     if key not in _SCRATCH:
-        _SCRATCH[key] = (torch.empty(teams * nbuf * slabs * QP * 16, dtype=torch.float32, device=dev),
+        _SCRATCH[key] = (torch.empty(teams * nbuf * (slabs + 1) * QP * 16, dtype=torch.float32, device=dev),
                          torch.empty(teams * nbuf * slabs * 16, dtype=torch.float32, device=dev))  # fmt: skip
     pacc, pss = _SCRATCH[key]
-    counters = torch.zeros(teams * nbuf + 1, dtype=torch.int32, device=dev)
+    counters = torch.zeros(teams * slabs * nbuf + 1, dtype=torch.int32, device=dev)
     constexprs = _constexprs(d, slabs=slabs, ring=ring, warps=warps, logit_warps=logit_warps, look=look,
-                             exchange=exchange, math=math, lregs=lregs, part_acc=part_acc, split=split,
-                             weigh_warps=weigh_warps, xregs=xregs)  # fmt: skip
+                             exchange=exchange, math=math, lregs=lregs, chains=chains, split=split,
+                             weigh_warps=weigh_warps, xregs=xregs, box=box, store=store, stages=stages,
+                             logits=logits, wreg=wreg, gather=gather, pbufs=pbufs, relaxed=relaxed,
+                             own=own, rounds=rounds)  # fmt: skip
     _ws_kernel[(teams * slabs,)](
-        _descriptor(stored), g3, m, Z, N, pacc, pss, counters[teams * nbuf:], counters, T, d, n, Q, float(eps), teams,
-        **constexprs, num_warps=warps,
+        *_descriptors(stored, N, box), g3, m, Z, N, pacc, pss, counters[-1:], counters, T, d, n, Q,
+        float(eps), teams, **constexprs, num_warps=warps,
     )  # fmt: skip
     return Stats(m, Z, N)
 
@@ -408,11 +609,15 @@ def _buffers(ring: int, look: int, split: bool) -> int:
 
 
 def _constexprs(d: int, *, slabs: int, ring: int, warps: int, logit_warps: int, look: int, exchange: bool,
-                math: bool, lregs: int, part_acc: bool, split: bool, weigh_warps: int, xregs: int) -> dict[str, Any]:
+                math: bool, lregs: int, chains: int, split: bool, weigh_warps: int, xregs: int, box: int, store: str,
+                stages: int, logits: bool, wreg: bool, gather: bool, pbufs: int, relaxed: bool,
+                own: bool, rounds: int) -> dict[str, Any]:
     """The kernel's constexprs for :func:`phase1`'s launch options at width ``d``."""
-    return dict(S=slabs, W=d // slabs, CH=BOX, RING=ring, NBUF=_buffers(ring, look, split), NW=warps, LW=logit_warps,
-                LOOK=look, EXCHANGE=exchange, MATH=math, LREGS=lregs, PART_ACC=part_acc, SPLIT=split, XW=weigh_warps,
-                XREGS=xregs)  # fmt: skip
+    exchange_level = (3 if rounds == 2 else 2) if exchange and gather else int(exchange)  # _weights's EXCHANGE
+    return dict(S=slabs, W=d // slabs, CH=box, RING=ring, NBUF=_buffers(ring, look, split), NW=warps, LW=logit_warps,
+                LOOK=look, EXCHANGE=exchange_level, MATH=math, LREGS=lregs, CHAINS=chains, SPLIT=split,
+                XW=weigh_warps, XREGS=xregs, STORE=STORES.index(store), NSTAGE=stages, LOGITS=logits, WREG=wreg,
+                PB=pbufs, RELAXED=relaxed, OWN=own)  # fmt: skip
 
 
 def _options(kw: dict[str, Any]) -> dict[str, Any]:
@@ -428,16 +633,15 @@ def compile_usage(kw: dict[str, Any], arch: int = 90) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    desc = TensorDescriptor(torch.empty(8, 64, dtype=torch.bfloat16), [8, 64], [64, 1], [8, BOX], layout)
-    desc_type = triton.runtime.jit.mangle_type(desc)
+    options = _options(kw)
+    descs = _descriptors(torch.empty(8, 2, 64, dtype=torch.bfloat16), torch.empty(24, 2, 64), options["box"])
     ints = dict.fromkeys(("T", "D", "n", "Q", "TEAMS"), "i32")
-    types = dict(desc=desc_type, g3_ptr="*bf16", tickets="*i32", ctr="*i32", eps="fp32", **ints)
+    types = dict(desc=triton.runtime.jit.mangle_type(descs[0]), ndesc=triton.runtime.jit.mangle_type(descs[1]),
+                 g3_ptr="*bf16", tickets="*i32", ctr="*i32", eps="fp32", **ints)  # fmt: skip
     fn = _ws_kernel
     sig = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "*fp32") for p in fn.params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
              if sig[p.name].startswith("*") or p.name in ("T", "D")}  # fmt: skip
-    options = _options(kw)
     source = GluonASTSource(fn=fn, signature=sig, constexprs=_constexprs(7168, **options), attrs=attrs)
     compiled = triton.compile(source,
                               target=GPUTarget("cuda", arch, 32), options=dict(num_warps=options["warps"]))  # fmt: skip
@@ -445,16 +649,40 @@ def compile_usage(kw: dict[str, Any], arch: int = 90) -> str:
     return f"{regs} registers (largest partition), {stack} B stack (spills), {compiled.metadata.shared} B shared"
 
 
+def variant(text: str) -> dict[str, Any]:
+    """A variant's options from ``--variants``: a name in ``VARIANTS``, optionally followed by
+    ``key=value`` overrides of :func:`phase1`'s options, all joined by commas; a bare key means
+    ``True`` (``split_chains6,store=vector``, ``split,chains=3``)."""
+    items = text.split(",")
+    kw = dict(VARIANTS[items.pop(0)]) if items[0] in VARIANTS else {}
+    known = _options({})
+    for item in items:
+        key, sep, value = item.partition("=")
+        if key not in known:
+            raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is neither a variant ({', '.join(VARIANTS)}) nor "
+                                             f"key=value over {sorted(known)}")  # fmt: skip
+        try:
+            kw[key] = ast.literal_eval(value) if sep else True
+        except (ValueError, SyntaxError):
+            kw[key] = value
+    return kw
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="reports/latest/bench", help="output folder")
-    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS),
+                        help=f"names ({', '.join(VARIANTS)}) or key=value,... over phase1's options")
     parser.add_argument("--compile", action="store_true", help="compile for sm_90 and print resources; no GPU")
     args = parser.parse_args(argv)
+    try:
+        chosen = {name: variant(name) for name in args.variants}
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
     if args.compile:
         print(f"Triton {triton.__version__}, sm_90, T = 8192, d = 7168")
         for name in args.variants:
-            print(f"{name:20s} {compile_usage(VARIANTS[name])}", flush=True)
+            print(f"{name:20s} {compile_usage(chosen[name])}", flush=True)
         return 0
     import attnres_gpu
     import gpu_timing
@@ -474,19 +702,19 @@ def main(argv: list[str] | None = None) -> int:
     ref = ours.phase1(x["stored"], x["w"], x["gamma"])
     rows = []
     runs = {"ours (two launches)": partial(ours.phase1, x["stored"], x["w"], x["gamma"])}
-    runs |= {name: partial(phase1, x["stored"], x["w"], x["gamma"], **VARIANTS[name]) for name in args.variants}
+    runs |= {name: partial(phase1, x["stored"], x["w"], x["gamma"], **kw) for name, kw in chosen.items()}
     for name, run in runs.items():
         try:
             got = run()
         except Exception as exc:  # a variant that does not compile or run is a result; go on
-            rows.append(dict(variant=name, options=VARIANTS.get(name, {}), error=f"{type(exc).__name__}: {exc}"[:300]))
+            rows.append(dict(variant=name, options=chosen.get(name, {}), error=f"{type(exc).__name__}: {exc}"[:300]))
             log(f"{name}: {rows[-1]['error']}")
             continue
         agree = dict(m=(got.m - ref.m).abs().max().item(), Z=((got.Z - ref.Z).abs() / ref.Z).max().item(),
                      N=((got.N - ref.N).abs().max() / ref.N.abs().max()).item())  # fmt: skip
         t = ms(run, "attnres one launch", name, T=T, d=d)
         frac = moved / (t * 1e-3) / 1e12 / copy_tbps
-        rows.append(dict(variant=name, options=VARIANTS.get(name, {}), ms=t, fraction_of_copy=frac, agreement=agree))
+        rows.append(dict(variant=name, options=chosen.get(name, {}), ms=t, fraction_of_copy=frac, agreement=agree))
         log(f"{name}: {t:.4f} ms, {100 * frac:.1f}% of copy; max |dm| {agree['m']:.1e}, dZ {agree['Z']:.1e}, "
             f"dN {agree['N']:.1e}")
     lines = ["# Block AttnRes phase 1 in one launch (experiment)", "",

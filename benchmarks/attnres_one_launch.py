@@ -157,18 +157,30 @@ def _post(pacc, pss, ctr, team, s, j, acc, ss, S: gl.constexpr, NBUF: gl.constex
           OWN: gl.constexpr):
     """Post pair ``j``'s partials of slab ``s`` to its team's buffer and count them (release; with
     ``OWN``, on a counter of this program's own)."""
+    _post_store(pacc, pss, team, s, j, acc, ss, S, NBUF, LW)
+    _post_count(ctr, team, s, j, S, NBUF, OWN)
+
+
+@gluon.jit
+def _post_store(pacc, pss, team, s, j, acc, ss, S: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr):
+    """Store pair ``j``'s partials of slab ``s`` in its team's buffer (not yet counted)."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
     BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
     aq = gl.arange(0, QP, layout=gl.SliceLayout(1, BL))
     ar = gl.arange(0, R, layout=gl.SliceLayout(0, BL))
-    b = j % NBUF
-    row = (team * NBUF + b) * S + s
+    row = (team * NBUF + j % NBUF) * S + s
     gl.store(pacc + (row * QP + aq[:, None]) * R + ar[None, :], acc)
     gl.store(pss + row * R + ar, ss)
+
+
+@gluon.jit
+def _post_count(ctr, team, s, j, S: gl.constexpr, NBUF: gl.constexpr, OWN: gl.constexpr):
+    """Count pair ``j``'s stored partials on the team's counter (release: the partition's stores
+    before it are seen by whoever acquires the count)."""
     _bar()
     group = team * S + s if OWN else team
-    gl.atomic_add(ctr + group * NBUF + b, 1, sem="release")
+    gl.atomic_add(ctr + group * NBUF + j % NBUF, 1, sem="release")
 
 
 @gluon.jit
@@ -321,17 +333,28 @@ def _logits(ring, wsm, psm, full, pready, pfree, pacc, pss, ctr, m_out, z_out, t
 @gluon.jit
 def _poster(ring, wsm, full, pacc, pss, ctr, team, s, nk, S: gl.constexpr, NCH: gl.constexpr, CH: gl.constexpr,
             RING: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr, MATH: gl.constexpr, CHAINS: gl.constexpr,
-            WREG: gl.constexpr, OWN: gl.constexpr):
-    """Partials warps (``split`` variants): every pair's partials posted as soon as its slab lands
-    (``WREG``: by :func:`_poster_wreg`)."""
+            WREG: gl.constexpr, OWN: gl.constexpr, LANE: gl.constexpr, LANES: gl.constexpr,
+            DEFER: gl.constexpr):
+    """Partials warps (``split`` variants): pairs ``LANE, LANE + LANES, ...``, each one's partials
+    posted as soon as its slab lands (``WREG``: by :func:`_poster_wreg`). ``DEFER``: a pair's
+    count (a release, which waits for its stores to land) only after the next pair's products,
+    so that the stores land meanwhile."""
     if WREG:
         _poster_wreg(ring, wsm, full, pacc, pss, ctr, team, s, nk, S, NCH, CH, RING, NBUF, LW, OWN)
     else:
-        for j in range(nk):
+        for j in range(LANE, nk, LANES):
             slot = j % RING
             mbarrier.wait(full.index(slot), (j // RING) & 1)
             acc, ss = _partials(ring, wsm, slot, NCH, CH, LW, MATH, CHAINS)
-            _post(pacc, pss, ctr, team, s, j, acc, ss, S, NBUF, LW, OWN)
+            if DEFER:
+                if j >= LANE + LANES:
+                    _post_count(ctr, team, s, j - LANES, S, NBUF, OWN)
+                _post_store(pacc, pss, team, s, j, acc, ss, S, NBUF, LW)
+            else:
+                _post(pacc, pss, ctr, team, s, j, acc, ss, S, NBUF, LW, OWN)
+        if DEFER:
+            if nk > LANE:
+                _post_count(ctr, team, s, LANE + (nk - 1 - LANE) // LANES * LANES, S, NBUF, OWN)
 
 
 @gluon.jit
@@ -374,15 +397,16 @@ def _poster_wreg(ring, wsm, full, pacc, pss, ctr, team, s, nk, S: gl.constexpr, 
 @gluon.jit
 def _weigher(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D, n, Q, eps, TEAMS,
              S: gl.constexpr, NBUF: gl.constexpr, XW: gl.constexpr, EXCHANGE: gl.constexpr,
-             RELAXED: gl.constexpr, OWN: gl.constexpr):
-    """Weights warps (``split`` variants): each pair's team wait, softmax and weights in turn
-    (without ``EXCHANGE``: no wait, weights of zero logits; timing only)."""
+             RELAXED: gl.constexpr, OWN: gl.constexpr, LANE: gl.constexpr, LANES: gl.constexpr):
+    """Weights warps (``split`` variants): pairs ``LANE, LANE + LANES, ...``, each one's team wait,
+    softmax and weights in turn (without ``EXCHANGE``: no wait, weights of zero logits; timing
+    only)."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
     BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [XW, 1], [1, 0])
     acc = gl.zeros([QP, R], gl.float32, BL)
     ss = gl.zeros([R], gl.float32, gl.SliceLayout(0, BL))
-    for kk in range(nk):
+    for kk in range(LANE, nk, LANES):
         _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s, kk, T, D, n, Q, eps, TEAMS,
                  S, NBUF, XW, EXCHANGE, RELAXED, OWN)
 
@@ -464,7 +488,8 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
                NW: gl.constexpr, LW: gl.constexpr, LOOK: gl.constexpr, EXCHANGE: gl.constexpr, MATH: gl.constexpr,
                LREGS: gl.constexpr, CHAINS: gl.constexpr, SPLIT: gl.constexpr, XW: gl.constexpr,
                XREGS: gl.constexpr, STORE: gl.constexpr, NSTAGE: gl.constexpr, LOGITS: gl.constexpr,
-               WREG: gl.constexpr, PB: gl.constexpr, RELAXED: gl.constexpr, OWN: gl.constexpr):
+               WREG: gl.constexpr, PB: gl.constexpr, RELAXED: gl.constexpr, OWN: gl.constexpr,
+               LANES: gl.constexpr, DEFER: gl.constexpr):
     """One program per (team, slab): its slab of ``w ⊙ γ`` into shared memory, then the
     partitions (three, or four with ``SPLIT``)."""
     QP: gl.constexpr = 32
@@ -508,15 +533,29 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
             wsm.index(j * NCH + c).store(gl.load(g3_ptr + (j * QP + wq[:, None]) * D + lo + c * CH + wc[None, :]))
     _bar()
 
-    if SPLIT:
+    if SPLIT and LANES == 2:
         gl.warp_specialize([
             (_writer, (ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo, nk, T, D, Q, TEAMS,
                        NCH, CH, RING, NW, STORE, NSTAGE, LOGITS)),
             (_loader, (desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH, CH, RING)),
             (_poster, (ring, wsm, full, pacc, pss, ctr, team, s, nlog, S, NCH, CH, RING, NBUF, LW, MATH, CHAINS,
-                       WREG, OWN)),
+                       WREG, OWN, 0, 2, DEFER)),
+            (_poster, (ring, wsm, full, pacc, pss, ctr, team, s, nlog, S, NCH, CH, RING, NBUF, LW, MATH, CHAINS,
+                       WREG, OWN, 1, 2, DEFER)),
             (_weigher, (psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q, eps, TEAMS, S,
-                        NBUF, XW, EXCHANGE, RELAXED, OWN)),
+                        NBUF, XW, EXCHANGE, RELAXED, OWN, 0, 2)),
+            (_weigher, (psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q, eps, TEAMS, S,
+                        NBUF, XW, EXCHANGE, RELAXED, OWN, 1, 2)),
+        ], [1, LW, LW, XW, XW], [24, LREGS, LREGS, XREGS, XREGS])
+    elif SPLIT:
+        gl.warp_specialize([
+            (_writer, (ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo, nk, T, D, Q, TEAMS,
+                       NCH, CH, RING, NW, STORE, NSTAGE, LOGITS)),
+            (_loader, (desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH, CH, RING)),
+            (_poster, (ring, wsm, full, pacc, pss, ctr, team, s, nlog, S, NCH, CH, RING, NBUF, LW, MATH, CHAINS,
+                       WREG, OWN, 0, 1, DEFER)),
+            (_weigher, (psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q, eps, TEAMS, S,
+                        NBUF, XW, EXCHANGE, RELAXED, OWN, 0, 1)),
         ], [1, LW, XW], [24, LREGS, XREGS])
     else:
         gl.warp_specialize([
@@ -549,7 +588,8 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
            exchange: bool = True, math: bool = True, teams: int | None = None, lregs: int = 152,
            chains: int = 1, split: bool = False, weigh_warps: int = 4, xregs: int = 128, box: int = 64,
            store: str = "mma", stages: int = 4, logits: bool = True, wreg: bool = False, gather: bool = True,
-           pbufs: int = 2, relaxed: bool = False, own: bool = False, rounds: int = 1) -> Stats:
+           pbufs: int = 2, relaxed: bool = False, own: bool = False, rounds: int = 1, lanes: int = 1,
+           defer: bool = False) -> Stats:
     """Phase-1 statistics of ``w, gamma:[Q, d]`` (Q <= 32) over ``stored:[n, T, d]`` (bf16,
     n <= 8, T even, d a multiple of ``box`` per slab) in one launch: ``m, Z:[Q, T]``,
     ``N:[Q, T, d]``. ``chains``: independent accumulators of the partial logits (1, 3 or 6).
@@ -563,7 +603,9 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     between the weights warps and the writer. ``relaxed``: the team wait spins on relaxed reads
     and acquires once. ``own``: each program waits for its own posts only, reading the team's
     buffers all the same (no coupling between the team; wrong values, timing only). ``rounds=2``:
-    the team's partials reduced in two rounds (:func:`_two_rounds`)."""
+    the team's partials reduced in two rounds (:func:`_two_rounds`). ``lanes=2`` (with
+    ``split``): two partials partitions and two weights partitions, each taking every other pair.
+    ``defer``: each pair's count posted after the next pair's products (:func:`_poster`)."""
     n, T, d = stored.shape
     Q = w.shape[0]
     dev = stored.device
@@ -572,11 +614,11 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     # which then fall more than a ring behind and wait on a barrier phase long gone (a hang).
     if (d % slabs or W % box or n > 8 or Q > QP or T % 2 or ring < look + 2 or not (exchange or look == 0)
             or (split and not exchange) or chains not in (1, 3, 6) or rounds not in (1, 2)
-            or (rounds == 2 and (own or QP % slabs)) or store not in STORES
-            or (store == "tma" and 4 * box > 128)):
+            or (rounds == 2 and (own or QP % slabs)) or lanes not in (1, 2) or (lanes == 2 and not split)
+            or store not in STORES or (store == "tma" and 4 * box > 128)):
         raise ValueError(f"unsupported shape or variant: stored {list(stored.shape)}, {Q} queries, slabs={slabs}, "
                          f"ring={ring}, look={look}, exchange={exchange}, split={split}, chains={chains}, box={box}, "
-                         f"store={store!r}, rounds={rounds}, own={own}")
+                         f"store={store!r}, rounds={rounds}, own={own}, lanes={lanes}")
     m = torch.empty(Q, T, dtype=torch.float32, device=dev)
     Z = torch.empty(Q, T, dtype=torch.float32, device=dev)
     N = torch.empty(Q, T, d, dtype=torch.float32, device=dev)
@@ -594,7 +636,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
                              exchange=exchange, math=math, lregs=lregs, chains=chains, split=split,
                              weigh_warps=weigh_warps, xregs=xregs, box=box, store=store, stages=stages,
                              logits=logits, wreg=wreg, gather=gather, pbufs=pbufs, relaxed=relaxed,
-                             own=own, rounds=rounds)  # fmt: skip
+                             own=own, rounds=rounds, lanes=lanes, defer=defer)  # fmt: skip
     _ws_kernel[(teams * slabs,)](
         *_descriptors(stored, N, box), g3, m, Z, N, pacc, pss, counters[-1:], counters, T, d, n, Q,
         float(eps), teams, **constexprs, num_warps=warps,
@@ -611,13 +653,13 @@ def _buffers(ring: int, look: int, split: bool) -> int:
 def _constexprs(d: int, *, slabs: int, ring: int, warps: int, logit_warps: int, look: int, exchange: bool,
                 math: bool, lregs: int, chains: int, split: bool, weigh_warps: int, xregs: int, box: int, store: str,
                 stages: int, logits: bool, wreg: bool, gather: bool, pbufs: int, relaxed: bool,
-                own: bool, rounds: int) -> dict[str, Any]:
+                own: bool, rounds: int, lanes: int, defer: bool) -> dict[str, Any]:
     """The kernel's constexprs for :func:`phase1`'s launch options at width ``d``."""
     exchange_level = (3 if rounds == 2 else 2) if exchange and gather else int(exchange)  # _weights's EXCHANGE
     return dict(S=slabs, W=d // slabs, CH=box, RING=ring, NBUF=_buffers(ring, look, split), NW=warps, LW=logit_warps,
                 LOOK=look, EXCHANGE=exchange_level, MATH=math, LREGS=lregs, CHAINS=chains, SPLIT=split,
                 XW=weigh_warps, XREGS=xregs, STORE=STORES.index(store), NSTAGE=stages, LOGITS=logits, WREG=wreg,
-                PB=pbufs, RELAXED=relaxed, OWN=own)  # fmt: skip
+                PB=pbufs, RELAXED=relaxed, OWN=own, LANES=lanes, DEFER=defer)  # fmt: skip
 
 
 def _options(kw: dict[str, Any]) -> dict[str, Any]:

@@ -1,32 +1,38 @@
 """Block AttnRes phase 1 in one launch on a Hopper GPU (Triton's Gluon dialect): an experiment.
 
-    python benchmarks/attnres_one_launch.py --out DIR [--variants NAME ...]
-    python benchmarks/attnres_one_launch.py --compile [--variants NAME ...]   # no GPU needed
+    python benchmarks/attnres_one_launch.py --out DIR [--variants VARIANT ...]
+    python benchmarks/attnres_one_launch.py --compile [--variants VARIANT ...]   # no GPU needed
+
+A VARIANT is a name in ``VARIANTS``, optionally followed by ``key=value`` overrides of
+:func:`phase1`'s options, joined by commas (``split_vector,chains=3``, ``split,store=vector``).
 
 Our phase 1 (:func:`k3verify.attnres.kernels.phase1`) is two launches that both read the stored
 blocks (docs/gpu.md, "Block AttnRes on a GPU", says why every two-launch form stays near 76% of
 the copy bandwidth at K3's shape). This script holds the one-launch form measured there: a
 *team* of persistent programs shares each token pair's width, one program per width slab (16
 slabs of 448 at d = 7168, one program an SM). Each keeps its slab of the three bf16 parts of
-``w ⊙ γ`` in shared memory for the whole launch and runs three warp partitions over token pairs
-(16 rows: the 8 stored blocks of two tokens):
+``w ⊙ γ`` in shared memory for the whole launch and runs warp partitions over token pairs (16
+rows: the 8 stored blocks of two tokens):
 
 - a loader warp: TMA copies of each pair's slab into a ring of ``ring`` slots;
 - logits warps: the pair's partial logits (``mma``, queries × rows) and squares, posted to the
   team through global memory (a counter per team and buffer, release/acquire); then, ``look``
   pairs later, the wait for the team, the partials summed in fixed order, the softmax, and each
-  token's weights split into three bf16 parts for the writer;
-- the writer (default partition): the pair's ``N`` for its slab with ``mma``, stored from
-  registers.
+  token's weights split into three bf16 parts for the writer. With ``split`` the two roles are
+  partitions of their own (partials warps and weights warps; ``lanes=2``: two of each, taking
+  alternate pairs);
+- the writer (default partition): the pair's ``N`` for its slab with ``mma``, stored from the
+  mma layout's registers, through a layout of 16-byte vectors (``store="vector"``) or by TMA.
 
 Team and slab come from a ticket taken when a program starts, so a waiting program's teammates
-are running or next to start. Variants switch off the team wait (``exchange=False``: each
-program uses its own partials, wrong values, timing only) and the logits products
-(``math=False``) to show what each part costs. It prints our two-launch phase 1 and every
-variant in the same process (do_bench medians; bytes moved once against the copy bandwidth) and
-each variant's agreement with ours; ``--compile`` compiles the variants for sm_90 with the
-installed Triton and prints registers and shared memory. Writes ``attnres_one_launch.json``,
-``.md`` and ``_benchmark.json`` under ``--out``.
+are running or next to start. Timing-only variants (wrong values) switch parts off to show what
+each costs: the team wait (``exchange=False``), the gather of the team's partials
+(``gather=False``), the coupling between the team (``own``), the logits products
+(``math=False``) and the logits partitions altogether (``logits=False``). It prints our
+two-launch phase 1 and every variant in the same process (do_bench medians; bytes moved once
+against the copy bandwidth) and each variant's agreement with ours; ``--compile`` compiles the
+variants for sm_90 with the installed Triton and prints registers and shared memory. Writes
+``attnres_one_launch.json``, ``.md`` and ``_benchmark.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -62,26 +68,26 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 QP = 32  # queries padded to the products' tile
 # name -> keyword arguments of phase1
 VARIANTS: dict[str, dict[str, Any]] = {
+    # one logits partition doing both roles, N stored from the mma layout
     "ws": {},
-    "ws_logit_warps8": dict(logit_warps=8, lregs=128),
-    "ws_look2": dict(look=2, ring=5),
-    "ws_writer_warps8": dict(warps=8),
+    "ws_chains6": dict(chains=6),
     "no_wait": dict(exchange=False, look=0),
     "no_wait_no_logits": dict(exchange=False, look=0, math=False),
-    "ws_chains3": dict(chains=3),
-    "ws_chains6": dict(chains=6),
-    "split": dict(split=True),
-    "split_chains6": dict(split=True, chains=6),
-    "split_chains6_ring6": dict(split=True, chains=6, ring=6),
+    # the writer and the loader alone: the data movement's own pace
     "writer_only": dict(exchange=False, look=0, math=False, logits=False),
     "writer_only_vector": dict(exchange=False, look=0, math=False, logits=False, store="vector"),
     "writer_only_tma": dict(exchange=False, look=0, math=False, logits=False, box=32, store="tma"),
-    "no_wait_no_logits_vector": dict(exchange=False, look=0, math=False, store="vector"),
-    "no_wait_no_logits_tma": dict(exchange=False, look=0, math=False, box=32, store="tma"),
-    "no_wait_no_logits_box32": dict(exchange=False, look=0, math=False, box=32),
-    "no_wait_no_logits_warps8": dict(exchange=False, look=0, math=False, warps=8),
-    "split_chains6_vector": dict(split=True, chains=6, store="vector"),
-    "split_chains6_tma": dict(split=True, chains=6, box=32, store="tma"),
+    # partials and weights in partitions of their own, N in 16-byte vectors
+    "split": dict(split=True),
+    "split_vector": dict(split=True, store="vector"),
+    "split_vector_chains3": dict(split=True, store="vector", chains=3),
+    "split_vector_wreg": dict(split=True, store="vector", wreg=True, lregs=240, xregs=96),
+    "split_vector_rounds2": dict(split=True, store="vector", rounds=2),
+    "split_vector_no_gather": dict(split=True, store="vector", gather=False),
+    "split_vector_no_gather_no_math": dict(split=True, store="vector", gather=False, math=False),
+    "split_vector_defer": dict(split=True, store="vector", defer=True),
+    "split_vector_lanes2": dict(split=True, store="vector", lanes=2, logit_warps=2, weigh_warps=2, lregs=200,
+                                xregs=160),
 }
 STORES = ("mma", "vector", "tma")  # the writer's ways of storing N (phase1's ``store``)
 
@@ -694,7 +700,7 @@ def compile_usage(kw: dict[str, Any], arch: int = 90) -> str:
 def variant(text: str) -> dict[str, Any]:
     """A variant's options from ``--variants``: a name in ``VARIANTS``, optionally followed by
     ``key=value`` overrides of :func:`phase1`'s options, all joined by commas; a bare key means
-    ``True`` (``split_chains6,store=vector``, ``split,chains=3``)."""
+    ``True`` (``split_vector,chains=3``, ``split,store=vector,own``)."""
     items = text.split(",")
     kw = dict(VARIANTS[items.pop(0)]) if items[0] in VARIANTS else {}
     known = _options({})

@@ -109,6 +109,14 @@ def _loader(desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH: gl.constexpr, 
 
 
 @gluon.jit
+def _add_squares(ss2, tile):
+    """``ss2 + x²`` elementwise for a ring tile ``x:[16, CH]`` (bf16) read in ``ss2``'s layout
+    (fp32, exact: a bf16 square fits fp32's significand)."""
+    xf = tile.load(ss2.type.layout).to(gl.float32)
+    return ss2 + xf * xf
+
+
+@gluon.jit
 def _partials(ring, wsm, slot, NCH: gl.constexpr, CH: gl.constexpr, LW: gl.constexpr, MATH: gl.constexpr,
               CHAINS: gl.constexpr):
     """One pair's partial logits ``[QP, 16]`` (queries × rows; mma with the three parts of
@@ -131,8 +139,7 @@ def _partials(ring, wsm, slot, NCH: gl.constexpr, CH: gl.constexpr, LW: gl.const
     ss2 = gl.zeros([R, CH], gl.float32, XB)
     for c in gl.static_range(NCH):
         tile = ring.index(slot * NCH + c)
-        xf = tile.load(XB).to(gl.float32)
-        ss2 += xf * xf
+        ss2 = _add_squares(ss2, tile)
         if MATH:
             xb = tile.permute([1, 0]).load(OPB)
             w3 = wsm.index(2 * NCH + c).load(OPA)
@@ -389,8 +396,7 @@ def _poster_wreg(ring, wsm, full, pacc, pss, ctr, team, s, nk, S: gl.constexpr, 
         ss2 = gl.zeros([R, CH], gl.float32, XB)
         for c in gl.static_range(NCH):
             tile = ring.index(slot * NCH + c)
-            xf = tile.load(XB).to(gl.float32)
-            ss2 += xf * xf
+            ss2 = _add_squares(ss2, tile)
             xa = tile.load(OPA)
             a3 = mma_v2(xa, wb[3 * c], a3)
             a2 = mma_v2(xa, wb[3 * c + 1], a2)

@@ -60,7 +60,7 @@ from k3verify.attnres import kernels as ours
 from k3verify.attnres.chunkwise import Stats
 
 # Names that moved between Triton releases: a CTA-wide barrier (inside a partition, its warps
-# only) and the TMA copy into shared memory.
+# only) and the TMA copies into and out of shared memory.
 _bar = getattr(gl, "thread_barrier", None) or gl.barrier
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global

@@ -88,6 +88,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "split_vector_defer": dict(split=True, store="vector", defer=True),
     "split_vector_lanes2": dict(split=True, store="vector", lanes=2, logit_warps=2, weigh_warps=2, lregs=200,
                                 xregs=160),
+    # compiled for sm_90, not yet timed: the gather in 16-byte loads (32 load instructions a
+    # pair and thread instead of 80)
+    "split_vector_vgather": dict(split=True, store="vector", vgather=True),
+    "split_vector_chains3_vgather": dict(split=True, store="vector", chains=3, vgather=True),
 }
 STORES = ("mma", "vector", "tma")  # the writer's ways of storing N (phase1's ``store``)
 
@@ -239,8 +243,8 @@ def _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s,
     blocks (m, Z written by slab 0), and hand each token's weights in three bf16 parts to the
     writer (through ``psm``'s buffers, six tiles each). ``EXCHANGE`` 0: no wait, ``acc, ss``
     taken as the whole; 1: the wait only, then as 0 (timing only); 2: all of it; 3: in two
-    rounds (:func:`_two_rounds`). ``OWN``: the wait is for this program's own post only (no
-    team coupling; wrong values, timing only)."""
+    rounds (:func:`_two_rounds`); 4: as 2, the partials read in 16-byte pieces. ``OWN``: the
+    wait is for this program's own post only (no team coupling; wrong values, timing only)."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
     BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
@@ -261,6 +265,19 @@ def _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s,
             for mm in gl.static_range(S):
                 tot += gl.load(pacc + ((base + mm) * QP + aq[:, None]) * R + ar[None, :], cache_modifier=".cg")
                 sst += gl.load(pss + (base + mm) * R + ar, cache_modifier=".cg").to(gl.float64)
+        elif EXCHANGE == 4:
+            # The same sums in the same order, each thread reading 16-byte pieces (a quarter of
+            # the load instructions), then one change of layout.
+            GL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [LW, 1], [1, 0])
+            gq = gl.arange(0, QP, layout=gl.SliceLayout(1, GL))
+            gr = gl.arange(0, R, layout=gl.SliceLayout(0, GL))
+            tot = gl.zeros([QP, R], gl.float32, GL)
+            sst = gl.zeros([R], gl.float64, gl.SliceLayout(0, BL))
+            base = (team * NBUF + b) * S
+            for mm in gl.static_range(S):
+                tot += gl.load(pacc + ((base + mm) * QP + gq[:, None]) * R + gr[None, :], cache_modifier=".cg")
+                sst += gl.load(pss + (base + mm) * R + ar, cache_modifier=".cg").to(gl.float64)
+            tot = gl.convert_layout(tot, BL)
         else:
             tot = acc
             sst = ss.to(gl.float64) * S
@@ -601,7 +618,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
            chains: int = 1, split: bool = False, weigh_warps: int = 4, xregs: int = 128, box: int = 64,
            store: str = "mma", stages: int = 4, logits: bool = True, wreg: bool = False, gather: bool = True,
            pbufs: int = 2, relaxed: bool = False, own: bool = False, rounds: int = 1, lanes: int = 1,
-           defer: bool = False) -> Stats:
+           defer: bool = False, vgather: bool = False) -> Stats:
     """Phase-1 statistics of ``w, gamma:[Q, d]`` (Q <= 32) over ``stored:[n, T, d]`` (bf16,
     n <= 8, T even, d a multiple of ``box`` per slab) in one launch: ``m, Z:[Q, T]``,
     ``N:[Q, T, d]``. ``chains``: independent accumulators of the partial logits (1, 3 or 6).
@@ -617,7 +634,8 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     buffers all the same (no coupling between the team; wrong values, timing only). ``rounds=2``:
     the team's partials reduced in two rounds (:func:`_two_rounds`). ``lanes=2`` (with
     ``split``): two partials partitions and two weights partitions, each taking every other pair.
-    ``defer``: each pair's count posted after the next pair's products (:func:`_poster`)."""
+    ``defer``: each pair's count posted after the next pair's products (:func:`_poster`).
+    ``vgather``: the team's partials read in 16-byte pieces (the same sums)."""
     n, T, d = stored.shape
     Q = w.shape[0]
     dev = stored.device
@@ -626,11 +644,11 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     # which then fall more than a ring behind and wait on a barrier phase long gone (a hang).
     if (d % slabs or W % box or n > 8 or Q > QP or T % 2 or ring < look + 2 or not (exchange or look == 0)
             or (split and not exchange) or chains not in (1, 3, 6) or rounds not in (1, 2)
-            or (rounds == 2 and (own or QP % slabs)) or lanes not in (1, 2) or (lanes == 2 and not split)
-            or store not in STORES or (store == "tma" and 4 * box > 128)):
+            or (rounds == 2 and (own or QP % slabs or vgather)) or lanes not in (1, 2)
+            or (lanes == 2 and not split) or store not in STORES or (store == "tma" and 4 * box > 128)):
         raise ValueError(f"unsupported shape or variant: stored {list(stored.shape)}, {Q} queries, slabs={slabs}, "
                          f"ring={ring}, look={look}, exchange={exchange}, split={split}, chains={chains}, box={box}, "
-                         f"store={store!r}, rounds={rounds}, own={own}, lanes={lanes}")
+                         f"store={store!r}, rounds={rounds}, own={own}, lanes={lanes}, vgather={vgather}")
     m = torch.empty(Q, T, dtype=torch.float32, device=dev)
     Z = torch.empty(Q, T, dtype=torch.float32, device=dev)
     N = torch.empty(Q, T, d, dtype=torch.float32, device=dev)
@@ -648,7 +666,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
                              exchange=exchange, math=math, lregs=lregs, chains=chains, split=split,
                              weigh_warps=weigh_warps, xregs=xregs, box=box, store=store, stages=stages,
                              logits=logits, wreg=wreg, gather=gather, pbufs=pbufs, relaxed=relaxed,
-                             own=own, rounds=rounds, lanes=lanes, defer=defer)  # fmt: skip
+                             own=own, rounds=rounds, lanes=lanes, defer=defer, vgather=vgather)  # fmt: skip
     _ws_kernel[(teams * slabs,)](
         *_descriptors(stored, N, box), g3, m, Z, N, pacc, pss, counters[-1:], counters, T, d, n, Q,
         float(eps), teams, **constexprs, num_warps=warps,
@@ -665,9 +683,10 @@ def _buffers(ring: int, look: int, split: bool) -> int:
 def _constexprs(d: int, *, slabs: int, ring: int, warps: int, logit_warps: int, look: int, exchange: bool,
                 math: bool, lregs: int, chains: int, split: bool, weigh_warps: int, xregs: int, box: int, store: str,
                 stages: int, logits: bool, wreg: bool, gather: bool, pbufs: int, relaxed: bool,
-                own: bool, rounds: int, lanes: int, defer: bool) -> dict[str, Any]:
+                own: bool, rounds: int, lanes: int, defer: bool, vgather: bool) -> dict[str, Any]:
     """The kernel's constexprs for :func:`phase1`'s launch options at width ``d``."""
-    exchange_level = (3 if rounds == 2 else 2) if exchange and gather else int(exchange)  # _weights's EXCHANGE
+    # _weights's EXCHANGE
+    exchange_level = (3 if rounds == 2 else 4 if vgather else 2) if exchange and gather else int(exchange)
     return dict(S=slabs, W=d // slabs, CH=box, RING=ring, NBUF=_buffers(ring, look, split), NW=warps, LW=logit_warps,
                 LOOK=look, EXCHANGE=exchange_level, MATH=math, LREGS=lregs, CHAINS=chains, SPLIT=split,
                 XW=weigh_warps, XREGS=xregs, STORE=STORES.index(store), NSTAGE=stages, LOGITS=logits, WREG=wreg,

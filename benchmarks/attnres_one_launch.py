@@ -153,11 +153,7 @@ def _partials(ring, wsm, slot, NCH: gl.constexpr, CH: gl.constexpr, LW: gl.const
                 a1 = mma_v2(w3, xb, a1)
                 a1 = mma_v2(w2, xb, a1)
                 a1 = mma_v2(w1, xb, a1)
-            elif CHAINS == 3:
-                a3 = mma_v2(w3, xb, a3)
-                a2 = mma_v2(w2, xb, a2)
-                a1 = mma_v2(w1, xb, a1)
-            elif c % 2 == 0:
+            elif CHAINS == 3 or c % 2 == 0:
                 a3 = mma_v2(w3, xb, a3)
                 a2 = mma_v2(w2, xb, a2)
                 a1 = mma_v2(w1, xb, a1)
@@ -218,6 +214,21 @@ def _wait(cptr, target, RELAXED: gl.constexpr):
 
 
 @gluon.jit
+def _gather(pacc, pss, base, q, r, rs, S: gl.constexpr, LQR: gl.constexpr, LS: gl.constexpr):
+    """The team's posted partials at buffer rows ``base .. base + S`` (one a slab), summed in slab
+    order: logits of queries ``q`` and rows ``r`` (fp32, layout ``LQR``, whose slices ``q`` and
+    ``r`` are in) and squares of rows ``rs`` (fp64, layout ``LS``, ``rs``'s)."""
+    QP: gl.constexpr = 32
+    R: gl.constexpr = 16
+    tot = gl.zeros([q.shape[0], R], gl.float32, LQR)
+    sst = gl.zeros([R], gl.float64, LS)
+    for mm in gl.static_range(S):
+        tot += gl.load(pacc + ((base + mm) * QP + q[:, None]) * R + r[None, :], cache_modifier=".cg")
+        sst += gl.load(pss + (base + mm) * R + rs, cache_modifier=".cg").to(gl.float64)
+    return tot, sst
+
+
+@gluon.jit
 def _softmax(L, q, r, n, m_out, z_out, t0, T, Q, STORE_MZ):
     """Weights ``[rows q, 16]`` of logits ``L`` (the pair's two tokens' 8 blocks side by side;
     blocks past ``n`` get none); with ``STORE_MZ`` each token's ``m, Z`` for queries ``q``."""
@@ -259,24 +270,14 @@ def _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s,
             group = team * S + s if OWN else team
             _wait(ctr + group * NBUF + b, (1 if OWN else S) * (kk // NBUF + 1), RELAXED)
         if EXCHANGE == 2:
-            tot = gl.zeros([QP, R], gl.float32, BL)
-            sst = gl.zeros([R], gl.float64, gl.SliceLayout(0, BL))
-            base = (team * NBUF + b) * S
-            for mm in gl.static_range(S):
-                tot += gl.load(pacc + ((base + mm) * QP + aq[:, None]) * R + ar[None, :], cache_modifier=".cg")
-                sst += gl.load(pss + (base + mm) * R + ar, cache_modifier=".cg").to(gl.float64)
+            tot, sst = _gather(pacc, pss, (team * NBUF + b) * S, aq, ar, ar, S, BL, gl.SliceLayout(0, BL))
         elif EXCHANGE == 4:
             # The same sums in the same order, each thread reading 16-byte pieces (a quarter of
             # the load instructions), then one change of layout.
             GL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [LW, 1], [1, 0])
             gq = gl.arange(0, QP, layout=gl.SliceLayout(1, GL))
             gr = gl.arange(0, R, layout=gl.SliceLayout(0, GL))
-            tot = gl.zeros([QP, R], gl.float32, GL)
-            sst = gl.zeros([R], gl.float64, gl.SliceLayout(0, BL))
-            base = (team * NBUF + b) * S
-            for mm in gl.static_range(S):
-                tot += gl.load(pacc + ((base + mm) * QP + gq[:, None]) * R + gr[None, :], cache_modifier=".cg")
-                sst += gl.load(pss + (base + mm) * R + ar, cache_modifier=".cg").to(gl.float64)
+            tot, sst = _gather(pacc, pss, (team * NBUF + b) * S, gq, gr, ar, S, GL, gl.SliceLayout(0, BL))
             tot = gl.convert_layout(tot, BL)
         else:
             tot = acc
@@ -319,12 +320,7 @@ def _two_rounds(pacc, pss, ctr, m_out, z_out, team, s, b, kk, T, D, n, Q, eps, T
     ar = gl.arange(0, R, layout=gl.SliceLayout(0, BL))
     q = s * QS + gl.arange(0, QS, layout=gl.SliceLayout(1, BL))
     _wait(ctr + team * NBUF + b, S * (kk // NBUF + 1), RELAXED)
-    tot = gl.zeros([QS, R], gl.float32, BL)
-    sst = gl.zeros([R], gl.float64, gl.SliceLayout(0, BL))
-    base = (team * NBUF + b) * S
-    for mm in gl.static_range(S):
-        tot += gl.load(pacc + ((base + mm) * QP + q[:, None]) * R + ar[None, :], cache_modifier=".cg")
-        sst += gl.load(pss + (base + mm) * R + ar, cache_modifier=".cg").to(gl.float64)
+    tot, sst = _gather(pacc, pss, (team * NBUF + b) * S, q, ar, ar, S, BL, gl.SliceLayout(0, BL))
     L = (tot.to(gl.float64) / gl.sqrt(sst[None, :] / D + eps)).to(gl.float32)
     P = _softmax(L, q, ar, n, m_out, z_out, 2 * (team + kk * TEAMS), T, Q, True)
     row = team * NBUF + b

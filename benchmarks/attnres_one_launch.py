@@ -214,16 +214,21 @@ def _wait(cptr, target, RELAXED: gl.constexpr):
 
 
 @gluon.jit
-def _gather(pacc, pss, base, q, r, rs, S: gl.constexpr, LQR: gl.constexpr, LS: gl.constexpr):
+def _gather(pacc, pss, base, q, r, rs, S: gl.constexpr, LQR: gl.constexpr, LS: gl.constexpr, QG: gl.constexpr = 32):
     """The team's posted partials at buffer rows ``base .. base + S`` (one a slab), summed in slab
     order: logits of queries ``q`` and rows ``r`` (fp32, layout ``LQR``, whose slices ``q`` and
-    ``r`` are in) and squares of rows ``rs`` (fp64, layout ``LS``, ``rs``'s)."""
+    ``r`` are in) and squares of rows ``rs`` (fp64, layout ``LS``, ``rs``'s). Queries from ``QG``
+    on are not read (their partials are zero: padded queries)."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
     tot = gl.zeros([q.shape[0], R], gl.float32, LQR)
     sst = gl.zeros([R], gl.float64, LS)
     for mm in gl.static_range(S):
-        tot += gl.load(pacc + ((base + mm) * QP + q[:, None]) * R + r[None, :], cache_modifier=".cg")
+        if QG < QP:
+            tot += gl.load(pacc + ((base + mm) * QP + q[:, None]) * R + r[None, :],
+                           mask=(q < QG)[:, None] & (r >= 0)[None, :], other=0.0, cache_modifier=".cg")
+        else:
+            tot += gl.load(pacc + ((base + mm) * QP + q[:, None]) * R + r[None, :], cache_modifier=".cg")
         sst += gl.load(pss + (base + mm) * R + rs, cache_modifier=".cg").to(gl.float64)
     return tot, sst
 
@@ -249,13 +254,15 @@ def _softmax(L, q, r, n, m_out, z_out, t0, T, Q, STORE_MZ):
 @gluon.jit
 def _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s, kk, T, D, n, Q, eps, TEAMS,
              S: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr, EXCHANGE: gl.constexpr,
-             RELAXED: gl.constexpr, OWN: gl.constexpr):
+             RELAXED: gl.constexpr, OWN: gl.constexpr, GS: gl.constexpr, QG: gl.constexpr):
     """Pair ``kk``: wait for its team, sum the partials in slab order, softmax over each token's
     blocks (m, Z written by slab 0), and hand each token's weights in three bf16 parts to the
     writer (through ``psm``'s buffers, six tiles each). ``EXCHANGE`` 0: no wait, ``acc, ss``
     taken as the whole; 1: the wait only, then as 0 (timing only); 2: all of it; 3: in two
     rounds (:func:`_two_rounds`); 4: as 2, the partials read in 16-byte pieces. ``OWN``: the
-    wait is for this program's own post only (no team coupling; wrong values, timing only)."""
+    wait is for this program's own post only (no team coupling; wrong values, timing only). ``GS``:
+    slabs whose partials are read (below ``S``: wrong values, timing only); ``QG``: queries read
+    (the real ones suffice: the padded ones' partials are zero)."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
     BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
@@ -270,14 +277,14 @@ def _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s,
             group = team * S + s if OWN else team
             _wait(ctr + group * NBUF + b, (1 if OWN else S) * (kk // NBUF + 1), RELAXED)
         if EXCHANGE == 2:
-            tot, sst = _gather(pacc, pss, (team * NBUF + b) * S, aq, ar, ar, S, BL, gl.SliceLayout(0, BL))
+            tot, sst = _gather(pacc, pss, (team * NBUF + b) * S, aq, ar, ar, GS, BL, gl.SliceLayout(0, BL), QG)
         elif EXCHANGE == 4:
             # The same sums in the same order, each thread reading 16-byte pieces (a quarter of
             # the load instructions), then one change of layout.
             GL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [LW, 1], [1, 0])
             gq = gl.arange(0, QP, layout=gl.SliceLayout(1, GL))
             gr = gl.arange(0, R, layout=gl.SliceLayout(0, GL))
-            tot, sst = _gather(pacc, pss, (team * NBUF + b) * S, gq, gr, ar, S, GL, gl.SliceLayout(0, BL))
+            tot, sst = _gather(pacc, pss, (team * NBUF + b) * S, gq, gr, ar, GS, GL, gl.SliceLayout(0, BL), QG)
             tot = gl.convert_layout(tot, BL)
         else:
             tot = acc
@@ -336,7 +343,7 @@ def _two_rounds(pacc, pss, ctr, m_out, z_out, team, s, b, kk, T, D, n, Q, eps, T
 def _logits(ring, wsm, psm, full, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D, n, Q, eps,
             TEAMS, S: gl.constexpr, NCH: gl.constexpr, CH: gl.constexpr, RING: gl.constexpr, NBUF: gl.constexpr,
             LOOK: gl.constexpr, LW: gl.constexpr, MATH: gl.constexpr, EXCHANGE: gl.constexpr,
-            CHAINS: gl.constexpr, RELAXED: gl.constexpr, OWN: gl.constexpr):
+            CHAINS: gl.constexpr, RELAXED: gl.constexpr, OWN: gl.constexpr, GS: gl.constexpr, QG: gl.constexpr):
     """Logits warps doing both roles: pair j's partials posted, then pair j - LOOK's weights."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
@@ -353,7 +360,7 @@ def _logits(ring, wsm, psm, full, pready, pfree, pacc, pss, ctr, m_out, z_out, t
         kk = j - LOOK
         if kk >= 0:
             _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s, kk, T, D, n, Q, eps, TEAMS,
-                     S, NBUF, LW, EXCHANGE, RELAXED, OWN)
+                     S, NBUF, LW, EXCHANGE, RELAXED, OWN, GS, QG)
 
 
 @gluon.jit
@@ -422,7 +429,8 @@ def _poster_wreg(ring, wsm, full, pacc, pss, ctr, team, s, nk, S: gl.constexpr, 
 @gluon.jit
 def _weigher(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D, n, Q, eps, TEAMS,
              S: gl.constexpr, NBUF: gl.constexpr, XW: gl.constexpr, EXCHANGE: gl.constexpr,
-             RELAXED: gl.constexpr, OWN: gl.constexpr, LANE: gl.constexpr, LANES: gl.constexpr):
+             RELAXED: gl.constexpr, OWN: gl.constexpr, LANE: gl.constexpr, LANES: gl.constexpr, GS: gl.constexpr,
+             QG: gl.constexpr):
     """Weights warps (``split`` variants): pairs ``LANE, LANE + LANES, ...``, each one's team wait,
     softmax and weights in turn (without ``EXCHANGE``: no wait, weights of zero logits; timing
     only)."""
@@ -433,7 +441,7 @@ def _weigher(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D
     ss = gl.zeros([R], gl.float32, gl.SliceLayout(0, BL))
     for kk in range(LANE, nk, LANES):
         _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s, kk, T, D, n, Q, eps, TEAMS,
-                 S, NBUF, XW, EXCHANGE, RELAXED, OWN)
+                 S, NBUF, XW, EXCHANGE, RELAXED, OWN, GS, QG)
 
 
 @gluon.jit
@@ -514,7 +522,7 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
                LREGS: gl.constexpr, CHAINS: gl.constexpr, SPLIT: gl.constexpr, XW: gl.constexpr,
                XREGS: gl.constexpr, STORE: gl.constexpr, NSTAGE: gl.constexpr, LOGITS: gl.constexpr,
                WREG: gl.constexpr, PB: gl.constexpr, RELAXED: gl.constexpr, OWN: gl.constexpr,
-               LANES: gl.constexpr, DEFER: gl.constexpr):
+               LANES: gl.constexpr, DEFER: gl.constexpr, GS: gl.constexpr, QG: gl.constexpr, WLANES: gl.constexpr):
     """One program per (team, slab): its slab of ``w ⊙ γ`` into shared memory, then the
     partitions (three, or four with ``SPLIT``)."""
     QP: gl.constexpr = 32
@@ -568,10 +576,22 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
             (_poster, (ring, wsm, full, pacc, pss, ctr, team, s, nlog, S, NCH, CH, RING, NBUF, LW, MATH, CHAINS,
                        WREG, OWN, 1, 2, DEFER)),
             (_weigher, (psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q, eps, TEAMS, S,
-                        NBUF, XW, EXCHANGE, RELAXED, OWN, 0, 2)),
+                        NBUF, XW, EXCHANGE, RELAXED, OWN, 0, 2, GS, QG)),
             (_weigher, (psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q, eps, TEAMS, S,
-                        NBUF, XW, EXCHANGE, RELAXED, OWN, 1, 2)),
+                        NBUF, XW, EXCHANGE, RELAXED, OWN, 1, 2, GS, QG)),
         ], [1, LW, LW, XW, XW], [24, LREGS, LREGS, XREGS, XREGS])
+    elif SPLIT and WLANES == 2:
+        gl.warp_specialize([
+            (_writer, (ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo, nk, T, D, Q, TEAMS,
+                       NCH, CH, RING, NW, STORE, NSTAGE, LOGITS)),
+            (_loader, (desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH, CH, RING)),
+            (_poster, (ring, wsm, full, pacc, pss, ctr, team, s, nlog, S, NCH, CH, RING, NBUF, LW, MATH, CHAINS,
+                       WREG, OWN, 0, 1, DEFER)),
+            (_weigher, (psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q, eps, TEAMS, S,
+                        NBUF, XW, EXCHANGE, RELAXED, OWN, 0, 2, GS, QG)),
+            (_weigher, (psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q, eps, TEAMS, S,
+                        NBUF, XW, EXCHANGE, RELAXED, OWN, 1, 2, GS, QG)),
+        ], [1, LW, XW, XW], [24, LREGS, XREGS, XREGS])
     elif SPLIT:
         gl.warp_specialize([
             (_writer, (ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo, nk, T, D, Q, TEAMS,
@@ -580,7 +600,7 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
             (_poster, (ring, wsm, full, pacc, pss, ctr, team, s, nlog, S, NCH, CH, RING, NBUF, LW, MATH, CHAINS,
                        WREG, OWN, 0, 1, DEFER)),
             (_weigher, (psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q, eps, TEAMS, S,
-                        NBUF, XW, EXCHANGE, RELAXED, OWN, 0, 1)),
+                        NBUF, XW, EXCHANGE, RELAXED, OWN, 0, 1, GS, QG)),
         ], [1, LW, XW], [24, LREGS, XREGS])
     else:
         gl.warp_specialize([
@@ -588,7 +608,7 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
                        NCH, CH, RING, NW, STORE, NSTAGE, LOGITS)),
             (_loader, (desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH, CH, RING)),
             (_logits, (ring, wsm, psm, full, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q,
-                       eps, TEAMS, S, NCH, CH, RING, NBUF, LOOK, LW, MATH, EXCHANGE, CHAINS, RELAXED, OWN)),
+                       eps, TEAMS, S, NCH, CH, RING, NBUF, LOOK, LW, MATH, EXCHANGE, CHAINS, RELAXED, OWN, GS, QG)),
         ], [1, LW], [24, LREGS])
 
 
@@ -614,7 +634,8 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
            chains: int = 1, split: bool = False, weigh_warps: int = 4, xregs: int = 128, box: int = 64,
            store: str = "mma", stages: int = 4, logits: bool = True, wreg: bool = False, gather: bool = True,
            pbufs: int = 2, relaxed: bool = False, own: bool = False, rounds: int = 1, lanes: int = 1,
-           defer: bool = False, vgather: bool = False) -> Stats:
+           defer: bool = False, vgather: bool = False, qonly: bool = False, gslabs: int = 0,
+           wlanes: int = 1) -> Stats:
     """Phase-1 statistics of ``w, gamma:[Q, d]`` (Q <= 32) over ``stored:[n, T, d]`` (bf16,
     n <= 8, T even, d a multiple of ``box`` per slab) in one launch: ``m, Z:[Q, T]``,
     ``N:[Q, T, d]``. ``chains``: independent accumulators of the partial logits (1, 3 or 6).
@@ -631,7 +652,11 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     the team's partials reduced in two rounds (:func:`_two_rounds`). ``lanes=2`` (with
     ``split``): two partials partitions and two weights partitions, each taking every other pair.
     ``defer``: each pair's count posted after the next pair's products (:func:`_poster`).
-    ``vgather``: the team's partials read in 16-byte pieces (the same sums)."""
+    ``vgather``: the team's partials read in 16-byte pieces (the same sums). ``qonly``: only the
+    real queries' partials read (the same sums: the padded ones are zero). ``gslabs`` (1 to
+    ``slabs``): only that many slabs' partials read (wrong values, timing only; 0: all). ``wlanes=2`` (with
+    ``split``, ``lanes=1``): one partials partition and two weights partitions taking alternate
+    pairs, so that one pair's wait and gather overlap the other's."""
     n, T, d = stored.shape
     Q = w.shape[0]
     dev = stored.device
@@ -640,11 +665,13 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     # which then fall more than a ring behind and wait on a barrier phase long gone (a hang).
     if (d % slabs or W % box or n > 8 or Q > QP or T % 2 or ring < look + 2 or not (exchange or look == 0)
             or (split and not exchange) or chains not in (1, 3, 6) or rounds not in (1, 2)
-            or (rounds == 2 and (own or QP % slabs or vgather)) or lanes not in (1, 2)
+            or (rounds == 2 and (own or QP % slabs or vgather or qonly or gslabs)) or lanes not in (1, 2)
+            or not 0 <= gslabs <= slabs or wlanes not in (1, 2) or (wlanes == 2 and (not split or lanes == 2))
             or (lanes == 2 and not split) or store not in STORES or (store == "tma" and 4 * box > 128)):
         raise ValueError(f"unsupported shape or variant: stored {list(stored.shape)}, {Q} queries, slabs={slabs}, "
                          f"ring={ring}, look={look}, exchange={exchange}, split={split}, chains={chains}, box={box}, "
-                         f"store={store!r}, rounds={rounds}, own={own}, lanes={lanes}, vgather={vgather}")
+                         f"store={store!r}, rounds={rounds}, own={own}, lanes={lanes}, vgather={vgather}, "
+                         f"qonly={qonly}, gslabs={gslabs}, wlanes={wlanes}")
     m = torch.empty(Q, T, dtype=torch.float32, device=dev)
     Z = torch.empty(Q, T, dtype=torch.float32, device=dev)
     N = torch.empty(Q, T, d, dtype=torch.float32, device=dev)
@@ -658,11 +685,12 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
                          torch.empty(teams * nbuf * slabs * 16, dtype=torch.float32, device=dev))  # fmt: skip
     pacc, pss = _SCRATCH[key]
     counters = torch.zeros(teams * slabs * nbuf + 1, dtype=torch.int32, device=dev)
-    constexprs = _constexprs(d, slabs=slabs, ring=ring, warps=warps, logit_warps=logit_warps, look=look,
+    constexprs = _constexprs(d, Q, slabs=slabs, ring=ring, warps=warps, logit_warps=logit_warps, look=look,
                              exchange=exchange, math=math, lregs=lregs, chains=chains, split=split,
                              weigh_warps=weigh_warps, xregs=xregs, box=box, store=store, stages=stages,
                              logits=logits, wreg=wreg, gather=gather, pbufs=pbufs, relaxed=relaxed,
-                             own=own, rounds=rounds, lanes=lanes, defer=defer, vgather=vgather)  # fmt: skip
+                             own=own, rounds=rounds, lanes=lanes, defer=defer, vgather=vgather, qonly=qonly,
+                             gslabs=gslabs, wlanes=wlanes)  # fmt: skip
     _ws_kernel[(teams * slabs,)](
         *_descriptors(stored, N, box), g3, m, Z, N, pacc, pss, counters[-1:], counters, T, d, n, Q,
         float(eps), teams, **constexprs, num_warps=warps,
@@ -676,17 +704,19 @@ def _buffers(ring: int, look: int, split: bool) -> int:
     return 2 * ring + 2 if split else 2 * look + 2
 
 
-def _constexprs(d: int, *, slabs: int, ring: int, warps: int, logit_warps: int, look: int, exchange: bool,
+def _constexprs(d: int, Q: int, *, slabs: int, ring: int, warps: int, logit_warps: int, look: int, exchange: bool,
                 math: bool, lregs: int, chains: int, split: bool, weigh_warps: int, xregs: int, box: int, store: str,
                 stages: int, logits: bool, wreg: bool, gather: bool, pbufs: int, relaxed: bool,
-                own: bool, rounds: int, lanes: int, defer: bool, vgather: bool) -> dict[str, Any]:
-    """The kernel's constexprs for :func:`phase1`'s launch options at width ``d``."""
+                own: bool, rounds: int, lanes: int, defer: bool, vgather: bool, qonly: bool,
+                gslabs: int, wlanes: int) -> dict[str, Any]:
+    """The kernel's constexprs for :func:`phase1`'s launch options at width ``d`` and ``Q`` queries."""
     # _weights's EXCHANGE
     exchange_level = (3 if rounds == 2 else 4 if vgather else 2) if exchange and gather else int(exchange)
     return dict(S=slabs, W=d // slabs, CH=box, RING=ring, NBUF=_buffers(ring, look, split), NW=warps, LW=logit_warps,
                 LOOK=look, EXCHANGE=exchange_level, MATH=math, LREGS=lregs, CHAINS=chains, SPLIT=split,
                 XW=weigh_warps, XREGS=xregs, STORE=STORES.index(store), NSTAGE=stages, LOGITS=logits, WREG=wreg,
-                PB=pbufs, RELAXED=relaxed, OWN=own, LANES=lanes, DEFER=defer)  # fmt: skip
+                PB=pbufs, RELAXED=relaxed, OWN=own, LANES=lanes, DEFER=defer, GS=gslabs or slabs,
+                QG=Q if qonly else QP, WLANES=wlanes)  # fmt: skip
 
 
 def _options(kw: dict[str, Any]) -> dict[str, Any]:
@@ -711,7 +741,7 @@ def compile_usage(kw: dict[str, Any], arch: int = 90) -> str:
     sig = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "*fp32") for p in fn.params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
              if sig[p.name].startswith("*") or p.name in ("T", "D")}  # fmt: skip
-    source = GluonASTSource(fn=fn, signature=sig, constexprs=_constexprs(7168, **options), attrs=attrs)
+    source = GluonASTSource(fn=fn, signature=sig, constexprs=_constexprs(7168, 24, **options), attrs=attrs)
     compiled = triton.compile(source,
                               target=GPUTarget("cuda", arch, 32), options=dict(num_warps=options["warps"]))  # fmt: skip
     regs, stack = resource_usage(compiled.asm["cubin"])

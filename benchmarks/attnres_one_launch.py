@@ -76,6 +76,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the writer and the loader alone: the data movement's own pace
     "writer_only": dict(exchange=False, look=0, math=False, logits=False),
     "writer_only_vector": dict(exchange=False, look=0, math=False, logits=False, store="vector"),
+    "writer_only_packed": dict(exchange=False, look=0, math=False, logits=False, store="vector", pack=True),
     "writer_only_tma": dict(exchange=False, look=0, math=False, logits=False, box=32, store="tma"),
     # partials and weights in partitions of their own, N in 16-byte vectors
     "split": dict(split=True),
@@ -92,6 +93,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # pair and thread instead of 80)
     "split_vector_vgather": dict(split=True, store="vector", vgather=True),
     "split_vector_chains3_vgather": dict(split=True, store="vector", chains=3, vgather=True),
+    # the writer's products over 48 rows, not 64; only the real queries' partials read
+    "split_vector_chains3_pack": dict(split=True, store="vector", chains=3, qonly=True, pack=True),
 }
 STORES = ("mma", "vector", "tma")  # the writer's ways of storing N (phase1's ``store``)
 
@@ -254,7 +257,8 @@ def _softmax(L, q, r, n, m_out, z_out, t0, T, Q, STORE_MZ):
 @gluon.jit
 def _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s, kk, T, D, n, Q, eps, TEAMS,
              S: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr, EXCHANGE: gl.constexpr,
-             RELAXED: gl.constexpr, OWN: gl.constexpr, GS: gl.constexpr, QG: gl.constexpr):
+             RELAXED: gl.constexpr, OWN: gl.constexpr, GS: gl.constexpr, QG: gl.constexpr,
+             PACK: gl.constexpr = False):
     """Pair ``kk``: wait for its team, sum the partials in slab order, softmax over each token's
     blocks (m, Z written by slab 0), and hand each token's weights in three bf16 parts to the
     writer (through ``psm``'s buffers, six tiles each). ``EXCHANGE`` 0: no wait, ``acc, ss``
@@ -262,7 +266,8 @@ def _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s,
     rounds (:func:`_two_rounds`); 4: as 2, the partials read in 16-byte pieces. ``OWN``: the
     wait is for this program's own post only (no team coupling; wrong values, timing only). ``GS``:
     slabs whose partials are read (below ``S``: wrong values, timing only); ``QG``: queries read
-    (the real ones suffice: the padded ones' partials are zero)."""
+    (the real ones suffice: the padded ones' partials are zero). ``PACK``: the weights packed for
+    the writer by :func:`_pack_weights`."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
     BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
@@ -295,20 +300,60 @@ def _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s,
     PB: gl.constexpr = psm.shape[0] // 6
     pb = kk % PB
     mbarrier.wait(pfree.index(pb), ((kk // PB) & 1) ^ 1)
-    for u in gl.static_range(2):
-        if u == 0:
-            Pu = gl.where(first, P, 0.0)
-        else:
-            Pu = gl.where(first, 0.0, P)
-        p1 = Pu.to(gl.bfloat16)
-        rest = Pu - p1.to(gl.float32)
-        p2 = rest.to(gl.bfloat16)
-        p3 = (rest - p2.to(gl.float32)).to(gl.bfloat16)
-        psm.index(pb * 6 + 3 * u).store(p1)
-        psm.index(pb * 6 + 3 * u + 1).store(p2)
-        psm.index(pb * 6 + 3 * u + 2).store(p3)
+    if PACK:
+        _pack_weights(psm, pb, P, LW)
+    else:
+        for u in gl.static_range(2):
+            if u == 0:
+                Pu = gl.where(first, P, 0.0)
+            else:
+                Pu = gl.where(first, 0.0, P)
+            p1, p2, p3 = _three_parts(Pu)
+            psm.index(pb * 6 + 3 * u).store(p1)
+            psm.index(pb * 6 + 3 * u + 1).store(p2)
+            psm.index(pb * 6 + 3 * u + 2).store(p3)
     _bar()
     mbarrier.arrive(pready.index(pb))
+
+
+@gluon.jit
+def _three_parts(x):
+    """``x`` (fp32) as three bf16 parts whose sum keeps its 24 significant bits."""
+    p1 = x.to(gl.bfloat16)
+    rest = x - p1.to(gl.float32)
+    p2 = rest.to(gl.bfloat16)
+    return p1, p2, (rest - p2.to(gl.float32)).to(gl.bfloat16)
+
+
+@gluon.jit
+def _pack_weights(psm, pb, P, LW: gl.constexpr):
+    """The pair's weights ``P:[32 queries, 16 rows]`` (rows: token 0's 8 blocks, then token 1's)
+    as the writer's packed operands, three bf16 parts each: buffer ``pb·6 + k`` holds part ``k`` of
+    ``[32, 16]``, queries 0–15 of token 0 then of token 1; buffer ``pb·6 + 3 + k`` rows 0–15,
+    queries 16–23 of token 0 then of token 1 (each token's rows zero outside its own blocks). So
+    the writer's products cover 48 rows (24 queries × 2 tokens) instead of 64. Rows are regrouped
+    through the scratch buffers after the ``PB·6`` of ``psm``."""
+    R: gl.constexpr = 16
+    L16: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
+    L8: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
+    scratch: gl.constexpr = psm.shape[0] // 6 * 6
+    parts = _three_parts(P)
+    for k in gl.static_range(3):
+        psm.index(scratch + k).store(parts[k])
+    _bar()
+    c16 = gl.arange(0, R, layout=gl.SliceLayout(0, L16))
+    c8 = gl.arange(0, R, layout=gl.SliceLayout(0, L8))
+    t0_16 = (c16 < 8)[None, :] & (gl.arange(0, 16, layout=gl.SliceLayout(1, L16)) >= 0)[:, None]
+    t0_8 = (c8 < 8)[None, :] & (gl.arange(0, 8, layout=gl.SliceLayout(1, L8)) >= 0)[:, None]
+    for k in gl.static_range(3):
+        lo = psm.index(scratch + k).slice(0, 16).load(L16)
+        hi = psm.index(scratch + k).slice(16, 8).load(L8)
+        a1 = psm.index(pb * 6 + k)
+        a1.slice(0, 16).store(gl.where(t0_16, lo, 0.0))
+        a1.slice(16, 16).store(gl.where(t0_16, 0.0, lo))
+        a2 = psm.index(pb * 6 + 3 + k)
+        a2.slice(0, 8).store(gl.where(t0_8, hi, 0.0))
+        a2.slice(8, 8).store(gl.where(t0_8, 0.0, hi))
 
 
 @gluon.jit
@@ -430,7 +475,7 @@ def _poster_wreg(ring, wsm, full, pacc, pss, ctr, team, s, nk, S: gl.constexpr, 
 def _weigher(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D, n, Q, eps, TEAMS,
              S: gl.constexpr, NBUF: gl.constexpr, XW: gl.constexpr, EXCHANGE: gl.constexpr,
              RELAXED: gl.constexpr, OWN: gl.constexpr, LANE: gl.constexpr, LANES: gl.constexpr, GS: gl.constexpr,
-             QG: gl.constexpr):
+             QG: gl.constexpr, PACK: gl.constexpr = False):
     """Weights warps (``split`` variants): pairs ``LANE, LANE + LANES, ...``, each one's team wait,
     softmax and weights in turn (without ``EXCHANGE``: no wait, weights of zero logits; timing
     only)."""
@@ -441,7 +486,7 @@ def _weigher(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D
     ss = gl.zeros([R], gl.float32, gl.SliceLayout(0, BL))
     for kk in range(LANE, nk, LANES):
         _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s, kk, T, D, n, Q, eps, TEAMS,
-                 S, NBUF, XW, EXCHANGE, RELAXED, OWN, GS, QG)
+                 S, NBUF, XW, EXCHANGE, RELAXED, OWN, GS, QG, PACK)
 
 
 @gluon.jit
@@ -461,7 +506,67 @@ def _tma_tile(o, stage, ndesc, col, i, NSTAGE: gl.constexpr):
 @gluon.jit
 def _writer(ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo, nk, T, D, Q, TEAMS,
             NCH: gl.constexpr, CH: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, STORE: gl.constexpr,
-            NSTAGE: gl.constexpr, LOGITS: gl.constexpr):
+            NSTAGE: gl.constexpr, LOGITS: gl.constexpr, PACK: gl.constexpr = False):
+    """Writer warps (default partition): :func:`_writer_packed` with ``PACK``, else
+    :func:`_writer_rows`."""
+    if PACK:
+        _writer_packed(ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T, D, Q, TEAMS, NCH, CH, RING, NW,
+                       LOGITS)
+    else:
+        _writer_rows(ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo, nk, T, D, Q, TEAMS, NCH,
+                     CH, RING, NW, STORE, NSTAGE, LOGITS)
+
+
+@gluon.jit
+def _writer_packed(ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T, D, Q, TEAMS, NCH: gl.constexpr,
+                   CH: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, LOGITS: gl.constexpr):
+    """Writer warps with the packed weights of :func:`_pack_weights`: per step the products
+    ``[32, CH]`` (queries 0–15 of both tokens) and ``[16, CH]`` (queries 16–23), 48 rows where
+    :func:`_writer_rows` computes 64, each warp a ``CH / NW`` column slice (the tile read once from
+    shared memory, the weights whole in every warp), stored in 16-byte vectors."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
+    OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    OB: gl.constexpr = gl.BlockedLayout([1, 4], [128 // CH, CH // 4], [NW, 1], [1, 0])
+    PB: gl.constexpr = psm.shape[0] // 6
+    r32 = gl.arange(0, 32, layout=gl.SliceLayout(1, OB))
+    r16 = gl.arange(0, 16, layout=gl.SliceLayout(1, OB))
+    bc = gl.arange(0, CH, layout=gl.SliceLayout(0, OB))
+    q1 = r32 % 16  # [32, CH] rows: query i % 16 of token i // 16
+    q2 = 16 + r16 % 8  # [16, CH] rows: query 16 + i % 8 of token i // 8
+    off1 = q1.to(gl.int64) * T * D + (r32 // 16) * D
+    off2 = q2.to(gl.int64) * T * D + (r16 // 8) * D
+    for k in range(nk):
+        pb = k % PB
+        if LOGITS:
+            mbarrier.wait(pready.index(pb), (k // PB) & 1)
+        a11 = psm.index(pb * 6).load(OPA)
+        a12 = psm.index(pb * 6 + 1).load(OPA)
+        a13 = psm.index(pb * 6 + 2).load(OPA)
+        a21 = psm.index(pb * 6 + 3).slice(0, 16).load(OPA)
+        a22 = psm.index(pb * 6 + 4).slice(0, 16).load(OPA)
+        a23 = psm.index(pb * 6 + 5).slice(0, 16).load(OPA)
+        _bar()
+        if LOGITS:
+            mbarrier.arrive(pfree.index(pb))
+        slot = k % RING
+        mbarrier.wait(full.index(slot), (k // RING) & 1)
+        t0 = 2 * (team + k * TEAMS)
+        for c in range(NCH):
+            xb = ring.index(slot * NCH + c).load(OPB)
+            o1 = mma_v2(a11, xb, mma_v2(a12, xb, mma_v2(a13, xb, gl.zeros([32, CH], gl.float32, MMA))))
+            o2 = mma_v2(a21, xb, mma_v2(a22, xb, mma_v2(a23, xb, gl.zeros([16, CH], gl.float32, MMA))))
+            col = t0 * D + lo + c * CH
+            gl.store(n_out + off1[:, None] + col + bc[None, :], gl.convert_layout(o1, OB), mask=(q1 < Q)[:, None])
+            gl.store(n_out + off2[:, None] + col + bc[None, :], gl.convert_layout(o2, OB), mask=(q2 < Q)[:, None])
+        _bar()
+        mbarrier.arrive(empty.index(slot))
+
+
+@gluon.jit
+def _writer_rows(ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo, nk, T, D, Q, TEAMS,
+                 NCH: gl.constexpr, CH: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, STORE: gl.constexpr,
+                 NSTAGE: gl.constexpr, LOGITS: gl.constexpr):
     """Writer warps: ``N`` of each pair's two tokens for this slab, ``[QP, CH]`` products per step.
     ``STORE``: 0 from the mma layout's registers (8-byte pieces), 1 through a layout of 16-byte
     vectors, 2 staged in shared memory and copied by TMA (``_tma_tile``). Without ``LOGITS`` it
@@ -522,7 +627,8 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
                LREGS: gl.constexpr, CHAINS: gl.constexpr, SPLIT: gl.constexpr, XW: gl.constexpr,
                XREGS: gl.constexpr, STORE: gl.constexpr, NSTAGE: gl.constexpr, LOGITS: gl.constexpr,
                WREG: gl.constexpr, PB: gl.constexpr, RELAXED: gl.constexpr, OWN: gl.constexpr,
-               LANES: gl.constexpr, DEFER: gl.constexpr, GS: gl.constexpr, QG: gl.constexpr, WLANES: gl.constexpr):
+               LANES: gl.constexpr, DEFER: gl.constexpr, GS: gl.constexpr, QG: gl.constexpr, WLANES: gl.constexpr,
+               PACK: gl.constexpr):
     """One program per (team, slab): its slab of ``w ⊙ γ`` into shared memory, then the
     partitions (three, or four with ``SPLIT``)."""
     QP: gl.constexpr = 32
@@ -543,7 +649,7 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
 
     ring = gl.allocate_shared_memory(gl.bfloat16, [RING * NCH, R, CH], SX)
     wsm = gl.allocate_shared_memory(gl.bfloat16, [3 * NCH, QP, CH], SX)
-    psm = gl.allocate_shared_memory(gl.bfloat16, [PB * 6, QP, R], SP)
+    psm = gl.allocate_shared_memory(gl.bfloat16, [PB * 6 + 3 * PACK, QP, R], SP)  # PACK: 3 scratch tiles
     if STORE == 2:
         stage = gl.allocate_shared_memory(gl.float32, [NSTAGE, QP, CH], SO)
     else:
@@ -595,17 +701,17 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
     elif SPLIT:
         gl.warp_specialize([
             (_writer, (ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo, nk, T, D, Q, TEAMS,
-                       NCH, CH, RING, NW, STORE, NSTAGE, LOGITS)),
+                       NCH, CH, RING, NW, STORE, NSTAGE, LOGITS, PACK)),
             (_loader, (desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH, CH, RING)),
             (_poster, (ring, wsm, full, pacc, pss, ctr, team, s, nlog, S, NCH, CH, RING, NBUF, LW, MATH, CHAINS,
                        WREG, OWN, 0, 1, DEFER)),
             (_weigher, (psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q, eps, TEAMS, S,
-                        NBUF, XW, EXCHANGE, RELAXED, OWN, 0, 1, GS, QG)),
+                        NBUF, XW, EXCHANGE, RELAXED, OWN, 0, 1, GS, QG, PACK)),
         ], [1, LW, XW], [24, LREGS, XREGS])
     else:
         gl.warp_specialize([
             (_writer, (ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo, nk, T, D, Q, TEAMS,
-                       NCH, CH, RING, NW, STORE, NSTAGE, LOGITS)),
+                       NCH, CH, RING, NW, STORE, NSTAGE, LOGITS, PACK)),
             (_loader, (desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH, CH, RING)),
             (_logits, (ring, wsm, psm, full, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q,
                        eps, TEAMS, S, NCH, CH, RING, NBUF, LOOK, LW, MATH, EXCHANGE, CHAINS, RELAXED, OWN, GS, QG)),
@@ -635,7 +741,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
            store: str = "mma", stages: int = 4, logits: bool = True, wreg: bool = False, gather: bool = True,
            pbufs: int = 2, relaxed: bool = False, own: bool = False, rounds: int = 1, lanes: int = 1,
            defer: bool = False, vgather: bool = False, qonly: bool = False, gslabs: int = 0,
-           wlanes: int = 1) -> Stats:
+           wlanes: int = 1, pack: bool = False) -> Stats:
     """Phase-1 statistics of ``w, gamma:[Q, d]`` (Q <= 32) over ``stored:[n, T, d]`` (bf16,
     n <= 8, T even, d a multiple of ``box`` per slab) in one launch: ``m, Z:[Q, T]``,
     ``N:[Q, T, d]``. ``chains``: independent accumulators of the partial logits (1, 3 or 6).
@@ -656,7 +762,9 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     real queries' partials read (the same sums: the padded ones are zero). ``gslabs`` (1 to
     ``slabs``): only that many slabs' partials read (wrong values, timing only; 0: all). ``wlanes=2`` (with
     ``split``, ``lanes=1``): one partials partition and two weights partitions taking alternate
-    pairs, so that one pair's wait and gather overlap the other's."""
+    pairs, so that one pair's wait and gather overlap the other's. ``pack`` (with ``split`` or ``logits=False``,
+    ``store="vector"``, at most 24 queries): the writer's products cover the 48 rows of 24 queries
+    and two tokens instead of 64 (:func:`_writer_packed`; the same sums)."""
     n, T, d = stored.shape
     Q = w.shape[0]
     dev = stored.device
@@ -667,11 +775,12 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
             or (split and not exchange) or chains not in (1, 3, 6) or rounds not in (1, 2)
             or (rounds == 2 and (own or QP % slabs or vgather or qonly or gslabs)) or lanes not in (1, 2)
             or not 0 <= gslabs <= slabs or wlanes not in (1, 2) or (wlanes == 2 and (not split or lanes == 2))
+            or (pack and ((not split and logits) or lanes == 2 or wlanes == 2 or store != "vector" or Q > 24))
             or (lanes == 2 and not split) or store not in STORES or (store == "tma" and 4 * box > 128)):
         raise ValueError(f"unsupported shape or variant: stored {list(stored.shape)}, {Q} queries, slabs={slabs}, "
                          f"ring={ring}, look={look}, exchange={exchange}, split={split}, chains={chains}, box={box}, "
                          f"store={store!r}, rounds={rounds}, own={own}, lanes={lanes}, vgather={vgather}, "
-                         f"qonly={qonly}, gslabs={gslabs}, wlanes={wlanes}")
+                         f"qonly={qonly}, gslabs={gslabs}, wlanes={wlanes}, pack={pack}")
     m = torch.empty(Q, T, dtype=torch.float32, device=dev)
     Z = torch.empty(Q, T, dtype=torch.float32, device=dev)
     N = torch.empty(Q, T, d, dtype=torch.float32, device=dev)
@@ -690,7 +799,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
                              weigh_warps=weigh_warps, xregs=xregs, box=box, store=store, stages=stages,
                              logits=logits, wreg=wreg, gather=gather, pbufs=pbufs, relaxed=relaxed,
                              own=own, rounds=rounds, lanes=lanes, defer=defer, vgather=vgather, qonly=qonly,
-                             gslabs=gslabs, wlanes=wlanes)  # fmt: skip
+                             gslabs=gslabs, wlanes=wlanes, pack=pack)  # fmt: skip
     _ws_kernel[(teams * slabs,)](
         *_descriptors(stored, N, box), g3, m, Z, N, pacc, pss, counters[-1:], counters, T, d, n, Q,
         float(eps), teams, **constexprs, num_warps=warps,
@@ -708,7 +817,7 @@ def _constexprs(d: int, Q: int, *, slabs: int, ring: int, warps: int, logit_warp
                 math: bool, lregs: int, chains: int, split: bool, weigh_warps: int, xregs: int, box: int, store: str,
                 stages: int, logits: bool, wreg: bool, gather: bool, pbufs: int, relaxed: bool,
                 own: bool, rounds: int, lanes: int, defer: bool, vgather: bool, qonly: bool,
-                gslabs: int, wlanes: int) -> dict[str, Any]:
+                gslabs: int, wlanes: int, pack: bool) -> dict[str, Any]:
     """The kernel's constexprs for :func:`phase1`'s launch options at width ``d`` and ``Q`` queries."""
     # _weights's EXCHANGE
     exchange_level = (3 if rounds == 2 else 4 if vgather else 2) if exchange and gather else int(exchange)
@@ -716,7 +825,7 @@ def _constexprs(d: int, Q: int, *, slabs: int, ring: int, warps: int, logit_warp
                 LOOK=look, EXCHANGE=exchange_level, MATH=math, LREGS=lregs, CHAINS=chains, SPLIT=split,
                 XW=weigh_warps, XREGS=xregs, STORE=STORES.index(store), NSTAGE=stages, LOGITS=logits, WREG=wreg,
                 PB=pbufs, RELAXED=relaxed, OWN=own, LANES=lanes, DEFER=defer, GS=gslabs or slabs,
-                QG=Q if qonly else QP, WLANES=wlanes)  # fmt: skip
+                QG=Q if qonly else QP, WLANES=wlanes, PACK=pack)  # fmt: skip
 
 
 def _options(kw: dict[str, Any]) -> dict[str, Any]:

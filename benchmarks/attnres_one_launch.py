@@ -77,6 +77,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "writer_only": dict(exchange=False, look=0, math=False, logits=False),
     "writer_only_vector": dict(exchange=False, look=0, math=False, logits=False, store="vector"),
     "writer_only_packed": dict(exchange=False, look=0, math=False, logits=False, store="vector", pack=True),
+    "writer_only_turned8": dict(exchange=False, look=0, math=False, logits=False, store="vector", pack=True, qonly=True,
+                                turn=True, slabs=8, ring=2),
     "writer_only_tma": dict(exchange=False, look=0, math=False, logits=False, box=32, store="tma"),
     # partials and weights in partitions of their own, N in 16-byte vectors
     "split": dict(split=True),
@@ -95,6 +97,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "split_vector_chains3_vgather": dict(split=True, store="vector", chains=3, vgather=True),
     # the writer's products over 48 rows, not 64; only the real queries' partials read
     "split_vector_chains3_pack": dict(split=True, store="vector", chains=3, qonly=True, pack=True),
+    # 8 slabs of 896 (16 teams): a quarter of the team's gather traffic, one partials warp
+    "turned8": dict(split=True, store="vector", qonly=True, pack=True, turn=True, logit_warps=1, slabs=8, ring=2,
+                    look=0, lregs=168),
 }
 STORES = ("mma", "vector", "tma")  # the writer's ways of storing N (phase1's ``store``)
 
@@ -417,7 +422,9 @@ def _poster(ring, wsm, full, pacc, pss, ctr, team, s, nk, S: gl.constexpr, NCH: 
     posted as soon as its slab lands (``WREG``: by :func:`_poster_wreg`). ``DEFER``: a pair's
     count (a release, which waits for its stores to land) only after the next pair's products,
     so that the stores land meanwhile."""
-    if WREG:
+    if WREG == 2:
+        _poster_turned(ring, wsm, full, pacc, pss, ctr, team, s, nk, S, NCH, CH, RING, NBUF, OWN)
+    elif WREG:
         _poster_wreg(ring, wsm, full, pacc, pss, ctr, team, s, nk, S, NCH, CH, RING, NBUF, LW, OWN)
     else:
         for j in range(LANE, nk, LANES):
@@ -433,6 +440,48 @@ def _poster(ring, wsm, full, pacc, pss, ctr, team, s, nk, S: gl.constexpr, NCH: 
         if DEFER:
             if nk > LANE:
                 _post_count(ctr, team, s, LANE + (nk - 1 - LANE) // LANES * LANES, S, NBUF, OWN)
+
+
+@gluon.jit
+def _poster_turned(ring, wsm, full, pacc, pss, ctr, team, s, nk, S: gl.constexpr, NCH: gl.constexpr,
+                   CH: gl.constexpr, RING: gl.constexpr, NBUF: gl.constexpr, OWN: gl.constexpr):
+    """One partials warp with the products turned round (rows × queries: the ring tile the A
+    operand, ``w ⊙ γ`` the B operand in three groups of 8 queries, ``wsm[(3·part + group)·NCH +
+    chunk]`` of ``[8, CH]``), so ``w ⊙ γ`` takes 24 rows of shared memory, not 32, and a team of
+    8 wider slabs fits; posts the 24 real queries' partials (``qonly`` reads no others). One
+    accumulator per part and group."""
+    R: gl.constexpr = 16
+    QP: gl.constexpr = 32
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    XB: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])
+    PL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [1, 1], [1, 0])
+    pq = gl.arange(0, 8, layout=gl.SliceLayout(1, PL))
+    pr = gl.arange(0, R, layout=gl.SliceLayout(0, PL))
+    for j in range(nk):
+        slot = j % RING
+        mbarrier.wait(full.index(slot), (j // RING) & 1)
+        acc = ()
+        for _ in gl.static_range(9):
+            acc = acc + (gl.zeros([R, 8], gl.float32, MMA),)  # noqa: RUF005
+        ss2 = gl.zeros([R, CH], gl.float32, XB)
+        for c in gl.static_range(NCH):
+            tile = ring.index(slot * NCH + c)
+            ss2 = _add_squares(ss2, tile)
+            xa = tile.load(OPA)
+            new = ()
+            for i in gl.static_range(9):  # i = 3 * group + (2 - part): the third part first
+                wb = wsm.index((3 * (2 - i % 3) + i // 3) * NCH + c).permute([1, 0]).load(OPB)
+                new = new + (mma_v2(xa, wb, acc[i]),)  # noqa: RUF005
+            acc = new
+        row = (team * NBUF + j % NBUF) * S + s
+        for g in gl.static_range(3):
+            tot = acc[3 * g + 2] + (acc[3 * g + 1] + acc[3 * g])  # first + (second + third), as _partials
+            tot = gl.convert_layout(gl.permute(tot, [1, 0]), PL)  # [8 queries, 16 rows]
+            gl.store(pacc + (row * QP + 8 * g + pq[:, None]) * R + pr[None, :], tot)
+        gl.store(pss + row * R + pr, gl.convert_layout(gl.sum(ss2, axis=1), gl.SliceLayout(0, PL)))
+        _post_count(ctr, team, s, j, S, NBUF, OWN)
 
 
 @gluon.jit
@@ -648,7 +697,10 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
     nlog = nk if LOGITS else 0  # pairs the logits partitions see
 
     ring = gl.allocate_shared_memory(gl.bfloat16, [RING * NCH, R, CH], SX)
-    wsm = gl.allocate_shared_memory(gl.bfloat16, [3 * NCH, QP, CH], SX)
+    if WREG == 2:  # three parts × three groups of 8 queries (:func:`_poster_turned`)
+        wsm = gl.allocate_shared_memory(gl.bfloat16, [9 * NCH, 8, CH], SX)
+    else:
+        wsm = gl.allocate_shared_memory(gl.bfloat16, [3 * NCH, QP, CH], SX)
     psm = gl.allocate_shared_memory(gl.bfloat16, [PB * 6 + 3 * PACK, QP, R], SP)  # PACK: 3 scratch tiles
     if STORE == 2:
         stage = gl.allocate_shared_memory(gl.float32, [NSTAGE, QP, CH], SO)
@@ -667,9 +719,16 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
 
     wq = gl.arange(0, QP, layout=gl.SliceLayout(1, WLD))
     wc = gl.arange(0, CH, layout=gl.SliceLayout(0, WLD))
-    for j in gl.static_range(3):
-        for c in range(NCH):
-            wsm.index(j * NCH + c).store(gl.load(g3_ptr + (j * QP + wq[:, None]) * D + lo + c * CH + wc[None, :]))
+    if WREG == 2:
+        w8 = gl.arange(0, 8, layout=gl.SliceLayout(1, WLD))
+        for j in gl.static_range(9):  # part j // 3, queries 8 (j % 3) ...
+            for c in range(NCH):
+                wsm.index(j * NCH + c).store(gl.load(g3_ptr + ((j // 3) * QP + 8 * (j % 3) + w8[:, None]) * D + lo
+                                                     + c * CH + wc[None, :]))  # fmt: skip
+    else:
+        for j in gl.static_range(3):
+            for c in range(NCH):
+                wsm.index(j * NCH + c).store(gl.load(g3_ptr + (j * QP + wq[:, None]) * D + lo + c * CH + wc[None, :]))
     _bar()
 
     if SPLIT and LANES == 2:
@@ -741,7 +800,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
            store: str = "mma", stages: int = 4, logits: bool = True, wreg: bool = False, gather: bool = True,
            pbufs: int = 2, relaxed: bool = False, own: bool = False, rounds: int = 1, lanes: int = 1,
            defer: bool = False, vgather: bool = False, qonly: bool = False, gslabs: int = 0,
-           wlanes: int = 1, pack: bool = False) -> Stats:
+           wlanes: int = 1, pack: bool = False, turn: bool = False) -> Stats:
     """Phase-1 statistics of ``w, gamma:[Q, d]`` (Q <= 32) over ``stored:[n, T, d]`` (bf16,
     n <= 8, T even, d a multiple of ``box`` per slab) in one launch: ``m, Z:[Q, T]``,
     ``N:[Q, T, d]``. ``chains``: independent accumulators of the partial logits (1, 3 or 6).
@@ -764,7 +823,10 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     ``split``, ``lanes=1``): one partials partition and two weights partitions taking alternate
     pairs, so that one pair's wait and gather overlap the other's. ``pack`` (with ``split`` or ``logits=False``,
     ``store="vector"``, at most 24 queries): the writer's products cover the 48 rows of 24 queries
-    and two tokens instead of 64 (:func:`_writer_packed`; the same sums)."""
+    and two tokens instead of 64 (:func:`_writer_packed`; the same sums). ``turn`` (with ``split``
+    or ``logits=False``, ``pack``, ``qonly``; ``logit_warps=1``): one partials warp with the products turned round
+    (:func:`_poster_turned`), whose ``w ⊙ γ`` takes three quarters of the shared memory, so 8
+    slabs of 896 fit."""
     n, T, d = stored.shape
     Q = w.shape[0]
     dev = stored.device
@@ -776,11 +838,13 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
             or (rounds == 2 and (own or QP % slabs or vgather or qonly or gslabs)) or lanes not in (1, 2)
             or not 0 <= gslabs <= slabs or wlanes not in (1, 2) or (wlanes == 2 and (not split or lanes == 2))
             or (pack and ((not split and logits) or lanes == 2 or wlanes == 2 or store != "vector" or Q > 24))
+            or (turn and (not ((split or not logits) and pack and qonly) or (split and logit_warps != 1) or wreg
+                          or defer))
             or (lanes == 2 and not split) or store not in STORES or (store == "tma" and 4 * box > 128)):
         raise ValueError(f"unsupported shape or variant: stored {list(stored.shape)}, {Q} queries, slabs={slabs}, "
                          f"ring={ring}, look={look}, exchange={exchange}, split={split}, chains={chains}, box={box}, "
                          f"store={store!r}, rounds={rounds}, own={own}, lanes={lanes}, vgather={vgather}, "
-                         f"qonly={qonly}, gslabs={gslabs}, wlanes={wlanes}, pack={pack}")
+                         f"qonly={qonly}, gslabs={gslabs}, wlanes={wlanes}, pack={pack}, turn={turn}")
     m = torch.empty(Q, T, dtype=torch.float32, device=dev)
     Z = torch.empty(Q, T, dtype=torch.float32, device=dev)
     N = torch.empty(Q, T, d, dtype=torch.float32, device=dev)
@@ -799,7 +863,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
                              weigh_warps=weigh_warps, xregs=xregs, box=box, store=store, stages=stages,
                              logits=logits, wreg=wreg, gather=gather, pbufs=pbufs, relaxed=relaxed,
                              own=own, rounds=rounds, lanes=lanes, defer=defer, vgather=vgather, qonly=qonly,
-                             gslabs=gslabs, wlanes=wlanes, pack=pack)  # fmt: skip
+                             gslabs=gslabs, wlanes=wlanes, pack=pack, turn=turn)  # fmt: skip
     _ws_kernel[(teams * slabs,)](
         *_descriptors(stored, N, box), g3, m, Z, N, pacc, pss, counters[-1:], counters, T, d, n, Q,
         float(eps), teams, **constexprs, num_warps=warps,
@@ -817,15 +881,15 @@ def _constexprs(d: int, Q: int, *, slabs: int, ring: int, warps: int, logit_warp
                 math: bool, lregs: int, chains: int, split: bool, weigh_warps: int, xregs: int, box: int, store: str,
                 stages: int, logits: bool, wreg: bool, gather: bool, pbufs: int, relaxed: bool,
                 own: bool, rounds: int, lanes: int, defer: bool, vgather: bool, qonly: bool,
-                gslabs: int, wlanes: int, pack: bool) -> dict[str, Any]:
+                gslabs: int, wlanes: int, pack: bool, turn: bool) -> dict[str, Any]:
     """The kernel's constexprs for :func:`phase1`'s launch options at width ``d`` and ``Q`` queries."""
     # _weights's EXCHANGE
     exchange_level = (3 if rounds == 2 else 4 if vgather else 2) if exchange and gather else int(exchange)
     return dict(S=slabs, W=d // slabs, CH=box, RING=ring, NBUF=_buffers(ring, look, split), NW=warps, LW=logit_warps,
                 LOOK=look, EXCHANGE=exchange_level, MATH=math, LREGS=lregs, CHAINS=chains, SPLIT=split,
-                XW=weigh_warps, XREGS=xregs, STORE=STORES.index(store), NSTAGE=stages, LOGITS=logits, WREG=wreg,
-                PB=pbufs, RELAXED=relaxed, OWN=own, LANES=lanes, DEFER=defer, GS=gslabs or slabs,
-                QG=Q if qonly else QP, WLANES=wlanes, PACK=pack)  # fmt: skip
+                XW=weigh_warps, XREGS=xregs, STORE=STORES.index(store), NSTAGE=stages, LOGITS=logits,
+                WREG=2 if turn else int(wreg), PB=pbufs, RELAXED=relaxed, OWN=own, LANES=lanes, DEFER=defer,
+                GS=gslabs or slabs, QG=Q if qonly else QP, WLANES=wlanes, PACK=pack)  # fmt: skip
 
 
 def _options(kw: dict[str, Any]) -> dict[str, Any]:

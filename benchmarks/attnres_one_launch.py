@@ -268,25 +268,30 @@ def _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s,
     blocks (m, Z written by slab 0), and hand each token's weights in three bf16 parts to the
     writer (through ``psm``'s buffers, six tiles each). ``EXCHANGE`` 0: no wait, ``acc, ss``
     taken as the whole; 1: the wait only, then as 0 (timing only); 2: all of it; 3: in two
-    rounds (:func:`_two_rounds`); 4: as 2, the partials read in 16-byte pieces. ``OWN``: the
+    rounds (:func:`_two_rounds`); 4: as 2, the partials read in 16-byte pieces; 5: as 4, the
+    softmax in the layout of the reads (no change of layout; with ``PACK``). ``OWN``: the
     wait is for this program's own post only (no team coupling; wrong values, timing only). ``GS``:
     slabs whose partials are read (below ``S``: wrong values, timing only); ``QG``: queries read
     (the real ones suffice: the padded ones' partials are zero). ``PACK``: the weights packed for
     the writer by :func:`_pack_weights`."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
-    BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
+    if EXCHANGE == 5:
+        BL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [LW, 1], [1, 0])
+    else:
+        BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
     aq = gl.arange(0, QP, layout=gl.SliceLayout(1, BL))
     ar = gl.arange(0, R, layout=gl.SliceLayout(0, BL))
     t0 = 2 * (team + kk * TEAMS)
     b = kk % NBUF
     if EXCHANGE == 3:
-        P = _two_rounds(pacc, pss, ctr, m_out, z_out, team, s, b, kk, T, D, n, Q, eps, TEAMS, S, NBUF, LW, RELAXED)
+        P = _two_rounds(pacc, pss, ctr, m_out, z_out, team, s, b, kk, T, D, n, Q, eps, TEAMS, S, NBUF, LW, RELAXED,
+                        QG)
     else:
         if EXCHANGE:
             group = team * S + s if OWN else team
             _wait(ctr + group * NBUF + b, (1 if OWN else S) * (kk // NBUF + 1), RELAXED)
-        if EXCHANGE == 2:
+        if EXCHANGE == 2 or EXCHANGE == 5:
             tot, sst = _gather(pacc, pss, (team * NBUF + b) * S, aq, ar, ar, GS, BL, gl.SliceLayout(0, BL), QG)
         elif EXCHANGE == 4:
             # The same sums in the same order, each thread reading 16-byte pieces (a quarter of
@@ -363,15 +368,16 @@ def _pack_weights(psm, pb, P, LW: gl.constexpr):
 
 @gluon.jit
 def _two_rounds(pacc, pss, ctr, m_out, z_out, team, s, b, kk, T, D, n, Q, eps, TEAMS, S: gl.constexpr,
-                NBUF: gl.constexpr, LW: gl.constexpr, RELAXED: gl.constexpr):
+                NBUF: gl.constexpr, LW: gl.constexpr, RELAXED: gl.constexpr, QG: gl.constexpr = 32):
     """Pair ``kk``'s weights ``[QP, 16]`` with a reduce-scatter over the team: slab ``s`` sums
-    the team's partials of its own ``QP / S`` queries only (and every slab's squares), takes
-    their softmax (and writes their ``m, Z``), and posts those weights; then every slab reads
-    the team's weights. Each program reads about a sixth of what one round reads."""
+    the team's partials of its own ``QS = ⌈QG / S⌉`` queries only (and every slab's squares),
+    takes their softmax (and writes their ``m, Z``), and posts those weights; then every slab
+    reads the team's weights (rows from ``QS·S`` on are never posted: the writer leaves them out).
+    Each program reads about a sixth of what one round reads."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
-    QS: gl.constexpr = QP // S
-    gl.static_assert(QS * S == QP, "two rounds need the slabs to divide the padded queries")
+    QS: gl.constexpr = (QG + S - 1) // S
+    gl.static_assert(QS * S <= QP, "two rounds need ceil(queries read / slabs) · slabs <= 32")
     BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
     aq = gl.arange(0, QP, layout=gl.SliceLayout(1, BL))
     ar = gl.arange(0, R, layout=gl.SliceLayout(0, BL))
@@ -800,7 +806,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
            store: str = "mma", stages: int = 4, logits: bool = True, wreg: bool = False, gather: bool = True,
            pbufs: int = 2, relaxed: bool = False, own: bool = False, rounds: int = 1, lanes: int = 1,
            defer: bool = False, vgather: bool = False, qonly: bool = False, gslabs: int = 0,
-           wlanes: int = 1, pack: bool = False, turn: bool = False) -> Stats:
+           wlanes: int = 1, pack: bool = False, turn: bool = False, vnative: bool = False) -> Stats:
     """Phase-1 statistics of ``w, gamma:[Q, d]`` (Q <= 32) over ``stored:[n, T, d]`` (bf16,
     n <= 8, T even, d a multiple of ``box`` per slab) in one launch: ``m, Z:[Q, T]``,
     ``N:[Q, T, d]``. ``chains``: independent accumulators of the partial logits (1, 3 or 6).
@@ -826,7 +832,8 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     and two tokens instead of 64 (:func:`_writer_packed`; the same sums). ``turn`` (with ``split``
     or ``logits=False``, ``pack``, ``qonly``; ``logit_warps=1``): one partials warp with the products turned round
     (:func:`_poster_turned`), whose ``w ⊙ γ`` takes three quarters of the shared memory, so 8
-    slabs of 896 fit."""
+    slabs of 896 fit. ``vnative`` (with ``pack``): the team's partials read in 16-byte pieces and
+    the softmax taken in that layout (no change of layout)."""
     n, T, d = stored.shape
     Q = w.shape[0]
     dev = stored.device
@@ -835,7 +842,9 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     # which then fall more than a ring behind and wait on a barrier phase long gone (a hang).
     if (d % slabs or W % box or n > 8 or Q > QP or T % 2 or ring < look + 2 or not (exchange or look == 0)
             or (split and not exchange) or chains not in (1, 3, 6) or rounds not in (1, 2)
-            or (rounds == 2 and (own or QP % slabs or vgather or qonly or gslabs)) or lanes not in (1, 2)
+            or (rounds == 2 and (own or vgather or gslabs or -(-(Q if qonly else QP) // slabs) not in (1, 2, 4)
+                                 or -(-(Q if qonly else QP) // slabs) * slabs > QP or (not qonly and QP % slabs)))
+            or lanes not in (1, 2) or (vnative and (not pack or vgather or rounds == 2))
             or not 0 <= gslabs <= slabs or wlanes not in (1, 2) or (wlanes == 2 and (not split or lanes == 2))
             or (pack and ((not split and logits) or lanes == 2 or wlanes == 2 or store != "vector" or Q > 24))
             or (turn and (not ((split or not logits) and pack and qonly) or (split and logit_warps != 1) or wreg
@@ -844,7 +853,8 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
         raise ValueError(f"unsupported shape or variant: stored {list(stored.shape)}, {Q} queries, slabs={slabs}, "
                          f"ring={ring}, look={look}, exchange={exchange}, split={split}, chains={chains}, box={box}, "
                          f"store={store!r}, rounds={rounds}, own={own}, lanes={lanes}, vgather={vgather}, "
-                         f"qonly={qonly}, gslabs={gslabs}, wlanes={wlanes}, pack={pack}, turn={turn}")
+                         f"qonly={qonly}, gslabs={gslabs}, wlanes={wlanes}, pack={pack}, turn={turn}, "
+                         f"vnative={vnative}")
     m = torch.empty(Q, T, dtype=torch.float32, device=dev)
     Z = torch.empty(Q, T, dtype=torch.float32, device=dev)
     N = torch.empty(Q, T, d, dtype=torch.float32, device=dev)
@@ -863,7 +873,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
                              weigh_warps=weigh_warps, xregs=xregs, box=box, store=store, stages=stages,
                              logits=logits, wreg=wreg, gather=gather, pbufs=pbufs, relaxed=relaxed,
                              own=own, rounds=rounds, lanes=lanes, defer=defer, vgather=vgather, qonly=qonly,
-                             gslabs=gslabs, wlanes=wlanes, pack=pack, turn=turn)  # fmt: skip
+                             gslabs=gslabs, wlanes=wlanes, pack=pack, turn=turn, vnative=vnative)  # fmt: skip
     _ws_kernel[(teams * slabs,)](
         *_descriptors(stored, N, box), g3, m, Z, N, pacc, pss, counters[-1:], counters, T, d, n, Q,
         float(eps), teams, **constexprs, num_warps=warps,
@@ -881,10 +891,11 @@ def _constexprs(d: int, Q: int, *, slabs: int, ring: int, warps: int, logit_warp
                 math: bool, lregs: int, chains: int, split: bool, weigh_warps: int, xregs: int, box: int, store: str,
                 stages: int, logits: bool, wreg: bool, gather: bool, pbufs: int, relaxed: bool,
                 own: bool, rounds: int, lanes: int, defer: bool, vgather: bool, qonly: bool,
-                gslabs: int, wlanes: int, pack: bool, turn: bool) -> dict[str, Any]:
+                gslabs: int, wlanes: int, pack: bool, turn: bool, vnative: bool) -> dict[str, Any]:
     """The kernel's constexprs for :func:`phase1`'s launch options at width ``d`` and ``Q`` queries."""
     # _weights's EXCHANGE
-    exchange_level = (3 if rounds == 2 else 4 if vgather else 2) if exchange and gather else int(exchange)
+    exchange_level = ((3 if rounds == 2 else 4 if vgather else 5 if vnative else 2) if exchange and gather
+                      else int(exchange))
     return dict(S=slabs, W=d // slabs, CH=box, RING=ring, NBUF=_buffers(ring, look, split), NW=warps, LW=logit_warps,
                 LOOK=look, EXCHANGE=exchange_level, MATH=math, LREGS=lregs, CHAINS=chains, SPLIT=split,
                 XW=weigh_warps, XREGS=xregs, STORE=STORES.index(store), NSTAGE=stages, LOGITS=logits,

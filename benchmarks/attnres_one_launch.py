@@ -545,6 +545,66 @@ def _weigher(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D
 
 
 @gluon.jit
+def _weigher_pipe2(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D, n, Q, eps, TEAMS,
+                   S: gl.constexpr, NBUF: gl.constexpr, XW: gl.constexpr, RELAXED: gl.constexpr, QG: gl.constexpr):
+    """Weights warps taking pairs two at a time (``pipe2``; with ``PACK``): the second pair's team
+    wait and its reads of the partials are issued before the first pair's sums, so the two pairs'
+    latencies overlap instead of adding up. The same sums in the same order as :func:`_weights`."""
+    QP: gl.constexpr = 32
+    R: gl.constexpr = 16
+    BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [XW, 1], [1, 0])
+    aq = gl.arange(0, QP, layout=gl.SliceLayout(1, BL))
+    ar = gl.arange(0, R, layout=gl.SliceLayout(0, BL))
+    for k0 in range(0, nk, 2):
+        _wait(ctr + team * NBUF + k0 % NBUF, S * (k0 // NBUF + 1), RELAXED)
+        raw0 = _gather_raw(pacc, pss, (team * NBUF + k0 % NBUF) * S, aq, ar, S, QG)
+        k1 = k0 + 1
+        if k1 < nk:
+            _wait(ctr + team * NBUF + k1 % NBUF, S * (k1 // NBUF + 1), RELAXED)
+        raw1 = _gather_raw(pacc, pss, (team * NBUF + k1 % NBUF) * S, aq, ar, S, QG)
+        _hand_over(psm, pready, pfree, m_out, z_out, raw0, aq, ar, team, s, k0, T, D, n, Q, eps, TEAMS, S, XW)
+        if k1 < nk:
+            _hand_over(psm, pready, pfree, m_out, z_out, raw1, aq, ar, team, s, k1, T, D, n, Q, eps, TEAMS, S, XW)
+
+
+@gluon.jit
+def _gather_raw(pacc, pss, base, q, r, S: gl.constexpr, QG: gl.constexpr):
+    """The team's posted partials at buffer rows ``base .. base + S`` as loaded, unsummed: a tuple
+    of ``S`` logits tiles (queries ``q`` × rows ``r``; from ``QG`` on not read, zero) and then ``S``
+    squares vectors (rows ``r``)."""
+    QP: gl.constexpr = 32
+    R: gl.constexpr = 16
+    raw = ()
+    for mm in gl.static_range(S):
+        raw = raw + (gl.load(pacc + ((base + mm) * QP + q[:, None]) * R + r[None, :],  # noqa: RUF005
+                             mask=(q < QG)[:, None] & (r >= 0)[None, :], other=0.0, cache_modifier=".cg"),)
+    for mm in gl.static_range(S):
+        raw = raw + (gl.load(pss + (base + mm) * R + r, cache_modifier=".cg"),)  # noqa: RUF005
+    return raw
+
+
+@gluon.jit
+def _hand_over(psm, pready, pfree, m_out, z_out, raw, aq, ar, team, s, kk, T, D, n, Q, eps, TEAMS, S: gl.constexpr,
+               XW: gl.constexpr):
+    """Pair ``kk``'s partials ``raw`` (:func:`_gather_raw`) summed in slab order, the softmax (m, Z
+    written by slab 0) and the packed weights handed to the writer."""
+    BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [XW, 1], [1, 0])
+    tot = gl.zeros([32, 16], gl.float32, BL)
+    sst = gl.zeros([16], gl.float64, gl.SliceLayout(0, BL))
+    for mm in gl.static_range(S):
+        tot += raw[mm]
+        sst += raw[S + mm].to(gl.float64)
+    L = (tot.to(gl.float64) / gl.sqrt(sst[None, :] / D + eps)).to(gl.float32)
+    P = _softmax(L, aq, ar, n, m_out, z_out, 2 * (team + kk * TEAMS), T, Q, s == 0)
+    PB: gl.constexpr = psm.shape[0] // 6
+    pb = kk % PB
+    mbarrier.wait(pfree.index(pb), ((kk // PB) & 1) ^ 1)
+    _pack_weights(psm, pb, P, XW)
+    _bar()
+    mbarrier.arrive(pready.index(pb))
+
+
+@gluon.jit
 def _tma_tile(o, stage, ndesc, col, i, NSTAGE: gl.constexpr):
     """Stage tile ``o`` in slot ``i % NSTAGE`` of ``stage`` once that slot's previous copy has read
     it, and copy it by TMA to flat column ``col`` of ``N`` viewed ``[Q, T·d]`` (rows past ``Q``
@@ -683,7 +743,7 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
                XREGS: gl.constexpr, STORE: gl.constexpr, NSTAGE: gl.constexpr, LOGITS: gl.constexpr,
                WREG: gl.constexpr, PB: gl.constexpr, RELAXED: gl.constexpr, OWN: gl.constexpr,
                LANES: gl.constexpr, DEFER: gl.constexpr, GS: gl.constexpr, QG: gl.constexpr, WLANES: gl.constexpr,
-               PACK: gl.constexpr):
+               PACK: gl.constexpr, PIPE2: gl.constexpr):
     """One program per (team, slab): its slab of ``w ⊙ γ`` into shared memory, then the
     partitions (three, or four with ``SPLIT``)."""
     QP: gl.constexpr = 32
@@ -763,6 +823,16 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
             (_weigher, (psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q, eps, TEAMS, S,
                         NBUF, XW, EXCHANGE, RELAXED, OWN, 1, 2, GS, QG)),
         ], [1, LW, XW, XW], [24, LREGS, XREGS, XREGS])
+    elif SPLIT and PIPE2:
+        gl.warp_specialize([
+            (_writer, (ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo, nk, T, D, Q, TEAMS,
+                       NCH, CH, RING, NW, STORE, NSTAGE, LOGITS, PACK)),
+            (_loader, (desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH, CH, RING)),
+            (_poster, (ring, wsm, full, pacc, pss, ctr, team, s, nlog, S, NCH, CH, RING, NBUF, LW, MATH, CHAINS,
+                       WREG, OWN, 0, 1, DEFER)),
+            (_weigher_pipe2, (psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q, eps, TEAMS,
+                              S, NBUF, XW, RELAXED, QG)),
+        ], [1, LW, XW], [24, LREGS, XREGS])
     elif SPLIT:
         gl.warp_specialize([
             (_writer, (ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo, nk, T, D, Q, TEAMS,
@@ -806,7 +876,8 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
            store: str = "mma", stages: int = 4, logits: bool = True, wreg: bool = False, gather: bool = True,
            pbufs: int = 2, relaxed: bool = False, own: bool = False, rounds: int = 1, lanes: int = 1,
            defer: bool = False, vgather: bool = False, qonly: bool = False, gslabs: int = 0,
-           wlanes: int = 1, pack: bool = False, turn: bool = False, vnative: bool = False) -> Stats:
+           wlanes: int = 1, pack: bool = False, turn: bool = False, vnative: bool = False,
+           pipe2: bool = False) -> Stats:
     """Phase-1 statistics of ``w, gamma:[Q, d]`` (Q <= 32) over ``stored:[n, T, d]`` (bf16,
     n <= 8, T even, d a multiple of ``box`` per slab) in one launch: ``m, Z:[Q, T]``,
     ``N:[Q, T, d]``. ``chains``: independent accumulators of the partial logits (1, 3 or 6).
@@ -833,7 +904,9 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     or ``logits=False``, ``pack``, ``qonly``; ``logit_warps=1``): one partials warp with the products turned round
     (:func:`_poster_turned`), whose ``w ⊙ γ`` takes three quarters of the shared memory, so 8
     slabs of 896 fit. ``vnative`` (with ``pack``): the team's partials read in 16-byte pieces and
-    the softmax taken in that layout (no change of layout)."""
+    the softmax taken in that layout (no change of layout). ``pipe2`` (with ``pack``): the weights
+    warps take pairs two at a time, the second's wait and reads issued before the first's sums
+    (:func:`_weigher_pipe2`)."""
     n, T, d = stored.shape
     Q = w.shape[0]
     dev = stored.device
@@ -845,6 +918,8 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
             or (rounds == 2 and (own or vgather or gslabs or -(-(Q if qonly else QP) // slabs) not in (1, 2, 4)
                                  or -(-(Q if qonly else QP) // slabs) * slabs > QP or (not qonly and QP % slabs)))
             or lanes not in (1, 2) or (vnative and (not pack or vgather or rounds == 2))
+            or (pipe2 and (not (pack and split and exchange and gather) or rounds == 2 or vgather or vnative or own
+                           or wlanes == 2 or lanes == 2))
             or not 0 <= gslabs <= slabs or wlanes not in (1, 2) or (wlanes == 2 and (not split or lanes == 2))
             or (pack and ((not split and logits) or lanes == 2 or wlanes == 2 or store != "vector" or Q > 24))
             or (turn and (not ((split or not logits) and pack and qonly) or (split and logit_warps != 1) or wreg
@@ -854,7 +929,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
                          f"ring={ring}, look={look}, exchange={exchange}, split={split}, chains={chains}, box={box}, "
                          f"store={store!r}, rounds={rounds}, own={own}, lanes={lanes}, vgather={vgather}, "
                          f"qonly={qonly}, gslabs={gslabs}, wlanes={wlanes}, pack={pack}, turn={turn}, "
-                         f"vnative={vnative}")
+                         f"vnative={vnative}, pipe2={pipe2}")
     m = torch.empty(Q, T, dtype=torch.float32, device=dev)
     Z = torch.empty(Q, T, dtype=torch.float32, device=dev)
     N = torch.empty(Q, T, d, dtype=torch.float32, device=dev)
@@ -873,7 +948,8 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
                              weigh_warps=weigh_warps, xregs=xregs, box=box, store=store, stages=stages,
                              logits=logits, wreg=wreg, gather=gather, pbufs=pbufs, relaxed=relaxed,
                              own=own, rounds=rounds, lanes=lanes, defer=defer, vgather=vgather, qonly=qonly,
-                             gslabs=gslabs, wlanes=wlanes, pack=pack, turn=turn, vnative=vnative)  # fmt: skip
+                             gslabs=gslabs, wlanes=wlanes, pack=pack, turn=turn, vnative=vnative,
+                             pipe2=pipe2)  # fmt: skip
     _ws_kernel[(teams * slabs,)](
         *_descriptors(stored, N, box), g3, m, Z, N, pacc, pss, counters[-1:], counters, T, d, n, Q,
         float(eps), teams, **constexprs, num_warps=warps,
@@ -891,7 +967,7 @@ def _constexprs(d: int, Q: int, *, slabs: int, ring: int, warps: int, logit_warp
                 math: bool, lregs: int, chains: int, split: bool, weigh_warps: int, xregs: int, box: int, store: str,
                 stages: int, logits: bool, wreg: bool, gather: bool, pbufs: int, relaxed: bool,
                 own: bool, rounds: int, lanes: int, defer: bool, vgather: bool, qonly: bool,
-                gslabs: int, wlanes: int, pack: bool, turn: bool, vnative: bool) -> dict[str, Any]:
+                gslabs: int, wlanes: int, pack: bool, turn: bool, vnative: bool, pipe2: bool) -> dict[str, Any]:
     """The kernel's constexprs for :func:`phase1`'s launch options at width ``d`` and ``Q`` queries."""
     # _weights's EXCHANGE
     exchange_level = ((3 if rounds == 2 else 4 if vgather else 5 if vnative else 2) if exchange and gather
@@ -900,7 +976,7 @@ def _constexprs(d: int, Q: int, *, slabs: int, ring: int, warps: int, logit_warp
                 LOOK=look, EXCHANGE=exchange_level, MATH=math, LREGS=lregs, CHAINS=chains, SPLIT=split,
                 XW=weigh_warps, XREGS=xregs, STORE=STORES.index(store), NSTAGE=stages, LOGITS=logits,
                 WREG=2 if turn else int(wreg), PB=pbufs, RELAXED=relaxed, OWN=own, LANES=lanes, DEFER=defer,
-                GS=gslabs or slabs, QG=Q if qonly else QP, WLANES=wlanes, PACK=pack)  # fmt: skip
+                GS=gslabs or slabs, QG=Q if qonly else QP, WLANES=wlanes, PACK=pack, PIPE2=pipe2)  # fmt: skip
 
 
 def _options(kw: dict[str, Any]) -> dict[str, Any]:

@@ -222,16 +222,20 @@ def _wait(cptr, target, RELAXED: gl.constexpr):
 
 
 @gluon.jit
-def _gather(pacc, pss, base, q, r, rs, S: gl.constexpr, LQR: gl.constexpr, LS: gl.constexpr, QG: gl.constexpr = 32):
+def _gather(pacc, pss, base, q, r, rs, S: gl.constexpr, LQR: gl.constexpr, LS: gl.constexpr, QG: gl.constexpr = 32,
+            STEP: gl.constexpr = 1):
     """The team's posted partials at buffer rows ``base .. base + S`` (one a slab), summed in slab
     order: logits of queries ``q`` and rows ``r`` (fp32, layout ``LQR``, whose slices ``q`` and
     ``r`` are in) and squares of rows ``rs`` (fp64, layout ``LS``, ``rs``'s). Queries from ``QG``
-    on are not read (their partials are zero: padded queries)."""
+    on are not read (their partials are zero: padded queries). ``STEP`` 2 (``presum``): only the
+    odd rows, each the sum of two slabs."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
     tot = gl.zeros([q.shape[0], R], gl.float32, LQR)
     sst = gl.zeros([R], gl.float64, LS)
-    for mm in gl.static_range(S):
+    base = base + STEP - 1
+    for i in gl.static_range(S // STEP):
+        mm = STEP * i
         if QG < QP:
             tot += gl.load(pacc + ((base + mm) * QP + q[:, None]) * R + r[None, :],
                            mask=(q < QG)[:, None] & (r >= 0)[None, :], other=0.0, cache_modifier=".cg")
@@ -263,7 +267,7 @@ def _softmax(L, q, r, n, m_out, z_out, t0, T, Q, STORE_MZ):
 def _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s, kk, T, D, n, Q, eps, TEAMS,
              S: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr, EXCHANGE: gl.constexpr,
              RELAXED: gl.constexpr, OWN: gl.constexpr, GS: gl.constexpr, QG: gl.constexpr,
-             PACK: gl.constexpr = False):
+             PACK: gl.constexpr = False, PRESUM: gl.constexpr = False):
     """Pair ``kk``: wait for its team, sum the partials in slab order, softmax over each token's
     blocks (m, Z written by slab 0), and hand each token's weights in three bf16 parts to the
     writer (through ``psm``'s buffers, six tiles each). ``EXCHANGE`` 0: no wait, ``acc, ss``
@@ -273,7 +277,8 @@ def _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s,
     wait is for this program's own post only (no team coupling; wrong values, timing only). ``GS``:
     slabs whose partials are read (below ``S``: wrong values, timing only); ``QG``: queries read
     (the real ones suffice: the padded ones' partials are zero). ``PACK``: the weights packed for
-    the writer by :func:`_pack_weights`."""
+    the writer by :func:`_pack_weights`. ``PRESUM``: the team's posts are sums of two slabs
+    (:func:`_presum`)."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
     if EXCHANGE == 5:
@@ -290,9 +295,10 @@ def _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s,
     else:
         if EXCHANGE:
             group = team * S + s if OWN else team
-            _wait(ctr + group * NBUF + b, (1 if OWN else S) * (kk // NBUF + 1), RELAXED)
+            _wait(ctr + group * NBUF + b, (1 if OWN else S // (1 + PRESUM)) * (kk // NBUF + 1), RELAXED)
         if EXCHANGE == 2 or EXCHANGE == 5:
-            tot, sst = _gather(pacc, pss, (team * NBUF + b) * S, aq, ar, ar, GS, BL, gl.SliceLayout(0, BL), QG)
+            tot, sst = _gather(pacc, pss, (team * NBUF + b) * S, aq, ar, ar, GS, BL, gl.SliceLayout(0, BL), QG,
+                               1 + PRESUM)
         elif EXCHANGE == 4:
             # The same sums in the same order, each thread reading 16-byte pieces (a quarter of
             # the load instructions), then one change of layout.
@@ -423,11 +429,12 @@ def _logits(ring, wsm, psm, full, pready, pfree, pacc, pss, ctr, m_out, z_out, t
 def _poster(ring, wsm, full, pacc, pss, ctr, team, s, nk, S: gl.constexpr, NCH: gl.constexpr, CH: gl.constexpr,
             RING: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr, MATH: gl.constexpr, CHAINS: gl.constexpr,
             WREG: gl.constexpr, OWN: gl.constexpr, LANE: gl.constexpr, LANES: gl.constexpr,
-            DEFER: gl.constexpr):
+            DEFER: gl.constexpr, PRESUM: gl.constexpr = False, TEAMS=0):
     """Partials warps (``split`` variants): pairs ``LANE, LANE + LANES, ...``, each one's partials
     posted as soon as its slab lands (``WREG``: by :func:`_poster_wreg`). ``DEFER``: a pair's
     count (a release, which waits for its stores to land) only after the next pair's products,
-    so that the stores land meanwhile."""
+    so that the stores land meanwhile. ``PRESUM``: each even slab posts to its odd neighbour
+    (:func:`_presum`), which posts the two slabs' sum for the team: the team reads half as much."""
     if WREG == 2:
         _poster_turned(ring, wsm, full, pacc, pss, ctr, team, s, nk, S, NCH, CH, RING, NBUF, OWN)
     elif WREG:
@@ -441,11 +448,43 @@ def _poster(ring, wsm, full, pacc, pss, ctr, team, s, nk, S: gl.constexpr, NCH: 
                 if j >= LANE + LANES:
                     _post_count(ctr, team, s, j - LANES, S, NBUF, OWN)
                 _post_store(pacc, pss, team, s, j, acc, ss, S, NBUF, LW)
+            elif PRESUM:
+                _presum(pacc, pss, ctr, team, s, j, acc, ss, TEAMS, S, NBUF, LW)
             else:
                 _post(pacc, pss, ctr, team, s, j, acc, ss, S, NBUF, LW, OWN)
         if DEFER:
             if nk > LANE:
                 _post_count(ctr, team, s, LANE + (nk - 1 - LANE) // LANES * LANES, S, NBUF, OWN)
+
+
+@gluon.jit
+def _presum(pacc, pss, ctr, team, s, j, acc, ss, TEAMS, S: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr):
+    """Pair ``j``'s partials of slab ``s`` summed by pairs of slabs: an even slab posts its own
+    and counts on a counter of its own (after the team's, :func:`_presum_counter`); an odd slab
+    waits for it, adds its own to it (``p[s-1] + p[s]``) and posts the sum in its place,
+    counted on the team's counter."""
+    QP: gl.constexpr = 32
+    R: gl.constexpr = 16
+    BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
+    if s % 2 == 0:
+        _post_store(pacc, pss, team, s, j, acc, ss, S, NBUF, LW)
+        _bar()
+        gl.atomic_add(_presum_counter(ctr, team, s, j, TEAMS, S, NBUF), 1, sem="release")
+    else:
+        _wait(_presum_counter(ctr, team, s - 1, j, TEAMS, S, NBUF), j // NBUF + 1, False)
+        aq = gl.arange(0, QP, layout=gl.SliceLayout(1, BL))
+        ar = gl.arange(0, R, layout=gl.SliceLayout(0, BL))
+        row = (team * NBUF + j % NBUF) * S + s - 1
+        other = gl.load(pacc + (row * QP + aq[:, None]) * R + ar[None, :], cache_modifier=".cg")
+        other_ss = gl.load(pss + row * R + ar, cache_modifier=".cg")
+        _post(pacc, pss, ctr, team, s, j, other + acc, other_ss + ss, S, NBUF, LW, False)
+
+
+@gluon.jit
+def _presum_counter(ctr, team, s, j, TEAMS, S: gl.constexpr, NBUF: gl.constexpr):
+    """The counter of slab ``s``'s posts for ``presum``, after the team counters and the
+    second-round counters (``2 · TEAMS · NBUF`` of them)."""
+    return ctr + (2 * TEAMS + team * S + s) * NBUF + j % NBUF
 
 
 @gluon.jit
@@ -530,7 +569,7 @@ def _poster_wreg(ring, wsm, full, pacc, pss, ctr, team, s, nk, S: gl.constexpr, 
 def _weigher(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D, n, Q, eps, TEAMS,
              S: gl.constexpr, NBUF: gl.constexpr, XW: gl.constexpr, EXCHANGE: gl.constexpr,
              RELAXED: gl.constexpr, OWN: gl.constexpr, LANE: gl.constexpr, LANES: gl.constexpr, GS: gl.constexpr,
-             QG: gl.constexpr, PACK: gl.constexpr = False):
+             QG: gl.constexpr, PACK: gl.constexpr = False, PRESUM: gl.constexpr = False):
     """Weights warps (``split`` variants): pairs ``LANE, LANE + LANES, ...``, each one's team wait,
     softmax and weights in turn (without ``EXCHANGE``: no wait, weights of zero logits; timing
     only)."""
@@ -541,12 +580,13 @@ def _weigher(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D
     ss = gl.zeros([R], gl.float32, gl.SliceLayout(0, BL))
     for kk in range(LANE, nk, LANES):
         _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s, kk, T, D, n, Q, eps, TEAMS,
-                 S, NBUF, XW, EXCHANGE, RELAXED, OWN, GS, QG, PACK)
+                 S, NBUF, XW, EXCHANGE, RELAXED, OWN, GS, QG, PACK, PRESUM)
 
 
 @gluon.jit
 def _weigher_pipe2(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk, T, D, n, Q, eps, TEAMS,
-                   S: gl.constexpr, NBUF: gl.constexpr, XW: gl.constexpr, RELAXED: gl.constexpr, QG: gl.constexpr):
+                   S: gl.constexpr, NBUF: gl.constexpr, XW: gl.constexpr, RELAXED: gl.constexpr, QG: gl.constexpr,
+                   PRESUM: gl.constexpr = False):
     """Weights warps taking pairs two at a time (``pipe2``; with ``PACK``): the second pair's team
     wait and its reads of the partials are issued before the first pair's sums, so the two pairs'
     latencies overlap instead of adding up. The same sums in the same order as :func:`_weights`."""
@@ -556,30 +596,31 @@ def _weigher_pipe2(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nk
     aq = gl.arange(0, QP, layout=gl.SliceLayout(1, BL))
     ar = gl.arange(0, R, layout=gl.SliceLayout(0, BL))
     for k0 in range(0, nk, 2):
-        _wait(ctr + team * NBUF + k0 % NBUF, S * (k0 // NBUF + 1), RELAXED)
-        raw0 = _gather_raw(pacc, pss, (team * NBUF + k0 % NBUF) * S, aq, ar, S, QG)
+        G: gl.constexpr = S // (1 + PRESUM)  # posts a pair
+        _wait(ctr + team * NBUF + k0 % NBUF, G * (k0 // NBUF + 1), RELAXED)
+        raw0 = _gather_raw(pacc, pss, (team * NBUF + k0 % NBUF) * S + PRESUM, aq, ar, G, QG, 1 + PRESUM)
         k1 = k0 + 1
         if k1 < nk:
-            _wait(ctr + team * NBUF + k1 % NBUF, S * (k1 // NBUF + 1), RELAXED)
-        raw1 = _gather_raw(pacc, pss, (team * NBUF + k1 % NBUF) * S, aq, ar, S, QG)
-        _hand_over(psm, pready, pfree, m_out, z_out, raw0, aq, ar, team, s, k0, T, D, n, Q, eps, TEAMS, S, XW)
+            _wait(ctr + team * NBUF + k1 % NBUF, G * (k1 // NBUF + 1), RELAXED)
+        raw1 = _gather_raw(pacc, pss, (team * NBUF + k1 % NBUF) * S + PRESUM, aq, ar, G, QG, 1 + PRESUM)
+        _hand_over(psm, pready, pfree, m_out, z_out, raw0, aq, ar, team, s, k0, T, D, n, Q, eps, TEAMS, G, XW)
         if k1 < nk:
-            _hand_over(psm, pready, pfree, m_out, z_out, raw1, aq, ar, team, s, k1, T, D, n, Q, eps, TEAMS, S, XW)
+            _hand_over(psm, pready, pfree, m_out, z_out, raw1, aq, ar, team, s, k1, T, D, n, Q, eps, TEAMS, G, XW)
 
 
 @gluon.jit
-def _gather_raw(pacc, pss, base, q, r, S: gl.constexpr, QG: gl.constexpr):
-    """The team's posted partials at buffer rows ``base .. base + S`` as loaded, unsummed: a tuple
-    of ``S`` logits tiles (queries ``q`` × rows ``r``; from ``QG`` on not read, zero) and then ``S``
-    squares vectors (rows ``r``)."""
+def _gather_raw(pacc, pss, base, q, r, S: gl.constexpr, QG: gl.constexpr, STEP: gl.constexpr = 1):
+    """The team's ``S`` posts at buffer rows ``base, base + STEP, ...`` as loaded, unsummed: a
+    tuple of ``S`` logits tiles (queries ``q`` × rows ``r``; from ``QG`` on not read, zero) and
+    then ``S`` squares vectors (rows ``r``)."""
     QP: gl.constexpr = 32
     R: gl.constexpr = 16
     raw = ()
     for mm in gl.static_range(S):
-        raw = raw + (gl.load(pacc + ((base + mm) * QP + q[:, None]) * R + r[None, :],  # noqa: RUF005
+        raw = raw + (gl.load(pacc + ((base + STEP * mm) * QP + q[:, None]) * R + r[None, :],  # noqa: RUF005
                              mask=(q < QG)[:, None] & (r >= 0)[None, :], other=0.0, cache_modifier=".cg"),)
     for mm in gl.static_range(S):
-        raw = raw + (gl.load(pss + (base + mm) * R + r, cache_modifier=".cg"),)  # noqa: RUF005
+        raw = raw + (gl.load(pss + (base + STEP * mm) * R + r, cache_modifier=".cg"),)  # noqa: RUF005
     return raw
 
 
@@ -743,7 +784,7 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
                XREGS: gl.constexpr, STORE: gl.constexpr, NSTAGE: gl.constexpr, LOGITS: gl.constexpr,
                WREG: gl.constexpr, PB: gl.constexpr, RELAXED: gl.constexpr, OWN: gl.constexpr,
                LANES: gl.constexpr, DEFER: gl.constexpr, GS: gl.constexpr, QG: gl.constexpr, WLANES: gl.constexpr,
-               PACK: gl.constexpr, PIPE2: gl.constexpr):
+               PACK: gl.constexpr, PIPE2: gl.constexpr, PRESUM: gl.constexpr):
     """One program per (team, slab): its slab of ``w ⊙ γ`` into shared memory, then the
     partitions (three, or four with ``SPLIT``)."""
     QP: gl.constexpr = 32
@@ -829,9 +870,9 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
                        NCH, CH, RING, NW, STORE, NSTAGE, LOGITS, PACK)),
             (_loader, (desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH, CH, RING)),
             (_poster, (ring, wsm, full, pacc, pss, ctr, team, s, nlog, S, NCH, CH, RING, NBUF, LW, MATH, CHAINS,
-                       WREG, OWN, 0, 1, DEFER)),
+                       WREG, OWN, 0, 1, DEFER, PRESUM, TEAMS)),
             (_weigher_pipe2, (psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q, eps, TEAMS,
-                              S, NBUF, XW, RELAXED, QG)),
+                              S, NBUF, XW, RELAXED, QG, PRESUM)),
         ], [1, LW, XW], [24, LREGS, XREGS])
     elif SPLIT:
         gl.warp_specialize([
@@ -839,9 +880,9 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
                        NCH, CH, RING, NW, STORE, NSTAGE, LOGITS, PACK)),
             (_loader, (desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH, CH, RING)),
             (_poster, (ring, wsm, full, pacc, pss, ctr, team, s, nlog, S, NCH, CH, RING, NBUF, LW, MATH, CHAINS,
-                       WREG, OWN, 0, 1, DEFER)),
+                       WREG, OWN, 0, 1, DEFER, PRESUM, TEAMS)),
             (_weigher, (psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q, eps, TEAMS, S,
-                        NBUF, XW, EXCHANGE, RELAXED, OWN, 0, 1, GS, QG, PACK)),
+                        NBUF, XW, EXCHANGE, RELAXED, OWN, 0, 1, GS, QG, PACK, PRESUM)),
         ], [1, LW, XW], [24, LREGS, XREGS])
     else:
         gl.warp_specialize([
@@ -877,7 +918,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
            pbufs: int = 2, relaxed: bool = False, own: bool = False, rounds: int = 1, lanes: int = 1,
            defer: bool = False, vgather: bool = False, qonly: bool = False, gslabs: int = 0,
            wlanes: int = 1, pack: bool = False, turn: bool = False, vnative: bool = False,
-           pipe2: bool = False) -> Stats:
+           pipe2: bool = False, presum: bool = False) -> Stats:
     """Phase-1 statistics of ``w, gamma:[Q, d]`` (Q <= 32) over ``stored:[n, T, d]`` (bf16,
     n <= 8, T even, d a multiple of ``box`` per slab) in one launch: ``m, Z:[Q, T]``,
     ``N:[Q, T, d]``. ``chains``: independent accumulators of the partial logits (1, 3 or 6).
@@ -906,7 +947,8 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     slabs of 896 fit. ``vnative`` (with ``pack``): the team's partials read in 16-byte pieces and
     the softmax taken in that layout (no change of layout). ``pipe2`` (with ``pack``): the weights
     warps take pairs two at a time, the second's wait and reads issued before the first's sums
-    (:func:`_weigher_pipe2`)."""
+    (:func:`_weigher_pipe2`). ``presum`` (with ``split``, an even slab count): the partials summed
+    by pairs of slabs before the team reads them (:func:`_presum`), half the reads."""
     n, T, d = stored.shape
     Q = w.shape[0]
     dev = stored.device
@@ -920,6 +962,8 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
             or lanes not in (1, 2) or (vnative and (not pack or vgather or rounds == 2))
             or (pipe2 and (not (pack and split and exchange and gather) or rounds == 2 or vgather or vnative or own
                            or wlanes == 2 or lanes == 2))
+            or (presum and (not (split and exchange and gather) or slabs % 2 or rounds == 2 or vgather or own or gslabs
+                            or wlanes == 2 or lanes == 2 or defer or wreg or turn))
             or not 0 <= gslabs <= slabs or wlanes not in (1, 2) or (wlanes == 2 and (not split or lanes == 2))
             or (pack and ((not split and logits) or lanes == 2 or wlanes == 2 or store != "vector" or Q > 24))
             or (turn and (not ((split or not logits) and pack and qonly) or (split and logit_warps != 1) or wreg
@@ -929,7 +973,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
                          f"ring={ring}, look={look}, exchange={exchange}, split={split}, chains={chains}, box={box}, "
                          f"store={store!r}, rounds={rounds}, own={own}, lanes={lanes}, vgather={vgather}, "
                          f"qonly={qonly}, gslabs={gslabs}, wlanes={wlanes}, pack={pack}, turn={turn}, "
-                         f"vnative={vnative}, pipe2={pipe2}")
+                         f"vnative={vnative}, pipe2={pipe2}, presum={presum}")
     m = torch.empty(Q, T, dtype=torch.float32, device=dev)
     Z = torch.empty(Q, T, dtype=torch.float32, device=dev)
     N = torch.empty(Q, T, d, dtype=torch.float32, device=dev)
@@ -942,14 +986,15 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
         _SCRATCH[key] = (torch.empty(teams * nbuf * (slabs + 1) * QP * 16, dtype=torch.float32, device=dev),
                          torch.empty(teams * nbuf * slabs * 16, dtype=torch.float32, device=dev))  # fmt: skip
     pacc, pss = _SCRATCH[key]
-    counters = torch.zeros(teams * slabs * nbuf + 1, dtype=torch.int32, device=dev)
+    # team counters, second-round counters, a counter per slab (presum); the ticket last
+    counters = torch.zeros(teams * (slabs + 2) * nbuf + 1, dtype=torch.int32, device=dev)
     constexprs = _constexprs(d, Q, slabs=slabs, ring=ring, warps=warps, logit_warps=logit_warps, look=look,
                              exchange=exchange, math=math, lregs=lregs, chains=chains, split=split,
                              weigh_warps=weigh_warps, xregs=xregs, box=box, store=store, stages=stages,
                              logits=logits, wreg=wreg, gather=gather, pbufs=pbufs, relaxed=relaxed,
                              own=own, rounds=rounds, lanes=lanes, defer=defer, vgather=vgather, qonly=qonly,
                              gslabs=gslabs, wlanes=wlanes, pack=pack, turn=turn, vnative=vnative,
-                             pipe2=pipe2)  # fmt: skip
+                             pipe2=pipe2, presum=presum)  # fmt: skip
     _ws_kernel[(teams * slabs,)](
         *_descriptors(stored, N, box), g3, m, Z, N, pacc, pss, counters[-1:], counters, T, d, n, Q,
         float(eps), teams, **constexprs, num_warps=warps,
@@ -967,7 +1012,8 @@ def _constexprs(d: int, Q: int, *, slabs: int, ring: int, warps: int, logit_warp
                 math: bool, lregs: int, chains: int, split: bool, weigh_warps: int, xregs: int, box: int, store: str,
                 stages: int, logits: bool, wreg: bool, gather: bool, pbufs: int, relaxed: bool,
                 own: bool, rounds: int, lanes: int, defer: bool, vgather: bool, qonly: bool,
-                gslabs: int, wlanes: int, pack: bool, turn: bool, vnative: bool, pipe2: bool) -> dict[str, Any]:
+                gslabs: int, wlanes: int, pack: bool, turn: bool, vnative: bool, pipe2: bool,
+                presum: bool) -> dict[str, Any]:
     """The kernel's constexprs for :func:`phase1`'s launch options at width ``d`` and ``Q`` queries."""
     # _weights's EXCHANGE
     exchange_level = ((3 if rounds == 2 else 4 if vgather else 5 if vnative else 2) if exchange and gather
@@ -976,7 +1022,8 @@ def _constexprs(d: int, Q: int, *, slabs: int, ring: int, warps: int, logit_warp
                 LOOK=look, EXCHANGE=exchange_level, MATH=math, LREGS=lregs, CHAINS=chains, SPLIT=split,
                 XW=weigh_warps, XREGS=xregs, STORE=STORES.index(store), NSTAGE=stages, LOGITS=logits,
                 WREG=2 if turn else int(wreg), PB=pbufs, RELAXED=relaxed, OWN=own, LANES=lanes, DEFER=defer,
-                GS=gslabs or slabs, QG=Q if qonly else QP, WLANES=wlanes, PACK=pack, PIPE2=pipe2)  # fmt: skip
+                GS=gslabs or slabs, QG=Q if qonly else QP, WLANES=wlanes, PACK=pack, PIPE2=pipe2,
+                PRESUM=presum)  # fmt: skip
 
 
 def _options(kw: dict[str, Any]) -> dict[str, Any]:

@@ -97,6 +97,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "split_vector_chains3_vgather": dict(split=True, store="vector", chains=3, vgather=True),
     # the writer's products over 48 rows, not 64; only the real queries' partials read
     "split_vector_chains3_pack": dict(split=True, store="vector", chains=3, qonly=True, pack=True),
+    "pack14": dict(split=True, store="vector", chains=3, qonly=True, pack=True, slabs=14),  # 9 teams of 14 slabs of 512
     # 8 slabs of 896 (16 teams): a quarter of the team's gather traffic, one partials warp
     "turned8": dict(split=True, store="vector", qonly=True, pack=True, turn=True, logit_warps=1, slabs=8, ring=2,
                     look=0, lregs=168),

@@ -111,14 +111,35 @@ def _loader(desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH: gl.constexpr, 
     """Loader warp: TMA copies of pair k's slab (two tokens' 8 block rows) into ring slot k % RING
     once the writer has released it."""
     for k in range(nk):
-        slot = k % RING
-        mbarrier.wait(empty.index(slot), ((k // RING) & 1) ^ 1)
-        mbarrier.expect(full.index(slot), 2 * NCH * desc.block_type.nbytes)
-        t0 = 2 * (team + k * TEAMS)
-        for c in range(NCH):
-            tile = ring.index(slot * NCH + c)
-            _tma_load(desc, [0, t0 * D + lo + c * CH], full.index(slot), tile.slice(0, 8))
-            _tma_load(desc, [0, (t0 + 1) * D + lo + c * CH], full.index(slot), tile.slice(8, 8))
+        _load_pair(desc, ring, full, empty, k, team, lo, TEAMS, D, NCH, CH, RING)
+
+
+@gluon.jit
+def _load_pair(desc, ring, full, empty, k, team, lo, TEAMS, D, NCH: gl.constexpr, CH: gl.constexpr,
+               RING: gl.constexpr):
+    """Pair k's slab into slot k % RING of ``ring`` by TMA, once its reader has released the slot."""
+    slot = k % RING
+    mbarrier.wait(empty.index(slot), ((k // RING) & 1) ^ 1)
+    mbarrier.expect(full.index(slot), 2 * NCH * desc.block_type.nbytes)
+    t0 = 2 * (team + k * TEAMS)
+    for c in range(NCH):
+        tile = ring.index(slot * NCH + c)
+        _tma_load(desc, [0, t0 * D + lo + c * CH], full.index(slot), tile.slice(0, 8))
+        _tma_load(desc, [0, (t0 + 1) * D + lo + c * CH], full.index(slot), tile.slice(8, 8))
+
+
+@gluon.jit
+def _loader_early(desc, ring, full, empty, pring, pfull, pempty, team, lo, nk, TEAMS, D, NCH: gl.constexpr,
+                  CH: gl.constexpr, RING: gl.constexpr, PRING: gl.constexpr, EARLY: gl.constexpr):
+    """Loader warp with ``early``: each pair's slab twice, ``EARLY`` pairs ahead into the partials
+    warps' own ring ``pring`` (the read from memory) and then into the writer's ring (mostly from
+    L2), so the team's partials are posted well before the writer needs the weights."""
+    for k in range(gl.minimum(nk, EARLY)):
+        _load_pair(desc, pring, pfull, pempty, k, team, lo, TEAMS, D, NCH, CH, PRING)
+    for k in range(nk):
+        if k + EARLY < nk:
+            _load_pair(desc, pring, pfull, pempty, k + EARLY, team, lo, TEAMS, D, NCH, CH, PRING)
+        _load_pair(desc, ring, full, empty, k, team, lo, TEAMS, D, NCH, CH, RING)
 
 
 @gluon.jit
@@ -430,12 +451,13 @@ def _logits(ring, wsm, psm, full, pready, pfree, pacc, pss, ctr, m_out, z_out, t
 def _poster(ring, wsm, full, pacc, pss, ctr, team, s, nk, S: gl.constexpr, NCH: gl.constexpr, CH: gl.constexpr,
             RING: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr, MATH: gl.constexpr, CHAINS: gl.constexpr,
             WREG: gl.constexpr, OWN: gl.constexpr, LANE: gl.constexpr, LANES: gl.constexpr,
-            DEFER: gl.constexpr, PRESUM: gl.constexpr = False, TEAMS=0):
+            DEFER: gl.constexpr, PRESUM: gl.constexpr = False, TEAMS=0, pempty=None, OWNRING: gl.constexpr = False):
     """Partials warps (``split`` variants): pairs ``LANE, LANE + LANES, ...``, each one's partials
     posted as soon as its slab lands (``WREG``: by :func:`_poster_wreg`). ``DEFER``: a pair's
     count (a release, which waits for its stores to land) only after the next pair's products,
     so that the stores land meanwhile. ``PRESUM``: each even slab posts to its odd neighbour
-    (:func:`_presum`), which posts the two slabs' sum for the team: the team reads half as much."""
+    (:func:`_presum`), which posts the two slabs' sum for the team: the team reads half as much.
+    ``OWNRING``: ``ring`` is the partials warps' own (``early``), released on ``pempty``."""
     if WREG == 2:
         _poster_turned(ring, wsm, full, pacc, pss, ctr, team, s, nk, S, NCH, CH, RING, NBUF, OWN)
     elif WREG:
@@ -445,6 +467,9 @@ def _poster(ring, wsm, full, pacc, pss, ctr, team, s, nk, S: gl.constexpr, NCH: 
             slot = j % RING
             mbarrier.wait(full.index(slot), (j // RING) & 1)
             acc, ss = _partials(ring, wsm, slot, NCH, CH, LW, MATH, CHAINS)
+            if OWNRING:
+                _bar()
+                mbarrier.arrive(pempty.index(slot))
             if DEFER:
                 if j >= LANE + LANES:
                     _post_count(ctr, team, s, j - LANES, S, NBUF, OWN)
@@ -668,7 +693,7 @@ def _writer(ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo
     :func:`_writer_rows`."""
     if PACK:
         _writer_packed(ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T, D, Q, TEAMS, NCH, CH, RING, NW,
-                       LOGITS)
+                       LOGITS, PACK == 2)
     else:
         _writer_rows(ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo, nk, T, D, Q, TEAMS, NCH,
                      CH, RING, NW, STORE, NSTAGE, LOGITS)
@@ -676,11 +701,13 @@ def _writer(ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo
 
 @gluon.jit
 def _writer_packed(ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T, D, Q, TEAMS, NCH: gl.constexpr,
-                   CH: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, LOGITS: gl.constexpr):
+                   CH: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, LOGITS: gl.constexpr,
+                   EVICT: gl.constexpr = False):
     """Writer warps with the packed weights of :func:`_pack_weights`: per step the products
     ``[32, CH]`` (queries 0–15 of both tokens) and ``[16, CH]`` (queries 16–23), 48 rows where
     :func:`_writer_rows` computes 64, each warp a ``CH / NW`` column slice (the tile read once from
-    shared memory, the weights whole in every warp), stored in 16-byte vectors."""
+    shared memory, the weights whole in every warp), stored in 16-byte vectors (``EVICT``: marked
+    evict-first in L2, so that they do not push out the blocks read for the writer's ring)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
     OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -714,8 +741,14 @@ def _writer_packed(ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T
             o1 = mma_v2(a11, xb, mma_v2(a12, xb, mma_v2(a13, xb, gl.zeros([32, CH], gl.float32, MMA))))
             o2 = mma_v2(a21, xb, mma_v2(a22, xb, mma_v2(a23, xb, gl.zeros([16, CH], gl.float32, MMA))))
             col = t0 * D + lo + c * CH
-            gl.store(n_out + off1[:, None] + col + bc[None, :], gl.convert_layout(o1, OB), mask=(q1 < Q)[:, None])
-            gl.store(n_out + off2[:, None] + col + bc[None, :], gl.convert_layout(o2, OB), mask=(q2 < Q)[:, None])
+            if EVICT:
+                gl.store(n_out + off1[:, None] + col + bc[None, :], gl.convert_layout(o1, OB), mask=(q1 < Q)[:, None],
+                         eviction_policy="evict_first")
+                gl.store(n_out + off2[:, None] + col + bc[None, :], gl.convert_layout(o2, OB), mask=(q2 < Q)[:, None],
+                         eviction_policy="evict_first")
+            else:
+                gl.store(n_out + off1[:, None] + col + bc[None, :], gl.convert_layout(o1, OB), mask=(q1 < Q)[:, None])
+                gl.store(n_out + off2[:, None] + col + bc[None, :], gl.convert_layout(o2, OB), mask=(q2 < Q)[:, None])
         _bar()
         mbarrier.arrive(empty.index(slot))
 
@@ -785,7 +818,8 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
                XREGS: gl.constexpr, STORE: gl.constexpr, NSTAGE: gl.constexpr, LOGITS: gl.constexpr,
                WREG: gl.constexpr, PB: gl.constexpr, RELAXED: gl.constexpr, OWN: gl.constexpr,
                LANES: gl.constexpr, DEFER: gl.constexpr, GS: gl.constexpr, QG: gl.constexpr, WLANES: gl.constexpr,
-               PACK: gl.constexpr, PIPE2: gl.constexpr, PRESUM: gl.constexpr):
+               PACK: gl.constexpr, PIPE2: gl.constexpr, PRESUM: gl.constexpr, EARLY: gl.constexpr,
+               PRING: gl.constexpr):
     """One program per (team, slab): its slab of ``w ⊙ γ`` into shared memory, then the
     partitions (three, or four with ``SPLIT``)."""
     QP: gl.constexpr = 32
@@ -809,11 +843,20 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
         wsm = gl.allocate_shared_memory(gl.bfloat16, [9 * NCH, 8, CH], SX)
     else:
         wsm = gl.allocate_shared_memory(gl.bfloat16, [3 * NCH, QP, CH], SX)
-    psm = gl.allocate_shared_memory(gl.bfloat16, [PB * 6 + 3 * PACK, QP, R], SP)  # PACK: 3 scratch tiles
+    psm = gl.allocate_shared_memory(gl.bfloat16, [PB * 6 + (3 if PACK else 0), QP, R], SP)  # PACK: 3 scratch tiles
     if STORE == 2:
         stage = gl.allocate_shared_memory(gl.float32, [NSTAGE, QP, CH], SO)
     else:
         stage = gl.allocate_shared_memory(gl.float32, [1, 8, 32], SP)  # unused
+    if EARLY:  # the partials warps' own ring
+        pring = gl.allocate_shared_memory(gl.bfloat16, [PRING * NCH, R, CH], SX)
+    else:
+        pring = ring
+    pfull = gl.allocate_shared_memory(gl.int64, [PRING, 1], mbarrier.MBarrierLayout())
+    pempty = gl.allocate_shared_memory(gl.int64, [PRING, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(PRING):
+        mbarrier.init(pfull.index(i), count=1)
+        mbarrier.init(pempty.index(i), count=1)
     full = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     pready = gl.allocate_shared_memory(gl.int64, [PB, 1], mbarrier.MBarrierLayout())
@@ -865,6 +908,17 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
             (_weigher, (psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q, eps, TEAMS, S,
                         NBUF, XW, EXCHANGE, RELAXED, OWN, 1, 2, GS, QG)),
         ], [1, LW, XW, XW], [24, LREGS, XREGS, XREGS])
+    elif SPLIT and EARLY:
+        gl.warp_specialize([
+            (_writer, (ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo, nk, T, D, Q, TEAMS,
+                       NCH, CH, RING, NW, STORE, NSTAGE, LOGITS, PACK)),
+            (_loader_early, (desc, ring, full, empty, pring, pfull, pempty, team, lo, nk, TEAMS, D, NCH, CH, RING,
+                             PRING, EARLY)),
+            (_poster, (pring, wsm, pfull, pacc, pss, ctr, team, s, nlog, S, NCH, CH, PRING, NBUF, LW, MATH, CHAINS,
+                       WREG, OWN, 0, 1, DEFER, PRESUM, TEAMS, pempty, True)),
+            (_weigher, (psm, pready, pfree, pacc, pss, ctr, m_out, z_out, team, s, nlog, T, D, n, Q, eps, TEAMS, S,
+                        NBUF, XW, EXCHANGE, RELAXED, OWN, 0, 1, GS, QG, PACK, PRESUM)),
+        ], [1, LW, XW], [40, LREGS, XREGS])
     elif SPLIT and PIPE2:
         gl.warp_specialize([
             (_writer, (ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, team, lo, nk, T, D, Q, TEAMS,
@@ -919,7 +973,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
            pbufs: int = 2, relaxed: bool = False, own: bool = False, rounds: int = 1, lanes: int = 1,
            defer: bool = False, vgather: bool = False, qonly: bool = False, gslabs: int = 0,
            wlanes: int = 1, pack: bool = False, turn: bool = False, vnative: bool = False,
-           pipe2: bool = False, presum: bool = False) -> Stats:
+           pipe2: bool = False, presum: bool = False, early: int = 0, pring: int = 2, evict: bool = False) -> Stats:
     """Phase-1 statistics of ``w, gamma:[Q, d]`` (Q <= 32) over ``stored:[n, T, d]`` (bf16,
     n <= 8, T even, d a multiple of ``box`` per slab) in one launch: ``m, Z:[Q, T]``,
     ``N:[Q, T, d]``. ``chains``: independent accumulators of the partial logits (1, 3 or 6).
@@ -949,7 +1003,10 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     the softmax taken in that layout (no change of layout). ``pipe2`` (with ``pack``): the weights
     warps take pairs two at a time, the second's wait and reads issued before the first's sums
     (:func:`_weigher_pipe2`). ``presum`` (with ``split``, an even slab count): the partials summed
-    by pairs of slabs before the team reads them (:func:`_presum`), half the reads."""
+    by pairs of slabs before the team reads them (:func:`_presum`), half the reads. ``early`` (with
+    ``split``): the partials warps read each pair ``early`` pairs ahead of the writer, from a ring
+    of their own of ``pring`` slots (:func:`_loader_early`). ``evict`` (with ``pack``): ``N``
+    stored evict-first."""
     n, T, d = stored.shape
     Q = w.shape[0]
     dev = stored.device
@@ -963,6 +1020,8 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
             or lanes not in (1, 2) or (vnative and (not pack or vgather or rounds == 2))
             or (pipe2 and (not (pack and split and exchange and gather) or rounds == 2 or vgather or vnative or own
                            or wlanes == 2 or lanes == 2))
+            or (evict and not pack)
+            or (early and (not split or lanes == 2 or wlanes == 2 or pipe2 or wreg or turn or pring < 1))
             or (presum and (not (split and exchange and gather) or slabs % 2 or rounds == 2 or vgather or own or gslabs
                             or wlanes == 2 or lanes == 2 or defer or wreg or turn))
             or not 0 <= gslabs <= slabs or wlanes not in (1, 2) or (wlanes == 2 and (not split or lanes == 2))
@@ -974,7 +1033,8 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
                          f"ring={ring}, look={look}, exchange={exchange}, split={split}, chains={chains}, box={box}, "
                          f"store={store!r}, rounds={rounds}, own={own}, lanes={lanes}, vgather={vgather}, "
                          f"qonly={qonly}, gslabs={gslabs}, wlanes={wlanes}, pack={pack}, turn={turn}, "
-                         f"vnative={vnative}, pipe2={pipe2}, presum={presum}")
+                         f"vnative={vnative}, pipe2={pipe2}, presum={presum}, early={early}, pring={pring}, "
+                         f"evict={evict}")
     m = torch.empty(Q, T, dtype=torch.float32, device=dev)
     Z = torch.empty(Q, T, dtype=torch.float32, device=dev)
     N = torch.empty(Q, T, d, dtype=torch.float32, device=dev)
@@ -995,7 +1055,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
                              logits=logits, wreg=wreg, gather=gather, pbufs=pbufs, relaxed=relaxed,
                              own=own, rounds=rounds, lanes=lanes, defer=defer, vgather=vgather, qonly=qonly,
                              gslabs=gslabs, wlanes=wlanes, pack=pack, turn=turn, vnative=vnative,
-                             pipe2=pipe2, presum=presum)  # fmt: skip
+                             pipe2=pipe2, presum=presum, early=early, pring=pring, evict=evict)  # fmt: skip
     _ws_kernel[(teams * slabs,)](
         *_descriptors(stored, N, box), g3, m, Z, N, pacc, pss, counters[-1:], counters, T, d, n, Q,
         float(eps), teams, **constexprs, num_warps=warps,
@@ -1014,7 +1074,7 @@ def _constexprs(d: int, Q: int, *, slabs: int, ring: int, warps: int, logit_warp
                 stages: int, logits: bool, wreg: bool, gather: bool, pbufs: int, relaxed: bool,
                 own: bool, rounds: int, lanes: int, defer: bool, vgather: bool, qonly: bool,
                 gslabs: int, wlanes: int, pack: bool, turn: bool, vnative: bool, pipe2: bool,
-                presum: bool) -> dict[str, Any]:
+                presum: bool, early: int, pring: int, evict: bool) -> dict[str, Any]:
     """The kernel's constexprs for :func:`phase1`'s launch options at width ``d`` and ``Q`` queries."""
     # _weights's EXCHANGE
     exchange_level = ((3 if rounds == 2 else 4 if vgather else 5 if vnative else 2) if exchange and gather
@@ -1023,8 +1083,8 @@ def _constexprs(d: int, Q: int, *, slabs: int, ring: int, warps: int, logit_warp
                 LOOK=look, EXCHANGE=exchange_level, MATH=math, LREGS=lregs, CHAINS=chains, SPLIT=split,
                 XW=weigh_warps, XREGS=xregs, STORE=STORES.index(store), NSTAGE=stages, LOGITS=logits,
                 WREG=2 if turn else int(wreg), PB=pbufs, RELAXED=relaxed, OWN=own, LANES=lanes, DEFER=defer,
-                GS=gslabs or slabs, QG=Q if qonly else QP, WLANES=wlanes, PACK=pack, PIPE2=pipe2,
-                PRESUM=presum)  # fmt: skip
+                GS=gslabs or slabs, QG=Q if qonly else QP, WLANES=wlanes, PACK=2 if evict else int(pack), PIPE2=pipe2,
+                PRESUM=presum, EARLY=early, PRING=pring)  # fmt: skip
 
 
 def _options(kw: dict[str, Any]) -> dict[str, Any]:

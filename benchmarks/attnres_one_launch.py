@@ -91,8 +91,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "split_vector_defer": dict(split=True, store="vector", defer=True),
     "split_vector_lanes2": dict(split=True, store="vector", lanes=2, logit_warps=2, weigh_warps=2, lregs=200,
                                 xregs=160),
-    # compiled for sm_90, not yet timed: the gather in 16-byte loads (32 load instructions a
-    # pair and thread instead of 80)
+    # the gather in 16-byte loads (32 load instructions a pair and thread instead of 80)
     "split_vector_vgather": dict(split=True, store="vector", vgather=True),
     "split_vector_chains3_vgather": dict(split=True, store="vector", chains=3, vgather=True),
     # the writer's products over 48 rows, not 64; only the real queries' partials read

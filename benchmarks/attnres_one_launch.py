@@ -254,9 +254,8 @@ def _gather(pacc, pss, base, q, r, rs, S: gl.constexpr, LQR: gl.constexpr, LS: g
     R: gl.constexpr = 16
     tot = gl.zeros([q.shape[0], R], gl.float32, LQR)
     sst = gl.zeros([R], gl.float64, LS)
-    base = base + STEP - 1
     for i in gl.static_range(S // STEP):
-        mm = STEP * i
+        mm = STEP * i + STEP - 1  # a constant: with STEP 1 the code is the plain slab loop's
         if QG < QP:
             tot += gl.load(pacc + ((base + mm) * QP + q[:, None]) * R + r[None, :],
                            mask=(q < QG)[:, None] & (r >= 0)[None, :], other=0.0, cache_modifier=".cg")
@@ -847,15 +846,6 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
         stage = gl.allocate_shared_memory(gl.float32, [NSTAGE, QP, CH], SO)
     else:
         stage = gl.allocate_shared_memory(gl.float32, [1, 8, 32], SP)  # unused
-    if EARLY:  # the partials warps' own ring
-        pring = gl.allocate_shared_memory(gl.bfloat16, [PRING * NCH, R, CH], SX)
-    else:
-        pring = ring
-    pfull = gl.allocate_shared_memory(gl.int64, [PRING, 1], mbarrier.MBarrierLayout())
-    pempty = gl.allocate_shared_memory(gl.int64, [PRING, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(PRING):
-        mbarrier.init(pfull.index(i), count=1)
-        mbarrier.init(pempty.index(i), count=1)
     full = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     pready = gl.allocate_shared_memory(gl.int64, [PB, 1], mbarrier.MBarrierLayout())
@@ -866,6 +856,17 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
     for i in gl.static_range(PB):
         mbarrier.init(pready.index(i), count=1)
         mbarrier.init(pfree.index(i), count=1)
+    if EARLY:  # the partials warps' own ring (allocated only then: other variants keep their code)
+        pring = gl.allocate_shared_memory(gl.bfloat16, [PRING * NCH, R, CH], SX)
+        pfull = gl.allocate_shared_memory(gl.int64, [PRING, 1], mbarrier.MBarrierLayout())
+        pempty = gl.allocate_shared_memory(gl.int64, [PRING, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(PRING):
+            mbarrier.init(pfull.index(i), count=1)
+            mbarrier.init(pempty.index(i), count=1)
+    else:
+        pring = ring
+        pfull = full
+        pempty = empty
 
     wq = gl.arange(0, QP, layout=gl.SliceLayout(1, WLD))
     wc = gl.arange(0, CH, layout=gl.SliceLayout(0, WLD))

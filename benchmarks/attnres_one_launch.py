@@ -710,7 +710,6 @@ def _writer_packed(ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T
     OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     OB: gl.constexpr = gl.BlockedLayout([1, 4], [128 // CH, CH // 4], [NW, 1], [1, 0])
-    PB: gl.constexpr = psm.shape[0] // 6
     r32 = gl.arange(0, 32, layout=gl.SliceLayout(1, OB))
     r16 = gl.arange(0, 16, layout=gl.SliceLayout(1, OB))
     bc = gl.arange(0, CH, layout=gl.SliceLayout(0, OB))
@@ -719,18 +718,7 @@ def _writer_packed(ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T
     off1 = q1.to(gl.int64) * T * D + (r32 // 16) * D
     off2 = q2.to(gl.int64) * T * D + (r16 // 8) * D
     for k in range(nk):
-        pb = k % PB
-        if LOGITS:
-            mbarrier.wait(pready.index(pb), (k // PB) & 1)
-        a11 = psm.index(pb * 6).load(OPA)
-        a12 = psm.index(pb * 6 + 1).load(OPA)
-        a13 = psm.index(pb * 6 + 2).load(OPA)
-        a21 = psm.index(pb * 6 + 3).slice(0, 16).load(OPA)
-        a22 = psm.index(pb * 6 + 4).slice(0, 16).load(OPA)
-        a23 = psm.index(pb * 6 + 5).slice(0, 16).load(OPA)
-        _bar()
-        if LOGITS:
-            mbarrier.arrive(pfree.index(pb))
+        a11, a12, a13, a21, a22, a23 = _take_weights(psm, pready, pfree, k, OPA, 16, LOGITS)
         slot = k % RING
         mbarrier.wait(full.index(slot), (k // RING) & 1)
         t0 = 2 * (team + k * TEAMS)
@@ -739,16 +727,34 @@ def _writer_packed(ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T
             o1 = mma_v2(a11, xb, mma_v2(a12, xb, mma_v2(a13, xb, gl.zeros([32, CH], gl.float32, MMA))))
             o2 = mma_v2(a21, xb, mma_v2(a22, xb, mma_v2(a23, xb, gl.zeros([16, CH], gl.float32, MMA))))
             col = t0 * D + lo + c * CH
-            if EVICT:
-                gl.store(n_out + off1[:, None] + col + bc[None, :], gl.convert_layout(o1, OB), mask=(q1 < Q)[:, None],
-                         eviction_policy="evict_first")
-                gl.store(n_out + off2[:, None] + col + bc[None, :], gl.convert_layout(o2, OB), mask=(q2 < Q)[:, None],
-                         eviction_policy="evict_first")
-            else:
-                gl.store(n_out + off1[:, None] + col + bc[None, :], gl.convert_layout(o1, OB), mask=(q1 < Q)[:, None])
-                gl.store(n_out + off2[:, None] + col + bc[None, :], gl.convert_layout(o2, OB), mask=(q2 < Q)[:, None])
+            policy: gl.constexpr = "evict_first" if EVICT else ""
+            gl.store(n_out + off1[:, None] + col + bc[None, :], gl.convert_layout(o1, OB), mask=(q1 < Q)[:, None],
+                     eviction_policy=policy)
+            gl.store(n_out + off2[:, None] + col + bc[None, :], gl.convert_layout(o2, OB), mask=(q2 < Q)[:, None],
+                     eviction_policy=policy)
         _bar()
         mbarrier.arrive(empty.index(slot))
+
+
+@gluon.jit
+def _take_weights(psm, pready, pfree, k, OPA: gl.constexpr, ROWS: gl.constexpr, LOGITS: gl.constexpr):
+    """Pair ``k``'s six weights tiles from buffer ``k % PB`` as ``mma`` A operands (the last three
+    cut to their first ``ROWS`` rows), once the weights warps have filled it; the buffer is then
+    handed back. Without ``LOGITS`` nothing is waited for (timing the writer alone)."""
+    PB: gl.constexpr = psm.shape[0] // 6
+    pb = k % PB
+    if LOGITS:
+        mbarrier.wait(pready.index(pb), (k // PB) & 1)
+    a1 = psm.index(pb * 6).load(OPA)
+    a2 = psm.index(pb * 6 + 1).load(OPA)
+    a3 = psm.index(pb * 6 + 2).load(OPA)
+    b1 = psm.index(pb * 6 + 3).slice(0, ROWS).load(OPA)
+    b2 = psm.index(pb * 6 + 4).slice(0, ROWS).load(OPA)
+    b3 = psm.index(pb * 6 + 5).slice(0, ROWS).load(OPA)
+    _bar()
+    if LOGITS:
+        mbarrier.arrive(pfree.index(pb))
+    return a1, a2, a3, b1, b2, b3
 
 
 @gluon.jit
@@ -764,25 +770,13 @@ def _writer_rows(ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, tea
     OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     OB: gl.constexpr = gl.BlockedLayout([1, 4], [128 // CH, CH // 4], [NW, 1], [1, 0])
-    PB: gl.constexpr = psm.shape[0] // 6
     oq = gl.arange(0, QP, layout=gl.SliceLayout(1, MMA))
     oc = gl.arange(0, CH, layout=gl.SliceLayout(0, MMA))
     bq = gl.arange(0, QP, layout=gl.SliceLayout(1, OB))
     bc = gl.arange(0, CH, layout=gl.SliceLayout(0, OB))
     row = T * D
     for k in range(nk):
-        pb = k % PB
-        if LOGITS:
-            mbarrier.wait(pready.index(pb), (k // PB) & 1)
-        a01 = psm.index(pb * 6).load(OPA)
-        a02 = psm.index(pb * 6 + 1).load(OPA)
-        a03 = psm.index(pb * 6 + 2).load(OPA)
-        a11 = psm.index(pb * 6 + 3).load(OPA)
-        a12 = psm.index(pb * 6 + 4).load(OPA)
-        a13 = psm.index(pb * 6 + 5).load(OPA)
-        _bar()
-        if LOGITS:
-            mbarrier.arrive(pfree.index(pb))
+        a01, a02, a03, a11, a12, a13 = _take_weights(psm, pready, pfree, k, OPA, 32, LOGITS)
         slot = k % RING
         mbarrier.wait(full.index(slot), (k // RING) & 1)
         t0 = 2 * (team + k * TEAMS)

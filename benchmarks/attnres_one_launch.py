@@ -370,20 +370,18 @@ def _pack_weights(psm, pb, P, LW: gl.constexpr):
     the writer's products cover 48 rows (24 queries × 2 tokens) instead of 64. Rows are regrouped
     through the scratch buffers after the ``PB·6`` of ``psm``."""
     R: gl.constexpr = 16
-    L16: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
-    L8: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
+    BL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [LW, 1], [1, 0])
     scratch: gl.constexpr = psm.shape[0] // 6 * 6
     parts = _three_parts(P)
     for k in gl.static_range(3):
         psm.index(scratch + k).store(parts[k])
     _bar()
-    c16 = gl.arange(0, R, layout=gl.SliceLayout(0, L16))
-    c8 = gl.arange(0, R, layout=gl.SliceLayout(0, L8))
-    t0_16 = (c16 < 8)[None, :] & (gl.arange(0, 16, layout=gl.SliceLayout(1, L16)) >= 0)[:, None]
-    t0_8 = (c8 < 8)[None, :] & (gl.arange(0, 8, layout=gl.SliceLayout(1, L8)) >= 0)[:, None]
+    first = (gl.arange(0, R, layout=gl.SliceLayout(0, BL)) < 8)[None, :]  # token 0's blocks
+    t0_16 = first & (gl.arange(0, 16, layout=gl.SliceLayout(1, BL)) >= 0)[:, None]
+    t0_8 = first & (gl.arange(0, 8, layout=gl.SliceLayout(1, BL)) >= 0)[:, None]
     for k in gl.static_range(3):
-        lo = psm.index(scratch + k).slice(0, 16).load(L16)
-        hi = psm.index(scratch + k).slice(16, 8).load(L8)
+        lo = psm.index(scratch + k).slice(0, 16).load(BL)
+        hi = psm.index(scratch + k).slice(16, 8).load(BL)
         a1 = psm.index(pb * 6 + k)
         a1.slice(0, 16).store(gl.where(t0_16, lo, 0.0))
         a1.slice(16, 16).store(gl.where(t0_16, 0.0, lo))

@@ -716,9 +716,7 @@ def _writer_packed(ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T
     off1 = q1.to(gl.int64) * T * D + (r32 // 16) * D
     off2 = q2.to(gl.int64) * T * D + (r16 // 8) * D
     for k in range(nk):
-        a11, a12, a13, a21, a22, a23 = _take_weights(psm, pready, pfree, k, OPA, 16, LOGITS)
-        slot = k % RING
-        mbarrier.wait(full.index(slot), (k // RING) & 1)
+        a11, a12, a13, a21, a22, a23, slot = _take_pair(psm, pready, pfree, full, k, OPA, 16, RING, LOGITS)
         t0 = 2 * (team + k * TEAMS)
         for c in range(NCH):
             xb = ring.index(slot * NCH + c).load(OPB)
@@ -735,10 +733,12 @@ def _writer_packed(ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T
 
 
 @gluon.jit
-def _take_weights(psm, pready, pfree, k, OPA: gl.constexpr, ROWS: gl.constexpr, LOGITS: gl.constexpr):
-    """Pair ``k``'s six weights tiles from buffer ``k % PB`` as ``mma`` A operands (the last three
-    cut to their first ``ROWS`` rows), once the weights warps have filled it; the buffer is then
-    handed back. Without ``LOGITS`` nothing is waited for (timing the writer alone)."""
+def _take_pair(psm, pready, pfree, full, k, OPA: gl.constexpr, ROWS: gl.constexpr, RING: gl.constexpr,
+               LOGITS: gl.constexpr):
+    """The writer's start of pair ``k``: its six weights tiles from buffer ``k % PB`` as ``mma`` A
+    operands (the last three cut to their first ``ROWS`` rows), once the weights warps have filled
+    it (the buffer is then handed back; without ``LOGITS`` nothing is waited for: timing the
+    writer alone), and its ring slot, once the slab has landed."""
     PB: gl.constexpr = psm.shape[0] // 6
     pb = k % PB
     if LOGITS:
@@ -752,7 +752,9 @@ def _take_weights(psm, pready, pfree, k, OPA: gl.constexpr, ROWS: gl.constexpr, 
     _bar()
     if LOGITS:
         mbarrier.arrive(pfree.index(pb))
-    return a1, a2, a3, b1, b2, b3
+    slot = k % RING
+    mbarrier.wait(full.index(slot), (k // RING) & 1)
+    return a1, a2, a3, b1, b2, b3, slot
 
 
 @gluon.jit
@@ -774,9 +776,7 @@ def _writer_rows(ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, tea
     bc = gl.arange(0, CH, layout=gl.SliceLayout(0, OB))
     row = T * D
     for k in range(nk):
-        a01, a02, a03, a11, a12, a13 = _take_weights(psm, pready, pfree, k, OPA, 32, LOGITS)
-        slot = k % RING
-        mbarrier.wait(full.index(slot), (k // RING) & 1)
+        a01, a02, a03, a11, a12, a13, slot = _take_pair(psm, pready, pfree, full, k, OPA, 32, RING, LOGITS)
         t0 = 2 * (team + k * TEAMS)
         for c in range(NCH):
             xb = ring.index(slot * NCH + c).load(OPB)

@@ -1002,31 +1002,14 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     n, T, d = stored.shape
     Q = w.shape[0]
     dev = stored.device
-    W = d // slabs
-    # split needs the exchange: without it nothing holds the writer back to the partials warps,
-    # which then fall more than a ring behind and wait on a barrier phase long gone (a hang).
-    if (d % slabs or W % box or n > 8 or Q > QP or T % 2 or ring < look + 2 or not (exchange or look == 0)
-            or (split and not exchange) or chains not in (1, 3, 6) or rounds not in (1, 2)
-            or (rounds == 2 and (own or vgather or gslabs or -(-(Q if qonly else QP) // slabs) not in (1, 2, 4)
-                                 or -(-(Q if qonly else QP) // slabs) * slabs > QP or (not qonly and QP % slabs)))
-            or lanes not in (1, 2) or (vnative and (not pack or vgather or rounds == 2))
-            or (pipe2 and (not (pack and split and exchange and gather) or rounds == 2 or vgather or vnative or own
-                           or wlanes == 2 or lanes == 2))
-            or (evict and not pack)
-            or (early and (not split or lanes == 2 or wlanes == 2 or pipe2 or wreg or turn or pring < 1))
-            or (presum and (not (split and exchange and gather) or slabs % 2 or rounds == 2 or vgather or own or gslabs
-                            or wlanes == 2 or lanes == 2 or defer or wreg or turn))
-            or not 0 <= gslabs <= slabs or wlanes not in (1, 2) or (wlanes == 2 and (not split or lanes == 2))
-            or (pack and ((not split and logits) or lanes == 2 or wlanes == 2 or store != "vector" or Q > 24))
-            or (turn and (not ((split or not logits) and pack and qonly) or (split and logit_warps != 1) or wreg
-                          or defer))
-            or (lanes == 2 and not split) or store not in STORES or (store == "tma" and 4 * box > 128)):
-        raise ValueError(f"unsupported shape or variant: stored {list(stored.shape)}, {Q} queries, slabs={slabs}, "
-                         f"ring={ring}, look={look}, exchange={exchange}, split={split}, chains={chains}, box={box}, "
-                         f"store={store!r}, rounds={rounds}, own={own}, lanes={lanes}, vgather={vgather}, "
-                         f"qonly={qonly}, gslabs={gslabs}, wlanes={wlanes}, pack={pack}, turn={turn}, "
-                         f"vnative={vnative}, pipe2={pipe2}, presum={presum}, early={early}, pring={pring}, "
-                         f"evict={evict}")
+    refused = _refusals(n, T, d, Q, slabs=slabs, ring=ring, look=look, exchange=exchange, chains=chains, split=split,
+                        box=box, store=store, logits=logits, wreg=wreg, gather=gather, own=own, rounds=rounds,
+                        lanes=lanes, defer=defer, vgather=vgather, qonly=qonly, gslabs=gslabs, wlanes=wlanes, pack=pack,
+                        turn=turn, vnative=vnative, pipe2=pipe2, presum=presum, early=early, pring=pring,
+                        evict=evict, logit_warps=logit_warps)  # fmt: skip
+    if refused:
+        raise ValueError(f"unsupported shape or variant (stored {list(stored.shape)}, {Q} queries): "
+                         + "; ".join(refused))  # fmt: skip
     m = torch.empty(Q, T, dtype=torch.float32, device=dev)
     Z = torch.empty(Q, T, dtype=torch.float32, device=dev)
     N = torch.empty(Q, T, d, dtype=torch.float32, device=dev)
@@ -1053,6 +1036,58 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
         float(eps), teams, **constexprs, num_warps=warps,
     )  # fmt: skip
     return Stats(m, Z, N)
+
+
+def _refusals(n: int, T: int, d: int, Q: int, *, slabs: int, ring: int, look: int, exchange: bool, chains: int,
+              split: bool, box: int, store: str, logits: bool, wreg: bool, gather: bool, own: bool, rounds: int,
+              lanes: int, defer: bool, vgather: bool, qonly: bool, gslabs: int, wlanes: int, pack: bool, turn: bool,
+              vnative: bool, pipe2: bool, presum: bool, early: int, pring: int, evict: bool,
+              logit_warps: int) -> list[str]:
+    """Why :func:`phase1` cannot run ``n`` stored blocks of ``[T, d]`` for ``Q`` queries with these
+    options: one reason per rule broken (none: it can)."""
+    qs = -(-(Q if qonly else QP) // slabs)  # queries a slab sums in the first of two rounds
+    rules = [
+        (d % slabs or (d // slabs) % box, f"d = {d} must split into {slabs} slabs, each a multiple of box = {box}"),
+        (n > 8, f"at most 8 stored blocks, not {n}"),
+        (Q > QP, f"at most {QP} queries, not {Q}"),
+        (T % 2, f"T = {T} must be even (the items are token pairs)"),
+        (ring < look + 2, f"ring = {ring} must be at least look + 2 = {look + 2}"),
+        (not (exchange or look == 0), "look needs the exchange"),
+        # without the exchange nothing holds the writer back to the partials warps, which then
+        # fall more than a ring behind and wait on a barrier phase long gone (a hang)
+        (split and not exchange, "split needs the exchange (without it the partials warps hang)"),
+        (chains not in (1, 3, 6), f"chains is 1, 3 or 6, not {chains}"),
+        (rounds not in (1, 2), f"rounds is 1 or 2, not {rounds}"),
+        (rounds == 2 and (own or vgather or gslabs), "rounds=2 takes neither own, vgather nor gslabs"),
+        (rounds == 2 and (qs not in (1, 2, 4) or qs * slabs > QP),
+         f"rounds=2 needs ceil(queries / slabs) = {qs} to be 1, 2 or 4 and {qs} x {slabs} <= {QP}"),
+        (lanes not in (1, 2), f"lanes is 1 or 2, not {lanes}"),
+        (lanes == 2 and not split, "lanes=2 needs split"),
+        (wlanes not in (1, 2), f"wlanes is 1 or 2, not {wlanes}"),
+        (wlanes == 2 and (not split or lanes == 2), "wlanes=2 needs split and lanes=1"),
+        (not 0 <= gslabs <= slabs, f"gslabs is 0 to slabs = {slabs}, not {gslabs}"),
+        (store not in STORES, f"store is one of {STORES}, not {store!r}"),
+        (store == "tma" and 4 * box > 128, f"store='tma' needs box <= 32, not {box}"),
+        (vnative and (not pack or vgather or rounds == 2), "vnative needs pack and takes neither vgather nor rounds=2"),
+        (pipe2 and (not (pack and split and exchange and gather) or rounds == 2 or vgather or vnative or own
+                    or wlanes == 2 or lanes == 2),
+         "pipe2 needs pack, split, the exchange and the gather, and takes none of rounds=2, vgather, vnative, own, "
+         "wlanes=2, lanes=2"),
+        (evict and not pack, "evict needs pack"),
+        (early and (not split or lanes == 2 or wlanes == 2 or pipe2 or wreg or turn or pring < 1),
+         "early needs split and pring >= 1, and takes none of lanes=2, wlanes=2, pipe2, wreg, turn"),
+        (presum and (not (split and exchange and gather) or slabs % 2 or rounds == 2 or vgather or own or gslabs
+                     or wlanes == 2 or lanes == 2 or defer or wreg or turn),
+         "presum needs split, the exchange, the gather and an even slab count, and takes none of rounds=2, vgather, "
+         "own, gslabs, wlanes=2, lanes=2, defer, wreg, turn"),
+        (pack and ((not split and logits) or lanes == 2 or wlanes == 2 or store != "vector" or Q > 24),
+         "pack needs split (or logits=False), store='vector' and at most 24 queries, and takes neither lanes=2 nor "
+         "wlanes=2"),
+        (turn and (not ((split or not logits) and pack and qonly) or (split and logit_warps != 1) or wreg or defer),
+         "turn needs split (or logits=False), pack and qonly, logit_warps=1 with split, and takes neither wreg nor "
+         "defer"),
+    ]  # fmt: skip
+    return [reason for broken, reason in rules if broken]
 
 
 def _buffers(ring: int, look: int, split: bool) -> int:

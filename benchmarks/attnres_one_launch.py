@@ -332,6 +332,14 @@ def _weights(psm, pready, pfree, pacc, pss, ctr, m_out, z_out, acc, ss, team, s,
             sst = ss.to(gl.float64) * S
         L = (tot.to(gl.float64) / gl.sqrt(sst[None, :] / D + eps)).to(gl.float32)
         P = _softmax(L, aq, ar, n, m_out, z_out, t0, T, Q, s == 0)
+    _deliver(psm, pready, pfree, P, aq, ar, kk, LW, PACK)
+
+
+@gluon.jit
+def _deliver(psm, pready, pfree, P, aq, ar, kk, LW: gl.constexpr, PACK: gl.constexpr):
+    """Pair ``kk``'s weights ``P`` (queries ``aq`` × rows ``ar``) into the writer's buffer ``kk % PB``
+    once the writer has released it, in three bf16 parts (``PACK``: as :func:`_pack_weights`), and
+    the buffer marked ready."""
     first = (ar < 8)[None, :] & (aq >= 0)[:, None]
     PB: gl.constexpr = psm.shape[0] // 6
     pb = kk % PB
@@ -659,12 +667,7 @@ def _hand_over(psm, pready, pfree, m_out, z_out, raw, aq, ar, team, s, kk, T, D,
         sst += raw[S + mm].to(gl.float64)
     L = (tot.to(gl.float64) / gl.sqrt(sst[None, :] / D + eps)).to(gl.float32)
     P = _softmax(L, aq, ar, n, m_out, z_out, 2 * (team + kk * TEAMS), T, Q, s == 0)
-    PB: gl.constexpr = psm.shape[0] // 6
-    pb = kk % PB
-    mbarrier.wait(pfree.index(pb), ((kk // PB) & 1) ^ 1)
-    _pack_weights(psm, pb, P, XW)
-    _bar()
-    mbarrier.arrive(pready.index(pb))
+    _deliver(psm, pready, pfree, P, aq, ar, kk, XW, True)
 
 
 @gluon.jit

@@ -1,0 +1,247 @@
+"""Block AttnRes phase 1 in token segments whose blocks stay in L2: an experiment (bf16, CUDA).
+
+    python benchmarks/attnres_segments.py --out DIR [--variants VARIANT ...]
+
+Our phase 1 (:func:`k3verify.attnres.kernels.phase1`) reads the stored blocks twice from
+memory: once in the logits launch, once in the accumulate launch, whose block reads mix with
+its 5.6 GB of ``N`` writes. Here the tokens go in segments of ``seg`` tokens: for each, a
+*slice-logits* launch (a program per tile of tokens and slice of the width, ``slices`` of
+them, so that a segment still fills the GPU) and then an *accumulate* launch that sums the
+slices' partial products and squares in fixed order and writes ``N``, reading the segment's
+blocks again, from L2 when they are still there (``seg`` tokens of 8 blocks at d = 7168 is
+``seg`` × 115 KB). ``hint`` sets the L2 eviction policies: 0 none; 1 the slice loads
+``evict_last`` and the ``N`` stores ``evict_first``; 2 as 1 and the accumulate's block loads
+``evict_first`` too (their last use). Every launch of a call is captured in one CUDA graph.
+
+A VARIANT is ``key=value`` pairs joined by commas over ``seg``, ``slices``, ``hint``,
+``warps`` (slice launch), ``stages`` (slice launch) and ``graph`` (0: plain launches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from functools import partial
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from k3verify.attnres import kernels as ours
+from k3verify.attnres.chunkwise import Stats
+
+DEFAULTS = dict(seg=256, slices=8, hint=1, warps=8, stages=4, graph=1, rows=128, width=64)
+VARIANTS = ["seg=8192,slices=1,hint=0", "seg=8192,slices=1,hint=1", "seg=1024,slices=2", "seg=512,slices=4",
+            "seg=256,slices=8", "seg=256,slices=8,hint=0", "seg=256,slices=8,hint=2", "seg=256,slices=16",
+            "seg=128,slices=16", "seg=256,slices=8,graph=0"]
+EVICT = {0: ("", "", ""), 1: ("evict_last", "", "evict_first"), 2: ("evict_last", "evict_first", "evict_first")}
+
+
+@triton.jit
+def _slice_logits_kernel(v, g3, pdot, pss, t0, T, D, n, Q, SEG, BT: tl.constexpr, BD: tl.constexpr,
+                         QP: tl.constexpr, NP: tl.constexpr, SPAN: tl.constexpr, STAGES: tl.constexpr,
+                         EV: tl.constexpr):  # fmt: skip
+    """Partial products ``pdot[k, s, i, q] = v[i, t0 + s, slice k] · (w ⊙ γ)[slice k, q]`` (three
+    exact bf16 parts, fp32 sums) and squares ``pss[k, s, i]`` (fp64) for a tile of ``BT``
+    tokens and all ``n`` blocks, slice ``k = program_id(1)`` of ``SPAN`` columns."""
+    r = tl.arange(0, NP * BT)
+    src = r // BT
+    s = tl.program_id(0) * BT + r % BT
+    t = t0 + s
+    ok = (src < n) & (t < T) & (s < SEG)
+    q = tl.arange(0, QP)
+    k = tl.program_id(1)
+    rows = v + (src.to(tl.int64) * T + t) * D
+    ss = tl.zeros([NP * BT], dtype=tl.float64)
+    acc = tl.zeros([NP * BT, QP], dtype=tl.float32)
+    for d0 in tl.range(k * SPAN, k * SPAN + SPAN, BD, num_stages=STAGES):
+        dd = d0 + tl.arange(0, BD)
+        x = tl.load(rows[:, None] + dd[None, :], mask=ok[:, None] & (dd < D)[None, :], other=0.0,
+                    eviction_policy=EV)  # fmt: skip
+        xf = x.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1).to(tl.float64)
+        parts = g3 + dd[:, None] * QP + q[None, :]
+        step = tl.dot(x, tl.load(parts, mask=(dd < D)[:, None], other=0.0))
+        step += tl.dot(x, tl.load(parts + D * QP, mask=(dd < D)[:, None], other=0.0))
+        step += tl.dot(x, tl.load(parts + 2 * D * QP, mask=(dd < D)[:, None], other=0.0))
+        acc += step
+    cell = (k * SEG + s) * n + src
+    tl.store(pdot + cell[:, None] * QP + q[None, :], acc, mask=ok[:, None] & (q < Q)[None, :])
+    tl.store(pss + cell, ss, mask=ok)
+
+
+@triton.jit
+def _segment_accumulate_kernel(v, pdot, pss, m_out, z_out, n_out, t0, T, D, n, Q, SEG, eps,
+                               SLICES: tl.constexpr, SPLIT: tl.constexpr, BD: tl.constexpr, QP: tl.constexpr,
+                               NP: tl.constexpr, STAGES: tl.constexpr, LOAD_EV: tl.constexpr,
+                               STORE_EV: tl.constexpr):  # fmt: skip
+    """Main's accumulate for token ``t0 + program_id(0) // SPLIT``, its logits summed from the
+    ``SLICES`` partials in fixed order (products in fp32, squares in fp64)."""
+    s = tl.program_id(0) // SPLIT
+    t = (t0 + s).to(tl.int64)
+    part = tl.program_id(0) % SPLIT
+    span = tl.cdiv(tl.cdiv(D, SPLIT), BD) * BD
+    qq = tl.arange(0, QP)
+    src = tl.arange(0, NP)
+    dot = tl.zeros([QP, NP], dtype=tl.float32)
+    ss = tl.zeros([NP], dtype=tl.float64)
+    for k in tl.static_range(SLICES):
+        cell = (k * SEG + s) * n + src
+        dot += tl.load(pdot + cell[None, :] * QP + qq[:, None], mask=(src < n)[None, :] & (qq < Q)[:, None],
+                       other=0.0)  # fmt: skip
+        ss += tl.load(pss + cell, mask=src < n, other=1.0)
+    L = ours._normalised(dot, ss[None, :], D, eps)
+    L = tl.where((src < n)[None, :], L, float("-inf"))
+    m = tl.max(L, axis=1)
+    P = tl.exp(L - m[:, None])
+    p1 = P.to(tl.bfloat16)
+    rest = P - p1.to(tl.float32)
+    p2 = rest.to(tl.bfloat16)
+    p3 = (rest - p2.to(tl.float32)).to(tl.bfloat16)
+    rows = v + (src[:, None].to(tl.int64) * T + t) * D
+    outs = n_out + (qq[:, None] * T + t) * D
+    for d0 in tl.range(part * span, tl.minimum(part * span + span, D), BD, num_stages=STAGES):
+        dd = d0 + tl.arange(0, BD)
+        X = tl.load(rows + dd[None, :], mask=(src < n)[:, None] & (dd < D)[None, :], other=0.0,
+                    eviction_policy=LOAD_EV)  # fmt: skip
+        acc = tl.dot(p1, X)
+        acc = tl.dot(p2, X, acc)
+        acc = tl.dot(p3, X, acc)
+        tl.store(outs + dd[None, :], acc, mask=(qq < Q)[:, None] & (dd < D)[None, :], eviction_policy=STORE_EV)
+    if part == 0:
+        tl.store(m_out + qq * T + t, m, mask=qq < Q)
+        tl.store(z_out + qq * T + t, tl.sum(P, axis=1), mask=qq < Q)
+
+
+def options(kw: dict[str, Any]) -> dict[str, int]:
+    """The defaults overridden by ``kw``; unknown keys raise ``KeyError`` naming them."""
+    unknown = sorted(set(kw) - set(DEFAULTS))
+    if unknown:
+        raise KeyError(f"unknown options {unknown}; known: {sorted(DEFAULTS)}")
+    return DEFAULTS | kw
+
+
+def prepare(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: float = 1e-5, **kw: Any):
+    """A function that writes phase 1's ``Stats`` of ``stored:[n, T, d]`` (bf16) for queries
+    ``w, gamma:[Q, d]`` into buffers allocated here, and those ``Stats``."""
+    o = options(kw)
+    n, T, d = stored.shape
+    Q = w.shape[0]
+    QP, NP = ours.block(Q), ours.block(n)
+    rows_np = triton.next_power_of_2(n)
+    BT = max(o["rows"] // rows_np, 1)
+    seg, slices, width = min(o["seg"], T), o["slices"], o["width"]
+    span = triton.cdiv(triton.cdiv(d, slices), width) * width
+    dev = stored.device
+    wg = ours._queries(w, gamma, d, dev, QP)
+    g3 = ours._split_bf16(wg)
+    m = torch.empty(Q, T, dtype=torch.float32, device=dev)
+    Z = torch.empty_like(m)
+    N = torch.empty(Q, T, d, dtype=torch.float32, device=dev)
+    pdot = torch.empty(slices, seg, n, QP, dtype=torch.float32, device=dev)
+    pss = torch.empty(slices, seg, n, dtype=torch.float64, device=dev)
+    ev_slice, ev_load, ev_store = EVICT[o["hint"]]
+    split = min(ours.ACC_SPLIT, triton.cdiv(d, ours.ACC_WIDTH))
+
+    def run() -> None:
+        for t0 in range(0, T, seg):
+            count = min(seg, T - t0)
+            _slice_logits_kernel[(triton.cdiv(count, BT), slices)](
+                stored, g3, pdot, pss, t0, T, d, n, Q, seg, BT=BT, BD=width, QP=QP, NP=rows_np, SPAN=span,
+                STAGES=o["stages"], EV=ev_slice, num_warps=o["warps"], num_stages=o["stages"])  # fmt: skip
+            _segment_accumulate_kernel[(count * split,)](
+                stored, pdot, pss, m, Z, N, t0, T, d, n, Q, seg, float(eps), SLICES=slices, SPLIT=split,
+                BD=ours.ACC_WIDTH, QP=QP, NP=NP, STAGES=ours.ACC_STAGES, LOAD_EV=ev_load, STORE_EV=ev_store,
+                num_warps=4)  # fmt: skip
+
+    run()
+    if not o["graph"]:
+        return run, Stats(m, Z, N)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph.replay, Stats(m, Z, N)
+
+
+def variant(text: str) -> dict[str, Any]:
+    """``key=value,...`` as options."""
+    kw = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        kw[key] = ast.literal_eval(value)
+    options(kw)
+    return kw
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="reports/latest/bench", help="output folder")
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, help="key=value,... over the options")
+    parser.add_argument("--tokens", type=int, default=8192)
+    args = parser.parse_args(argv)
+    try:
+        chosen = {name: variant(name) for name in args.variants}
+    except (KeyError, ValueError, SyntaxError) as exc:
+        parser.error(str(exc))
+    import attnres_gpu
+    import gpu_timing
+    from gpu_timing import copy_bandwidth, launch_split, ms, write_results
+
+    from k3verify.harness.environment import environment
+
+    begun = gpu_timing.start(args.out, "the segmented AttnRes experiment")
+    if begun is None:
+        return 2
+    out, log = begun
+    copy_tbps = copy_bandwidth()
+    props = torch.cuda.get_device_properties(0)
+    log(f"copy bandwidth {copy_tbps:.2f} TB/s; L2 {props.L2_cache_size / 2**20:.0f} MiB, "
+        f"{props.multi_processor_count} SMs")  # fmt: skip
+    T, d = args.tokens, 7168
+    x = attnres_gpu._block_inputs(T, d)
+    moved = attnres_gpu.STORED * T * d * 2 + attnres_gpu.QUERIES * T * d * 4
+    ref = ours.phase1(x["stored"], x["w"], x["gamma"])
+    rows = []
+    t = ms(partial(ours.phase1, x["stored"], x["w"], x["gamma"]), "attnres segments", "ours (two launches)", T=T)
+    rows.append(dict(variant="ours (two launches)", ms=t, fraction_of_copy=moved / (t * 1e-3) / 1e12 / copy_tbps))
+    log(f"ours: {t:.4f} ms, {100 * rows[-1]['fraction_of_copy']:.1f}% of copy")
+    for name, kw in chosen.items():
+        try:
+            run, got = prepare(x["stored"], x["w"], x["gamma"], **kw)
+            run()
+            torch.cuda.synchronize()
+        except Exception as exc:  # a variant that does not compile or run is a result; go on
+            rows.append(dict(variant=name, error=f"{type(exc).__name__}: {exc}"[:300]))
+            log(f"{name}: {rows[-1]['error']}")
+            continue
+        agree = dict(m=(got.m - ref.m).abs().max().item(), Z=((got.Z - ref.Z).abs() / ref.Z).max().item(),
+                     N=((got.N - ref.N).abs().max() / ref.N.abs().max()).item())  # fmt: skip
+        t = ms(run, "attnres segments", name, T=T)
+        frac = moved / (t * 1e-3) / 1e12 / copy_tbps
+        split = launch_split(run, repeats=3)
+        rows.append(dict(variant=name, options=options(kw), ms=t, fraction_of_copy=frac, agreement=agree,
+                         split=split))  # fmt: skip
+        log(f"{name}: {t:.4f} ms, {100 * frac:.1f}% of copy; max |dm| {agree['m']:.1e}, dZ {agree['Z']:.1e}, "
+            f"dN {agree['N']:.1e}; {split}")
+        del got, run
+        torch.cuda.empty_cache()
+    lines = ["# Block AttnRes phase 1 in token segments (experiment)", "",
+             f"T = {T}, d = {d}, 24 queries over 8 stored blocks, bf16; copy {copy_tbps:.2f} TB/s; do_bench medians.",
+             "", "| variant | ms | of copy | max abs dm | max rel dZ | max rel dN |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r['error']} | | | | |")
+            continue
+        a = r.get("agreement", dict(m=0.0, Z=0.0, N=0.0))
+        lines.append(f"| {r['variant']} | {r['ms']:.4f} | {100 * r['fraction_of_copy']:.1f}% | "
+                     f"{a['m']:.1e} | {a['Z']:.1e} | {a['N']:.1e} |")
+    result = dict(device=torch.cuda.get_device_name(0), copy_tbps=copy_tbps, rows=rows, environment=environment())
+    write_results(out, "attnres_segments", result, "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,20 +1,25 @@
-"""Block AttnRes phase 1 in token segments whose blocks stay in L2: an experiment (bf16, CUDA).
+"""Block AttnRes phase 1 (bf16, CUDA): the two launches' settings, eviction hints, launch order
+and token segments, timed side by side (an experiment).
 
-    python benchmarks/attnres_segments.py --out DIR [--variants VARIANT ...]
+    python benchmarks/attnres_phase1_tune.py --out DIR [--variants VARIANT ...]
 
-Our phase 1 (:func:`k3verify.attnres.kernels.phase1`) reads the stored blocks twice from
-memory: once in the logits launch, once in the accumulate launch, whose block reads mix with
-its 5.6 GB of ``N`` writes. Here the tokens go in segments of ``seg`` tokens: for each, a
-*slice-logits* launch (a program per tile of tokens and slice of the width, ``slices`` of
-them, so that a segment still fills the GPU) and then an *accumulate* launch that sums the
-slices' partial products and squares in fixed order and writes ``N``, reading the segment's
-blocks again, from L2 when they are still there (``seg`` tokens of 8 blocks at d = 7168 is
-``seg`` × 115 KB). ``hint`` sets the L2 eviction policies: 0 none; 1 the slice loads
-``evict_last`` and the ``N`` stores ``evict_first``; 2 as 1 and the accumulate's block loads
-``evict_first`` too (their last use). Every launch of a call is captured in one CUDA graph.
+Our phase 1 (:func:`k3verify.attnres.kernels.phase1`) is a logits launch and an accumulate
+launch that both read the stored blocks. Here the logits launch may split the width into
+``slices`` (partial products and squares, summed in fixed order by the accumulate), and the
+tokens may go in segments of ``seg`` tokens, each segment's logits launch followed by its
+accumulate launch, so that the second read of a segment's blocks can come from L2 (``seg``
+tokens of 8 blocks at d = 7168 is ``seg`` × 115 KB). Options, as ``key=value`` joined by commas:
 
-A VARIANT is ``key=value`` pairs joined by commas over ``seg``, ``slices``, ``hint``,
-``warps`` (slice launch), ``stages`` (slice launch) and ``graph`` (0: plain launches).
+- logits launch: ``rows`` (rows of a tile: blocks × tokens), ``width``, ``warps``, ``stages``,
+  ``slices``, ``hint`` (1: its loads ``evict_last``);
+- accumulate launch: ``asplit`` (programs a token), ``awidth``, ``awarps``, ``astages``,
+  ``store`` (the ``N`` stores' eviction policy, or a cache modifier such as ``.cs``), ``load``
+  (the block loads' eviction policy);
+- ``pdl``: the accumulate launched as a programmatic dependent of the logits launch (it waits in
+  the kernel, so its launch overlaps the logits launch's tail);
+- ``prep``: what the timed call includes of ``w ⊙ γ``'s three bf16 parts: 0 nothing (made
+  once), 1 main's torch operations, 2 one Triton launch;
+- ``graph``: the call's launches captured in one CUDA graph (for many segments).
 """
 
 from __future__ import annotations
@@ -32,17 +37,21 @@ import triton.language as tl
 from k3verify.attnres import kernels as ours
 from k3verify.attnres.chunkwise import Stats
 
-DEFAULTS = dict(seg=256, slices=8, hint=1, warps=8, stages=4, graph=1, rows=128, width=64)
-VARIANTS = ["seg=8192,slices=1,hint=0", "seg=8192,slices=1,hint=1", "seg=1024,slices=2", "seg=512,slices=4",
-            "seg=256,slices=8", "seg=256,slices=8,hint=0", "seg=256,slices=8,hint=2", "seg=256,slices=16",
-            "seg=128,slices=16", "seg=256,slices=8,graph=0"]
-EVICT = {0: ("", "", ""), 1: ("evict_last", "", "evict_first"), 2: ("evict_last", "evict_first", "evict_first")}
+DEFAULTS = dict(seg=8192, slices=1, hint=0, warps=8, stages=4, rows=128, width=64, asplit=4, awidth=256,
+                astages=3, awarps=4, store="", load="", pdl=0, prep=0, graph=0)
+VARIANTS = ["hint=0", "store=evict_first", "store=.cs", "store=evict_first,load=evict_first",
+            "store=evict_first,pdl=1", "store=evict_first,prep=1", "store=evict_first,prep=2",
+            "store=evict_first,slices=2", "store=evict_first,warps=4", "store=evict_first,stages=6",
+            "store=evict_first,rows=256", "store=evict_first,width=128", "store=evict_first,rows=64,warps=4",
+            "store=evict_first,asplit=2", "store=evict_first,asplit=8", "store=evict_first,awidth=128",
+            "store=evict_first,awidth=512,awarps=8", "store=evict_first,astages=4", "store=evict_first,astages=2",
+            "store=evict_first,awarps=8"]
 
 
 @triton.jit
 def _slice_logits_kernel(v, g3, pdot, pss, t0, T, D, n, Q, SEG, BT: tl.constexpr, BD: tl.constexpr,
                          QP: tl.constexpr, NP: tl.constexpr, SPAN: tl.constexpr, STAGES: tl.constexpr,
-                         EV: tl.constexpr):  # fmt: skip
+                         EV: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Partial products ``pdot[k, s, i, q] = v[i, t0 + s, slice k] · (w ⊙ γ)[slice k, q]`` (three
     exact bf16 parts, fp32 sums) and squares ``pss[k, s, i]`` (fp64) for a tile of ``BT``
     tokens and all ``n`` blocks, slice ``k = program_id(1)`` of ``SPAN`` columns."""
@@ -67,6 +76,8 @@ def _slice_logits_kernel(v, g3, pdot, pss, t0, T, D, n, Q, SEG, BT: tl.constexpr
         step += tl.dot(x, tl.load(parts + D * QP, mask=(dd < D)[:, None], other=0.0))
         step += tl.dot(x, tl.load(parts + 2 * D * QP, mask=(dd < D)[:, None], other=0.0))
         acc += step
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     cell = (k * SEG + s) * n + src
     tl.store(pdot + cell[:, None] * QP + q[None, :], acc, mask=ok[:, None] & (q < Q)[None, :])
     tl.store(pss + cell, ss, mask=ok)
@@ -76,7 +87,7 @@ def _slice_logits_kernel(v, g3, pdot, pss, t0, T, D, n, Q, SEG, BT: tl.constexpr
 def _segment_accumulate_kernel(v, pdot, pss, m_out, z_out, n_out, t0, T, D, n, Q, SEG, eps,
                                SLICES: tl.constexpr, SPLIT: tl.constexpr, BD: tl.constexpr, QP: tl.constexpr,
                                NP: tl.constexpr, STAGES: tl.constexpr, LOAD_EV: tl.constexpr,
-                               STORE_EV: tl.constexpr):  # fmt: skip
+                               STORE_EV: tl.constexpr, STORE_CM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Main's accumulate for token ``t0 + program_id(0) // SPLIT``, its logits summed from the
     ``SLICES`` partials in fixed order (products in fp32, squares in fp64)."""
     s = tl.program_id(0) // SPLIT
@@ -87,6 +98,8 @@ def _segment_accumulate_kernel(v, pdot, pss, m_out, z_out, n_out, t0, T, D, n, Q
     src = tl.arange(0, NP)
     dot = tl.zeros([QP, NP], dtype=tl.float32)
     ss = tl.zeros([NP], dtype=tl.float64)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     for k in tl.static_range(SLICES):
         cell = (k * SEG + s) * n + src
         dot += tl.load(pdot + cell[None, :] * QP + qq[:, None], mask=(src < n)[None, :] & (qq < Q)[:, None],
@@ -109,13 +122,30 @@ def _segment_accumulate_kernel(v, pdot, pss, m_out, z_out, n_out, t0, T, D, n, Q
         acc = tl.dot(p1, X)
         acc = tl.dot(p2, X, acc)
         acc = tl.dot(p3, X, acc)
-        tl.store(outs + dd[None, :], acc, mask=(qq < Q)[:, None] & (dd < D)[None, :], eviction_policy=STORE_EV)
+        tl.store(outs + dd[None, :], acc, mask=(qq < Q)[:, None] & (dd < D)[None, :], eviction_policy=STORE_EV,
+                 cache_modifier=STORE_CM)  # fmt: skip
     if part == 0:
         tl.store(m_out + qq * T + t, m, mask=qq < Q)
         tl.store(z_out + qq * T + t, tl.sum(P, axis=1), mask=qq < Q)
 
 
-def options(kw: dict[str, Any]) -> dict[str, int]:
+@triton.jit
+def _parts_kernel(w, gamma, g3, D, Q, QP: tl.constexpr, BD: tl.constexpr):
+    """``g3[j, c, q]``: the three bf16 parts of ``w[q, c] γ[q, c]`` (zero past ``Q``), a
+    ``BD``-wide slice of the width per program."""
+    c = tl.program_id(0) * BD + tl.arange(0, BD)
+    q = tl.arange(0, QP)
+    ok = (c < D)[:, None] & (q < Q)[None, :]
+    x = tl.load(w + q[None, :] * D + c[:, None], mask=ok, other=0.0) * tl.load(
+        gamma + q[None, :] * D + c[:, None], mask=ok, other=0.0)
+    out = g3 + c[:, None] * QP + q[None, :]
+    for j in tl.static_range(3):
+        part = x.to(tl.bfloat16)
+        tl.store(out + j * D * QP, part, mask=(c < D)[:, None])
+        x = x - part.to(tl.float32)
+
+
+def options(kw: dict[str, Any]) -> dict[str, Any]:
     """The defaults overridden by ``kw``; unknown keys raise ``KeyError`` naming them."""
     unknown = sorted(set(kw) - set(DEFAULTS))
     if unknown:
@@ -125,7 +155,7 @@ def options(kw: dict[str, Any]) -> dict[str, int]:
 
 def prepare(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: float = 1e-5, **kw: Any):
     """A function that writes phase 1's ``Stats`` of ``stored:[n, T, d]`` (bf16) for queries
-    ``w, gamma:[Q, d]`` into buffers allocated here, and those ``Stats``."""
+    ``w, gamma:[Q, d]`` (fp32) into buffers allocated here, and those ``Stats``."""
     o = options(kw)
     n, T, d = stored.shape
     Q = w.shape[0]
@@ -135,26 +165,33 @@ def prepare(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: 
     seg, slices, width = min(o["seg"], T), o["slices"], o["width"]
     span = triton.cdiv(triton.cdiv(d, slices), width) * width
     dev = stored.device
-    wg = ours._queries(w, gamma, d, dev, QP)
-    g3 = ours._split_bf16(wg)
+    w32, g32 = w.float().contiguous(), gamma.float().contiguous()
+    g3 = ours._split_bf16(ours._queries(w, gamma, d, dev, QP))
     m = torch.empty(Q, T, dtype=torch.float32, device=dev)
     Z = torch.empty_like(m)
     N = torch.empty(Q, T, d, dtype=torch.float32, device=dev)
     pdot = torch.empty(slices, seg, n, QP, dtype=torch.float32, device=dev)
     pss = torch.empty(slices, seg, n, dtype=torch.float64, device=dev)
-    ev_slice, ev_load, ev_store = EVICT[o["hint"]]
-    split = min(ours.ACC_SPLIT, triton.cdiv(d, ours.ACC_WIDTH))
+    store_ev, store_cm = (o["store"], "") if not o["store"].startswith(".") else ("", o["store"])
+    split = min(o["asplit"], triton.cdiv(d, o["awidth"]))
 
     def run() -> None:
+        parts = g3
+        if o["prep"] == 1:
+            parts = ours._split_bf16(ours._queries(w, gamma, d, dev, QP))
+        elif o["prep"] == 2:
+            parts = torch.empty(3, d, QP, dtype=torch.bfloat16, device=dev)
+            _parts_kernel[(triton.cdiv(d, 128),)](w32, g32, parts, d, Q, QP=QP, BD=128)
         for t0 in range(0, T, seg):
             count = min(seg, T - t0)
             _slice_logits_kernel[(triton.cdiv(count, BT), slices)](
-                stored, g3, pdot, pss, t0, T, d, n, Q, seg, BT=BT, BD=width, QP=QP, NP=rows_np, SPAN=span,
-                STAGES=o["stages"], EV=ev_slice, num_warps=o["warps"], num_stages=o["stages"])  # fmt: skip
+                stored, parts, pdot, pss, t0, T, d, n, Q, seg, BT=BT, BD=width, QP=QP, NP=rows_np, SPAN=span,
+                STAGES=o["stages"], EV="evict_last" if o["hint"] else "", PDL=bool(o["pdl"]),
+                num_warps=o["warps"], num_stages=o["stages"])  # fmt: skip
             _segment_accumulate_kernel[(count * split,)](
                 stored, pdot, pss, m, Z, N, t0, T, d, n, Q, seg, float(eps), SLICES=slices, SPLIT=split,
-                BD=ours.ACC_WIDTH, QP=QP, NP=NP, STAGES=ours.ACC_STAGES, LOAD_EV=ev_load, STORE_EV=ev_store,
-                num_warps=4)  # fmt: skip
+                BD=o["awidth"], QP=QP, NP=NP, STAGES=o["astages"], LOAD_EV=o["load"], STORE_EV=store_ev,
+                STORE_CM=store_cm, PDL=bool(o["pdl"]), num_warps=o["awarps"], launch_pdl=bool(o["pdl"]))  # fmt: skip
 
     run()
     if not o["graph"]:
@@ -164,6 +201,16 @@ def prepare(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: 
     with torch.cuda.graph(graph):
         run()
     return graph.replay, Stats(m, Z, N)
+
+
+@triton.jit
+def _read_kernel(x, out, numel, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """Sum of ``x`` (bf16) by a persistent grid: the read-only bandwidth, nothing else."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in tl.range(tl.program_id(0) * BLOCK, numel, tl.num_programs(0) * BLOCK, num_stages=STAGES):
+        off = start + tl.arange(0, BLOCK)
+        acc += tl.load(x + off, mask=off < numel, other=0.0).to(tl.float32)
+    tl.store(out + tl.program_id(0), tl.sum(acc, axis=0))
 
 
 def variant(text: str) -> dict[str, Any]:
@@ -202,6 +249,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{props.multi_processor_count} SMs")  # fmt: skip
     T, d = args.tokens, 7168
     x = attnres_gpu._block_inputs(T, d)
+    flat = x["stored"].view(-1)
+    sums = torch.empty(props.multi_processor_count * 8, dtype=torch.float32, device="cuda")
+    for block_, stages in ((4096, 3), (8192, 4), (2048, 4)):
+        read = partial(_read_kernel[(sums.numel(),)], flat, sums, flat.numel(), BLOCK=block_, STAGES=stages,
+                       num_warps=8)  # fmt: skip
+        t = ms(read)
+        log(f"read-only: {flat.numel() * 2 / 1e9:.2f} GB in {t:.4f} ms, {flat.numel() * 2 / t / 1e9:.2f} TB/s "
+            f"(blocks of {block_}, {stages} stages)")  # fmt: skip
     moved = attnres_gpu.STORED * T * d * 2 + attnres_gpu.QUERIES * T * d * 4
     ref = ours.phase1(x["stored"], x["w"], x["gamma"])
     rows = []

@@ -218,7 +218,10 @@ def variant(text: str) -> dict[str, Any]:
     kw = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
-        kw[key] = ast.literal_eval(value)
+        try:
+            kw[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kw[key] = value  # a word: an eviction policy
     options(kw)
     return kw
 

@@ -19,6 +19,8 @@ tokens of 8 blocks at d = 7168 is ``seg`` × 115 KB). Options, as ``key=value`` 
   the kernel, so its launch overlaps the logits launch's tail);
 - ``prep``: what the timed call includes of ``w ⊙ γ``'s three bf16 parts: 0 nothing (made
   once), 1 main's torch operations, 2 one Triton launch;
+- ``chain``: the logits' tensor-core sums carried across width steps (1) or fresh per step and
+  added in fp32 (0); ``squares=0`` drops the RMS squares (timing only);
 - ``graph``: the call's launches captured in one CUDA graph (for many segments).
 """
 
@@ -38,20 +40,18 @@ from k3verify.attnres import kernels as ours
 from k3verify.attnres.chunkwise import Stats
 
 DEFAULTS = dict(seg=8192, slices=1, hint=0, warps=8, stages=4, rows=128, width=64, asplit=4, awidth=256,
-                astages=3, awarps=4, store="", load="", pdl=0, prep=0, graph=0)
-VARIANTS = ["hint=0", "store=evict_first", "store=.cs", "store=evict_first,load=evict_first",
-            "store=evict_first,pdl=1", "store=evict_first,prep=1", "store=evict_first,prep=2",
-            "store=evict_first,slices=2", "store=evict_first,warps=4", "store=evict_first,stages=6",
-            "store=evict_first,rows=256", "store=evict_first,width=128", "store=evict_first,rows=64,warps=4",
-            "store=evict_first,asplit=2", "store=evict_first,asplit=8", "store=evict_first,awidth=128",
-            "store=evict_first,awidth=512,awarps=8", "store=evict_first,astages=4", "store=evict_first,astages=2",
-            "store=evict_first,awarps=8"]
+                astages=3, awarps=4, store="", load="", pdl=0, prep=0, graph=0, chain=0, squares=1)
+VARIANTS = ["store=.cs", "store=.cs,chain=1", "store=.cs,squares=0", "store=.cs,chain=1,squares=0",
+            "store=.cs,chain=1,stages=3", "store=.cs,chain=1,stages=5", "store=.cs,chain=1,warps=4",
+            "store=.cs,chain=1,rows=256", "store=.cs,chain=1,width=128,stages=3",
+            "store=.cs,chain=1,pdl=1,prep=2", "store=evict_first,chain=1,pdl=1,prep=2", "store=.cs,astages=4"]
 
 
 @triton.jit
 def _slice_logits_kernel(v, g3, pdot, pss, t0, T, D, n, Q, SEG, BT: tl.constexpr, BD: tl.constexpr,
                          QP: tl.constexpr, NP: tl.constexpr, SPAN: tl.constexpr, STAGES: tl.constexpr,
-                         EV: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                         EV: tl.constexpr, PDL: tl.constexpr, CHAIN: tl.constexpr,
+                         SQUARES: tl.constexpr):  # fmt: skip
     """Partial products ``pdot[k, s, i, q] = v[i, t0 + s, slice k] · (w ⊙ γ)[slice k, q]`` (three
     exact bf16 parts, fp32 sums) and squares ``pss[k, s, i]`` (fp64) for a tile of ``BT``
     tokens and all ``n`` blocks, slice ``k = program_id(1)`` of ``SPAN`` columns."""
@@ -69,13 +69,19 @@ def _slice_logits_kernel(v, g3, pdot, pss, t0, T, D, n, Q, SEG, BT: tl.constexpr
         dd = d0 + tl.arange(0, BD)
         x = tl.load(rows[:, None] + dd[None, :], mask=ok[:, None] & (dd < D)[None, :], other=0.0,
                     eviction_policy=EV)  # fmt: skip
-        xf = x.to(tl.float32)
-        ss += tl.sum(xf * xf, axis=1).to(tl.float64)
+        if SQUARES:
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1).to(tl.float64)
         parts = g3 + dd[:, None] * QP + q[None, :]
-        step = tl.dot(x, tl.load(parts, mask=(dd < D)[:, None], other=0.0))
-        step += tl.dot(x, tl.load(parts + D * QP, mask=(dd < D)[:, None], other=0.0))
-        step += tl.dot(x, tl.load(parts + 2 * D * QP, mask=(dd < D)[:, None], other=0.0))
-        acc += step
+        if CHAIN:  # the tensor cores accumulate across steps: no wait for each step's sums
+            acc = tl.dot(x, tl.load(parts, mask=(dd < D)[:, None], other=0.0), acc)
+            acc = tl.dot(x, tl.load(parts + D * QP, mask=(dd < D)[:, None], other=0.0), acc)
+            acc = tl.dot(x, tl.load(parts + 2 * D * QP, mask=(dd < D)[:, None], other=0.0), acc)
+        else:
+            step = tl.dot(x, tl.load(parts, mask=(dd < D)[:, None], other=0.0))
+            step += tl.dot(x, tl.load(parts + D * QP, mask=(dd < D)[:, None], other=0.0))
+            step += tl.dot(x, tl.load(parts + 2 * D * QP, mask=(dd < D)[:, None], other=0.0))
+            acc += step
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     cell = (k * SEG + s) * n + src
@@ -187,6 +193,7 @@ def prepare(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: 
             _slice_logits_kernel[(triton.cdiv(count, BT), slices)](
                 stored, parts, pdot, pss, t0, T, d, n, Q, seg, BT=BT, BD=width, QP=QP, NP=rows_np, SPAN=span,
                 STAGES=o["stages"], EV="evict_last" if o["hint"] else "", PDL=bool(o["pdl"]),
+                CHAIN=bool(o["chain"]), SQUARES=bool(o["squares"]),
                 num_warps=o["warps"], num_stages=o["stages"])  # fmt: skip
             _segment_accumulate_kernel[(count * split,)](
                 stored, pdot, pss, m, Z, N, t0, T, d, n, Q, seg, float(eps), SLICES=slices, SPLIT=split,
@@ -242,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from k3verify.harness.environment import environment
 
-    begun = gpu_timing.start(args.out, "the segmented AttnRes experiment")
+    begun = gpu_timing.start(args.out, "the AttnRes phase-1 settings experiment")
     if begun is None:
         return 2
     out, log = begun
@@ -263,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     moved = attnres_gpu.STORED * T * d * 2 + attnres_gpu.QUERIES * T * d * 4
     ref = ours.phase1(x["stored"], x["w"], x["gamma"])
     rows = []
-    t = ms(partial(ours.phase1, x["stored"], x["w"], x["gamma"]), "attnres segments", "ours (two launches)", T=T)
+    t = ms(partial(ours.phase1, x["stored"], x["w"], x["gamma"]), "attnres phase 1 settings", "ours (two launches)", T=T)
     rows.append(dict(variant="ours (two launches)", ms=t, fraction_of_copy=moved / (t * 1e-3) / 1e12 / copy_tbps))
     log(f"ours: {t:.4f} ms, {100 * rows[-1]['fraction_of_copy']:.1f}% of copy")
     for name, kw in chosen.items():
@@ -277,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         agree = dict(m=(got.m - ref.m).abs().max().item(), Z=((got.Z - ref.Z).abs() / ref.Z).max().item(),
                      N=((got.N - ref.N).abs().max() / ref.N.abs().max()).item())  # fmt: skip
-        t = ms(run, "attnres segments", name, T=T)
+        t = ms(run, "attnres phase 1 settings", name, T=T)
         frac = moved / (t * 1e-3) / 1e12 / copy_tbps
         split = launch_split(run, repeats=3)
         rows.append(dict(variant=name, options=options(kw), ms=t, fraction_of_copy=frac, agreement=agree,
@@ -286,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             f"dN {agree['N']:.1e}; {split}")
         del got, run
         torch.cuda.empty_cache()
-    lines = ["# Block AttnRes phase 1 in token segments (experiment)", "",
+    lines = ["# Block AttnRes phase 1: settings of the two launches (experiment)", "",
              f"T = {T}, d = {d}, 24 queries over 8 stored blocks, bf16; copy {copy_tbps:.2f} TB/s; do_bench medians.",
              "", "| variant | ms | of copy | max abs dm | max rel dZ | max rel dN |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -297,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['variant']} | {r['ms']:.4f} | {100 * r['fraction_of_copy']:.1f}% | "
                      f"{a['m']:.1e} | {a['Z']:.1e} | {a['N']:.1e} |")
     result = dict(device=torch.cuda.get_device_name(0), copy_tbps=copy_tbps, rows=rows, environment=environment())
-    write_results(out, "attnres_segments", result, "\n".join(lines) + "\n")
+    write_results(out, "attnres_phase1_tune", result, "\n".join(lines) + "\n")
     return 0
 
 

@@ -20,7 +20,9 @@ tokens of 8 blocks at d = 7168 is ``seg`` × 115 KB). Options, as ``key=value`` 
 - ``prep``: what the timed call includes of ``w ⊙ γ``'s three bf16 parts: 0 nothing (made
   once), 1 main's torch operations, 2 one Triton launch;
 - ``chain``: the logits' tensor-core sums carried across width steps (1) or fresh per step and
-  added in fp32 (0); ``squares=0`` drops the RMS squares (timing only);
+  added in fp32 (0); ``squares``: 1 each step's squares summed in fp32 and the steps in fp64,
+  2 each column's squares summed in fp32 over the steps and the columns in fp64 at the end, 0
+  none (timing only);
 - ``graph``: the call's launches captured in one CUDA graph (for many segments).
 """
 
@@ -41,10 +43,8 @@ from k3verify.attnres.chunkwise import Stats
 
 DEFAULTS = dict(seg=8192, slices=1, hint=0, warps=8, stages=4, rows=128, width=64, asplit=4, awidth=256,
                 astages=3, awarps=4, store="", load="", pdl=0, prep=0, graph=0, chain=0, squares=1)
-VARIANTS = ["store=.cs", "store=.cs,chain=1", "store=.cs,squares=0", "store=.cs,chain=1,squares=0",
-            "store=.cs,chain=1,stages=3", "store=.cs,chain=1,stages=5", "store=.cs,chain=1,warps=4",
-            "store=.cs,chain=1,rows=256", "store=.cs,chain=1,width=128,stages=3",
-            "store=.cs,chain=1,pdl=1,prep=2", "store=evict_first,chain=1,pdl=1,prep=2", "store=.cs,astages=4"]
+VARIANTS = ["prep=1", "store=.cs,pdl=1,prep=2", "store=.cs,pdl=1,prep=2,squares=2",
+            "store=.cs,pdl=1,prep=2,squares=0"]
 
 
 @triton.jit
@@ -64,14 +64,18 @@ def _slice_logits_kernel(v, g3, pdot, pss, t0, T, D, n, Q, SEG, BT: tl.constexpr
     k = tl.program_id(1)
     rows = v + (src.to(tl.int64) * T + t) * D
     ss = tl.zeros([NP * BT], dtype=tl.float64)
+    sq = tl.zeros([NP * BT, BD], dtype=tl.float32)
     acc = tl.zeros([NP * BT, QP], dtype=tl.float32)
     for d0 in tl.range(k * SPAN, k * SPAN + SPAN, BD, num_stages=STAGES):
         dd = d0 + tl.arange(0, BD)
         x = tl.load(rows[:, None] + dd[None, :], mask=ok[:, None] & (dd < D)[None, :], other=0.0,
                     eviction_policy=EV)  # fmt: skip
-        if SQUARES:
+        if SQUARES == 1:
             xf = x.to(tl.float32)
             ss += tl.sum(xf * xf, axis=1).to(tl.float64)
+        elif SQUARES == 2:  # each column's squares summed in fp32, the columns once at the end
+            xf = x.to(tl.float32)
+            sq += xf * xf
         parts = g3 + dd[:, None] * QP + q[None, :]
         if CHAIN:  # the tensor cores accumulate across steps: no wait for each step's sums
             acc = tl.dot(x, tl.load(parts, mask=(dd < D)[:, None], other=0.0), acc)
@@ -82,6 +86,8 @@ def _slice_logits_kernel(v, g3, pdot, pss, t0, T, D, n, Q, SEG, BT: tl.constexpr
             step += tl.dot(x, tl.load(parts + D * QP, mask=(dd < D)[:, None], other=0.0))
             step += tl.dot(x, tl.load(parts + 2 * D * QP, mask=(dd < D)[:, None], other=0.0))
             acc += step
+    if SQUARES == 2:
+        ss = tl.sum(sq.to(tl.float64), axis=1)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     cell = (k * SEG + s) * n + src
@@ -135,22 +141,6 @@ def _segment_accumulate_kernel(v, pdot, pss, m_out, z_out, n_out, t0, T, D, n, Q
         tl.store(z_out + qq * T + t, tl.sum(P, axis=1), mask=qq < Q)
 
 
-@triton.jit
-def _parts_kernel(w, gamma, g3, D, Q, QP: tl.constexpr, BD: tl.constexpr):
-    """``g3[j, c, q]``: the three bf16 parts of ``w[q, c] γ[q, c]`` (zero past ``Q``), a
-    ``BD``-wide slice of the width per program."""
-    c = tl.program_id(0) * BD + tl.arange(0, BD)
-    q = tl.arange(0, QP)
-    ok = (c < D)[:, None] & (q < Q)[None, :]
-    x = tl.load(w + q[None, :] * D + c[:, None], mask=ok, other=0.0) * tl.load(
-        gamma + q[None, :] * D + c[:, None], mask=ok, other=0.0)
-    out = g3 + c[:, None] * QP + q[None, :]
-    for j in tl.static_range(3):
-        part = x.to(tl.bfloat16)
-        tl.store(out + j * D * QP, part, mask=(c < D)[:, None])
-        x = x - part.to(tl.float32)
-
-
 def options(kw: dict[str, Any]) -> dict[str, Any]:
     """The defaults overridden by ``kw``; unknown keys raise ``KeyError`` naming them."""
     unknown = sorted(set(kw) - set(DEFAULTS))
@@ -187,13 +177,13 @@ def prepare(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: 
             parts = ours._split_bf16(ours._queries(w, gamma, d, dev, QP))
         elif o["prep"] == 2:
             parts = torch.empty(3, d, QP, dtype=torch.bfloat16, device=dev)
-            _parts_kernel[(triton.cdiv(d, 128),)](w32, g32, parts, d, Q, QP=QP, BD=128)
+            ours._parts_kernel[(triton.cdiv(d, 128),)](w32, g32, parts, d, Q, QP=QP, BD=128)
         for t0 in range(0, T, seg):
             count = min(seg, T - t0)
             _slice_logits_kernel[(triton.cdiv(count, BT), slices)](
                 stored, parts, pdot, pss, t0, T, d, n, Q, seg, BT=BT, BD=width, QP=QP, NP=rows_np, SPAN=span,
                 STAGES=o["stages"], EV="evict_last" if o["hint"] else "", PDL=bool(o["pdl"]),
-                CHAIN=bool(o["chain"]), SQUARES=bool(o["squares"]),
+                CHAIN=bool(o["chain"]), SQUARES=o["squares"],
                 num_warps=o["warps"], num_stages=o["stages"])  # fmt: skip
             _segment_accumulate_kernel[(count * split,)](
                 stored, pdot, pss, m, Z, N, t0, T, d, n, Q, seg, float(eps), SLICES=slices, SPLIT=split,
@@ -270,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     moved = attnres_gpu.STORED * T * d * 2 + attnres_gpu.QUERIES * T * d * 4
     ref = ours.phase1(x["stored"], x["w"], x["gamma"])
     rows = []
-    t = ms(partial(ours.phase1, x["stored"], x["w"], x["gamma"]), "attnres phase 1 settings", "ours (two launches)", T=T)
+    t = ms(partial(ours.phase1, x["stored"], x["w"], x["gamma"]), "attnres phase 1 settings", "ours", T=T)
     rows.append(dict(variant="ours (two launches)", ms=t, fraction_of_copy=moved / (t * 1e-3) / 1e12 / copy_tbps))
     log(f"ours: {t:.4f} ms, {100 * rows[-1]['fraction_of_copy']:.1f}% of copy")
     for name, kw in chosen.items():

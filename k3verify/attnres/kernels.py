@@ -61,6 +61,7 @@ EXACT_ACC_WIDTH = 128
 # Merge: 2 tokens and 1024-wide tiles per step (measured on an H200, d = 1024 to 7168).
 MERGE_TOKENS = 2
 MERGE_WIDTH = 1024
+PARTS_WIDTH = 128
 
 
 def unavailable_reason(stream_dtype: torch.dtype | str = torch.bfloat16) -> str | None:
@@ -80,7 +81,7 @@ def _normalised(dot, ss, D, eps):
 
 @triton.jit
 def _logits_kernel(v, wg, g3, ell, T, D, n, eps, BT: tl.constexpr, BD: tl.constexpr, QP: tl.constexpr,
-                   NP: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
+                   NP: tl.constexpr, MODE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """``ell[t, i, q] = (v[i, t] · wg[:, q]) / rms(v[i, t])`` for a tile of ``BT`` tokens and all
     ``n`` stored blocks, as one ``[NP·BT, width]`` tile per width step: each tile of the queries
     serves every block (padded queries have ``wg = 0``: logit 0).
@@ -88,7 +89,10 @@ def _logits_kernel(v, wg, g3, ell, T, D, n, eps, BT: tl.constexpr, BD: tl.conste
     ``MODE`` 0 (fp32 streams, the interpreter): products and sums in fp64, so a logit carries one
     fp32 rounding. 1 (bf16): the bf16 tile against ``w ⊙ γ`` split into three bf16 parts
     ``g3[k]`` (24 bits kept), each product exact; every width step's sums are fresh tensor-core
-    sums added in fp32. 2 (fp16): one tf32x3 product per step (the stream is exact in tf32)."""
+    sums added in fp32 (carried across steps in the tensor cores' accumulator instead, the logits
+    moved by up to 1e-3 at K3's shape on an H200). 2 (fp16): one tf32x3 product per step (the
+    stream is exact in tf32). ``PDL``: the accumulate launch may start once every program is
+    past its loads (it waits for this launch's end in the kernel)."""
     r = tl.arange(0, NP * BT)
     src = r // BT
     t = tl.program_id(0) * BT + r % BT
@@ -120,20 +124,26 @@ def _logits_kernel(v, wg, g3, ell, T, D, n, eps, BT: tl.constexpr, BD: tl.conste
             else:
                 g = tl.load(wg + dd[:, None] * QP + q[None, :], mask=(dd < D)[:, None], other=0.0)
                 acc += dot_fp32(xf, g, False)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     out = ell + (t[:, None].to(tl.int64) * n + src[:, None]) * QP + q[None, :]
     tl.store(out, _normalised(acc, ss[:, None], D, eps), mask=ok[:, None])
 
 
 @triton.jit
 def _accumulate_kernel(v, ell, m_out, z_out, n_out, T, D, n, Q, SPLIT: tl.constexpr, BD: tl.constexpr,
-                       QP: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+                       QP: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, STAGES: tl.constexpr,
+                       PDL: tl.constexpr):  # fmt: skip
     """For one token and ``1/SPLIT`` of the width, every query at once: ``m, Z`` over the ``n``
     stored blocks and ``N = P X``, the weights ``P:[queries, blocks]`` times the blocks' tiles
     ``X:[blocks, width]``, width tile by width tile; each output row is written once.
 
     ``MODE`` as :func:`_logits_kernel`'s: 0 exact fp32 products; 1 (bf16 stream) ``P`` split
     once into three bf16 parts, each times the bf16 tile (``NP >= 16`` rows, padding zero):
-    exact products, the weights to 24 bits, the tile never converted; 2 (fp16) tf32x3."""
+    exact products, the weights to 24 bits, the tile never converted; 2 (fp16) tf32x3. ``PDL``:
+    launched as a programmatic dependent of the logits launch, whose end it waits for here.
+    ``N`` is stored streaming (``.cs``): it is read by a later launch, not this one (2.048 ms
+    against 2.071 for the whole phase at K3's shape on an H200)."""
     # A token's tiles run in one program: the weights are formed once, the tile loads are
     # pipelined ahead of the products and the stores, and a token's rows are read and its
     # outputs written as long runs (measured on an H200: 1.74 ms against 2.03 ms for one
@@ -143,6 +153,8 @@ def _accumulate_kernel(v, ell, m_out, z_out, n_out, T, D, n, Q, SPLIT: tl.conste
     span = tl.cdiv(tl.cdiv(D, SPLIT), BD) * BD
     qq = tl.arange(0, QP)
     src = tl.arange(0, NP)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     L = tl.load(ell + (t * n + src[None, :]) * QP + qq[:, None], mask=(src < n)[None, :], other=float("-inf"))
     m = tl.max(L, axis=1)
     P = tl.exp(L - m[:, None])  # padded blocks: weight 0
@@ -161,10 +173,31 @@ def _accumulate_kernel(v, ell, m_out, z_out, n_out, T, D, n, Q, SPLIT: tl.conste
             acc = tl.dot(p3, X, acc)
         else:
             acc = dot_fp32(P, X.to(tl.float32), MODE == 0)
-        tl.store(outs + dd[None, :], acc, mask=(qq < Q)[:, None] & (dd < D)[None, :])
+        tl.store(outs + dd[None, :], acc, mask=(qq < Q)[:, None] & (dd < D)[None, :], cache_modifier=".cs")
     if part == 0:
         tl.store(m_out + qq * T + t, m, mask=qq < Q)
         tl.store(z_out + qq * T + t, tl.sum(P, axis=1), mask=qq < Q)
+
+
+@triton.jit
+def _parts_kernel(w, gamma, g3, D, Q, QP: tl.constexpr, BD: tl.constexpr):
+    """``g3[j, c, q]``, ``j < 3``: the bf16 parts of ``w[q, c] · γ[q, c]`` (fp32 operands; zero
+    columns past ``Q``), a ``BD``-wide slice of the width per program: :func:`_split_bf16` of
+    :func:`_queries` in one launch (the torch operations took 0.04 ms of the phase on an H200)."""
+    c = tl.program_id(0) * BD + tl.arange(0, BD)
+    q = tl.arange(0, QP)
+    ok = (c < D)[:, None] & (q < Q)[None, :]
+    at = q[None, :] * D + c[:, None]
+    # The product rounded to fp32, as torch's (no flush of subnormals): contracted into the first
+    # residual's fma, the parts would carry the exact product instead.
+    x = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r",
+                                  [tl.load(w + at, mask=ok, other=0.0), tl.load(gamma + at, mask=ok, other=0.0)],
+                                  dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+    out = g3 + c[:, None] * QP + q[None, :]
+    for j in tl.static_range(3):
+        part = x.to(tl.bfloat16)
+        tl.store(out + j * D * QP, part, mask=(c < D)[:, None])
+        x = x - part.to(tl.float32)
 
 
 @triton.jit
@@ -224,6 +257,12 @@ def _queries(w: torch.Tensor, gamma: torch.Tensor, d: int, dev: torch.device, pa
     return wg
 
 
+def _dependent_launches(dev: torch.device) -> bool:
+    """Whether a launch on ``dev`` may start before the one it depends on ends (programmatic
+    dependent launch: CUDA devices from sm_90 on; not the interpreter)."""
+    return dev.type == "cuda" and not interpreted() and torch.cuda.get_device_capability(dev)[0] >= 9
+
+
 def _split_bf16(x: torch.Tensor) -> torch.Tensor:
     """``x`` (fp32) as three bf16 parts ``[3, *x.shape]`` whose sum keeps 24 bits of each value:
     a bf16 operand times each part is exact in fp32."""
@@ -258,10 +297,17 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     ell = torch.empty(T, n, QP, dtype=torch.float32, device=dev)  # a token's logits together
     exact = interpreted() or stored.dtype == torch.float32
     mode = 0 if exact else 1 if stored.dtype == torch.bfloat16 else 2
-    wg = _queries(w, gamma, d, dev, QP)
+    if mode == 1:
+        wg = torch.empty(3, d, QP, dtype=torch.bfloat16, device=dev)
+        _parts_kernel[(triton.cdiv(d, PARTS_WIDTH),)](
+            w.to(dev, torch.float32).contiguous(), gamma.to(dev, torch.float32).contiguous(), wg, d, Q, QP=QP,
+            BD=PARTS_WIDTH)  # fmt: skip
+    else:
+        wg = _queries(w, gamma, d, dev, QP)
+    pdl = _dependent_launches(dev) and not exact
     BT = max((EXACT_ROWS if exact else LOGITS_ROWS) // rows_np, 1)
     _logits_kernel[(triton.cdiv(T, BT),)](
-        stored, wg, _split_bf16(wg) if mode == 1 else wg, ell, T, d, n, float(eps), BT=BT, QP=QP, NP=rows_np,
+        stored, wg, wg, ell, T, d, n, float(eps), BT=BT, QP=QP, NP=rows_np, PDL=pdl,
         BD=EXACT_WIDTH if exact else LOGITS_WIDTH, MODE=mode, num_stages=1 if exact else LOGITS_STAGES,
         num_warps=4 if exact else LOGITS_WARPS,
     )  # fmt: skip
@@ -269,7 +315,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     split = min(ACC_SPLIT, triton.cdiv(d, width))
     _accumulate_kernel[(T * split,)](
         stored, ell, m, Z, N, T, d, n, Q, SPLIT=split, BD=width, QP=QP, NP=NP, MODE=mode,
-        STAGES=1 if exact else ACC_STAGES, num_warps=4,
+        STAGES=1 if exact else ACC_STAGES, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return Stats(m, Z, N)
 

@@ -1183,9 +1183,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import attnres_gpu
     import gpu_timing
-    from gpu_timing import copy_bandwidth, ms, write_results
-
-    from k3verify.harness.environment import environment
+    from gpu_timing import agreement, copy_bandwidth, ms, write_variants
 
     begun = gpu_timing.start(args.out, "the one-launch AttnRes experiment")
     if begun is None:
@@ -1207,26 +1205,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(dict(variant=name, options=chosen.get(name, {}), error=f"{type(exc).__name__}: {exc}"[:300]))
             log(f"{name}: {rows[-1]['error']}")
             continue
-        agree = dict(m=(got.m - ref.m).abs().max().item(), Z=((got.Z - ref.Z).abs() / ref.Z).max().item(),
-                     N=((got.N - ref.N).abs().max() / ref.N.abs().max()).item())  # fmt: skip
+        agree = agreement(got, ref)
         t = ms(run, "attnres one launch", name, T=T, d=d)
         frac = moved / (t * 1e-3) / 1e12 / copy_tbps
         rows.append(dict(variant=name, options=chosen.get(name, {}), ms=t, fraction_of_copy=frac, agreement=agree))
         log(f"{name}: {t:.4f} ms, {100 * frac:.1f}% of copy; max |dm| {agree['m']:.1e}, dZ {agree['Z']:.1e}, "
             f"dN {agree['N']:.1e}")
-    lines = ["# Block AttnRes phase 1 in one launch (experiment)", "",
-             f"T = {T}, d = {d}, 24 queries over 8 stored blocks, bf16; copy {copy_tbps:.2f} TB/s; do_bench medians.",
-             "", "| variant | options | ms | of copy | max abs dm | max rel dZ | max rel dN |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['variant']} | {r['options']} | {r['error']} | | | | |")
-            continue
-        a = r["agreement"]
-        lines.append(f"| {r['variant']} | {r['options']} | {r['ms']:.4f} | {100 * r['fraction_of_copy']:.1f}% | "
-                     f"{a['m']:.1e} | {a['Z']:.1e} | {a['N']:.1e} |")
-    result = dict(device=torch.cuda.get_device_name(0), copy_tbps=copy_tbps, rows=rows, environment=environment())
-    write_results(out, "attnres_one_launch", result, "\n".join(lines) + "\n")
+    write_variants(out, "attnres_one_launch", "Block AttnRes phase 1 in one launch (experiment)", T, d, copy_tbps, rows,
+                   options=True)
     return 0
 
 

@@ -41,10 +41,12 @@ import triton.language as tl
 from k3verify.attnres import kernels as ours
 from k3verify.attnres.chunkwise import Stats
 
+# Our phase 1's settings (the accumulate's width, split and stages are ours.ACC_*).
 DEFAULTS = dict(seg=8192, slices=1, hint=0, warps=8, stages=4, rows=128, width=64, asplit=4, awidth=256,
-                astages=3, awarps=4, store="", load="", pdl=0, prep=0, graph=0, chain=0, squares=1)
-VARIANTS = ["prep=1", "store=.cs,pdl=1,prep=2", "store=.cs,pdl=1,prep=2,squares=2",
-            "store=.cs,pdl=1,prep=2,squares=0"]
+                astages=3, awarps=4, store=".cs", load="", pdl=1, prep=2, graph=0, chain=0, squares=2)
+# Before the streaming stores, the dependent launch, the one-launch parts and the squares by column;
+# ours; without the squares (timing only); 32 segments of 256 tokens.
+VARIANTS = ["store=,pdl=0,prep=1,squares=1", "squares=2", "squares=0", "seg=256,slices=8,graph=1,pdl=0"]
 
 
 @triton.jit
@@ -104,8 +106,6 @@ def _segment_accumulate_kernel(v, pdot, pss, m_out, z_out, n_out, t0, T, D, n, Q
     ``SLICES`` partials in fixed order (products in fp32, squares in fp64)."""
     s = tl.program_id(0) // SPLIT
     t = (t0 + s).to(tl.int64)
-    part = tl.program_id(0) % SPLIT
-    span = tl.cdiv(tl.cdiv(D, SPLIT), BD) * BD
     qq = tl.arange(0, QP)
     src = tl.arange(0, NP)
     dot = tl.zeros([QP, NP], dtype=tl.float32)
@@ -119,26 +119,8 @@ def _segment_accumulate_kernel(v, pdot, pss, m_out, z_out, n_out, t0, T, D, n, Q
         ss += tl.load(pss + cell, mask=src < n, other=1.0)
     L = ours._normalised(dot, ss[None, :], D, eps)
     L = tl.where((src < n)[None, :], L, float("-inf"))
-    m = tl.max(L, axis=1)
-    P = tl.exp(L - m[:, None])
-    p1 = P.to(tl.bfloat16)
-    rest = P - p1.to(tl.float32)
-    p2 = rest.to(tl.bfloat16)
-    p3 = (rest - p2.to(tl.float32)).to(tl.bfloat16)
-    rows = v + (src[:, None].to(tl.int64) * T + t) * D
-    outs = n_out + (qq[:, None] * T + t) * D
-    for d0 in tl.range(part * span, tl.minimum(part * span + span, D), BD, num_stages=STAGES):
-        dd = d0 + tl.arange(0, BD)
-        X = tl.load(rows + dd[None, :], mask=(src < n)[:, None] & (dd < D)[None, :], other=0.0,
-                    eviction_policy=LOAD_EV)  # fmt: skip
-        acc = tl.dot(p1, X)
-        acc = tl.dot(p2, X, acc)
-        acc = tl.dot(p3, X, acc)
-        tl.store(outs + dd[None, :], acc, mask=(qq < Q)[:, None] & (dd < D)[None, :], eviction_policy=STORE_EV,
-                 cache_modifier=STORE_CM)  # fmt: skip
-    if part == 0:
-        tl.store(m_out + qq * T + t, m, mask=qq < Q)
-        tl.store(z_out + qq * T + t, tl.sum(P, axis=1), mask=qq < Q)
+    ours._write_token(v, L, m_out, z_out, n_out, t, tl.program_id(0) % SPLIT, T, D, n, Q, SPLIT, BD, QP, NP, 1, STAGES,
+                      LOAD_EV, STORE_EV, STORE_CM)  # fmt: skip
 
 
 def options(kw: dict[str, Any]) -> dict[str, Any]:
@@ -235,9 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     import attnres_gpu
     import gpu_timing
-    from gpu_timing import copy_bandwidth, launch_split, ms, write_results
-
-    from k3verify.harness.environment import environment
+    from gpu_timing import agreement, copy_bandwidth, launch_split, ms, write_variants
 
     begun = gpu_timing.start(args.out, "the AttnRes phase-1 settings experiment")
     if begun is None:
@@ -272,8 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(dict(variant=name, error=f"{type(exc).__name__}: {exc}"[:300]))
             log(f"{name}: {rows[-1]['error']}")
             continue
-        agree = dict(m=(got.m - ref.m).abs().max().item(), Z=((got.Z - ref.Z).abs() / ref.Z).max().item(),
-                     N=((got.N - ref.N).abs().max() / ref.N.abs().max()).item())  # fmt: skip
+        agree = agreement(got, ref)
         t = ms(run, "attnres phase 1 settings", name, T=T)
         frac = moved / (t * 1e-3) / 1e12 / copy_tbps
         split = launch_split(run, repeats=3)
@@ -283,18 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             f"dN {agree['N']:.1e}; {split}")
         del got, run
         torch.cuda.empty_cache()
-    lines = ["# Block AttnRes phase 1: settings of the two launches (experiment)", "",
-             f"T = {T}, d = {d}, 24 queries over 8 stored blocks, bf16; copy {copy_tbps:.2f} TB/s; do_bench medians.",
-             "", "| variant | ms | of copy | max abs dm | max rel dZ | max rel dN |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['variant']} | {r['error']} | | | | |")
-            continue
-        a = r.get("agreement", dict(m=0.0, Z=0.0, N=0.0))
-        lines.append(f"| {r['variant']} | {r['ms']:.4f} | {100 * r['fraction_of_copy']:.1f}% | "
-                     f"{a['m']:.1e} | {a['Z']:.1e} | {a['N']:.1e} |")
-    result = dict(device=torch.cuda.get_device_name(0), copy_tbps=copy_tbps, rows=rows, environment=environment())
-    write_results(out, "attnres_phase1_tune", result, "\n".join(lines) + "\n")
+    write_variants(out, "attnres_phase1_tune", "Block AttnRes phase 1: settings of the two launches (experiment)", T, d,
+                   copy_tbps, rows, options=False)
     return 0
 
 

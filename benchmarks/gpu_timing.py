@@ -56,6 +56,41 @@ def launch_split(fn, repeats: int = 20) -> dict[str, float]:
     return dict(sorted(split.items(), key=lambda kv: -kv[1]))
 
 
+def agreement(got: Any, ref: Any) -> dict[str, float]:
+    """How far phase-1 statistics ``got`` are from ``ref`` (both ``Stats``): the largest
+    absolute difference in ``m``, relative in ``Z``, and in ``N`` relative to ``ref``'s largest."""
+    return dict(m=(got.m - ref.m).abs().max().item(), Z=((got.Z - ref.Z).abs() / ref.Z).max().item(),
+                N=((got.N - ref.N).abs().max() / ref.N.abs().max()).item())  # fmt: skip
+
+
+def variant_table(rows: list[dict[str, Any]], options: bool) -> list[str]:
+    """Markdown rows of an experiment's variants (``variant``, ``ms``, ``fraction_of_copy``,
+    ``agreement`` as :func:`agreement`, or ``error``), with an options column if ``options``."""
+    head = "| variant | " + ("options | " if options else "")
+    lines = [head + "ms | of copy | max abs dm | max rel dZ | max rel dN |",
+             "|---|" + ("---|" if options else "") + "---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        first = f"| {r['variant']} | " + (f"{r.get('options', {})} | " if options else "")
+        if "error" in r:
+            lines.append(first + f"{r['error']} | | | | |")
+            continue
+        a = r.get("agreement", dict(m=0.0, Z=0.0, N=0.0))
+        lines.append(first + f"{r['ms']:.4f} | {100 * r['fraction_of_copy']:.1f}% | {a['m']:.1e} | {a['Z']:.1e} | "
+                     f"{a['N']:.1e} |")  # fmt: skip
+    return lines
+
+
+def write_variants(out: Path, stem: str, title: str, T: int, d: int, copy_tbps: float,
+                   rows: list[dict[str, Any]], options: bool) -> None:  # fmt: skip
+    """An AttnRes phase-1 experiment's results (:func:`variant_table` rows) as :func:`write_results`."""
+    from k3verify.harness.environment import environment
+
+    lines = [f"# {title}", "", f"T = {T}, d = {d}, 24 queries over 8 stored blocks, bf16; copy {copy_tbps:.2f} TB/s; "
+             "do_bench medians.", "", *variant_table(rows, options)]  # fmt: skip
+    result = dict(device=torch.cuda.get_device_name(0), copy_tbps=copy_tbps, rows=rows, environment=environment())
+    write_results(out, stem, result, "\n".join(lines) + "\n")
+
+
 def write_results(out: Path, stem: str, result: dict[str, Any], markdown: str) -> None:
     """``<stem>.json`` (the result), ``<stem>_benchmark.json`` (every timing's repetitions in
     pytest-benchmark's shape) and ``<stem>.md`` under ``out``; the Markdown is printed too."""

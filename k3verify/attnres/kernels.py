@@ -154,13 +154,26 @@ def _accumulate_kernel(v, ell, m_out, z_out, n_out, T, D, n, Q, SPLIT: tl.conste
     # outputs written as long runs (measured on an H200: 1.74 ms against 2.03 ms for one
     # program per tile, whose every program waits for its own loads).
     t = (tl.program_id(0) // SPLIT).to(tl.int64)
-    part = tl.program_id(0) % SPLIT
-    span = tl.cdiv(tl.cdiv(D, SPLIT), BD) * BD
     qq = tl.arange(0, QP)
     src = tl.arange(0, NP)
     if PDL:
         tl.extra.cuda.gdc_wait()
     L = tl.load(ell + (t * n + src[None, :]) * QP + qq[:, None], mask=(src < n)[None, :], other=float("-inf"))
+    _write_token(v, L, m_out, z_out, n_out, t, tl.program_id(0) % SPLIT, T, D, n, Q, SPLIT, BD, QP, NP, MODE, STAGES,
+                 "", "", ".cs")  # fmt: skip
+
+
+@triton.jit
+def _write_token(v, L, m_out, z_out, n_out, t, part, T, D, n, Q, SPLIT: tl.constexpr, BD: tl.constexpr,
+                 QP: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, STAGES: tl.constexpr, LOAD_EV: tl.constexpr,
+                 STORE_EV: tl.constexpr, STORE_CM: tl.constexpr):  # fmt: skip
+    """Token ``t``'s statistics from its logits ``L:[QP, NP]`` (fp32, ``-inf`` past ``n``): ``N``
+    for part ``part`` of ``SPLIT`` of the width (and ``m, Z`` from part 0), as
+    :func:`_accumulate_kernel` says; ``LOAD_EV``, ``STORE_EV``, ``STORE_CM`` are the block loads'
+    and the ``N`` stores' eviction policies and the stores' cache modifier."""
+    span = tl.cdiv(tl.cdiv(D, SPLIT), BD) * BD
+    qq = tl.arange(0, QP)
+    src = tl.arange(0, NP)
     m = tl.max(L, axis=1)
     P = tl.exp(L - m[:, None])  # padded blocks: weight 0
     p1 = P.to(tl.bfloat16)
@@ -171,14 +184,16 @@ def _accumulate_kernel(v, ell, m_out, z_out, n_out, T, D, n, Q, SPLIT: tl.conste
     outs = n_out + (qq[:, None] * T + t) * D
     for d0 in tl.range(part * span, tl.minimum(part * span + span, D), BD, num_stages=STAGES):
         dd = d0 + tl.arange(0, BD)
-        X = tl.load(rows + dd[None, :], mask=(src < n)[:, None] & (dd < D)[None, :], other=0.0)
+        X = tl.load(rows + dd[None, :], mask=(src < n)[:, None] & (dd < D)[None, :], other=0.0,
+                    eviction_policy=LOAD_EV)  # fmt: skip
         if MODE == 1:
             acc = tl.dot(p1, X)
             acc = tl.dot(p2, X, acc)
             acc = tl.dot(p3, X, acc)
         else:
             acc = dot_fp32(P, X.to(tl.float32), MODE == 0)
-        tl.store(outs + dd[None, :], acc, mask=(qq < Q)[:, None] & (dd < D)[None, :], cache_modifier=".cs")
+        tl.store(outs + dd[None, :], acc, mask=(qq < Q)[:, None] & (dd < D)[None, :], eviction_policy=STORE_EV,
+                 cache_modifier=STORE_CM)  # fmt: skip
     if part == 0:
         tl.store(m_out + qq * T + t, m, mask=qq < Q)
         tl.store(z_out + qq * T + t, tl.sum(P, axis=1), mask=qq < Q)

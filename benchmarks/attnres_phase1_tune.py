@@ -143,7 +143,6 @@ def prepare(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: 
     seg, slices, width = min(o["seg"], T), o["slices"], o["width"]
     span = triton.cdiv(triton.cdiv(d, slices), width) * width
     dev = stored.device
-    w32, g32 = w.float().contiguous(), gamma.float().contiguous()
     g3 = ours._split_bf16(ours._queries(w, gamma, d, dev, QP))
     m = torch.empty(Q, T, dtype=torch.float32, device=dev)
     Z = torch.empty_like(m)
@@ -158,8 +157,7 @@ def prepare(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: 
         if o["prep"] == 1:
             parts = ours._split_bf16(ours._queries(w, gamma, d, dev, QP))
         elif o["prep"] == 2:
-            parts = torch.empty(3, d, QP, dtype=torch.bfloat16, device=dev)
-            ours._parts_kernel[(triton.cdiv(d, 128),)](w32, g32, parts, d, Q, QP=QP, BD=128)
+            parts = ours._queries(w, gamma, d, dev, QP, split=True)
         for t0 in range(0, T, seg):
             count = min(seg, T - t0)
             _slice_logits_kernel[(triton.cdiv(count, BT), slices)](

@@ -97,6 +97,20 @@ def test_an_empty_stored_set_contributes_nothing() -> None:
     assert torch.equal(h.cpu(), v[0])  # weight e^{r - r} / (0 + 1) = 1 exactly
 
 
+@needs_bf16
+def test_query_parts_in_one_launch_are_the_torch_split() -> None:
+    """Structural: the bf16 phase 1's parts of ``w ⊙ γ``, made in one launch, are bit for bit
+    :func:`kernels._split_bf16` of the fp32 product (subnormal products and padded columns
+    included): the same roundings in the same order, so no tolerance."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(24, 1030, generator=gen, device="cuda")
+    gamma = 1 + 0.1 * torch.randn(24, 1030, generator=gen, device="cuda")
+    w[0, :8], gamma[0, :8] = 1e-20, 1e-20  # products of 1e-40, below fp32's normal range
+    got = kernels._queries(w, gamma, 1030, w.device, 32, split=True)
+    want = kernels._split_bf16(kernels._queries(w, gamma, 1030, w.device, 32))
+    assert torch.equal(got, want)
+
+
 @needs_fp32
 def test_bad_arguments_are_named() -> None:
     """Structural: a dtype the kernels do not take, a wrong shape and a NaN are named."""

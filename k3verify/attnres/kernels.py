@@ -268,10 +268,19 @@ def _check_stream(name: str, x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def _queries(w: torch.Tensor, gamma: torch.Tensor, d: int, dev: torch.device, pad: int) -> torch.Tensor:
-    """``(w ⊙ γ)ᵀ`` in fp32, ``[d, pad]`` with zero columns past the ``Q`` queries."""
+def _queries(w: torch.Tensor, gamma: torch.Tensor, d: int, dev: torch.device, pad: int,
+             split: bool = False) -> torch.Tensor:  # fmt: skip
+    """``(w ⊙ γ)ᵀ`` in fp32, ``[d, pad]`` with zero columns past the ``Q`` queries; with ``split``
+    (CUDA only) its three bf16 parts ``[3, d, pad]``, as :func:`_split_bf16` makes them, in one
+    launch."""
     if w.shape != gamma.shape or w.shape[-1] != d:
         raise ValueError(f"w {list(w.shape)} and gamma {list(gamma.shape)} must both be [Q, d] with d = {d}")
+    if split:
+        parts = torch.empty(3, d, pad, dtype=torch.bfloat16, device=dev)
+        _parts_kernel[(triton.cdiv(d, PARTS_WIDTH),)](
+            w.to(dev, torch.float32).contiguous(), gamma.to(dev, torch.float32).contiguous(), parts, d, w.shape[0],
+            QP=pad, BD=PARTS_WIDTH)  # fmt: skip
+        return parts
     wg = torch.zeros(d, pad, dtype=torch.float32, device=dev)
     wg[:, : w.shape[0]] = (w.to(dev, torch.float32) * gamma.to(dev, torch.float32)).T
     return wg
@@ -317,13 +326,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     ell = torch.empty(T, n, QP, dtype=torch.float32, device=dev)  # a token's logits together
     exact = interpreted() or stored.dtype == torch.float32
     mode = 0 if exact else 1 if stored.dtype == torch.bfloat16 else 2
-    if mode == 1:
-        wg = torch.empty(3, d, QP, dtype=torch.bfloat16, device=dev)
-        _parts_kernel[(triton.cdiv(d, PARTS_WIDTH),)](
-            w.to(dev, torch.float32).contiguous(), gamma.to(dev, torch.float32).contiguous(), wg, d, Q, QP=QP,
-            BD=PARTS_WIDTH)  # fmt: skip
-    else:
-        wg = _queries(w, gamma, d, dev, QP)
+    wg = _queries(w, gamma, d, dev, QP, split=mode == 1)
     pdl = _dependent_launches(dev) and not exact
     BT = max((EXACT_ROWS if exact else LOGITS_ROWS) // rows_np, 1)
     _logits_kernel[(triton.cdiv(T, BT),)](

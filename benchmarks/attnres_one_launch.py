@@ -38,7 +38,6 @@ variants for sm_90 with the installed Triton and prints registers and shared mem
 from __future__ import annotations
 
 import argparse
-import ast
 import inspect
 import sys
 from functools import partial
@@ -55,6 +54,8 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import mma_v2
 except ImportError:  # Triton releases that keep it with Ampere's operations
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from gpu_timing import option
 
 from k3verify.attnres import kernels as ours
 from k3verify.attnres.chunkwise import Stats
@@ -1154,14 +1155,11 @@ def variant(text: str) -> dict[str, Any]:
     kw = dict(VARIANTS[items.pop(0)]) if items[0] in VARIANTS else {}
     known = _options({})
     for item in items:
-        key, sep, value = item.partition("=")
+        key, value = option(item)
         if key not in known:
             raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is neither a variant ({', '.join(VARIANTS)}) nor "
                                              f"key=value over {sorted(known)}")  # fmt: skip
-        try:
-            kw[key] = ast.literal_eval(value) if sep else True
-        except (ValueError, SyntaxError):
-            kw[key] = value
+        kw[key] = value
     return kw
 
 

@@ -29,7 +29,6 @@ tokens of 8 blocks at d = 7168 is ``seg`` × 115 KB). Options, as ``key=value`` 
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
 from functools import partial
 from typing import Any
@@ -37,6 +36,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from gpu_timing import option
 
 from k3verify.attnres import kernels as ours
 from k3verify.attnres.chunkwise import Stats
@@ -131,7 +131,8 @@ def options(kw: dict[str, Any]) -> dict[str, Any]:
     return DEFAULTS | kw
 
 
-def prepare(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: float = 1e-5, **kw: Any):
+def prepare(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: float = ours.RMS_NORM_EPS,
+            **kw: Any):
     """A function that writes phase 1's ``Stats`` of ``stored:[n, T, d]`` (bf16) for queries
     ``w, gamma:[Q, d]`` (fp32) into buffers allocated here, and those ``Stats``."""
     o = options(kw)
@@ -191,14 +192,8 @@ def _read_kernel(x, out, numel, BLOCK: tl.constexpr, STAGES: tl.constexpr):
 
 
 def variant(text: str) -> dict[str, Any]:
-    """``key=value,...`` as options."""
-    kw = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        try:
-            kw[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            kw[key] = value  # a word: an eviction policy
+    """``key=value,...`` as options (``KeyError`` for a key that is not one)."""
+    kw = dict(option(item) for item in filter(None, text.split(",")))
     options(kw)
     return kw
 

@@ -6,6 +6,7 @@ Every timing's repetitions are kept in :data:`SAMPLES` for the pytest-benchmark-
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import statistics
 import sys
@@ -14,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import benchmark_json
 import torch
 from triton.testing import do_bench
 
@@ -26,6 +26,8 @@ def ms(fn, group: str | None = None, name: str | None = None, **params: Any) -> 
     are kept for the pytest-benchmark JSON."""
     times = [float(t) for t in do_bench(fn, warmup=25, rep=100, return_mode="all")]
     if group is not None:
+        import benchmark_json  # pytest-benchmark is needed for timings only, not to read options
+
         SAMPLES.append(benchmark_json.entry(group, name or "run", times, params))
     return float(statistics.median(times))
 
@@ -54,6 +56,18 @@ def launch_split(fn, repeats: int = 20) -> dict[str, float]:
         if total_us:
             split[event.key[:60]] = total_us / repeats / 1e3
     return dict(sorted(split.items(), key=lambda kv: -kv[1]))
+
+
+def option(item: str) -> tuple[str, Any]:
+    """``key=value`` of an experiment's ``--variants`` as ``(key, value)``: a Python literal, else
+    the word itself (an eviction policy, ``vector``); a bare ``key`` means ``True``."""
+    key, sep, value = item.partition("=")
+    if not sep:
+        return key, True
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 def agreement(got: Any, ref: Any) -> dict[str, float]:
@@ -96,6 +110,8 @@ def write_results(out: Path, stem: str, result: dict[str, Any], markdown: str) -
     pytest-benchmark's shape) and ``<stem>.md`` under ``out``; the Markdown is printed too."""
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str))
     env = result["environment"]
+    import benchmark_json
+
     bench = benchmark_json.document(SAMPLES, device=result["device"], commit=env.get("git_commit"),
                                     dirty=env.get("git_dirty"))  # fmt: skip
     (out / f"{stem}_benchmark.json").write_text(json.dumps(bench, indent=1))

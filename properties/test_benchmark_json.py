@@ -44,3 +44,14 @@ def test_gpu_timings_compare_with_pytest_benchmark(gpu_timing, monkeypatch: pyte
                            *map(str, files)], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "ours[block_v=32]" in done.stdout and "fla-core" in done.stdout, done.stdout
+
+
+def test_experiment_options_are_read_as_written(gpu_timing) -> None:
+    """Structural: an experiment's ``key=value`` is a Python literal where it is one, else the
+    word itself (an empty one included); a bare key is ``True``."""
+    assert gpu_timing.option("chains=3") == ("chains", 3)
+    assert gpu_timing.option("gather=False") == ("gather", False)
+    assert gpu_timing.option("store=.cs") == ("store", ".cs")
+    assert gpu_timing.option("store=evict_first") == ("store", "evict_first")
+    assert gpu_timing.option("store=") == ("store", "")
+    assert gpu_timing.option("own") == ("own", True)

@@ -119,8 +119,8 @@ def _segment_accumulate_kernel(v, pdot, pss, m_out, z_out, n_out, t0, T, D, n, Q
         ss += tl.load(pss + cell, mask=src < n, other=1.0)
     L = ours._normalised(dot, ss[None, :], D, eps)
     L = tl.where((src < n)[None, :], L, float("-inf"))
-    ours._write_token(v, L, m_out, z_out, n_out, t, tl.program_id(0) % SPLIT, T, D, n, Q, SPLIT, BD, QP, NP, 1, STAGES,
-                      LOAD_EV, STORE_EV, STORE_CM)  # fmt: skip
+    ours._write_token(v, D * T, D, L, m_out, z_out, n_out, t, tl.program_id(0) % SPLIT, T, D, n, Q, SPLIT, BD, QP, NP,
+                      1, STAGES, LOAD_EV, STORE_EV, STORE_CM)  # fmt: skip
 
 
 def options(kw: dict[str, Any]) -> dict[str, Any]:

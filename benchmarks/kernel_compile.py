@@ -49,7 +49,7 @@ class Launch:
     divisible: frozenset[str] = frozenset()
 
 
-def usage(launch: Launch, arch: int, warps: int) -> str:
+def usage(launch: Launch, arch: int, warps: int, maxnreg: int | None = None) -> str:
     """``REG``/``STACK`` of one compiled kernel and its shared memory, or the compile error."""
     fn = launch.fn
     sig = {p.name: "constexpr" if p.is_constexpr else launch.types.get(p.name, "*bf16") for p in fn.params}
@@ -59,7 +59,8 @@ def usage(launch: Launch, arch: int, warps: int) -> str:
     try:
         compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=aligned),
                                   target=GPUTarget("cuda", arch, 32),
-                                  options=dict(num_warps=warps, num_stages=launch.stages))  # fmt: skip
+                                  options=dict(num_warps=warps, num_stages=launch.stages,
+                                               **({"maxnreg": maxnreg} if maxnreg else {})))  # fmt: skip
     except Exception as exc:  # report any compiler failure and go on
         return f"compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     regs, stack = resource_usage(compiled.asm["cubin"])
@@ -175,16 +176,16 @@ def attnres_launches() -> list[Launch]:
 
     i32, f32 = "i32", "fp32"
     stats = dict(m_out="*fp32", z_out="*fp32", n_out="*fp32")
-    logits = dict(wg="*fp32", ell="*fp32", T=i32, D=i32, n=i32, eps=f32)
-    accumulate = dict(ell="*fp32", T=i32, D=i32, n=i32, Q=i32, **stats)
+    logits = dict(sb=i32, st=i32, wg="*fp32", ell="*fp32", ess="*fp64", T=i32, D=i32, n=i32)
+    accumulate = dict(sb=i32, st=i32, ell="*fp32", ess="*fp64", T=i32, D=i32, n=i32, Q=i32, eps=f32, **stats)
     merge = dict(m_in="*fp32", z_in="*fp32", n_in="*fp32", wg="*fp32", T=i32, D=i32, eps=f32)
     return [
         Launch("phase1 logits", kernels._logits_kernel, dict(BT=kernels.LOGITS_ROWS // 8, BD=kernels.LOGITS_WIDTH,
                                                              QP=32, NP=8, MODE=1), kernels.LOGITS_STAGES, logits,
-               frozenset({"T", "D"})),
+               frozenset({"T", "D", "sb", "st"})),
         Launch("phase1 accumulate", kernels._accumulate_kernel, dict(SPLIT=kernels.ACC_SPLIT, BD=kernels.ACC_WIDTH,
                                                                      QP=32, NP=16, MODE=1, STAGES=kernels.ACC_STAGES),
-               kernels.ACC_STAGES, accumulate, frozenset({"T", "D"})),
+               kernels.ACC_STAGES, accumulate, frozenset({"T", "D", "sb", "st"})),
         Launch("phase2 merge", kernels._merge_kernel, dict(HAS_P=True, BT=kernels.MERGE_TOKENS,
                                                            BD=kernels.MERGE_WIDTH), 1, merge, frozenset({"T", "D"})),
     ]  # fmt: skip

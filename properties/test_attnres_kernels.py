@@ -111,6 +111,25 @@ def test_query_parts_in_one_launch_are_the_torch_split() -> None:
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_token_major_buffer_gives_the_same_bits(dtype: str) -> None:
+    """Structural: phase 1 over the token-major block buffer ``[T, n, d]`` seen as ``[n, T, d]``
+    (rows addressed by its strides, no copy) gives bit for bit what it gives over the same
+    blocks stacked contiguously: the same roundings in the same order, so no tolerance."""
+    reason = FP32_REASON if dtype == "fp32" else BF16_REASON
+    if reason is not None:
+        pytest.skip(reason)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(3)
+    buffer = torch.randn(37, 5, 200, generator=gen).to(dev, DTYPES[dtype])  # [T, n, d], 37 tokens
+    w, g = torch.randn(6, 200, generator=gen), 1 + 0.1 * torch.randn(6, 200, generator=gen)
+    view = buffer.transpose(0, 1)
+    assert view.stride(-1) == 1 and not view.is_contiguous()
+    got, want = kernels.phase1(view, w, g), kernels.phase1(view.contiguous(), w, g)
+    for name in ("m", "Z", "N"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
 @needs_fp32
 def test_bad_arguments_are_named() -> None:
     """Structural: a dtype the kernels do not take, a wrong shape and a NaN are named."""

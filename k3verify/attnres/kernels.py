@@ -6,12 +6,14 @@ logits and the softmax in fp32 and write the statistics in fp32 (SPEC §3):
 
 - :func:`phase1`, once per block for the block's ``Q`` queries (24 for K3), in two launches:
   *logits*, one program per token tile for all stored blocks, reads each block once and
-  computes its RMS and its logits for every query as one product of the tile with the
-  queries' ``w ⊙ γ`` (bf16 streams: exact products with a three-part bf16 split of ``w ⊙ γ``;
-  fp16: tf32x3; fp32: fp64; the RMS scale is applied after the product, in fp64);
-  *accumulate*, one program per token and quarter of the width, forms for every query at once
-  ``m = max ℓ``, ``Z = Σ e^{ℓ−m}`` and ``N = Σ e^{ℓ−m} v``, reading each block's tile once
-  (bf16: exact products of the tile with the weights split into three bf16 parts).
+  computes its squares and its products with every query's ``w ⊙ γ`` as one product of the
+  tile with the queries (bf16 streams: exact products with a three-part bf16 split of
+  ``w ⊙ γ``; fp16: tf32x3; fp32: fp64);
+  *accumulate*, one program per token and quarter of the width, applies the RMS scale to the
+  products (fp64) and forms for every query at once ``m = max ℓ``, ``Z = Σ e^{ℓ−m}`` and
+  ``N = Σ e^{ℓ−m} v``, reading each block's tile once (bf16: exact products of the tile with
+  the weights split into three bf16 parts). The blocks may be any ``[n, T, d]`` view with
+  contiguous rows (the walk's stack, or the token-major buffer ``[T, n, d]`` transposed).
 - :func:`phase2`, per call: one program per token tile takes the partial sum's logit ``r``
   (RMS and product over the whole width, fp32), then writes ``h = (e^{m−M} N + e^{r−M} p) /
   (e^{m−M} Z + e^{r−M})``, ``M = max(m, r)``, in the stream dtype.
@@ -80,11 +82,13 @@ def _normalised(dot, ss, D, eps):
 
 
 @triton.jit
-def _logits_kernel(v, wg, g3, ell, T, D, n, eps, BT: tl.constexpr, BD: tl.constexpr, QP: tl.constexpr,
+def _logits_kernel(v, sb, st, wg, g3, ell, ess, T, D, n, BT: tl.constexpr, BD: tl.constexpr, QP: tl.constexpr,
                    NP: tl.constexpr, MODE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """``ell[t, i, q] = (v[i, t] · wg[:, q]) / rms(v[i, t])`` for a tile of ``BT`` tokens and all
-    ``n`` stored blocks, as one ``[NP·BT, width]`` tile per width step: each tile of the queries
-    serves every block (padded queries have ``wg = 0``: logit 0).
+    """The logits' parts for a tile of ``BT`` tokens and all ``n`` stored blocks (row ``v[i, t]``
+    at ``i·sb + t·st``): ``ell[t, i, q] = v[i, t] · wg[:, q]`` and ``ess[t, i] = ‖v[i, t]‖²``
+    (fp64), which the accumulate launch normalises (:func:`_normalised`), as one ``[NP·BT,
+    width]`` tile per width step: each tile of the queries serves every block (padded queries
+    have ``wg = 0``: logit 0).
 
     ``MODE`` 0 (fp32 streams, the interpreter): products and sums in fp64, so a logit carries one
     fp32 rounding. 1 (bf16): the bf16 tile against ``w ⊙ γ`` split into three bf16 parts
@@ -98,7 +102,7 @@ def _logits_kernel(v, wg, g3, ell, T, D, n, eps, BT: tl.constexpr, BD: tl.conste
     t = tl.program_id(0) * BT + r % BT
     ok = (src < n) & (t < T)
     q = tl.arange(0, QP)
-    rows = v + (src.to(tl.int64) * T + t) * D
+    rows = v + src.to(tl.int64) * sb + t.to(tl.int64) * st
     ss = tl.zeros([NP * BT], dtype=tl.float64)
     sq = tl.zeros([NP * BT, BD], dtype=tl.float32)
     if MODE == 0:
@@ -131,16 +135,20 @@ def _logits_kernel(v, wg, g3, ell, T, D, n, eps, BT: tl.constexpr, BD: tl.conste
         ss = tl.sum(sq.to(tl.float64), axis=1)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    out = ell + (t[:, None].to(tl.int64) * n + src[:, None]) * QP + q[None, :]
-    tl.store(out, _normalised(acc, ss[:, None], D, eps), mask=ok[:, None])
+    # Unnormalised: the fp64 division and square root go to the accumulate launch (the same
+    # bits; 2.027-2.029 ms against 2.033-2.034 for the phase at K3's shape, one H200 process).
+    cell = t.to(tl.int64) * n + src
+    tl.store(ell + cell[:, None] * QP + q[None, :], acc, mask=ok[:, None])
+    tl.store(ess + cell, ss, mask=ok)
 
 
 @triton.jit
-def _accumulate_kernel(v, ell, m_out, z_out, n_out, T, D, n, Q, SPLIT: tl.constexpr, BD: tl.constexpr,
-                       QP: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, STAGES: tl.constexpr,
-                       PDL: tl.constexpr):  # fmt: skip
-    """For one token and ``1/SPLIT`` of the width, every query at once: ``m, Z`` over the ``n``
-    stored blocks and ``N = P X``, the weights ``P:[queries, blocks]`` times the blocks' tiles
+def _accumulate_kernel(v, sb, st, ell, ess, m_out, z_out, n_out, T, D, n, Q, eps, SPLIT: tl.constexpr,
+                       BD: tl.constexpr, QP: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr,
+                       STAGES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """For one token and ``1/SPLIT`` of the width, every query at once: its logits from the
+    logits launch's products and squares (:func:`_normalised`), ``m, Z`` over the ``n`` stored
+    blocks and ``N = P X``, the weights ``P:[queries, blocks]`` times the blocks' tiles
     ``X:[blocks, width]``, width tile by width tile; each output row is written once.
 
     ``MODE`` as :func:`_logits_kernel`'s: 0 exact fp32 products; 1 (bf16 stream) ``P`` split
@@ -158,19 +166,22 @@ def _accumulate_kernel(v, ell, m_out, z_out, n_out, T, D, n, Q, SPLIT: tl.conste
     src = tl.arange(0, NP)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    L = tl.load(ell + (t * n + src[None, :]) * QP + qq[:, None], mask=(src < n)[None, :], other=float("-inf"))
-    _write_token(v, L, m_out, z_out, n_out, t, tl.program_id(0) % SPLIT, T, D, n, Q, SPLIT, BD, QP, NP, MODE, STAGES,
-                 "", "", ".cs")  # fmt: skip
+    dot = tl.load(ell + (t * n + src[None, :]) * QP + qq[:, None], mask=(src < n)[None, :], other=0.0)
+    ss = tl.load(ess + t * n + src, mask=src < n, other=1.0)
+    L = tl.where((src < n)[None, :], _normalised(dot, ss[None, :], D, eps), float("-inf"))
+    _write_token(v, sb, st, L, m_out, z_out, n_out, t, tl.program_id(0) % SPLIT, T, D, n, Q, SPLIT, BD, QP, NP, MODE,
+                 STAGES, "", "", ".cs")  # fmt: skip
 
 
 @triton.jit
-def _write_token(v, L, m_out, z_out, n_out, t, part, T, D, n, Q, SPLIT: tl.constexpr, BD: tl.constexpr,
+def _write_token(v, sb, st, L, m_out, z_out, n_out, t, part, T, D, n, Q, SPLIT: tl.constexpr, BD: tl.constexpr,
                  QP: tl.constexpr, NP: tl.constexpr, MODE: tl.constexpr, STAGES: tl.constexpr, LOAD_EV: tl.constexpr,
                  STORE_EV: tl.constexpr, STORE_CM: tl.constexpr):  # fmt: skip
-    """Token ``t``'s statistics from its logits ``L:[QP, NP]`` (fp32, ``-inf`` past ``n``): ``N``
-    for part ``part`` of ``SPLIT`` of the width (and ``m, Z`` from part 0), as
-    :func:`_accumulate_kernel` says; ``LOAD_EV``, ``STORE_EV``, ``STORE_CM`` are the block loads'
-    and the ``N`` stores' eviction policies and the stores' cache modifier."""
+    """Token ``t``'s statistics from its logits ``L:[QP, NP]`` (fp32, ``-inf`` past ``n``) and
+    its block rows (``v[i, t]`` at ``i·sb + t·st``): ``N`` for part ``part`` of ``SPLIT`` of the
+    width (and ``m, Z`` from part 0), as :func:`_accumulate_kernel` says; ``LOAD_EV``,
+    ``STORE_EV``, ``STORE_CM`` are the block loads' and the ``N`` stores' eviction policies and
+    the stores' cache modifier."""
     span = tl.cdiv(tl.cdiv(D, SPLIT), BD) * BD
     qq = tl.arange(0, QP)
     src = tl.arange(0, NP)
@@ -180,7 +191,7 @@ def _write_token(v, L, m_out, z_out, n_out, t, part, T, D, n, Q, SPLIT: tl.const
     rest = P - p1.to(tl.float32)
     p2 = rest.to(tl.bfloat16)
     p3 = (rest - p2.to(tl.float32)).to(tl.bfloat16)
-    rows = v + (src[:, None].to(tl.int64) * T + t) * D
+    rows = v + src[:, None].to(tl.int64) * sb + t * st
     outs = n_out + (qq[:, None] * T + t) * D
     for d0 in tl.range(part * span, tl.minimum(part * span + span, D), BD, num_stages=STAGES):
         dd = d0 + tl.arange(0, BD)
@@ -302,9 +313,17 @@ def _split_bf16(x: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts).contiguous()
 
 
+def _rows_contiguous(stored: torch.Tensor) -> torch.Tensor:
+    """``stored:[n, T, d]`` as it is where each row ``stored[i, t]`` is contiguous (the walk's
+    stack ``[n, T, d]``, or a view ``buffer.transpose(0, 1)`` of vLLM's token-major block buffer
+    ``[T, n, d]``: the kernels address rows by the two outer strides), else a contiguous copy."""
+    return stored if stored.stride(-1) == 1 else stored.contiguous()
+
+
 def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: float = RMS_NORM_EPS) -> Stats:
     """Phase-1 statistics of queries ``w, gamma:[Q, d]`` over ``stored:[n, T, d]`` (the stream
-    dtype; ``n = 0`` allowed): ``m, Z:[Q, T]`` and ``N:[Q, T, d]``, fp32, on the stream's device."""
+    dtype; ``n = 0`` allowed; any strides with contiguous rows, such as a view of a token-major
+    buffer ``[T, n, d]``): ``m, Z:[Q, T]`` and ``N:[Q, T, d]``, fp32, on the stream's device."""
     _check_stream("stored", stored)
     if stored.dim() != 3:
         raise ValueError(f"stored has shape {list(stored.shape)}; expected [n, T, d]")
@@ -312,7 +331,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     n, T, d = stored.shape
     Q = w.shape[0]
     dev = device_for(stored, "the AttnRes kernels")
-    stored = stored.to(dev).contiguous()
+    stored = _rows_contiguous(stored.to(dev))
     if n == 0 or T == 0:
         return Stats(torch.full((Q, T), float("-inf"), dtype=torch.float32, device=dev),
                      torch.zeros(Q, T, dtype=torch.float32, device=dev),
@@ -323,21 +342,24 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     N = torch.empty(Q, T, d, dtype=torch.float32, device=dev)
     QP, NP = block(Q), block(n)
     rows_np = triton.next_power_of_2(n)  # the logits' rows need no padding to 16 blocks
-    ell = torch.empty(T, n, QP, dtype=torch.float32, device=dev)  # a token's logits together
     exact = interpreted() or stored.dtype == torch.float32
     mode = 0 if exact else 1 if stored.dtype == torch.bfloat16 else 2
+    # A token's products together (fp64 where they are summed in fp64), and their squares.
+    ell = torch.empty(T, n, QP, dtype=torch.float64 if exact else torch.float32, device=dev)
+    ess = torch.empty(T, n, dtype=torch.float64, device=dev)
     wg = _queries(w, gamma, d, dev, QP, split=mode == 1)
     pdl = _dependent_launches(dev) and not exact
     BT = max((EXACT_ROWS if exact else LOGITS_ROWS) // rows_np, 1)
+    sb, st = stored.stride(0), stored.stride(1)
     _logits_kernel[(triton.cdiv(T, BT),)](
-        stored, wg, wg, ell, T, d, n, float(eps), BT=BT, QP=QP, NP=rows_np, PDL=pdl,
+        stored, sb, st, wg, wg, ell, ess, T, d, n, BT=BT, QP=QP, NP=rows_np, PDL=pdl,
         BD=EXACT_WIDTH if exact else LOGITS_WIDTH, MODE=mode, num_stages=1 if exact else LOGITS_STAGES,
         num_warps=4 if exact else LOGITS_WARPS,
     )  # fmt: skip
     width = ACC_WIDTH if mode == 1 else EXACT_ACC_WIDTH
     split = min(ACC_SPLIT, triton.cdiv(d, width))
     _accumulate_kernel[(T * split,)](
-        stored, ell, m, Z, N, T, d, n, Q, SPLIT=split, BD=width, QP=QP, NP=NP, MODE=mode,
+        stored, sb, st, ell, ess, m, Z, N, T, d, n, Q, float(eps), SPLIT=split, BD=width, QP=QP, NP=NP, MODE=mode,
         STAGES=1 if exact else ACC_STAGES, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return Stats(m, Z, N)

@@ -34,8 +34,10 @@ bitwise. Options, as ``key=value`` joined by commas:
   on an SM;
 - ``persist``: MiB of L2 set aside for persisting lines (``cudaLimitPersistingL2CacheSize``;
   0: none), which the ``evict_last`` loads of the logits items may then hold;
-- ``pattern``: 1 for timing only, the memory pattern without products or softmax (logits items
-  read their slab and post; accumulate items write their tile of the blocks' sum).
+- ``pattern`` (timing only): 1 the memory pattern without products or softmax (logits items
+  read their slab and post; accumulate items write their tile of the blocks' sum); 2 the
+  logits items' products kept, the accumulate items as 1; 3 the accumulate items' work kept
+  (partials read, softmax, products), the logits items as 1.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def _slab_item(v, g3, pdot, pss, ell, cnt, g, k, T, D, n, Q, eps, G, GT: tl.cons
         x = tl.load(rows[:, None] + dd[None, :], mask=ok[:, None] & (dd < D)[None, :], other=0.0, eviction_policy=EV)
         xf = x.to(tl.float32)
         sq += xf * xf
-        if not PATTERN:
+        if PATTERN != 1 and PATTERN != 3:
             parts = g3 + dd[:, None] * QP + q[None, :]
             step = tl.dot(x, tl.load(parts, mask=(dd < D)[:, None], other=0.0))
             step += tl.dot(x, tl.load(parts + D * QP, mask=(dd < D)[:, None], other=0.0))
@@ -190,7 +192,7 @@ def _ticketed_kernel(v, g3, pdot, pss, ell, cnt, m_out, z_out, n_out, T, D, n, Q
         if (g >= 0) & (g < G):
             if g * GT + s < T:
                 t = (g * GT + s).to(tl.int64)
-                if PATTERN:
+                if PATTERN == 1 or PATTERN == 2:
                     _wait_at_least(cnt + g, SLABS)
                     _pattern_token(v, n_out, t, a % SPLIT, T, D, n, Q, SPLIT, BD, QP, NP, STAGES, AEV, STORE_CM)
                 else:

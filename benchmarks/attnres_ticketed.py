@@ -16,6 +16,9 @@ for lower tickets and a logits item never waits, so no program waits on one that
 The second read of a group's blocks comes ``lag`` groups after the first, which is meant to
 find them in L2.
 
+What it measured on the H200 (81% of copy for its memory pattern with the second read from
+L2, 74% at best with the products): docs/gpu.md, "One launch of ticketed items".
+
 The logits are summed over the slabs in fixed order (fp32 products, fp64 squares): the same
 rounding class as main, not its order, so the agreement with main is reported, not asserted
 bitwise. Options, as ``key=value`` joined by commas:

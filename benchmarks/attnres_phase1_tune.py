@@ -28,7 +28,6 @@ tokens of 8 blocks at d = 7168 is ``seg`` × 115 KB). Options, as ``key=value`` 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from functools import partial
 from typing import Any
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from gpu_timing import option
+from gpu_timing import chosen_variants, experiment_arguments, with_defaults
 
 from k3verify.attnres import kernels as ours
 from k3verify.attnres.chunkwise import Stats
@@ -124,11 +123,8 @@ def _segment_accumulate_kernel(v, pdot, pss, m_out, z_out, n_out, t0, T, D, n, Q
 
 
 def options(kw: dict[str, Any]) -> dict[str, Any]:
-    """The defaults overridden by ``kw``; unknown keys raise ``KeyError`` naming them."""
-    unknown = sorted(set(kw) - set(DEFAULTS))
-    if unknown:
-        raise KeyError(f"unknown options {unknown}; known: {sorted(DEFAULTS)}")
-    return DEFAULTS | kw
+    """The defaults overridden by ``kw`` (:func:`gpu_timing.with_defaults`)."""
+    return with_defaults(DEFAULTS, kw)
 
 
 def prepare(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: float = ours.RMS_NORM_EPS,
@@ -191,23 +187,10 @@ def _read_kernel(x, out, numel, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     tl.store(out + tl.program_id(0), tl.sum(acc, axis=0))
 
 
-def variant(text: str) -> dict[str, Any]:
-    """``key=value,...`` as options (``KeyError`` for a key that is not one)."""
-    kw = dict(option(item) for item in filter(None, text.split(",")))
-    options(kw)
-    return kw
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="reports/latest/bench", help="output folder")
-    parser.add_argument("--variants", nargs="+", default=VARIANTS, help="key=value,... over the options")
-    parser.add_argument("--tokens", type=int, default=8192)
+    parser = experiment_arguments(__doc__, VARIANTS)
     args = parser.parse_args(argv)
-    try:
-        chosen = {name: variant(name) for name in args.variants}
-    except (KeyError, ValueError, SyntaxError) as exc:
-        parser.error(str(exc))
+    chosen = chosen_variants(parser, args.variants, DEFAULTS)
     import attnres_gpu
     import gpu_timing
     from gpu_timing import agreement, copy_bandwidth, launch_split, ms, write_variants

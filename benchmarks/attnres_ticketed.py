@@ -45,7 +45,6 @@ bitwise. Options, as ``key=value`` joined by commas:
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import Any
@@ -56,7 +55,7 @@ if "--compile" in sys.argv:  # compile for the GPU target, not the interpreter (
 import torch
 import triton
 import triton.language as tl
-from gpu_timing import option
+from gpu_timing import chosen_variants, experiment_arguments, variant_options, with_defaults
 
 from k3verify.attnres import kernels as ours
 from k3verify.attnres.chunkwise import Stats
@@ -205,11 +204,8 @@ def _ticketed_kernel(v, g3, pdot, pss, ell, cnt, m_out, z_out, n_out, T, D, n, Q
 
 
 def options(kw: dict[str, Any]) -> dict[str, Any]:
-    """The defaults overridden by ``kw``; unknown keys raise ``KeyError`` naming them."""
-    unknown = sorted(set(kw) - set(DEFAULTS))
-    if unknown:
-        raise KeyError(f"unknown options {unknown}; known: {sorted(DEFAULTS)}")
-    return DEFAULTS | kw
+    """The defaults overridden by ``kw`` (:func:`gpu_timing.with_defaults`)."""
+    return with_defaults(DEFAULTS, kw)
 
 
 def _constants(o: dict[str, Any], n: int, Q: int, d: int) -> dict[str, Any]:
@@ -288,23 +284,15 @@ def compile_report(variants: dict[str, dict[str, Any]]) -> None:
 
 def variant(text: str) -> dict[str, Any]:
     """``key=value,...`` as options (``KeyError`` for a key that is not one)."""
-    kw = dict(option(item) for item in filter(None, text.split(",")))
-    options(kw)
-    return kw
+    return variant_options(text, DEFAULTS)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="reports/latest/bench", help="output folder")
-    parser.add_argument("--variants", nargs="+", default=VARIANTS, help="key=value,... over the options")
-    parser.add_argument("--tokens", type=int, default=8192)
+    parser = experiment_arguments(__doc__, VARIANTS)
     parser.add_argument("--compile", action="store_true", help="print registers and shared memory (no GPU)")
     parser.add_argument("--once", default=None, help="run one variant once (for a profiler), no timing")
     args = parser.parse_args(argv)
-    try:
-        chosen = {name: variant(name) for name in args.variants}
-    except (KeyError, ValueError, SyntaxError) as exc:
-        parser.error(str(exc))
+    chosen = chosen_variants(parser, args.variants, DEFAULTS)
     if args.compile:
         compile_report(chosen)
         return 0

@@ -70,6 +70,43 @@ def option(item: str) -> tuple[str, Any]:
         return key, value
 
 
+def with_defaults(defaults: dict[str, Any], kw: dict[str, Any]) -> dict[str, Any]:
+    """An experiment's ``defaults`` overridden by ``kw``; unknown keys raise ``KeyError`` naming
+    them and the known ones."""
+    unknown = sorted(set(kw) - set(defaults))
+    if unknown:
+        raise KeyError(f"unknown options {unknown}; known: {sorted(defaults)}")
+    return defaults | kw
+
+
+def variant_options(text: str, defaults: dict[str, Any]) -> dict[str, Any]:
+    """``key=value,...`` (:func:`option` each) as an experiment's overrides of ``defaults``
+    (``KeyError`` for a key that is not one of them)."""
+    kw = dict(option(item) for item in filter(None, text.split(",")))
+    with_defaults(defaults, kw)
+    return kw
+
+
+def experiment_arguments(doc: str, variants: list[str]) -> argparse.ArgumentParser:
+    """An AttnRes phase-1 experiment's parser: its docstring's first line, ``--out``,
+    ``--variants`` (default ``variants``) and ``--tokens``; the script adds its own options."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default="reports/latest/bench", help="output folder")
+    parser.add_argument("--variants", nargs="+", default=variants, help="key=value,... over the options")
+    parser.add_argument("--tokens", type=int, default=8192)
+    return parser
+
+
+def chosen_variants(parser: argparse.ArgumentParser, texts: list[str],
+                    defaults: dict[str, Any]) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Each ``--variants`` text with its overrides of ``defaults``; a bad one ends the program
+    through ``parser.error``, naming it."""
+    try:
+        return {text: variant_options(text, defaults) for text in texts}
+    except (KeyError, ValueError, SyntaxError) as exc:
+        parser.error(str(exc))
+
+
 def agreement(got: Any, ref: Any) -> dict[str, float]:
     """How far phase-1 statistics ``got`` are from ``ref`` (both ``Stats``): the largest
     absolute difference in ``m``, relative in ``Z``, and in ``N`` relative to ``ref``'s largest."""

@@ -55,3 +55,13 @@ def test_experiment_options_are_read_as_written(gpu_timing) -> None:
     assert gpu_timing.option("store=evict_first") == ("store", "evict_first")
     assert gpu_timing.option("store=") == ("store", "")
     assert gpu_timing.option("own") == ("own", True)
+
+
+def test_experiment_variants_name_unknown_options(gpu_timing) -> None:
+    """Structural: a variant's overrides come back as written, the defaults fill the rest, and a
+    key that is not an option is refused with the known ones named."""
+    defaults = {"lag": 8, "store": ".cs"}
+    assert gpu_timing.variant_options("lag=4,store=", defaults) == {"lag": 4, "store": ""}
+    assert gpu_timing.with_defaults(defaults, {"lag": 4}) == {"lag": 4, "store": ".cs"}
+    with pytest.raises(KeyError, match=r"unknown options \['lga'\]; known: \['lag', 'store'\]"):
+        gpu_timing.variant_options("lga=4", defaults)

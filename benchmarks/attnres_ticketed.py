@@ -55,7 +55,7 @@ if "--compile" in sys.argv:  # compile for the GPU target, not the interpreter (
 import torch
 import triton
 import triton.language as tl
-from gpu_timing import chosen_variants, experiment_arguments, variant_options, with_defaults
+from gpu_timing import chosen_variants, experiment_arguments, with_defaults
 
 from k3verify.attnres import kernels as ours
 from k3verify.attnres.chunkwise import Stats
@@ -270,6 +270,12 @@ def persisting_l2(mib: int) -> int:
     return want
 
 
+def _set_aside(mib: int, say) -> None:
+    """With ``mib`` > 0, :func:`persisting_l2` and ``say`` how much was granted."""
+    if mib:
+        say(f"{persisting_l2(mib) / 2**20:.1f} MiB of L2 set aside")
+
+
 def compile_report(variants: dict[str, dict[str, Any]]) -> None:
     """Registers, spills and shared memory of each variant for sm_90, without a GPU."""
     from kernel_compile import Launch, usage
@@ -282,17 +288,13 @@ def compile_report(variants: dict[str, dict[str, Any]]) -> None:
         print(f"{name:32s} {o['warps']} warps: {usage(launch, 90, o['warps'], o['maxnreg'])}", flush=True)
 
 
-def variant(text: str) -> dict[str, Any]:
-    """``key=value,...`` as options (``KeyError`` for a key that is not one)."""
-    return variant_options(text, DEFAULTS)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = experiment_arguments(__doc__, VARIANTS)
     parser.add_argument("--compile", action="store_true", help="print registers and shared memory (no GPU)")
     parser.add_argument("--once", default=None, help="run one variant once (for a profiler), no timing")
     args = parser.parse_args(argv)
     chosen = chosen_variants(parser, args.variants, DEFAULTS)
+    once = None if args.once is None else chosen_variants(parser, [args.once], DEFAULTS)[args.once]
     if args.compile:
         compile_report(chosen)
         return 0
@@ -302,10 +304,9 @@ def main(argv: list[str] | None = None) -> int:
 
     T, d = args.tokens, 7168
     x = attnres_gpu._block_inputs(T, d)
-    if args.once is not None:
-        if options(variant(args.once))["persist"]:
-            print(f"{persisting_l2(options(variant(args.once))['persist']) / 2**20:.1f} MiB of L2 set aside")
-        run, _ = prepare(x["stored"], x["w"], x["gamma"], **variant(args.once))
+    if once is not None:
+        _set_aside(options(once)["persist"], print)
+        run, _ = prepare(x["stored"], x["w"], x["gamma"], **once)
         run()
         torch.cuda.synchronize()
         ours.phase1(x["stored"], x["w"], x["gamma"])
@@ -328,9 +329,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ours_row("ours (two launches)")
     for name, kw in chosen.items():
+        persist = options(kw)["persist"]
         try:
-            if options(kw)["persist"]:
-                log(f"{name}: {persisting_l2(options(kw)['persist']) / 2**20:.1f} MiB of L2 set aside")
+            _set_aside(persist, lambda msg, name=name: log(f"{name}: {msg}"))
             run, got = prepare(x["stored"], x["w"], x["gamma"], **kw)
             for buf in (got.m, got.Z, got.N):  # every entry must be written
                 buf.fill_(float("nan"))
@@ -347,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{name}: {rows[-1]['error']}")
             continue
         finally:
-            if options(kw)["persist"]:
+            if persist:
                 persisting_l2(0)
         frac = moved / (t * 1e-3) / 1e12 / copy_tbps
         rows.append(dict(variant=name, options=options(kw), ms=t, fraction_of_copy=frac, agreement=agree,

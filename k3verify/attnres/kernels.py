@@ -135,8 +135,9 @@ def _logits_kernel(v, sb, st, wg, g3, ell, ess, T, D, n, BT: tl.constexpr, BD: t
         ss = tl.sum(sq.to(tl.float64), axis=1)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    # Unnormalised: the fp64 division and square root go to the accumulate launch (the same
-    # bits; 2.027-2.029 ms against 2.033-2.034 for the phase at K3's shape, one H200 process).
+    # Unnormalised: the fp64 division and square root go to the accumulate launch (bf16: the
+    # same bits; 2.027-2.029 ms against 2.033-2.034 for the phase at K3's shape, one H200
+    # process; fp32 streams on a GPU: the fp64 sums' order is the compiler's, docs/gpu.md).
     cell = t.to(tl.int64) * n + src
     tl.store(ell + cell[:, None] * QP + q[None, :], acc, mask=ok[:, None])
     tl.store(ess + cell, ss, mask=ok)

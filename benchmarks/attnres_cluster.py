@@ -1,0 +1,464 @@
+"""Block AttnRes phase 1 in one launch of thread-block clusters on a Hopper GPU: an experiment.
+
+    python benchmarks/attnres_cluster.py --out DIR [--variants VARIANT ...]
+    python benchmarks/attnres_cluster.py --compile [--variants VARIANT ...]   # no GPU needed
+
+The one-launch team form of ``benchmarks/attnres_one_launch.py`` (``pack14``: a team of slab
+programs shares each token pair's width, each keeps its slab of ``w ⊙ γ`` in shared memory)
+spends about 0.14 ms of its 2.03 on the exchange of the team's partial logits through global
+memory (docs/gpu.md: without that gather it runs 1.89 ms). Here a team is a *cluster*: its
+slab programs are co-scheduled on one GPC and exchange their partials through distributed
+shared memory, so a pair's partials never leave the chip:
+
+- each program pushes its pair's partial logits and squares (25 rows of 16 fp32) into slot
+  ``pair % nbuf`` of every teammate's exchange buffer with ``st.async``, which counts the bytes
+  on the receiver's ``landed`` barrier;
+- each program's weights warps wait on their own ``landed`` barrier, sum the team's partials
+  in slab order (the same sums as the global-memory gather), take the softmax and hand the
+  packed weights to the writer; then they tell every teammate, on its ``free`` barrier, that
+  the slot may be written again.
+
+The loader, the partials' products and the writer are ``attnres_one_launch``'s. Triton 3.6
+(the GPU machine's) has no cluster operations in Gluon, so the kernel is compiled for one CTA
+and launched as clusters of ``slabs`` (its compiled kernel's ``num_ctas`` set before the first
+launch, which Triton's launcher turns into the cluster dimension); the distributed shared
+memory work is inline PTX on an exchange region placed after Triton's own shared memory (the
+compiled ``shared`` size raised by the region's bytes). It prints our two-launch phase 1, the
+global-memory ``pack14`` and every variant in the same process (do_bench medians; bytes moved
+once against the copy bandwidth), each one's agreement with ours and the number of clusters
+the GPU holds at once; ``--compile`` prints registers and shared memory without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+from typing import Any
+
+import attnres_one_launch as ol
+import torch
+import triton
+from gpu_timing import option, with_defaults
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from k3verify.attnres import kernels as ours
+from k3verify.attnres.chunkwise import Stats
+
+QP = gl.constexpr(32)  # queries padded to the products' tile
+ROWS = gl.constexpr(25)  # rows a slab posts per pair: 24 queries' partial logits, then the 16 squares
+BLOCK = gl.constexpr(25 * 16 * 4)  # bytes of one slab's post
+DEFAULTS: dict[str, Any] = dict(slabs=16, ring=4, nbuf=2, chains=3, weigh_warps=4, lregs=168, xregs=128, box=64,
+                                pbufs=2, evict=False)  # fmt: skip
+VARIANTS: dict[str, dict[str, Any]] = {
+    "cluster16": {},
+    "cluster16_ring3": dict(ring=3),
+    "cluster16_nbuf1": dict(nbuf=1),
+    "cluster16_evict": dict(evict=True),
+    "cluster14": dict(slabs=14),  # pack14's slabs of 512 (a non-portable cluster size)
+}
+
+# Inline PTX on the exchange region. Every address operand is a byte offset from the start of
+# the kernel's dynamic shared memory (``global_smem``, where Triton places its own buffers);
+# ``mapa`` turns a local shared address into the same offset in another CTA of the cluster.
+_PUSH = gl.constexpr("""{
+.reg .u32 xb, xa, xm;
+.reg .pred xp;
+mov.u32 xb, global_smem;
+add.u32 xa, xb, $4;
+add.u32 xm, xb, $12;
+mapa.shared::cluster.u32 xa, xa, $16;
+mapa.shared::cluster.u32 xm, xm, $16;
+setp.ne.u32 xp, $20, 0;
+@xp st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [xa], {$8, $9, $10, $11}, [xm];
+mov.u32 $0, 0;
+mov.u32 $1, 0;
+mov.u32 $2, 0;
+mov.u32 $3, 0;
+}""")
+_PULL = gl.constexpr("""{
+.reg .u32 xa;
+.reg .pred xp;
+mov.u32 xa, global_smem;
+add.u32 xa, xa, $4;
+setp.ne.u32 xp, $8, 0;
+mov.f32 $0, 0f00000000;
+mov.f32 $1, 0f00000000;
+mov.f32 $2, 0f00000000;
+mov.f32 $3, 0f00000000;
+@xp ld.shared.v4.f32 {$0, $1, $2, $3}, [xa];
+}""")
+_EXPECT = gl.constexpr("""{
+.reg .u32 xm;
+.reg .pred xp;
+mov.u32 xm, global_smem;
+add.u32 xm, xm, $1;
+mov.u32 $0, %laneid;
+setp.eq.u32 xp, $0, 0;
+@xp mbarrier.arrive.expect_tx.shared::cta.b64 _, [xm], $2;
+mov.u32 $0, 0;
+}""")
+_WAIT = gl.constexpr("""{
+.reg .u32 xm;
+.reg .pred xp;
+mov.u32 xm, global_smem;
+add.u32 xm, xm, $1;
+XWAIT_${:uid}:
+mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 xp, [xm], $2;
+@!xp bra XWAIT_${:uid};
+mov.u32 $0, 0;
+}""")
+_ARRIVE = gl.constexpr("""{
+.reg .u32 xm;
+.reg .pred xp;
+mov.u32 xm, global_smem;
+add.u32 xm, xm, $1;
+mapa.shared::cluster.u32 xm, xm, $2;
+mov.u32 $0, %laneid;
+setp.eq.u32 xp, $0, 0;
+@xp mbarrier.arrive.release.cluster.shared::cluster.b64 _, [xm];
+mov.u32 $0, 0;
+}""")
+_INIT = gl.constexpr("""{
+.reg .u32 xm;
+.reg .pred xp;
+mov.u32 xm, global_smem;
+add.u32 xm, xm, $1;
+mov.u32 $0, %tid.x;
+setp.eq.u32 xp, $0, 0;
+@xp mbarrier.init.shared::cta.b64 [xm], $2;
+mov.u32 $0, 0;
+}""")
+_PUSH_ARGS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 4 + ["f"] * 4 + ["r"] * 12))
+_PULL_ARGS = gl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 8))
+_FENCE_INIT = gl.constexpr("fence.mbarrier_init.release.cluster; mov.u32 $0, $1;")
+
+
+@gluon.jit
+def _lane_op(asm: gl.constexpr, lanes, offset, value):
+    """Run ``asm`` once in every thread (a ``[32]`` tensor, one element a thread, in ``lanes``'s
+    layout) on a barrier at byte ``offset`` with ``value`` (a count, a parity or a CTA rank);
+    returns zeros, so that a later address can depend on it."""
+    return gl.inline_asm_elementwise(asm, "=r,r,r", [lanes * 0 + offset, lanes * 0 + value], dtype=gl.int32,
+                                     is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _lanes(W: gl.constexpr):
+    """``[32]`` lane indices, one a thread in a partition of ``W`` warps (each warp a copy)."""
+    return gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [W], [0]))
+
+
+@gluon.jit
+def _post_cluster(ring, wsm, full, xoff, s, nk, S: gl.constexpr, NCH: gl.constexpr, CH: gl.constexpr,
+                  RING: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr, CHAINS: gl.constexpr):
+    """Partials warps: each pair's partial logits (queries 0–23) and squares (as row 24) of this
+    slab, pushed into slot ``pair % NBUF`` of every teammate's exchange buffer (``st.async``,
+    counted on the teammate's ``landed`` barrier), once every teammate has freed that slot."""
+    EL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [LW, 1], [1, 0])
+    q = gl.arange(0, QP, layout=gl.SliceLayout(1, EL))
+    c = gl.arange(0, 16, layout=gl.SliceLayout(0, EL))
+    lanes = _lanes(LW)
+    bars = xoff + NBUF * S * BLOCK
+    ok = ((q < ROWS)[:, None] & (c >= 0)[None, :]).to(gl.int32)
+    for j in range(nk):
+        slot = j % RING
+        mbarrier.wait(full.index(slot), (j // RING) & 1)
+        acc, ss = ol._partials(ring, wsm, slot, NCH, CH, LW, True, CHAINS)
+        x = gl.convert_layout(acc, EL)
+        x = gl.where((q == QP - 8)[:, None], gl.convert_layout(ss, gl.SliceLayout(0, EL))[None, :], x)
+        b = j % NBUF
+        if j >= NBUF:
+            _lane_op(_WAIT, lanes, bars + 8 * (NBUF + b), (j // NBUF - 1) & 1)
+        addr = xoff + (b * S + s) * BLOCK + (q * 64)[:, None] + (c * 4)[None, :]
+        for p in gl.static_range(S):
+            gl.inline_asm_elementwise(_PUSH, _PUSH_ARGS,
+                                      [addr, x, addr * 0 + bars + 8 * b, addr * 0 + p, ok], dtype=gl.int32,
+                                      is_pure=False, pack=4)  # fmt: skip
+
+
+@gluon.jit
+def _weigh_cluster(psm, pready, pfree, m_out, z_out, xoff, team, s, nk, T, D, n, Q, eps, TEAMS, S: gl.constexpr,
+                   NBUF: gl.constexpr, XW: gl.constexpr):
+    """Weights warps: pair ``kk``'s team partials from the exchange buffer once they have all
+    landed, summed in slab order (logits in fp32, squares in fp64, as ``_gather``), the softmax
+    (m, Z written by slab 0), the packed weights handed to the writer, and the slot freed in
+    every teammate (but for the last ``NBUF`` pairs, which nobody waits for)."""
+    EL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [XW, 1], [1, 0])
+    aq = gl.arange(0, QP, layout=gl.SliceLayout(1, EL))
+    ar = gl.arange(0, 16, layout=gl.SliceLayout(0, EL))
+    lanes = _lanes(XW)
+    bars = xoff + NBUF * S * BLOCK
+    ok = ((aq < ROWS)[:, None] & (ar >= 0)[None, :]).to(gl.int32)
+    sq_row = (aq == QP - 8)[:, None] & (ar >= 0)[None, :]
+    for kk in range(nk):
+        b = kk % NBUF
+        _lane_op(_EXPECT, lanes, bars + 8 * b, S * BLOCK // XW)
+        _lane_op(_WAIT, lanes, bars + 8 * b, (kk // NBUF) & 1)
+        tot = gl.zeros([QP, 16], gl.float32, EL)
+        sq = gl.zeros([QP, 16], gl.float64, EL)
+        addr = xoff + (b * S) * BLOCK + (aq * 64)[:, None] + (ar * 4)[None, :]
+        for p in gl.static_range(S):
+            v = gl.inline_asm_elementwise(_PULL, _PULL_ARGS, [addr + p * BLOCK, ok],
+                                          dtype=gl.float32, is_pure=False, pack=4)  # fmt: skip
+            tot += gl.where(aq[:, None] < QP - 8, v, 0.0)
+            sq += gl.where(sq_row, v.to(gl.float64), 0.0)
+        sst = gl.sum(sq, axis=0)
+        ol._bar()
+        if kk + NBUF < nk:
+            for p in gl.static_range(S):
+                _lane_op(_ARRIVE, lanes, bars + 8 * (NBUF + b), p)
+        L = (tot.to(gl.float64) / gl.sqrt(sst[None, :] / D + eps)).to(gl.float32)
+        P = ol._softmax(L, aq, ar, n, m_out, z_out, 2 * (team + kk * TEAMS), T, Q, s == 0)
+        ol._deliver(psm, pready, pfree, P, aq, ar, kk, XW, True)
+
+
+@gluon.jit
+def _cluster_kernel(desc, g3_ptr, m_out, z_out, n_out, ready, xoff, T, D, n, Q, eps, TEAMS, S: gl.constexpr,
+                    W: gl.constexpr, CH: gl.constexpr, RING: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
+                    LW: gl.constexpr, XW: gl.constexpr, LREGS: gl.constexpr, XREGS: gl.constexpr,
+                    CHAINS: gl.constexpr, PB: gl.constexpr, EVICT: gl.constexpr):
+    """One CTA per (cluster, slab): its slab of ``w ⊙ γ`` into shared memory, the exchange
+    barriers initialised and the cluster's CTAs met (a count in global memory: a cluster
+    barrier would need the idle partitions' threads too), then the four partitions."""
+    R: gl.constexpr = 16
+    NCH: gl.constexpr = W // CH
+    WLD: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+    SX: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * CH), element_bitwidth=16, rank=2)
+    SP: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+    pid = gl.program_id(0)
+    team = pid // S
+    s = pid % S  # the CTA's rank in its cluster (clusters of S consecutive CTAs)
+    lo = s * W
+    nk = (T // 2 - team + TEAMS - 1) // TEAMS
+
+    ring = gl.allocate_shared_memory(gl.bfloat16, [RING * NCH, R, CH], SX)
+    wsm = gl.allocate_shared_memory(gl.bfloat16, [3 * NCH, QP, CH], SX)
+    psm = gl.allocate_shared_memory(gl.bfloat16, [PB * 6 + 3, QP, R], SP)
+    full = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    pready = gl.allocate_shared_memory(gl.int64, [PB, 1], mbarrier.MBarrierLayout())
+    pfree = gl.allocate_shared_memory(gl.int64, [PB, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(RING):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(PB):
+        mbarrier.init(pready.index(i), count=1)
+        mbarrier.init(pfree.index(i), count=1)
+    wq = gl.arange(0, QP, layout=gl.SliceLayout(1, WLD))
+    wc = gl.arange(0, CH, layout=gl.SliceLayout(0, WLD))
+    for j in gl.static_range(3):
+        for c in range(NCH):
+            wsm.index(j * NCH + c).store(gl.load(g3_ptr + (j * QP + wq[:, None]) * D + lo + c * CH + wc[None, :]))
+    lanes = _lanes(NW)
+    bars = xoff + NBUF * S * BLOCK
+    for b in gl.static_range(NBUF):
+        _lane_op(_INIT, lanes, bars + 8 * b, XW)  # landed: each weights warp's expect
+        _lane_op(_INIT, lanes, bars + 8 * (NBUF + b), S * XW)  # free: every teammate's weights warps
+    gl.inline_asm_elementwise(_FENCE_INIT, "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
+    ol._bar()
+    gl.atomic_add(ready + team, 1, sem="release")
+    ol._wait(ready + team, S, False)
+
+    gl.warp_specialize([
+        (ol._writer_packed, (ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T, D, Q, TEAMS, NCH, CH,
+                             RING, NW, True, EVICT)),
+        (ol._loader, (desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH, CH, RING)),
+        (_post_cluster, (ring, wsm, full, xoff, s, nk, S, NCH, CH, RING, NBUF, LW, CHAINS)),
+        (_weigh_cluster, (psm, pready, pfree, m_out, z_out, xoff, team, s, nk, T, D, n, Q, eps, TEAMS, S, NBUF, XW)),
+    ], [1, LW, XW], [24, LREGS, XREGS])
+
+
+def exchange_bytes(slabs: int, nbuf: int) -> int:
+    """Shared memory of the exchange region: ``nbuf`` slots of every slab's post, then the
+    ``landed`` and ``free`` barriers of each slot."""
+    return nbuf * slabs * BLOCK.value + 16 * nbuf
+
+
+def _constexprs(d: int, o: dict[str, Any]) -> dict[str, Any]:
+    return dict(S=o["slabs"], W=d // o["slabs"], CH=o["box"], RING=o["ring"], NBUF=o["nbuf"], NW=4, LW=4,
+                XW=o["weigh_warps"], LREGS=o["lregs"], XREGS=o["xregs"], CHAINS=o["chains"], PB=o["pbufs"],
+                EVICT=o["evict"])  # fmt: skip
+
+
+_LAUNCHES: dict[tuple, Any] = {}
+
+
+def _clustered(args: tuple, constexprs: dict[str, Any], slabs: int, nbuf: int) -> tuple[Any, int]:
+    """The kernel compiled for these arguments' types, set to launch as clusters of ``slabs``
+    CTAs with the exchange region after Triton's shared memory; and that region's offset."""
+    key = (tuple(sorted(constexprs.items())), args[0].block_shape if hasattr(args[0], "block_shape") else None)
+    if key not in _LAUNCHES:
+        compiled = _cluster_kernel.warmup(*args, **constexprs, num_warps=4, grid=(1,))
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        xoff = -(-compiled.metadata.shared // 128) * 128
+        meta = compiled.metadata._replace(shared=xoff + exchange_bytes(slabs, nbuf), num_ctas=slabs)
+        compiled.metadata = meta
+        compiled.packed_metadata = (meta.num_warps, meta.num_ctas, meta.shared)
+        compiled._init_handles()
+        if slabs > 8:  # Triton's launcher allows a non-portable size for 16 CTAs only
+            _non_portable(compiled)
+        _LAUNCHES[key] = (compiled, xoff)
+    return _LAUNCHES[key]
+
+
+def _non_portable(compiled: Any) -> None:
+    """Allow ``compiled`` clusters of more than 8 CTAs (Hopper holds up to 16)."""
+    from cuda.bindings import driver as cu
+
+    attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+    (err,) = cu.cuFuncSetAttribute(cu.CUfunction(compiled.function), attr, 1)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"clusters of more than 8 CTAs refused: {err}")
+
+
+def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: float = ours.RMS_NORM_EPS,
+           teams: int | None = None, **options: Any) -> Stats:
+    """Phase-1 statistics of ``w, gamma:[Q, d]`` (Q <= 24) over ``stored:[n, T, d]`` (bf16,
+    contiguous, n <= 8, T even) in one launch of ``teams`` clusters: ``m, Z:[Q, T]``,
+    ``N:[Q, T, d]``. ``options`` over :data:`DEFAULTS`."""
+    o = with_defaults(DEFAULTS, options)
+    n, T, d = stored.shape
+    Q = w.shape[0]
+    S = o["slabs"]
+    if d % S or (d // S) % o["box"] or n > 8 or Q > 24 or T % 2 or not stored.is_contiguous():
+        raise ValueError(f"unsupported: stored {list(stored.shape)} (contiguous, n <= 8, T even, d a multiple of "
+                         f"{S} x {o['box']}), {Q} queries (at most 24)")  # fmt: skip
+    dev = stored.device
+    m = torch.empty(Q, T, dtype=torch.float32, device=dev)
+    Z = torch.empty(Q, T, dtype=torch.float32, device=dev)
+    N = torch.empty(Q, T, d, dtype=torch.float32, device=dev)
+    g3 = ours._split_bf16(ours._queries(w, gamma, d, dev, QP.value).T.contiguous()).contiguous()  # [3, QP, d]
+    teams = teams or max(1, torch.cuda.get_device_properties(dev).multi_processor_count // S)
+    ready = torch.zeros(teams, dtype=torch.int32, device=dev)
+    desc, _ = ol._descriptors(stored, N, o["box"])
+    constexprs = _constexprs(d, o)
+    args = (desc, g3, m, Z, N, ready, 128, T, d, n, Q, float(eps), teams)
+    compiled, xoff = _clustered(args, constexprs, S, o["nbuf"])
+    compiled[(teams, 1, 1)](desc, g3, m, Z, N, ready, xoff, T, d, n, Q, float(eps), teams, *constexprs.values())
+    return Stats(m, Z, N)
+
+
+def max_clusters(compiled: Any, slabs: int) -> int:
+    """How many clusters of ``slabs`` CTAs of ``compiled`` the GPU holds at once."""
+    from cuda.bindings import driver as cu
+
+    cfg = cu.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = slabs * 64, 1, 1
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = 32 * compiled.metadata.num_warps, 1, 1
+    cfg.sharedMemBytes = compiled.metadata.shared
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = slabs, 1, 1
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    err, count = cu.cuOccupancyMaxActiveClusters(cu.CUfunction(compiled.function), cfg)
+    return int(count) if err == cu.CUresult.CUDA_SUCCESS else -int(err)
+
+
+def compile_usage(kw: dict[str, Any], arch: int = 90) -> str:
+    """Registers and shared memory of a variant compiled for ``sm_<arch>`` (no GPU needed)."""
+    from kernel_compile import resource_usage
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    o = with_defaults(DEFAULTS, kw)
+    desc, _ = ol._descriptors(torch.empty(8, 2, 64, dtype=torch.bfloat16), torch.empty(24, 2, 64), o["box"])
+    types = dict(desc=triton.runtime.jit.mangle_type(desc), g3_ptr="*bf16", ready="*i32", eps="fp32",
+                 **dict.fromkeys(("xoff", "T", "D", "n", "Q", "TEAMS"), "i32"))  # fmt: skip
+    fn = _cluster_kernel
+    sig = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "*fp32") for p in fn.params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
+             if sig[p.name].startswith("*") or p.name in ("T", "D", "xoff")}  # fmt: skip
+    source = GluonASTSource(fn=fn, signature=sig, constexprs=_constexprs(7168, o), attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+    regs, stack = resource_usage(compiled.asm["cubin"])
+    xoff = -(-compiled.metadata.shared // 128) * 128
+    total = xoff + exchange_bytes(o["slabs"], o["nbuf"])
+    return (f"{regs} registers (largest partition), {stack} B stack (spills), {compiled.metadata.shared} B shared "
+            f"+ exchange = {total} B")  # fmt: skip
+
+
+def variant(text: str) -> dict[str, Any]:
+    """A variant's options: a name in ``VARIANTS``, optionally followed by ``key=value`` overrides
+    of :data:`DEFAULTS`, joined by commas."""
+    items = text.split(",")
+    kw = dict(VARIANTS[items.pop(0)]) if items[0] in VARIANTS else {}
+    for item in items:
+        key, value = option(item)
+        if key not in DEFAULTS:
+            raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is neither a variant ({', '.join(VARIANTS)}) nor "
+                                             f"key=value over {sorted(DEFAULTS)}")  # fmt: skip
+        kw[key] = value
+    return kw
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="reports/latest/bench", help="output folder")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS),
+                        help=f"names ({', '.join(VARIANTS)}) or key=value,... over {sorted(DEFAULTS)}")
+    parser.add_argument("--compile", action="store_true", help="compile for sm_90 and print resources; no GPU")
+    args = parser.parse_args(argv)
+    try:
+        chosen = {name: variant(name) for name in args.variants}
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    if args.compile:
+        print(f"Triton {triton.__version__}, sm_90, d = 7168")
+        for name in args.variants:
+            print(f"{name:20s} {compile_usage(chosen[name])}", flush=True)
+        return 0
+    import attnres_gpu
+    import gpu_timing
+    from gpu_timing import agreement, copy_bandwidth, ms, write_variants
+
+    begun = gpu_timing.start(args.out, "the clustered AttnRes experiment")
+    if begun is None:
+        return 2
+    out, log = begun
+    copy_tbps = copy_bandwidth()
+    log(f"copy bandwidth {copy_tbps:.2f} TB/s")
+    T, d = 8192, 7168
+    x = attnres_gpu._block_inputs(T, d)
+    moved = attnres_gpu.STORED * T * d * 2 + attnres_gpu.QUERIES * T * d * 4
+    ref = ours.phase1(x["stored"], x["w"], x["gamma"])
+    runs = {"ours (two launches)": partial(ours.phase1, x["stored"], x["w"], x["gamma"]),
+            "pack14 (global memory)": partial(ol.phase1, x["stored"], x["w"], x["gamma"], **ol.VARIANTS["pack14"])}
+    runs |= {name: partial(phase1, x["stored"], x["w"], x["gamma"], **kw) for name, kw in chosen.items()}
+    rows = []
+    for name, run in runs.items():
+        try:
+            got = run()
+            torch.cuda.synchronize()
+            again = run()
+            torch.cuda.synchronize()
+        except Exception as exc:  # a variant that does not compile or run is a result; go on
+            rows.append(dict(variant=name, options=chosen.get(name, {}), error=f"{type(exc).__name__}: {exc}"[:300]))
+            log(f"{name}: {rows[-1]['error']}")
+            continue
+        agree = agreement(got, ref)
+        same = all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
+        t = ms(run, "attnres clusters", name, T=T, d=d)
+        frac = moved / (t * 1e-3) / 1e12 / copy_tbps
+        row = dict(variant=name, options=chosen.get(name, {}), ms=t, fraction_of_copy=frac, agreement=agree,
+                   repeatable=same)  # fmt: skip
+        if name in chosen:
+            o = with_defaults(DEFAULTS, chosen[name])
+            compiled, _ = next(v for k, v in _LAUNCHES.items() if dict(k[0])["S"] == o["slabs"]
+                               and dict(k[0])["RING"] == o["ring"] and dict(k[0])["NBUF"] == o["nbuf"]
+                               and dict(k[0])["EVICT"] == o["evict"])  # fmt: skip
+            row["clusters_at_once"] = max_clusters(compiled, o["slabs"])
+        rows.append(row)
+        log(f"{name}: {t:.4f} ms, {100 * frac:.1f}% of copy; max |dm| {agree['m']:.1e}, dZ {agree['Z']:.1e}, "
+            f"dN {agree['N']:.1e}; same bits twice: {same}; clusters at once: {row.get('clusters_at_once', '-')}")
+    write_variants(out, "attnres_cluster", "Block AttnRes phase 1 in one launch of clusters (experiment)", T, d,
+                   copy_tbps, rows, options=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -287,10 +287,11 @@ def _constexprs(d: int, o: dict[str, Any]) -> dict[str, Any]:
 _LAUNCHES: dict[tuple, Any] = {}
 
 
-def _clustered(args: tuple, constexprs: dict[str, Any], slabs: int, nbuf: int) -> tuple[Any, int]:
+def _clustered(args: tuple, constexprs: dict[str, Any], slabs: int, nbuf: int) -> tuple[Any, int, int]:
     """The kernel compiled for these arguments' types, set to launch as clusters of ``slabs``
-    CTAs with the exchange region after Triton's shared memory; and that region's offset."""
-    key = (tuple(sorted(constexprs.items())), args[0].block_shape if hasattr(args[0], "block_shape") else None)
+    CTAs with the exchange region after Triton's shared memory; that region's offset; and how
+    many such clusters the GPU holds at once."""
+    key = tuple(sorted(constexprs.items()))
     if key not in _LAUNCHES:
         compiled = _cluster_kernel.warmup(*args, **constexprs, num_warps=4, grid=(1,))
         compiled = compiled.result() if hasattr(compiled, "result") else compiled
@@ -301,7 +302,7 @@ def _clustered(args: tuple, constexprs: dict[str, Any], slabs: int, nbuf: int) -
         compiled._init_handles()
         if slabs > 8:  # Triton's launcher allows a non-portable size for 16 CTAs only
             _non_portable(compiled)
-        _LAUNCHES[key] = (compiled, xoff)
+        _LAUNCHES[key] = (compiled, xoff, max_clusters(compiled, slabs))
     return _LAUNCHES[key]
 
 
@@ -332,18 +333,21 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     Z = torch.empty(Q, T, dtype=torch.float32, device=dev)
     N = torch.empty(Q, T, d, dtype=torch.float32, device=dev)
     g3 = ours._split_bf16(ours._queries(w, gamma, d, dev, QP.value).T.contiguous()).contiguous()  # [3, QP, d]
-    teams = teams or max(1, torch.cuda.get_device_properties(dev).multi_processor_count // S)
-    ready = torch.zeros(teams, dtype=torch.int32, device=dev)
     desc, _ = ol._descriptors(stored, N, o["box"])
     constexprs = _constexprs(d, o)
-    args = (desc, g3, m, Z, N, ready, 128, T, d, n, Q, float(eps), teams)
-    compiled, xoff = _clustered(args, constexprs, S, o["nbuf"])
+    ready = torch.zeros(torch.cuda.get_device_properties(dev).multi_processor_count, dtype=torch.int32, device=dev)
+    args = (desc, g3, m, Z, N, ready, 128, T, d, n, Q, float(eps), 3)  # 3: an int Triton does not specialise
+    compiled, xoff, at_once = _clustered(args, constexprs, S, o["nbuf"])
+    # as many clusters as are resident at once (every GPC holds one or two), or one a 16 SMs
+    teams = teams or (at_once if at_once > 0 else torch.cuda.get_device_properties(dev).multi_processor_count // S)
+    ready = ready[:teams]
     compiled[(teams, 1, 1)](desc, g3, m, Z, N, ready, xoff, T, d, n, Q, float(eps), teams, *constexprs.values())
     return Stats(m, Z, N)
 
 
 def max_clusters(compiled: Any, slabs: int) -> int:
-    """How many clusters of ``slabs`` CTAs of ``compiled`` the GPU holds at once."""
+    """How many clusters of ``slabs`` CTAs of ``compiled`` the GPU holds at once (negative: the
+    driver's error)."""
     from cuda.bindings import driver as cu
 
     cfg = cu.CUlaunchConfig()
@@ -355,7 +359,11 @@ def max_clusters(compiled: Any, slabs: int) -> int:
     attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = slabs, 1, 1
     cfg.attrs = [attr]
     cfg.numAttrs = 1
-    err, count = cu.cuOccupancyMaxActiveClusters(cu.CUfunction(compiled.function), cfg)
+    try:
+        err, count = cu.cuOccupancyMaxActiveClusters(cu.CUfunction(compiled.function), cfg)
+    except Exception as exc:  # an occupancy query the driver bindings refuse: say so, launch by SM count
+        print(f"cuOccupancyMaxActiveClusters: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return -1
     return int(count) if err == cu.CUresult.CUDA_SUCCESS else -int(err)
 
 
@@ -447,11 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         row = dict(variant=name, options=chosen.get(name, {}), ms=t, fraction_of_copy=frac, agreement=agree,
                    repeatable=same)  # fmt: skip
         if name in chosen:
-            o = with_defaults(DEFAULTS, chosen[name])
-            compiled, _ = next(v for k, v in _LAUNCHES.items() if dict(k[0])["S"] == o["slabs"]
-                               and dict(k[0])["RING"] == o["ring"] and dict(k[0])["NBUF"] == o["nbuf"]
-                               and dict(k[0])["EVICT"] == o["evict"])  # fmt: skip
-            row["clusters_at_once"] = max_clusters(compiled, o["slabs"])
+            key = tuple(sorted(_constexprs(d, with_defaults(DEFAULTS, chosen[name])).items()))
+            row["clusters_at_once"] = _LAUNCHES[key][2]
         rows.append(row)
         log(f"{name}: {t:.4f} ms, {100 * frac:.1f}% of copy; max |dm| {agree['m']:.1e}, dZ {agree['Z']:.1e}, "
             f"dN {agree['N']:.1e}; same bits twice: {same}; clusters at once: {row.get('clusters_at_once', '-')}")

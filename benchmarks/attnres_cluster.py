@@ -51,13 +51,16 @@ QP = gl.constexpr(32)  # queries padded to the products' tile
 ROWS = gl.constexpr(25)  # rows a slab posts per pair: 24 queries' partial logits, then the 16 squares
 BLOCK = gl.constexpr(25 * 16 * 4)  # bytes of one slab's post
 DEFAULTS: dict[str, Any] = dict(slabs=16, ring=4, nbuf=2, chains=3, weigh_warps=4, lregs=168, xregs=128, box=64,
-                                pbufs=2, evict=False)  # fmt: skip
+                                pbufs=2, evict=False, logits=True, own=False)  # fmt: skip
 VARIANTS: dict[str, dict[str, Any]] = {
     "cluster16": {},
     "cluster16_ring3": dict(ring=3),
     "cluster16_nbuf1": dict(nbuf=1),
     "cluster16_evict": dict(evict=True),
     "cluster14": dict(slabs=14),  # pack14's slabs of 512 (a non-portable cluster size)
+    # timing only (wrong values): the writer and the loader alone; each program exchanging with itself
+    "cluster16_writer_only": dict(logits=False),
+    "cluster16_own": dict(own=True),
 }
 
 # Inline PTX on the exchange region. Every address operand is a byte offset from the start of
@@ -153,10 +156,12 @@ def _lanes(W: gl.constexpr):
 
 @gluon.jit
 def _post_cluster(ring, wsm, full, xoff, s, nk, S: gl.constexpr, NCH: gl.constexpr, CH: gl.constexpr,
-                  RING: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr, CHAINS: gl.constexpr):
+                  RING: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr, CHAINS: gl.constexpr,
+                  OWN: gl.constexpr):
     """Partials warps: each pair's partial logits (queries 0–23) and squares (as row 24) of this
     slab, pushed into slot ``pair % NBUF`` of every teammate's exchange buffer (``st.async``,
-    counted on the teammate's ``landed`` barrier), once every teammate has freed that slot."""
+    counted on the teammate's ``landed`` barrier), once every teammate has freed that slot.
+    ``OWN``: into this program's own buffer only (no coupling between the team; timing only)."""
     EL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [LW, 1], [1, 0])
     q = gl.arange(0, QP, layout=gl.SliceLayout(1, EL))
     c = gl.arange(0, 16, layout=gl.SliceLayout(0, EL))
@@ -173,19 +178,23 @@ def _post_cluster(ring, wsm, full, xoff, s, nk, S: gl.constexpr, NCH: gl.constex
         if j >= NBUF:
             _lane_op(_WAIT, lanes, bars + 8 * (NBUF + b), (j // NBUF - 1) & 1)
         addr = xoff + (b * S + s) * BLOCK + (q * 64)[:, None] + (c * 4)[None, :]
-        for p in gl.static_range(S):
-            gl.inline_asm_elementwise(_PUSH, _PUSH_ARGS,
-                                      [addr, x, addr * 0 + bars + 8 * b, addr * 0 + p, ok], dtype=gl.int32,
-                                      is_pure=False, pack=4)  # fmt: skip
+        if OWN:
+            gl.inline_asm_elementwise(_PUSH, _PUSH_ARGS, [addr, x, addr * 0 + bars + 8 * b, addr * 0 + s, ok],
+                                      dtype=gl.int32, is_pure=False, pack=4)  # fmt: skip
+        else:
+            for p in gl.static_range(S):
+                gl.inline_asm_elementwise(_PUSH, _PUSH_ARGS, [addr, x, addr * 0 + bars + 8 * b, addr * 0 + p, ok],
+                                          dtype=gl.int32, is_pure=False, pack=4)  # fmt: skip
 
 
 @gluon.jit
 def _weigh_cluster(psm, pready, pfree, m_out, z_out, xoff, team, s, nk, T, D, n, Q, eps, TEAMS, S: gl.constexpr,
-                   NBUF: gl.constexpr, XW: gl.constexpr):
+                   NBUF: gl.constexpr, XW: gl.constexpr, OWN: gl.constexpr):
     """Weights warps: pair ``kk``'s team partials from the exchange buffer once they have all
     landed, summed in slab order (logits in fp32, squares in fp64, as ``_gather``), the softmax
     (m, Z written by slab 0), the packed weights handed to the writer, and the slot freed in
-    every teammate (but for the last ``NBUF`` pairs, which nobody waits for)."""
+    every teammate (but for the last ``NBUF`` pairs, which nobody waits for). ``OWN``: only this
+    program's own post is waited for (the others' slots are read as they are; timing only)."""
     EL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [XW, 1], [1, 0])
     aq = gl.arange(0, QP, layout=gl.SliceLayout(1, EL))
     ar = gl.arange(0, 16, layout=gl.SliceLayout(0, EL))
@@ -195,7 +204,7 @@ def _weigh_cluster(psm, pready, pfree, m_out, z_out, xoff, team, s, nk, T, D, n,
     sq_row = (aq == QP - 8)[:, None] & (ar >= 0)[None, :]
     for kk in range(nk):
         b = kk % NBUF
-        _lane_op(_EXPECT, lanes, bars + 8 * b, S * BLOCK // XW)
+        _lane_op(_EXPECT, lanes, bars + 8 * b, (1 if OWN else S) * BLOCK // XW)
         _lane_op(_WAIT, lanes, bars + 8 * b, (kk // NBUF) & 1)
         tot = gl.zeros([QP, 16], gl.float32, EL)
         sq = gl.zeros([QP, 16], gl.float64, EL)
@@ -208,8 +217,11 @@ def _weigh_cluster(psm, pready, pfree, m_out, z_out, xoff, team, s, nk, T, D, n,
         sst = gl.sum(sq, axis=0)
         ol._bar()
         if kk + NBUF < nk:
-            for p in gl.static_range(S):
-                _lane_op(_ARRIVE, lanes, bars + 8 * (NBUF + b), p)
+            if OWN:
+                _lane_op(_ARRIVE, lanes, bars + 8 * (NBUF + b), s)
+            else:
+                for p in gl.static_range(S):
+                    _lane_op(_ARRIVE, lanes, bars + 8 * (NBUF + b), p)
         L = (tot.to(gl.float64) / gl.sqrt(sst[None, :] / D + eps)).to(gl.float32)
         P = ol._softmax(L, aq, ar, n, m_out, z_out, 2 * (team + kk * TEAMS), T, Q, s == 0)
         ol._deliver(psm, pready, pfree, P, aq, ar, kk, XW, True)
@@ -219,10 +231,12 @@ def _weigh_cluster(psm, pready, pfree, m_out, z_out, xoff, team, s, nk, T, D, n,
 def _cluster_kernel(desc, g3_ptr, m_out, z_out, n_out, ready, xoff, T, D, n, Q, eps, TEAMS, S: gl.constexpr,
                     W: gl.constexpr, CH: gl.constexpr, RING: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
                     LW: gl.constexpr, XW: gl.constexpr, LREGS: gl.constexpr, XREGS: gl.constexpr,
-                    CHAINS: gl.constexpr, PB: gl.constexpr, EVICT: gl.constexpr):
+                    CHAINS: gl.constexpr, PB: gl.constexpr, EVICT: gl.constexpr, LOGITS: gl.constexpr,
+                    OWN: gl.constexpr):
     """One CTA per (cluster, slab): its slab of ``w ⊙ γ`` into shared memory, the exchange
     barriers initialised and the cluster's CTAs met (a count in global memory: a cluster
-    barrier would need the idle partitions' threads too), then the four partitions."""
+    barrier would need the idle partitions' threads too), then the four partitions. Without
+    ``LOGITS`` the partials and weights warps have no pairs (the writer alone; timing only)."""
     R: gl.constexpr = 16
     NCH: gl.constexpr = W // CH
     WLD: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
@@ -234,6 +248,7 @@ def _cluster_kernel(desc, g3_ptr, m_out, z_out, n_out, ready, xoff, T, D, n, Q, 
     s = pid % S  # the CTA's rank in its cluster (clusters of S consecutive CTAs)
     lo = s * W
     nk = (T // 2 - team + TEAMS - 1) // TEAMS
+    nlog = nk if LOGITS else 0
 
     ring = gl.allocate_shared_memory(gl.bfloat16, [RING * NCH, R, CH], SX)
     wsm = gl.allocate_shared_memory(gl.bfloat16, [3 * NCH, QP, CH], SX)
@@ -257,7 +272,7 @@ def _cluster_kernel(desc, g3_ptr, m_out, z_out, n_out, ready, xoff, T, D, n, Q, 
     bars = xoff + NBUF * S * BLOCK
     for b in gl.static_range(NBUF):
         _lane_op(_INIT, lanes, bars + 8 * b, XW)  # landed: each weights warp's expect
-        _lane_op(_INIT, lanes, bars + 8 * (NBUF + b), S * XW)  # free: every teammate's weights warps
+        _lane_op(_INIT, lanes, bars + 8 * (NBUF + b), (1 if OWN else S) * XW)  # free: the teammates' weights warps
     gl.inline_asm_elementwise(_FENCE_INIT, "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
     ol._bar()
     gl.atomic_add(ready + team, 1, sem="release")
@@ -265,10 +280,11 @@ def _cluster_kernel(desc, g3_ptr, m_out, z_out, n_out, ready, xoff, T, D, n, Q, 
 
     gl.warp_specialize([
         (ol._writer_packed, (ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T, D, Q, TEAMS, NCH, CH,
-                             RING, NW, True, EVICT)),
+                             RING, NW, LOGITS, EVICT)),
         (ol._loader, (desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH, CH, RING)),
-        (_post_cluster, (ring, wsm, full, xoff, s, nk, S, NCH, CH, RING, NBUF, LW, CHAINS)),
-        (_weigh_cluster, (psm, pready, pfree, m_out, z_out, xoff, team, s, nk, T, D, n, Q, eps, TEAMS, S, NBUF, XW)),
+        (_post_cluster, (ring, wsm, full, xoff, s, nlog, S, NCH, CH, RING, NBUF, LW, CHAINS, OWN)),
+        (_weigh_cluster, (psm, pready, pfree, m_out, z_out, xoff, team, s, nlog, T, D, n, Q, eps, TEAMS, S, NBUF, XW,
+                          OWN)),
     ], [1, LW, XW], [24, LREGS, XREGS])
 
 
@@ -281,7 +297,7 @@ def exchange_bytes(slabs: int, nbuf: int) -> int:
 def _constexprs(d: int, o: dict[str, Any]) -> dict[str, Any]:
     return dict(S=o["slabs"], W=d // o["slabs"], CH=o["box"], RING=o["ring"], NBUF=o["nbuf"], NW=4, LW=4,
                 XW=o["weigh_warps"], LREGS=o["lregs"], XREGS=o["xregs"], CHAINS=o["chains"], PB=o["pbufs"],
-                EVICT=o["evict"])  # fmt: skip
+                EVICT=o["evict"], LOGITS=o["logits"], OWN=o["own"])  # fmt: skip
 
 
 _LAUNCHES: dict[tuple, Any] = {}

@@ -50,8 +50,9 @@ from k3verify.attnres.chunkwise import Stats
 QP = gl.constexpr(32)  # queries padded to the products' tile
 ROWS = gl.constexpr(25)  # rows a slab posts per pair: 24 queries' partial logits, then the 16 squares
 BLOCK = gl.constexpr(25 * 16 * 4)  # bytes of one slab's post
+OWNERS = gl.constexpr(12)  # rs: slabs that own two of the 24 queries each
 DEFAULTS: dict[str, Any] = dict(slabs=16, ring=4, nbuf=2, chains=3, weigh_warps=4, lregs=168, xregs=128, box=64,
-                                pbufs=2, evict=False, logits=True, own=False)  # fmt: skip
+                                pbufs=2, evict=False, logits=True, own=False, rs=False)  # fmt: skip
 VARIANTS: dict[str, dict[str, Any]] = {
     "cluster16": {},
     "cluster16_ring3": dict(ring=3),
@@ -61,6 +62,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # timing only (wrong values): the writer and the loader alone; each program exchanging with itself
     "cluster16_writer_only": dict(logits=False),
     "cluster16_own": dict(own=True),
+    # reduce-scatter, then all-gather of the weights: two small hops instead of one large one
+    "rs16": dict(rs=True, nbuf=4, xregs=152),
+    "rs14": dict(rs=True, nbuf=4, slabs=14, xregs=152),
 }
 
 # Inline PTX on the exchange region. Every address operand is a byte offset from the start of
@@ -228,11 +232,129 @@ def _weigh_cluster(psm, pready, pfree, m_out, z_out, xoff, team, s, nk, T, D, n,
 
 
 @gluon.jit
+def _push_rows(x, addr, bar, peer, ok):
+    """``st.async`` of the 16-byte row pieces of ``x`` (``[32, 16]`` fp32, four columns a thread)
+    where ``ok``, to byte ``addr`` of CTA ``peer``'s shared memory, counted on its barrier at
+    byte ``bar``."""
+    gl.inline_asm_elementwise(_PUSH, _PUSH_ARGS, [addr, x, addr * 0 + bar, addr * 0 + peer, ok], dtype=gl.int32,
+                              is_pure=False, pack=4)  # fmt: skip
+
+
+@gluon.jit
+def _pull_rows(addr, ok):
+    """``[32, 16]`` fp32 from byte ``addr`` of this CTA's shared memory where ``ok`` (else zero)."""
+    return gl.inline_asm_elementwise(_PULL, _PULL_ARGS, [addr, ok], dtype=gl.float32, is_pure=False, pack=4)
+
+
+@gluon.jit
+def _post_rs(ring, wsm, full, xoff, s, nk, S: gl.constexpr, NCH: gl.constexpr, CH: gl.constexpr,
+             RING: gl.constexpr, NBUF: gl.constexpr, LW: gl.constexpr, CHAINS: gl.constexpr):
+    """Partials warps (``rs``): each pair's partial logits of queries ``2c, 2c + 1`` and the
+    squares go to owner ``c`` only (``3 × 16`` fp32), once the owners have freed the slot."""
+    EL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [LW, 1], [1, 0])
+    q = gl.arange(0, QP, layout=gl.SliceLayout(1, EL))
+    c = gl.arange(0, 16, layout=gl.SliceLayout(0, EL))
+    lanes = _lanes(LW)
+    a1, _a2, bars = _rs_regions(xoff, S, NBUF)
+    own_rows = ((q < 2 * OWNERS)[:, None] & (c >= 0)[None, :]).to(gl.int32)
+    sq_rows = ((q == 2 * OWNERS)[:, None] & (c >= 0)[None, :]).to(gl.int32)
+    for j in range(nk):
+        slot = j % RING
+        mbarrier.wait(full.index(slot), (j // RING) & 1)
+        acc, ss = ol._partials(ring, wsm, slot, NCH, CH, LW, True, CHAINS)
+        x = gl.convert_layout(acc, EL)
+        x = gl.where((q == 2 * OWNERS)[:, None], gl.convert_layout(ss, gl.SliceLayout(0, EL))[None, :], x)
+        b = j % NBUF
+        if j >= NBUF:
+            _lane_op(_WAIT, lanes, bars + 8 * (NBUF + b), (j // NBUF - 1) & 1)
+        base = a1 + (b * S + s) * 192 + (c * 4)[None, :]
+        _push_rows(x, base + ((q % 2) * 64)[:, None], bars + 8 * b, (q // 2)[:, None] + c[None, :] * 0, own_rows)
+        for o in gl.static_range(OWNERS):
+            _push_rows(x, base + 128 + (q * 0)[:, None], bars + 8 * b, o, sq_rows)
+
+
+@gluon.jit
+def _rs_regions(xoff, S: gl.constexpr, NBUF: gl.constexpr):
+    """Byte offsets of ``rs``'s exchange region: the owners' partials slots (``NBUF × S × 3``
+    rows), the weights slots (``NBUF × 32`` rows), then the barriers: ``landed`` and ``free`` of
+    the partials, then of the weights, ``NBUF`` each."""
+    a2 = xoff + NBUF * S * 192
+    return xoff, a2, a2 + NBUF * 32 * 64
+
+
+@gluon.jit
+def _own_pair(m_out, z_out, xoff, team, s, kk, nk, T, D, n, Q, eps, TEAMS, S: gl.constexpr, NBUF: gl.constexpr,
+              XW: gl.constexpr):
+    """Owner ``s``'s part of pair ``kk`` (``rs``): the team's partials of its two queries summed
+    in slab order once landed, their softmax (and m, Z), the weights pushed into every
+    teammate's weights slot, and the partials slot freed for the team's partials warps."""
+    EL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [XW, 1], [1, 0])
+    aq = gl.arange(0, QP, layout=gl.SliceLayout(1, EL))
+    ar = gl.arange(0, 16, layout=gl.SliceLayout(0, EL))
+    lanes = _lanes(XW)
+    a1, a2, bars = _rs_regions(xoff, S, NBUF)
+    b = kk % NBUF
+    _lane_op(_EXPECT, lanes, bars + 8 * b, S * 192 // XW)
+    _lane_op(_WAIT, lanes, bars + 8 * b, (kk // NBUF) & 1)
+    three = ((aq < 3)[:, None] & (ar >= 0)[None, :]).to(gl.int32)
+    tot = gl.zeros([QP, 16], gl.float32, EL)
+    sq = gl.zeros([QP, 16], gl.float64, EL)
+    addr = a1 + (b * S) * 192 + (aq * 64)[:, None] + (ar * 4)[None, :]
+    for p in gl.static_range(S):
+        v = _pull_rows(addr + p * 192, three)
+        tot += gl.where((aq < 2)[:, None], v, 0.0)
+        sq += gl.where((aq == 2)[:, None] & (ar >= 0)[None, :], v.to(gl.float64), 0.0)
+    sst = gl.sum(sq, axis=0)
+    ol._bar()
+    if kk + NBUF < nk:
+        for p in gl.static_range(S):
+            _lane_op(_ARRIVE, lanes, bars + 8 * (NBUF + b), p)
+    L = (tot.to(gl.float64) / gl.sqrt(sst[None, :] / D + eps)).to(gl.float32)
+    query = gl.where(aq < 2, 2 * s + aq, 1 << 20)  # rows past the two owned: no query (m, Z not stored)
+    P = ol._softmax(L, query, ar, n, m_out, z_out, 2 * (team + kk * TEAMS), T, Q, True)
+    if kk >= NBUF:
+        _lane_op(_WAIT, lanes, bars + 8 * (3 * NBUF + b), (kk // NBUF - 1) & 1)
+    two = ((aq < 2)[:, None] & (ar >= 0)[None, :]).to(gl.int32)
+    waddr = a2 + (b * 32 + 2 * s + aq * 1)[:, None] * 64 + (ar * 4)[None, :]
+    for p in gl.static_range(S):
+        _push_rows(P, waddr, bars + 8 * (2 * NBUF + b), p, two)
+
+
+@gluon.jit
+def _weigh_rs(psm, pready, pfree, m_out, z_out, xoff, team, s, nk, T, D, n, Q, eps, TEAMS, S: gl.constexpr,
+              NBUF: gl.constexpr, XW: gl.constexpr):
+    """Weights warps (``rs``): an owner's part of the next pair (:func:`_own_pair`) before this
+    pair's weights are awaited, so that the two hops overlap; then this pair's weights from
+    the weights slot, handed to the writer, and the slot freed for the owners."""
+    EL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [XW, 1], [1, 0])
+    aq = gl.arange(0, QP, layout=gl.SliceLayout(1, EL))
+    ar = gl.arange(0, 16, layout=gl.SliceLayout(0, EL))
+    lanes = _lanes(XW)
+    _a1, a2, bars = _rs_regions(xoff, S, NBUF)
+    real = ((aq < 2 * OWNERS)[:, None] & (ar >= 0)[None, :]).to(gl.int32)
+    owner = s < OWNERS
+    if owner and nk > 0:
+        _own_pair(m_out, z_out, xoff, team, s, 0, nk, T, D, n, Q, eps, TEAMS, S, NBUF, XW)
+    for kk in range(nk):
+        if owner and kk + 1 < nk:
+            _own_pair(m_out, z_out, xoff, team, s, kk + 1, nk, T, D, n, Q, eps, TEAMS, S, NBUF, XW)
+        b = kk % NBUF
+        _lane_op(_EXPECT, lanes, bars + 8 * (2 * NBUF + b), OWNERS * 128 // XW)
+        _lane_op(_WAIT, lanes, bars + 8 * (2 * NBUF + b), (kk // NBUF) & 1)
+        P = _pull_rows(a2 + (b * 32 + aq)[:, None] * 64 + (ar * 4)[None, :], real)
+        ol._bar()
+        if kk + NBUF < nk:
+            for o in gl.static_range(OWNERS):
+                _lane_op(_ARRIVE, lanes, bars + 8 * (3 * NBUF + b), o)
+        ol._deliver(psm, pready, pfree, P, aq, ar, kk, XW, True)
+
+
+@gluon.jit
 def _cluster_kernel(desc, g3_ptr, m_out, z_out, n_out, ready, xoff, T, D, n, Q, eps, TEAMS, S: gl.constexpr,
                     W: gl.constexpr, CH: gl.constexpr, RING: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr,
                     LW: gl.constexpr, XW: gl.constexpr, LREGS: gl.constexpr, XREGS: gl.constexpr,
                     CHAINS: gl.constexpr, PB: gl.constexpr, EVICT: gl.constexpr, LOGITS: gl.constexpr,
-                    OWN: gl.constexpr):
+                    OWN: gl.constexpr, RS: gl.constexpr):
     """One CTA per (cluster, slab): its slab of ``w ⊙ γ`` into shared memory, the exchange
     barriers initialised and the cluster's CTAs met (a count in global memory: a cluster
     barrier would need the idle partitions' threads too), then the four partitions. Without
@@ -269,15 +391,33 @@ def _cluster_kernel(desc, g3_ptr, m_out, z_out, n_out, ready, xoff, T, D, n, Q, 
         for c in range(NCH):
             wsm.index(j * NCH + c).store(gl.load(g3_ptr + (j * QP + wq[:, None]) * D + lo + c * CH + wc[None, :]))
     lanes = _lanes(NW)
-    bars = xoff + NBUF * S * BLOCK
-    for b in gl.static_range(NBUF):
-        _lane_op(_INIT, lanes, bars + 8 * b, XW)  # landed: each weights warp's expect
-        _lane_op(_INIT, lanes, bars + 8 * (NBUF + b), (1 if OWN else S) * XW)  # free: the teammates' weights warps
+    if RS:
+        _a1, _a2, bars = _rs_regions(xoff, S, NBUF)
+        for b in gl.static_range(NBUF):
+            _lane_op(_INIT, lanes, bars + 8 * b, XW)  # partials landed: the owner's weights warps
+            _lane_op(_INIT, lanes, bars + 8 * (NBUF + b), OWNERS * XW)  # partials freed: every owner
+            _lane_op(_INIT, lanes, bars + 8 * (2 * NBUF + b), XW)  # weights landed
+            _lane_op(_INIT, lanes, bars + 8 * (3 * NBUF + b), S * XW)  # weights freed: every teammate
+    else:
+        bars = xoff + NBUF * S * BLOCK
+        for b in gl.static_range(NBUF):
+            _lane_op(_INIT, lanes, bars + 8 * b, XW)  # landed: each weights warp's expect
+            _lane_op(_INIT, lanes, bars + 8 * (NBUF + b), (1 if OWN else S) * XW)  # free: the teammates' warps
     gl.inline_asm_elementwise(_FENCE_INIT, "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
     ol._bar()
     gl.atomic_add(ready + team, 1, sem="release")
     ol._wait(ready + team, S, False)
 
+    if RS:
+        gl.warp_specialize([
+            (ol._writer_packed, (ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T, D, Q, TEAMS, NCH,
+                                 CH, RING, NW, LOGITS, EVICT)),
+            (ol._loader, (desc, ring, full, empty, team, lo, nk, TEAMS, D, NCH, CH, RING)),
+            (_post_rs, (ring, wsm, full, xoff, s, nlog, S, NCH, CH, RING, NBUF, LW, CHAINS)),
+            (_weigh_rs, (psm, pready, pfree, m_out, z_out, xoff, team, s, nlog, T, D, n, Q, eps, TEAMS, S, NBUF,
+                         XW)),
+        ], [1, LW, XW], [24, LREGS, XREGS])
+        return
     gl.warp_specialize([
         (ol._writer_packed, (ring, psm, full, empty, pready, pfree, n_out, team, lo, nk, T, D, Q, TEAMS, NCH, CH,
                              RING, NW, LOGITS, EVICT)),
@@ -288,22 +428,25 @@ def _cluster_kernel(desc, g3_ptr, m_out, z_out, n_out, ready, xoff, T, D, n, Q, 
     ], [1, LW, XW], [24, LREGS, XREGS])
 
 
-def exchange_bytes(slabs: int, nbuf: int) -> int:
+def exchange_bytes(slabs: int, nbuf: int, rs: bool = False) -> int:
     """Shared memory of the exchange region: ``nbuf`` slots of every slab's post, then the
-    ``landed`` and ``free`` barriers of each slot."""
+    ``landed`` and ``free`` barriers of each slot (``rs``: the owners' partials slots and the
+    weights slots, :func:`_rs_regions`)."""
+    if rs:
+        return nbuf * (slabs * 192 + 32 * 64) + 32 * nbuf
     return nbuf * slabs * BLOCK.value + 16 * nbuf
 
 
 def _constexprs(d: int, o: dict[str, Any]) -> dict[str, Any]:
     return dict(S=o["slabs"], W=d // o["slabs"], CH=o["box"], RING=o["ring"], NBUF=o["nbuf"], NW=4, LW=4,
                 XW=o["weigh_warps"], LREGS=o["lregs"], XREGS=o["xregs"], CHAINS=o["chains"], PB=o["pbufs"],
-                EVICT=o["evict"], LOGITS=o["logits"], OWN=o["own"])  # fmt: skip
+                EVICT=o["evict"], LOGITS=o["logits"], OWN=o["own"], RS=o["rs"])  # fmt: skip
 
 
 _LAUNCHES: dict[tuple, Any] = {}
 
 
-def _clustered(args: tuple, constexprs: dict[str, Any], slabs: int, nbuf: int) -> tuple[Any, int, int]:
+def _clustered(args: tuple, constexprs: dict[str, Any], slabs: int, nbuf: int, rs: bool) -> tuple[Any, int, int]:
     """The kernel compiled for these arguments' types, set to launch as clusters of ``slabs``
     CTAs with the exchange region after Triton's shared memory; that region's offset; and how
     many such clusters the GPU holds at once."""
@@ -312,7 +455,7 @@ def _clustered(args: tuple, constexprs: dict[str, Any], slabs: int, nbuf: int) -
         compiled = _cluster_kernel.warmup(*args, **constexprs, num_warps=4, grid=(1,))
         compiled = compiled.result() if hasattr(compiled, "result") else compiled
         xoff = -(-compiled.metadata.shared // 128) * 128
-        meta = compiled.metadata._replace(shared=xoff + exchange_bytes(slabs, nbuf), num_ctas=slabs)
+        meta = compiled.metadata._replace(shared=xoff + exchange_bytes(slabs, nbuf, rs), num_ctas=slabs)
         compiled.metadata = meta
         compiled.packed_metadata = (meta.num_warps, meta.num_ctas, meta.shared)
         compiled._init_handles()
@@ -341,6 +484,9 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     n, T, d = stored.shape
     Q = w.shape[0]
     S = o["slabs"]
+    if o["rs"] and (o["nbuf"] < 2 or S < OWNERS.value or o["own"]):
+        raise ValueError("rs needs nbuf >= 2 (an owner's next pair runs before this pair's weights), at least "
+                         f"{OWNERS.value} slabs, and no own")  # fmt: skip
     if d % S or (d // S) % o["box"] or n > 8 or Q > 24 or T % 2 or not stored.is_contiguous():
         raise ValueError(f"unsupported: stored {list(stored.shape)} (contiguous, n <= 8, T even, d a multiple of "
                          f"{S} x {o['box']}), {Q} queries (at most 24)")  # fmt: skip
@@ -353,7 +499,7 @@ def phase1(stored: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, *, eps: f
     constexprs = _constexprs(d, o)
     ready = torch.zeros(torch.cuda.get_device_properties(dev).multi_processor_count, dtype=torch.int32, device=dev)
     args = (desc, g3, m, Z, N, ready, 128, T, d, n, Q, float(eps), 3)  # 3: an int Triton does not specialise
-    compiled, xoff, at_once = _clustered(args, constexprs, S, o["nbuf"])
+    compiled, xoff, at_once = _clustered(args, constexprs, S, o["nbuf"], o["rs"])
     # as many clusters as are resident at once (every GPC holds one or two), or one a 16 SMs
     teams = teams or (at_once if at_once > 0 else torch.cuda.get_device_properties(dev).multi_processor_count // S)
     ready = ready[:teams]
@@ -401,7 +547,7 @@ def compile_usage(kw: dict[str, Any], arch: int = 90) -> str:
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
     regs, stack = resource_usage(compiled.asm["cubin"])
     xoff = -(-compiled.metadata.shared // 128) * 128
-    total = xoff + exchange_bytes(o["slabs"], o["nbuf"])
+    total = xoff + exchange_bytes(o["slabs"], o["nbuf"], o["rs"])
     return (f"{regs} registers (largest partition), {stack} B stack (spills), {compiled.metadata.shared} B shared "
             f"+ exchange = {total} B")  # fmt: skip
 

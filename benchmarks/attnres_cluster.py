@@ -18,6 +18,12 @@ shared memory, so a pair's partials never leave the chip:
   packed weights to the writer; then they tell every teammate, on its ``free`` barrier, that
   the slot may be written again.
 
+With ``rs`` the exchange is a reduce-scatter and an all-gather instead: slab ``c < 12`` owns
+queries ``2c, 2c + 1``, receives only their partials and the squares (3 rows from each slab),
+sums them in slab order, takes their softmax (and writes their ``m, Z``) and pushes the two
+rows of weights to every teammate: an owner takes in 3 KB of partials and every program 1.5 KB
+of weights per pair, instead of 25 KB, in two hops.
+
 The loader, the partials' products and the writer are ``attnres_one_launch``'s. Triton 3.6
 (the GPU machine's) has no cluster operations in Gluon, so the kernel is compiled for one CTA
 and launched as clusters of ``slabs`` (its compiled kernel's ``num_ctas`` set before the first

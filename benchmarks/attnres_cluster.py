@@ -45,7 +45,7 @@ from typing import Any
 import attnres_one_launch as ol
 import torch
 import triton
-from gpu_timing import option, with_defaults
+from gpu_timing import named_variant, with_defaults
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
@@ -558,20 +558,6 @@ def compile_usage(kw: dict[str, Any], arch: int = 90) -> str:
             f"+ exchange = {total} B")  # fmt: skip
 
 
-def variant(text: str) -> dict[str, Any]:
-    """A variant's options: a name in ``VARIANTS``, optionally followed by ``key=value`` overrides
-    of :data:`DEFAULTS`, joined by commas."""
-    items = text.split(",")
-    kw = dict(VARIANTS[items.pop(0)]) if items[0] in VARIANTS else {}
-    for item in items:
-        key, value = option(item)
-        if key not in DEFAULTS:
-            raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is neither a variant ({', '.join(VARIANTS)}) nor "
-                                             f"key=value over {sorted(DEFAULTS)}")  # fmt: skip
-        kw[key] = value
-    return kw
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="reports/latest/bench", help="output folder")
@@ -580,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="compile for sm_90 and print resources; no GPU")
     args = parser.parse_args(argv)
     try:
-        chosen = {name: variant(name) for name in args.variants}
+        chosen = {name: named_variant(name, VARIANTS, DEFAULTS) for name in args.variants}
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
     if args.compile:
@@ -588,46 +574,25 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.variants:
             print(f"{name:20s} {compile_usage(chosen[name])}", flush=True)
         return 0
-    import attnres_gpu
     import gpu_timing
-    from gpu_timing import agreement, copy_bandwidth, ms, write_variants
+    from gpu_timing import variant_row, write_variants
 
-    begun = gpu_timing.start(args.out, "the clustered AttnRes experiment")
+    begun = gpu_timing.phase1_setup(args.out, "the clustered AttnRes experiment")
     if begun is None:
         return 2
-    out, log = begun
-    copy_tbps = copy_bandwidth()
-    log(f"copy bandwidth {copy_tbps:.2f} TB/s")
+    out, log, copy_tbps, x, moved, ref = begun
     T, d = 8192, 7168
-    x = attnres_gpu._block_inputs(T, d)
-    moved = attnres_gpu.STORED * T * d * 2 + attnres_gpu.QUERIES * T * d * 4
-    ref = ours.phase1(x["stored"], x["w"], x["gamma"])
     runs = {"ours (two launches)": partial(ours.phase1, x["stored"], x["w"], x["gamma"]),
             "pack14 (global memory)": partial(ol.phase1, x["stored"], x["w"], x["gamma"], **ol.VARIANTS["pack14"])}
     runs |= {name: partial(phase1, x["stored"], x["w"], x["gamma"], **kw) for name, kw in chosen.items()}
     rows = []
     for name, run in runs.items():
-        try:
-            got = run()
-            torch.cuda.synchronize()
-            again = run()
-            torch.cuda.synchronize()
-        except Exception as exc:  # a variant that does not compile or run is a result; go on
-            rows.append(dict(variant=name, options=chosen.get(name, {}), error=f"{type(exc).__name__}: {exc}"[:300]))
-            log(f"{name}: {rows[-1]['error']}")
-            continue
-        agree = agreement(got, ref)
-        same = all(torch.equal(getattr(got, f), getattr(again, f)) for f in ("m", "Z", "N"))
-        t = ms(run, "attnres clusters", name, T=T, d=d)
-        frac = moved / (t * 1e-3) / 1e12 / copy_tbps
-        row = dict(variant=name, options=chosen.get(name, {}), ms=t, fraction_of_copy=frac, agreement=agree,
-                   repeatable=same)  # fmt: skip
-        if name in chosen:
+        rows.append(variant_row(name, run, ref, moved, copy_tbps, "attnres clusters", log, T,
+                                options=chosen.get(name, {})))  # fmt: skip
+        if name in chosen and "error" not in rows[-1]:
             key = tuple(sorted(_constexprs(d, with_defaults(DEFAULTS, chosen[name])).items()))
-            row["clusters_at_once"] = _LAUNCHES[key][2]
-        rows.append(row)
-        log(f"{name}: {t:.4f} ms, {100 * frac:.1f}% of copy; max |dm| {agree['m']:.1e}, dZ {agree['Z']:.1e}, "
-            f"dN {agree['N']:.1e}; same bits twice: {same}; clusters at once: {row.get('clusters_at_once', '-')}")
+            rows[-1]["clusters_at_once"] = _LAUNCHES[key][2]
+            log(f"{name}: {rows[-1]['clusters_at_once']} clusters at once")
     write_variants(out, "attnres_cluster", "Block AttnRes phase 1 in one launch of clusters (experiment)", T, d,
                    copy_tbps, rows, options=True)  # fmt: skip
     return 0

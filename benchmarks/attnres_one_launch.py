@@ -55,7 +55,7 @@ try:
 except ImportError:  # Triton releases that keep it with Ampere's operations
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from gpu_timing import option
+from gpu_timing import named_variant
 
 from k3verify.attnres import kernels as ours
 from k3verify.attnres.chunkwise import Stats
@@ -1147,22 +1147,6 @@ def compile_usage(kw: dict[str, Any], arch: int = 90) -> str:
     return f"{regs} registers (largest partition), {stack} B stack (spills), {compiled.metadata.shared} B shared"
 
 
-def variant(text: str) -> dict[str, Any]:
-    """A variant's options from ``--variants``: a name in ``VARIANTS``, optionally followed by
-    ``key=value`` overrides of :func:`phase1`'s options, all joined by commas; a bare key means
-    ``True`` (``split_vector,chains=3``, ``split,store=vector,own``)."""
-    items = text.split(",")
-    kw = dict(VARIANTS[items.pop(0)]) if items[0] in VARIANTS else {}
-    known = _options({})
-    for item in items:
-        key, value = option(item)
-        if key not in known:
-            raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is neither a variant ({', '.join(VARIANTS)}) nor "
-                                             f"key=value over {sorted(known)}")  # fmt: skip
-        kw[key] = value
-    return kw
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="reports/latest/bench", help="output folder")
@@ -1171,7 +1155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="compile for sm_90 and print resources; no GPU")
     args = parser.parse_args(argv)
     try:
-        chosen = {name: variant(name) for name in args.variants}
+        chosen = {name: named_variant(name, VARIANTS, _options({})) for name in args.variants}
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
     if args.compile:
@@ -1179,36 +1163,18 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.variants:
             print(f"{name:20s} {compile_usage(chosen[name])}", flush=True)
         return 0
-    import attnres_gpu
     import gpu_timing
-    from gpu_timing import agreement, copy_bandwidth, ms, write_variants
+    from gpu_timing import variant_row, write_variants
 
-    begun = gpu_timing.start(args.out, "the one-launch AttnRes experiment")
+    begun = gpu_timing.phase1_setup(args.out, "the one-launch AttnRes experiment")
     if begun is None:
         return 2
-    out, log = begun
-    copy_tbps = copy_bandwidth()
-    log(f"copy bandwidth {copy_tbps:.2f} TB/s")
+    out, log, copy_tbps, x, moved, ref = begun
     T, d = 8192, 7168
-    x = attnres_gpu._block_inputs(T, d)
-    moved = attnres_gpu.STORED * T * d * 2 + attnres_gpu.QUERIES * T * d * 4
-    ref = ours.phase1(x["stored"], x["w"], x["gamma"])
-    rows = []
     runs = {"ours (two launches)": partial(ours.phase1, x["stored"], x["w"], x["gamma"])}
     runs |= {name: partial(phase1, x["stored"], x["w"], x["gamma"], **kw) for name, kw in chosen.items()}
-    for name, run in runs.items():
-        try:
-            got = run()
-        except Exception as exc:  # a variant that does not compile or run is a result; go on
-            rows.append(dict(variant=name, options=chosen.get(name, {}), error=f"{type(exc).__name__}: {exc}"[:300]))
-            log(f"{name}: {rows[-1]['error']}")
-            continue
-        agree = agreement(got, ref)
-        t = ms(run, "attnres one launch", name, T=T, d=d)
-        frac = moved / (t * 1e-3) / 1e12 / copy_tbps
-        rows.append(dict(variant=name, options=chosen.get(name, {}), ms=t, fraction_of_copy=frac, agreement=agree))
-        log(f"{name}: {t:.4f} ms, {100 * frac:.1f}% of copy; max |dm| {agree['m']:.1e}, dZ {agree['Z']:.1e}, "
-            f"dN {agree['N']:.1e}")
+    rows = [variant_row(name, run, ref, moved, copy_tbps, "attnres one launch", log, T, options=chosen.get(name, {}))
+            for name, run in runs.items()]  # fmt: skip
     write_variants(out, "attnres_one_launch", "Block AttnRes phase 1 in one launch (experiment)", T, d, copy_tbps, rows,
                    options=True)
     return 0

@@ -87,6 +87,21 @@ def variant_options(text: str, defaults: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
+def named_variant(text: str, named: dict[str, dict[str, Any]], defaults: dict[str, Any]) -> dict[str, Any]:
+    """A variant from ``--variants``: a name in ``named``, optionally followed by ``key=value``
+    overrides (:func:`option` each) of ``defaults``, all joined by commas; a text without a
+    known name is overrides alone. ``argparse.ArgumentTypeError`` names a key that is neither."""
+    items = text.split(",")
+    kw = dict(named[items.pop(0)]) if items[0] in named else {}
+    for item in filter(None, items):
+        key, value = option(item)
+        if key not in defaults:
+            raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is neither a variant ({', '.join(named)}) nor "
+                                             f"key=value over {sorted(defaults)}")  # fmt: skip
+        kw[key] = value
+    return kw
+
+
 def experiment_arguments(doc: str, variants: list[str]) -> argparse.ArgumentParser:
     """An AttnRes phase-1 experiment's parser: its docstring's first line, ``--out``,
     ``--variants`` (default ``variants``) and ``--tokens``; the script adds its own options."""
@@ -112,6 +127,48 @@ def agreement(got: Any, ref: Any) -> dict[str, float]:
     absolute difference in ``m``, relative in ``Z``, and in ``N`` relative to ``ref``'s largest."""
     return dict(m=(got.m - ref.m).abs().max().item(), Z=((got.Z - ref.Z).abs() / ref.Z).max().item(),
                 N=((got.N - ref.N).abs().max() / ref.N.abs().max()).item())  # fmt: skip
+
+
+def phase1_setup(out: str, what: str, T: int = 8192, d: int = 7168) -> tuple[Any, ...] | None:
+    """What an AttnRes phase-1 experiment starts from: the output folder and logger
+    (:func:`start`; ``None`` without a GPU), the copy bandwidth (logged), K3's block inputs at
+    ``T, d`` (``attnres_gpu``), the bytes phase 1 moves once and our two launches' statistics."""
+    import attnres_gpu
+
+    from k3verify.attnres import kernels
+
+    begun = start(out, what)
+    if begun is None:
+        return None
+    folder, log = begun
+    copy_tbps = copy_bandwidth()
+    log(f"copy bandwidth {copy_tbps:.2f} TB/s")
+    x = attnres_gpu._block_inputs(T, d)
+    moved = attnres_gpu.STORED * T * d * 2 + attnres_gpu.QUERIES * T * d * 4
+    return folder, log, copy_tbps, x, moved, kernels.phase1(x["stored"], x["w"], x["gamma"])
+
+
+def variant_row(name: str, run: Callable[[], Any], ref: Any, moved: float, copy_tbps: float, group: str,
+                log: Callable[[str], None], T: int, **fields: Any) -> dict[str, Any]:
+    """One AttnRes phase-1 variant's row: ``run()`` (returning its ``Stats``) called twice, its
+    :func:`agreement` with ``ref`` and whether the second call gave the same bits, then timed
+    (``moved`` bytes against ``copy_tbps``); ``fields`` added to the row. A variant that does
+    not compile or run is a result: its row holds the error."""
+    try:
+        got = run()
+        torch.cuda.synchronize()
+        again = run()
+        torch.cuda.synchronize()
+    except Exception as exc:  # a variant that does not compile or run is a result; go on
+        log(f"{name}: {type(exc).__name__}: {exc}"[:300])
+        return dict(variant=name, **fields, error=f"{type(exc).__name__}: {exc}"[:300])
+    agree = agreement(got, ref)
+    same = all(torch.equal(getattr(got, f), getattr(again, f)) for f in ("m", "Z", "N"))
+    t = ms(run, group, name, T=T)
+    frac = moved / (t * 1e-3) / 1e12 / copy_tbps
+    log(f"{name}: {t:.4f} ms, {100 * frac:.1f}% of copy; max |dm| {agree['m']:.1e}, dZ {agree['Z']:.1e}, "
+        f"dN {agree['N']:.1e}; same bits on a second call: {same}")  # fmt: skip
+    return dict(variant=name, **fields, ms=t, fraction_of_copy=frac, agreement=agree, repeatable=same)
 
 
 def variant_table(rows: list[dict[str, Any]], options: bool) -> list[str]:

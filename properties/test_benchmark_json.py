@@ -65,3 +65,49 @@ def test_experiment_variants_name_unknown_options(gpu_timing) -> None:
     assert gpu_timing.with_defaults(defaults, {"lag": 4}) == {"lag": 4, "store": ".cs"}
     with pytest.raises(KeyError, match=r"unknown options \['lga'\]; known: \['lag', 'store'\]"):
         gpu_timing.variant_options("lga=4", defaults)
+
+
+def test_named_variants_take_overrides_and_name_unknown_keys(gpu_timing) -> None:
+    """Structural: a variant's name brings its options, ``key=value`` overrides them, a text
+    without a known name is overrides alone, and an unknown key is refused with the known
+    options named."""
+    import argparse
+
+    named = {"pack14": {"slabs": 14, "pack": True}}
+    defaults = {"slabs": 16, "pack": False, "ring": 4}
+    assert gpu_timing.named_variant("pack14", named, defaults) == {"slabs": 14, "pack": True}
+    assert gpu_timing.named_variant("pack14,ring=3", named, defaults) == {"slabs": 14, "pack": True, "ring": 3}
+    assert gpu_timing.named_variant("ring=2", named, defaults) == {"ring": 2}
+    with pytest.raises(argparse.ArgumentTypeError, match=r"'rnig=3' is neither a variant \(pack14\)"):
+        gpu_timing.named_variant("pack14,rnig=3", named, defaults)
+
+
+def test_a_variant_row_reports_agreement_repeats_and_errors(gpu_timing, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Structural: a variant's row holds its agreement with the reference, whether a second
+    call gave the same bits and its time against the copy bandwidth; a variant that raises is
+    a row with its error (``do_bench`` and the device synchronisation are replaced, so this
+    runs without a GPU)."""
+    import torch
+
+    from k3verify.attnres.chunkwise import Stats
+
+    monkeypatch.setattr(gpu_timing, "do_bench", lambda fn, **kw: [2.0, 1.0, 3.0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    ref = Stats(torch.zeros(2, 4), torch.ones(2, 4), torch.ones(2, 4, 8))
+    calls = []
+
+    def drifting() -> Stats:  # m off by 0.5; N differs between the two calls
+        calls.append(1)
+        return Stats(ref.m + 0.5, ref.Z.clone(), ref.N * (1 + len(calls) * 1e-3))
+
+    lines: list[str] = []
+    row = gpu_timing.variant_row("v", drifting, ref, 4e9, 4.0, "g", lines.append, 8, options={"a": 1})
+    assert row["agreement"]["m"] == 0.5 and row["agreement"]["Z"] == 0.0
+    assert row["repeatable"] is False and row["options"] == {"a": 1}
+    assert row["ms"] == 2.0 and row["fraction_of_copy"] == pytest.approx(4e9 / 2e-3 / 1e12 / 4.0)
+
+    def broken() -> Stats:
+        raise ValueError("no such shape")
+
+    row = gpu_timing.variant_row("w", broken, ref, 4e9, 4.0, "g", lines.append, 8)
+    assert row == {"variant": "w", "error": "ValueError: no such shape"} and "no such shape" in lines[-1]

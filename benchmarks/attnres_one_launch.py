@@ -37,7 +37,6 @@ variants for sm_90 with the installed Triton and prints registers and shared mem
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import sys
 from functools import partial
@@ -54,8 +53,6 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import mma_v2
 except ImportError:  # Triton releases that keep it with Ampere's operations
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-
-from gpu_timing import named_variant
 
 from k3verify.attnres import kernels as ours
 from k3verify.attnres.chunkwise import Stats
@@ -805,6 +802,25 @@ def _writer_rows(ring, psm, stage, full, empty, pready, pfree, n_out, ndesc, tea
 
 
 @gluon.jit
+def _pipeline_barriers(RING: gl.constexpr, PB: gl.constexpr):
+    """The barriers between a team program's partitions, initialised: ``full`` and ``empty`` of
+    each of the ``RING`` ring slots (the loader's copy landed; the writer done with it), and
+    ``pready`` and ``pfree`` of each of the ``PB`` weights buffers (the weights written; the
+    writer done with them)."""
+    full = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    pready = gl.allocate_shared_memory(gl.int64, [PB, 1], mbarrier.MBarrierLayout())
+    pfree = gl.allocate_shared_memory(gl.int64, [PB, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(RING):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(PB):
+        mbarrier.init(pready.index(i), count=1)
+        mbarrier.init(pfree.index(i), count=1)
+    return full, empty, pready, pfree
+
+
+@gluon.jit
 def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr, T, D, n, Q, eps, TEAMS,
                S: gl.constexpr, W: gl.constexpr, CH: gl.constexpr, RING: gl.constexpr, NBUF: gl.constexpr,
                NW: gl.constexpr, LW: gl.constexpr, LOOK: gl.constexpr, EXCHANGE: gl.constexpr, MATH: gl.constexpr,
@@ -842,16 +858,7 @@ def _ws_kernel(desc, ndesc, g3_ptr, m_out, z_out, n_out, pacc, pss, tickets, ctr
         stage = gl.allocate_shared_memory(gl.float32, [NSTAGE, QP, CH], SO)
     else:
         stage = gl.allocate_shared_memory(gl.float32, [1, 8, 32], SP)  # unused
-    full = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    pready = gl.allocate_shared_memory(gl.int64, [PB, 1], mbarrier.MBarrierLayout())
-    pfree = gl.allocate_shared_memory(gl.int64, [PB, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(RING):
-        mbarrier.init(full.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(PB):
-        mbarrier.init(pready.index(i), count=1)
-        mbarrier.init(pfree.index(i), count=1)
+    full, empty, pready, pfree = _pipeline_barriers(RING, PB)
     if EARLY:  # the partials warps' own ring (allocated only then: other variants keep their code)
         pring = gl.allocate_shared_memory(gl.bfloat16, [PRING * NCH, R, CH], SX)
         pfull = gl.allocate_shared_memory(gl.int64, [PRING, 1], mbarrier.MBarrierLayout())
@@ -1148,28 +1155,13 @@ def compile_usage(kw: dict[str, Any], arch: int = 90) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="reports/latest/bench", help="output folder")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS),
-                        help=f"names ({', '.join(VARIANTS)}) or key=value,... over phase1's options")
-    parser.add_argument("--compile", action="store_true", help="compile for sm_90 and print resources; no GPU")
-    args = parser.parse_args(argv)
-    try:
-        chosen = {name: named_variant(name, VARIANTS, _options({})) for name in args.variants}
-    except argparse.ArgumentTypeError as exc:
-        parser.error(str(exc))
-    if args.compile:
-        print(f"Triton {triton.__version__}, sm_90, T = 8192, d = 7168")
-        for name in args.variants:
-            print(f"{name:20s} {compile_usage(chosen[name])}", flush=True)
-        return 0
-    import gpu_timing
-    from gpu_timing import variant_row, write_variants
+    from gpu_timing import phase1_experiment, variant_row, write_variants
 
-    begun = gpu_timing.phase1_setup(args.out, "the one-launch AttnRes experiment")
-    if begun is None:
-        return 2
-    out, log, copy_tbps, x, moved, ref = begun
+    started = phase1_experiment(__doc__, VARIANTS, _options({}), compile_usage, argv,
+                                "the one-launch AttnRes experiment")
+    if isinstance(started, int):
+        return started
+    chosen, out, log, copy_tbps, x, moved, ref = started
     T, d = 8192, 7168
     runs = {"ours (two launches)": partial(ours.phase1, x["stored"], x["w"], x["gamma"])}
     runs |= {name: partial(phase1, x["stored"], x["w"], x["gamma"], **kw) for name, kw in chosen.items()}

@@ -102,6 +102,33 @@ def named_variant(text: str, named: dict[str, dict[str, Any]], defaults: dict[st
     return kw
 
 
+def named_experiment(doc: str, named: dict[str, dict[str, Any]], defaults: dict[str, Any],
+                     usage: Callable[[dict[str, Any]], str], argv: list[str] | None,
+                     ) -> tuple[argparse.Namespace, dict[str, dict[str, Any]]] | None:  # fmt: skip
+    """The command line of an experiment with named variants (:func:`named_variant`): ``--out``,
+    ``--variants`` (default: every name) and ``--compile``, which prints each variant's
+    ``usage`` (registers and shared memory, no GPU) and returns ``None``; else the arguments
+    and the chosen variants. A bad variant ends the program, naming it."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default="reports/latest/bench", help="output folder")
+    parser.add_argument("--variants", nargs="+", default=list(named),
+                        help=f"names ({', '.join(named)}), each optionally with ,key=value over {sorted(defaults)}")
+    parser.add_argument("--compile", action="store_true", help="compile for sm_90 and print resources; no GPU")
+    args = parser.parse_args(argv)
+    try:
+        chosen = {text: named_variant(text, named, defaults) for text in args.variants}
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    if not args.compile:
+        return args, chosen
+    import triton
+
+    print(f"Triton {triton.__version__}, sm_90, d = 7168")
+    for text, kw in chosen.items():
+        print(f"{text:20s} {usage(kw)}", flush=True)
+    return None
+
+
 def experiment_arguments(doc: str, variants: list[str]) -> argparse.ArgumentParser:
     """An AttnRes phase-1 experiment's parser: its docstring's first line, ``--out``,
     ``--variants`` (default ``variants``) and ``--tokens``; the script adds its own options."""
@@ -146,6 +173,19 @@ def phase1_setup(out: str, what: str, T: int = 8192, d: int = 7168) -> tuple[Any
     x = attnres_gpu._block_inputs(T, d)
     moved = attnres_gpu.STORED * T * d * 2 + attnres_gpu.QUERIES * T * d * 4
     return folder, log, copy_tbps, x, moved, kernels.phase1(x["stored"], x["w"], x["gamma"])
+
+
+def phase1_experiment(doc: str, named: dict[str, dict[str, Any]], defaults: dict[str, Any],
+                      usage: Callable[[dict[str, Any]], str], argv: list[str] | None, what: str) -> int | tuple:
+    """An AttnRes phase-1 experiment with named variants, started: its exit code where it is
+    done (``0`` after ``--compile``, ``2`` without a GPU), else the chosen variants followed by
+    :func:`phase1_setup`'s tuple."""
+    parsed = named_experiment(doc, named, defaults, usage, argv)
+    if parsed is None:
+        return 0
+    args, chosen = parsed
+    begun = phase1_setup(args.out, what)
+    return 2 if begun is None else (chosen, *begun)
 
 
 def variant_row(name: str, run: Callable[[], Any], ref: Any, moved: float, copy_tbps: float, group: str,

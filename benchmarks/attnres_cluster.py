@@ -527,7 +527,8 @@ def compile_usage(kw: dict[str, Any], arch: int = 90) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gpu_timing import phase1_experiment, variant_row, write_variants
+    from attnres_gpu import phase1_experiment
+    from gpu_timing import variant_row, write_variants
 
     started = phase1_experiment(__doc__, VARIANTS, DEFAULTS, compile_usage, argv, "the clustered AttnRes experiment")
     if isinstance(started, int):

@@ -156,38 +156,6 @@ def agreement(got: Any, ref: Any) -> dict[str, float]:
                 N=((got.N - ref.N).abs().max() / ref.N.abs().max()).item())  # fmt: skip
 
 
-def phase1_setup(out: str, what: str, T: int = 8192, d: int = 7168) -> tuple[Any, ...] | None:
-    """What an AttnRes phase-1 experiment starts from: the output folder and logger
-    (:func:`start`; ``None`` without a GPU), the copy bandwidth (logged), K3's block inputs at
-    ``T, d`` (``attnres_gpu``), the bytes phase 1 moves once and our two launches' statistics."""
-    import attnres_gpu
-
-    from k3verify.attnres import kernels
-
-    begun = start(out, what)
-    if begun is None:
-        return None
-    folder, log = begun
-    copy_tbps = copy_bandwidth()
-    log(f"copy bandwidth {copy_tbps:.2f} TB/s")
-    x = attnres_gpu._block_inputs(T, d)
-    moved = attnres_gpu.STORED * T * d * 2 + attnres_gpu.QUERIES * T * d * 4
-    return folder, log, copy_tbps, x, moved, kernels.phase1(x["stored"], x["w"], x["gamma"])
-
-
-def phase1_experiment(doc: str, named: dict[str, dict[str, Any]], defaults: dict[str, Any],
-                      usage: Callable[[dict[str, Any]], str], argv: list[str] | None, what: str) -> int | tuple:
-    """An AttnRes phase-1 experiment with named variants, started: its exit code where it is
-    done (``0`` after ``--compile``, ``2`` without a GPU), else the chosen variants followed by
-    :func:`phase1_setup`'s tuple."""
-    parsed = named_experiment(doc, named, defaults, usage, argv)
-    if parsed is None:
-        return 0
-    args, chosen = parsed
-    begun = phase1_setup(args.out, what)
-    return 2 if begun is None else (chosen, *begun)
-
-
 def variant_row(name: str, run: Callable[[], Any], ref: Any, moved: float, copy_tbps: float, group: str,
                 log: Callable[[str], None], T: int, **fields: Any) -> dict[str, Any]:
     """One AttnRes phase-1 variant's row: ``run()`` (returning its ``Stats``) called twice, its

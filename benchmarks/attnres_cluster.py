@@ -533,8 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     started = phase1_experiment(__doc__, VARIANTS, DEFAULTS, compile_usage, argv, "the clustered AttnRes experiment")
     if isinstance(started, int):
         return started
-    chosen, out, log, copy_tbps, x, moved, ref = started
-    T, d = 8192, 7168
+    chosen, T, out, log, copy_tbps, x, moved, ref = started
+    d = 7168
     runs = {"ours (two launches)": partial(ours.phase1, x["stored"], x["w"], x["gamma"]),
             "pack14 (global memory)": partial(ol.phase1, x["stored"], x["w"], x["gamma"], **ol.VARIANTS["pack14"])}
     runs |= {name: partial(phase1, x["stored"], x["w"], x["gamma"], **kw) for name, kw in chosen.items()}

@@ -77,14 +77,14 @@ def phase1_setup(out: str, what: str, T: int = 8192, d: int = 7168) -> tuple[Any
 def phase1_experiment(doc: str, named: dict[str, dict[str, Any]], defaults: dict[str, Any],
                       usage: Callable[[dict[str, Any]], str], argv: list[str] | None, what: str) -> int | tuple:
     """An AttnRes phase-1 experiment with named variants, started: its exit code where it is
-    done (``0`` after ``--compile``, ``2`` without a GPU), else the chosen variants followed by
-    :func:`phase1_setup`'s tuple."""
+    done (``0`` after ``--compile``, ``2`` without a GPU), else the chosen variants and the
+    tokens (``--tokens``) followed by :func:`phase1_setup`'s tuple."""
     parsed = gpu_timing.named_experiment(doc, named, defaults, usage, argv)
     if parsed is None:
         return 0
     args, chosen = parsed
-    begun = phase1_setup(args.out, what)
-    return 2 if begun is None else (chosen, *begun)
+    begun = phase1_setup(args.out, what, T=args.tokens)
+    return 2 if begun is None else (chosen, args.tokens, *begun)
 
 
 def _compiled_chunkwise():

@@ -1162,8 +1162,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "the one-launch AttnRes experiment")
     if isinstance(started, int):
         return started
-    chosen, out, log, copy_tbps, x, moved, ref = started
-    T, d = 8192, 7168
+    chosen, T, out, log, copy_tbps, x, moved, ref = started
+    d = 7168
     runs = {"ours (two launches)": partial(ours.phase1, x["stored"], x["w"], x["gamma"])}
     runs |= {name: partial(phase1, x["stored"], x["w"], x["gamma"], **kw) for name, kw in chosen.items()}
     rows = [variant_row(name, run, ref, moved, copy_tbps, "attnres one launch", log, T, options=chosen.get(name, {}))

@@ -88,37 +88,26 @@ def variant_options(text: str, defaults: dict[str, Any]) -> dict[str, Any]:
 
 
 def named_variant(text: str, named: dict[str, dict[str, Any]], defaults: dict[str, Any]) -> dict[str, Any]:
-    """A variant from ``--variants``: a name in ``named``, optionally followed by ``key=value``
-    overrides (:func:`option` each) of ``defaults``, all joined by commas; a text without a
-    known name is overrides alone. ``argparse.ArgumentTypeError`` names a key that is neither."""
-    items = text.split(",")
-    kw = dict(named[items.pop(0)]) if items[0] in named else {}
-    for item in filter(None, items):
-        key, value = option(item)
-        if key not in defaults:
-            raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is neither a variant ({', '.join(named)}) nor "
-                                             f"key=value over {sorted(defaults)}")  # fmt: skip
-        kw[key] = value
-    return kw
+    """A variant from ``--variants``: a name in ``named`` followed by ``,key=value`` overrides
+    (:func:`variant_options`), or the overrides alone (``KeyError`` for a key that is not an
+    option)."""
+    name, _, rest = text.partition(",")
+    if name in named:
+        return named[name] | variant_options(rest, defaults)
+    return variant_options(text, defaults)
 
 
 def named_experiment(doc: str, named: dict[str, dict[str, Any]], defaults: dict[str, Any],
                      usage: Callable[[dict[str, Any]], str], argv: list[str] | None,
                      ) -> tuple[argparse.Namespace, dict[str, dict[str, Any]]] | None:  # fmt: skip
-    """The command line of an experiment with named variants (:func:`named_variant`): ``--out``,
-    ``--variants`` (default: every name) and ``--compile``, which prints each variant's
-    ``usage`` (registers and shared memory, no GPU) and returns ``None``; else the arguments
-    and the chosen variants. A bad variant ends the program, naming it."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--out", default="reports/latest/bench", help="output folder")
-    parser.add_argument("--variants", nargs="+", default=list(named),
-                        help=f"names ({', '.join(named)}), each optionally with ,key=value over {sorted(defaults)}")
+    """The command line of an experiment with named variants: :func:`experiment_arguments`
+    (default: every name) and ``--compile``, which prints each variant's ``usage`` (registers
+    and shared memory, no GPU) and returns ``None``; else the arguments and the chosen variants
+    (:func:`chosen_variants`)."""
+    parser = experiment_arguments(doc, list(named))
     parser.add_argument("--compile", action="store_true", help="compile for sm_90 and print resources; no GPU")
     args = parser.parse_args(argv)
-    try:
-        chosen = {text: named_variant(text, named, defaults) for text in args.variants}
-    except argparse.ArgumentTypeError as exc:
-        parser.error(str(exc))
+    chosen = chosen_variants(parser, args.variants, defaults, named)
     if not args.compile:
         return args, chosen
     import triton
@@ -139,14 +128,15 @@ def experiment_arguments(doc: str, variants: list[str]) -> argparse.ArgumentPars
     return parser
 
 
-def chosen_variants(parser: argparse.ArgumentParser, texts: list[str],
-                    defaults: dict[str, Any]) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """Each ``--variants`` text with its overrides of ``defaults``; a bad one ends the program
-    through ``parser.error``, naming it."""
+def chosen_variants(parser: argparse.ArgumentParser, texts: list[str], defaults: dict[str, Any],
+                    named: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Each ``--variants`` text with its overrides of ``defaults`` (after a name in ``named``,
+    :func:`named_variant`); a bad one ends the program through ``parser.error``, naming it."""
     try:
-        return {text: variant_options(text, defaults) for text in texts}
+        return {text: named_variant(text, named or {}, defaults) for text in texts}
     except (KeyError, ValueError, SyntaxError) as exc:
-        parser.error(str(exc))
+        names = f" (variants: {', '.join(named)})" if named else ""
+        parser.error(f"{exc}{names}")
 
 
 def agreement(got: Any, ref: Any) -> dict[str, float]:

@@ -69,8 +69,8 @@ def test_experiment_variants_name_unknown_options(gpu_timing) -> None:
 
 def test_named_variants_take_overrides_and_name_unknown_keys(gpu_timing) -> None:
     """Structural: a variant's name brings its options, ``key=value`` overrides them, a text
-    without a known name is overrides alone, and an unknown key is refused with the known
-    options named."""
+    without a known name is overrides alone, and an unknown key (a misspelt name too) is
+    refused with the known options named; the command line names the variants as well."""
     import argparse
 
     named = {"pack14": {"slabs": 14, "pack": True}}
@@ -78,8 +78,15 @@ def test_named_variants_take_overrides_and_name_unknown_keys(gpu_timing) -> None
     assert gpu_timing.named_variant("pack14", named, defaults) == {"slabs": 14, "pack": True}
     assert gpu_timing.named_variant("pack14,ring=3", named, defaults) == {"slabs": 14, "pack": True, "ring": 3}
     assert gpu_timing.named_variant("ring=2", named, defaults) == {"ring": 2}
-    with pytest.raises(argparse.ArgumentTypeError, match=r"'rnig=3' is neither a variant \(pack14\)"):
+    with pytest.raises(KeyError, match=r"unknown options \['rnig'\]; known: \['pack', 'ring', 'slabs'\]"):
         gpu_timing.named_variant("pack14,rnig=3", named, defaults)
+    with pytest.raises(KeyError, match=r"unknown options \['pak14'\]"):
+        gpu_timing.named_variant("pak14", named, defaults)
+    parser = argparse.ArgumentParser()
+    errors: list[str] = []
+    parser.error = lambda message: errors.append(message)  # type: ignore[method-assign]
+    gpu_timing.chosen_variants(parser, ["pak14"], defaults, named)
+    assert errors and "'pak14'" in errors[0] and "(variants: pack14)" in errors[0]
 
 
 def test_a_variant_row_reports_agreement_repeats_and_errors(gpu_timing, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 
 import nox
@@ -43,9 +44,16 @@ def tests(session: nox.Session) -> None:
 
 def _run_and_compare(session: nox.Session, baseline: str = BASELINE, out: str = LATEST, *args: str) -> None:
     # A failed verdict also shows as a flipped row in the compare, which prints what got worse
-    # and decides the exit status, so the run itself may exit 1 here.
+    # and decides the exit status, so the run itself may exit 1 here; a run that could not
+    # complete exits 3, which stops the session. The folder goes first: the compare can only
+    # read the report this run wrote, never one a reused checkout kept from an earlier run.
+    _fresh(out)
     session.run("k3verify", "run", "--out", out, *args, success_codes=[0, 1])
     session.run("k3verify", "report", "compare", baseline, out)
+
+
+def _fresh(folder: str) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @nox.session
@@ -62,6 +70,7 @@ def nightly(session: nox.Session) -> None:
     all modules); the maxima and replay commands go to reports/latest/nightly.json and into a
     fresh report there."""
     _install(session, "test,fla")
+    _fresh(LATEST)
     session.run("k3verify", "run", "--out", LATEST, success_codes=[0, 1])
     try:
         session.run(

@@ -12,8 +12,9 @@ Exit status: 0 when every verdict passes (a predicted and observed overflow coun
 agreement, an unavailable implementation is reported but is not a verdict), 1 when any
 verdict fails, the goldens do not check out or a compare finds a regression, 2 for usage and
 I/O errors (an unknown module, a bad argument, a missing, malformed or unwritable file or
-folder; checked before any long computation), 130 when interrupted (Ctrl-C): every write is
-atomic, so an interrupted command leaves what was there before.
+folder; checked before any long computation), 3 when the command could not complete (an
+internal error, or a run short of a row it planned), 130 when interrupted (Ctrl-C): every
+write is atomic, so an interrupted command leaves what was there before.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,7 +35,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .harness import compare, golden, registry, report, runner
+from .harness import compare, golden, registry, report, runner, sandbox
 from .harness.environment import environment
 from .harness.files import UsageError, check_output_folder
 from .harness.map_files import write_map
@@ -137,15 +139,19 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
     entries = registry.select(_module_list(args.modules))
     check_output_folder(Path(args.out), "--out")
     tp = _tp_options(args)
-    planned = runner.plan(entries, tp)
+    sandbox.set_timeout(args.timeout)
+    orphans = args.modules is None
+    planned = runner.plan(entries, tp, orphans)
     rows = []
     start = time.perf_counter()
     with _progress(err) as bar:
         task = bar.add_task("verifying", total=len(planned), current="")
         for row in runner.run(entries, seed=args.seed, progress=lambda label: bar.update(task, current=label),
-                              orphans=args.modules is None, tp=tp):
+                              orphans=orphans, tp=tp):
             rows.append(row)
             bar.advance(task)
+    if len(rows) != len(planned):  # a report must hold a verdict or a reason for every planned row
+        raise IncompleteRun(f"{len(rows)} rows were verified of the {len(planned)} planned; no report written")
     wall = time.perf_counter() - start
     config = {"seed": args.seed, "modules": [e.name for e in entries], "wall_s": round(wall, 2)}
     if tp is not None:
@@ -390,6 +396,13 @@ def _seed(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> float:
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number > 0")
+    return value
+
+
 def _finite(text: str) -> float:
     try:
         value = float(text)
@@ -418,6 +431,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--tp-size", choices=SIZES, help="layer widths for --tp: small (default) or k3 (K3's widths)")
     r.add_argument("--tp-timeout", type=_finite, default=300.0, metavar="SECONDS",
                    help="a module's ranks that take longer fail its rows (default 300)")
+    r.add_argument("--timeout", type=_positive, default=sandbox.DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help="a plugin's call (run, predict, ...) that takes longer fails its row; its process is "
+                        f"stopped (default {sandbox.DEFAULT_TIMEOUT_S:g})")
     _output_options(r)
     r.set_defaults(fn=cmd_run)
     m = sub.add_parser("overflow-map", help="map where a module's tiled form overflows or loses precision")
@@ -501,6 +517,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(err, f"{where}{exc.strerror or exc}", 2)
     except KeyboardInterrupt:
         return _error(err, "interrupted; every write is atomic, so nothing was left half-written", 130)
+    except Exception as exc:  # k3verify's own failure: never mistaken for a verdict (1) or a usage error (2)
+        if os.environ.get("K3VERIFY_TRACEBACK"):
+            traceback.print_exc()
+        return _error(err, f"internal error, the command did not complete ({type(exc).__name__}: {exc}); "
+                           "K3VERIFY_TRACEBACK=1 prints where", INTERNAL_ERROR)
+
+
+# Exit status of a command that could not complete: a bug, or a run that lost rows.
+INTERNAL_ERROR = 3
+
+
+class IncompleteRun(RuntimeError):
+    """A run that did not produce a row for every planned one (exit :data:`INTERNAL_ERROR`)."""
 
 
 def _error(err: Console, message: str, code: int) -> int:

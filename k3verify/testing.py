@@ -26,7 +26,9 @@ Hypothesis strategy of cases, and the pytest plugin (installed with k3verify) a 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -37,6 +39,9 @@ from .harness.registry import BASELINE_RULE, FP64_RULE, Case, Implementation, as
 from .numerics import FAIL, dtype_name, resolve_dtype
 
 __all__ = ["assert_matches_oracle", "cases", "strategy"]
+
+# Seconds one call of a user's function may take before its case fails (``timeout=``).
+DEFAULT_TIMEOUT_S = 600.0
 
 
 def cases(module: str, names: Sequence[str] | None = None, *, seed: int = 0) -> list[Case]:
@@ -85,6 +90,7 @@ def assert_matches_oracle(
     *,
     baseline: str = "recurrent",
     seed: int = 0,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
     **options: Any,
 ) -> list[dict[str, Any]]:
     """Run ``fn`` on each case with inputs in ``dtype`` and judge every named output against the
@@ -92,25 +98,47 @@ def assert_matches_oracle(
 
     ``baseline`` names the algorithm family of the same-dtype baseline (``"chunkwise"`` holds a
     chunked kernel to what a plain chunked implementation achieves); ``options`` go to ``fn``.
+
+    ``fn`` gets copies of each case's inputs, after every oracle and baseline has been computed;
+    a call that raises (``SystemExit`` included), returns something other than the module's
+    outputs, leaves a process-wide torch setting changed (put back, and named) or takes longer
+    than ``timeout`` seconds (``None``: no limit, and ``fn`` runs in the calling thread) fails its
+    case. An empty ``cases`` is a ``ValueError``: nothing would be judged.
     """
     entry = registry.get(module)
     if entry.call is None:
         raise NotImplementedError(f"module {module!r} has no calling convention for user functions")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
+        raise ValueError(f"timeout is a positive number of seconds or None, not {timeout!r}")
     torch_dtype = resolve_dtype(dtype)
     name = dtype_name(torch_dtype)
-    seen: dict[int, dict[str, torch.Tensor]] = {}
+    chosen = _as_cases(module, cases, seed)
+    if not chosen:
+        raise ValueError("no cases given: nothing would be judged (leave cases out for the module's default case)")
+    rule = FP64_RULE if name == "fp64" else BASELINE_RULE
+    # Every oracle and baseline is computed before fn first runs: whatever fn changes in this
+    # process (k3verify's own functions patched, say) cannot reach the references it is judged by.
+    for case in chosen:
+        entry.oracle(case)
+        if rule == BASELINE_RULE:
+            entry.baseline(case, name, baseline)
+    seen: dict[str, torch.Tensor] = {}  # what fn returned for the case being judged
 
     def run(case: Case) -> dict[str, torch.Tensor]:
-        out = as_outputs(entry.call(fn, case, torch_dtype, **options), entry.outputs, _name(fn))
-        seen[id(case)] = {k: v.detach().cpu() for k, v in out.items()}
+        out = as_outputs(_within(timeout, lambda: entry.call(fn, case, torch_dtype, **options), _name(fn)),
+                         entry.outputs, _name(fn))
+        seen.update({k: v.detach().cpu() for k, v in out.items()})
         return out
 
     impl = Implementation(module=module, implementation=_name(fn), form="user", dtype=name, params=dict(options),
-                          rule=FP64_RULE if name == "fp64" else BASELINE_RULE, run=run, baseline=baseline)
-    chosen = _as_cases(module, cases, seed)
-    rows = [runner.verify(entry, impl, case) for case in chosen]
+                          rule=rule, run=run, baseline=baseline, source="user function")
+    rows, returned = [], []
+    for case in chosen:
+        seen.clear()
+        rows.append(runner.verify(entry, impl, case))
+        returned.append(dict(seen))
     problems = []
-    for case, row in zip(chosen, rows):
+    for case, row, got in zip(chosen, rows, returned):
         if row["status"] != FAIL:
             continue
         if "outputs" not in row:  # it raised, or returned the wrong outputs
@@ -119,10 +147,41 @@ def assert_matches_oracle(
         ref = as_outputs(entry.oracle(case), entry.outputs, "the oracle")
         for out_name, judged in row["outputs"].items():
             if judged["status"] == FAIL:
-                problems.append(_describe(case, out_name, judged, seen[id(case)].get(out_name), ref[out_name]))
+                problems.append(_describe(case, out_name, judged, got.get(out_name), ref[out_name]))
     if problems:
         raise AssertionError(f"{_name(fn)} does not match the {module} oracle in {name}:\n" + "\n".join(problems))
     return rows
+
+
+def _within(timeout: float | None, call: Callable[[], Any], who: str) -> Any:
+    """``call()``; with a ``timeout``, in a worker thread that may take that long (a hung kernel
+    becomes a ``TimeoutError`` of its case; the thread cannot be stopped and is left behind).
+    The thread inherits the caller's grad mode, CUDA device and stream, which torch keeps per
+    thread."""
+    if timeout is None:
+        return call()
+    result: dict[str, Any] = {}
+    grad = torch.is_grad_enabled()
+    stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def work() -> None:
+        try:
+            with torch.set_grad_enabled(grad), contextlib.ExitStack() as scope:
+                if stream is not None:  # the caller's device and stream, which torch keeps per thread
+                    torch.cuda.set_device(stream.device)
+                    scope.enter_context(torch.cuda.stream(stream))
+                result["value"] = call()
+        except BaseException as exc:  # handed to the caller's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=work, name=f"k3verify: {who}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"{who} did not return within {timeout:g} s (timeout=)")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 def _name(fn: Callable[..., Any]) -> str:

@@ -6,6 +6,9 @@ it; the messages are checked structurally."""
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
 from functools import partial
 
 import pytest
@@ -13,7 +16,7 @@ import torch
 from hypothesis import given, settings
 
 from k3verify import kda
-from k3verify.testing import assert_matches_oracle, strategy
+from k3verify.testing import assert_matches_oracle, cases, strategy
 
 
 def test_a_correct_kernel_passes_through_the_plugin_fixture(k3verify_oracle) -> None:
@@ -57,3 +60,85 @@ def test_unwritten_memory_reads_as_nan() -> None:
     exec("def partial_copy(x):\n    out = torch.empty_like(x)\n    out[:-1] = x[:-1]\n    return out\n", scope)
     y = scope["partial_copy"](torch.ones(4))
     assert bool(torch.isnan(y[-1])) and not bool(torch.isnan(y[:-1]).any())
+
+
+# --- what a kernel under test cannot do (rules: structural, and the baseline rule for the kernels) ---
+
+
+def test_no_cases_is_an_error_not_a_pass() -> None:
+    with pytest.raises(ValueError, match="no cases given"):
+        assert_matches_oracle(lambda *a, **k: None, "kda", torch.float32, cases=[])
+
+
+@pytest.mark.parametrize(("returned", "message"), [(None, "returned a NoneType"), ("list", "returned a list")])
+def test_a_kernel_must_return_the_forms_outputs(returned: object, message: str) -> None:
+    def fn(*args, **kw):
+        return list(kda.chunkwise(*args, **kw)) if returned == "list" else returned
+
+    with pytest.raises(AssertionError, match=message):
+        assert_matches_oracle(fn, "kda", torch.float32, baseline="chunkwise")
+
+
+def test_a_hung_kernel_fails_its_case_after_the_timeout() -> None:
+    release = threading.Event()
+
+    def hung(*args, **kw):
+        release.wait(60)
+        return kda.chunkwise(*args, **kw)
+
+    start = time.perf_counter()
+    try:
+        with pytest.raises(AssertionError, match=r"did not return within 0\.5 s"):
+            assert_matches_oracle(hung, "kda", torch.float32, baseline="chunkwise", timeout=0.5)
+    finally:
+        release.set()
+    assert time.perf_counter() - start < 30
+
+
+def test_sys_exit_in_a_kernel_fails_its_case() -> None:
+    def exits(*args, **kw):
+        sys.exit(0)
+
+    with pytest.raises(AssertionError, match=r"called sys.exit\(0\)"):
+        assert_matches_oracle(exits, "kda", torch.float32, baseline="chunkwise", timeout=None)
+
+
+@pytest.mark.parametrize("timeout", [None, 60.0], ids=["calling thread", "worker thread"])
+def test_a_kernel_that_flips_global_torch_state_fails_and_the_state_is_restored(timeout: float | None) -> None:
+    """Flush-to-zero is per thread (a worker thread's flip dies with it); the default dtype is
+    per process and is caught either way."""
+    def flips(*args, **kw):
+        out = kda.chunkwise(*args, **kw)
+        torch.set_flush_denormal(True)
+        torch.set_default_dtype(torch.float64)
+        return out
+
+    with pytest.raises(AssertionError, match="changed process-wide torch settings") as info:
+        assert_matches_oracle(flips, "kda", torch.float32, baseline="chunkwise", timeout=timeout)
+    assert "default dtype: torch.float32 -> torch.float64" in str(info.value)
+    assert ("flush denormals: False -> True" in str(info.value)) == (timeout is None)
+    assert torch.get_default_dtype() == torch.float32
+    assert (torch.tensor(1e-40, dtype=torch.float32) * 1.0).item() != 0.0
+
+
+def test_patching_the_definition_on_the_first_call_cannot_make_a_wrong_kernel_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def wrong_everywhere(*args, **kw):
+        monkeypatch.setattr(kda, "recurrent", partial(_scaled, o_gain=1.05))
+        return _scaled(*args, o_gain=1.05, **kw)
+
+    with pytest.raises(AssertionError, match="case 'small', output 'o'"):
+        assert_matches_oracle(wrong_everywhere, "kda", torch.float32, cases=["default", "small"], baseline="chunkwise")
+
+
+def test_a_kernel_that_writes_into_its_inputs_changes_no_case() -> None:
+    (case,) = cases("kda", ["default"])
+    q = case.inputs["q"].clone()
+
+    def writes(q_, k, v, g, beta, **kw):
+        out = kda.chunkwise(q_, k, v, g, beta, **kw)
+        q_.mul_(2.0)  # fp64 inputs reach the kernel without a cast
+        return out
+
+    assert_matches_oracle(writes, "kda", torch.float64, cases=[case])
+    assert torch.equal(case.inputs["q"], q)

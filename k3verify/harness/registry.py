@@ -8,8 +8,10 @@ loaded; there is no list to edit); module packages know nothing of them.
 Outside packages add implementations through the entry-point group ``k3verify.implementations``:
 an entry point names a callable that returns :class:`Implementation` objects (for one or several
 registered modules). They join the module's own implementations everywhere — runs, maps,
-goldens, ``k3verify list`` — with their package and version as their ``source``. A plugin that
-fails to import, raises while registering, returns something else or names an unknown module
+goldens, ``k3verify list`` — with their package and version as their ``source``. Plugins are
+loaded and run in a process of their own (:mod:`k3verify.harness.sandbox`), never in the
+harness's: they see copies of a case's inputs, never its oracle. A plugin that fails to import,
+raises, exits or hangs while registering, returns something else or names an unknown module
 becomes an ``unavailable`` placeholder carrying the reason; it never stops a run or hides
 other rows. See ``docs/extending.md``.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -222,8 +225,9 @@ class ModuleEntry:
         return self.outputs[0]
 
     def implementations(self) -> list[Implementation]:
-        """The module's own implementations, then those plugins add (placeholders for broken ones)."""
-        return [*self.own_implementations(), *plugin_implementations(self.name)]
+        """The module's own implementations, then those plugins add (placeholders for broken ones);
+        an identity registered twice fails from its second registration on (:func:`unique_identities`)."""
+        return unique_identities([*self.own_implementations(), *plugin_implementations(self.name)])
 
     def cases_for_goldens(self, seed: int) -> dict[str, Case]:
         """The cases ``k3verify golden generate`` stores for this module: ``golden_cases``, plus
@@ -336,13 +340,22 @@ _PLUGINS: list[Implementation] | None = None
 
 
 def plugins() -> list[Implementation]:
-    """Every implementation the installed plugins register, loaded once per process; a broken
-    plugin (import error, exception, wrong return, unknown module) gives a placeholder whose
-    ``is_available()`` says why."""
+    """Every implementation the installed plugins register, discovered once per process.
+
+    k3verify never imports a plugin: the entry points are loaded and run in a process of their
+    own (:mod:`k3verify.harness.sandbox`), and each implementation is a proxy of what that
+    process described. A broken plugin (import error, exception, ``sys.exit``, a hang, a wrong
+    return, an unknown module) gives a placeholder whose ``is_available()`` says why."""
     global _PLUGINS
     if _PLUGINS is None:
         _load()
-        _PLUGINS = [impl for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP) for impl in _load_plugin(ep)]
+        found = list(importlib.metadata.entry_points(group=PLUGIN_GROUP))
+        _PLUGINS = []
+        if found:
+            from . import sandbox
+
+            _PLUGINS = unique_identities(sandbox.load(found, known=lambda m: m in _REGISTRY, source_of=_source,
+                                                      placeholder=placeholder))
     return _PLUGINS
 
 
@@ -369,33 +382,39 @@ def _source(ep: importlib.metadata.EntryPoint) -> str:
     return f"{dist.name} {dist.version}" if dist is not None else f"entry point {ep.value}"
 
 
-def _load_plugin(ep: importlib.metadata.EntryPoint) -> list[Implementation]:
-    source = f"{_source(ep)} (plugin)"
-    try:
-        made = ep.load()()
-        impls = list(made) if not isinstance(made, Implementation) else [made]
-    except Exception as exc:  # a broken plugin is a row with its reason, never a crashed run
-        return [_placeholder(ep, source, f"plugin {ep.name!r} ({ep.value}) failed: {type(exc).__name__}: {exc}")]
-    out = []
-    for i, impl in enumerate(impls):
-        if not isinstance(impl, Implementation):
-            out.append(_placeholder(ep, source, f"plugin {ep.name!r} returned a {type(impl).__name__} at position {i}, "
-                                                "not a k3verify Implementation"))
-        elif impl.module not in _REGISTRY:
-            reason = f"plugin {ep.name!r} names module {impl.module!r}, which is not registered " \
-                     f"(known: {', '.join(_REGISTRY)})"
-            out.append(dataclasses.replace(impl, source=source, is_available=lambda r=reason: (False, r)))
-        else:
-            out.append(impl if impl.source != BUILTIN_SOURCE else dataclasses.replace(impl, source=source))
-    return out
-
-
-def _placeholder(ep: importlib.metadata.EntryPoint, source: str, reason: str) -> Implementation:
+def placeholder(name: str, source: str, reason: str) -> Implementation:
+    """An unavailable row standing for plugin entry point ``name`` that cannot be used."""
     # Entry points are named after the module they extend; a broken one is shown under that name.
-    module = ep.name
-
     def cannot_run(case: Case) -> Outputs:
         raise RuntimeError(reason)
 
-    return Implementation(module=module, implementation=source, form=f"plugin:{ep.name}", dtype="-", params={},
+    return Implementation(module=name, implementation=source, form=f"plugin:{name}", dtype="-", params={},
                           rule=BASELINE_RULE, run=cannot_run, is_available=lambda: (False, reason), source=source)
+
+
+def identity(impl: Implementation) -> tuple[str, ...]:
+    """What names an implementation's rows in a report (their case aside)."""
+    params = json.dumps({str(k): str(v) for k, v in impl.params.items()}, sort_keys=True)
+    return (impl.module, impl.implementation, impl.form, impl.dtype, params)
+
+
+def unique_identities(impls: list[Implementation]) -> list[Implementation]:
+    """``impls`` with every implementation after the first of an identity replaced by a failing
+    one named ``<name> (registered again, #n)``: two rows of one identity would let a report hold
+    a failing row beside a passing twin, and a compare match either."""
+    seen: dict[tuple[str, ...], int] = {}
+    out = []
+    for impl in impls:
+        key = identity(impl)
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] == 1:
+            out.append(impl)
+            continue
+        reason = f"{impl.label} is registered {seen[key]} times; each identity may be registered once"
+
+        def refuse(case: Case, reason: str = reason) -> Outputs:
+            raise ValueError(reason)
+
+        out.append(dataclasses.replace(impl, implementation=f"{impl.implementation} (registered again, #{seen[key]})",
+                                       run=refuse, is_available=_available, predict=None, explain=None))
+    return out

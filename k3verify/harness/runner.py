@@ -29,6 +29,7 @@ from ..numerics import (
     spacing,
 )
 from . import tp_rows
+from .guard import case_for, guarded
 from .registry import FP64_RULE, Case, Implementation, ModuleEntry, Outputs, as_outputs, orphan_implementations
 from .tp_rows import TPOptions
 
@@ -37,12 +38,17 @@ UNAVAILABLE = "unavailable"
 Progress = Callable[[str], None]
 
 
-def plan(entries: list[ModuleEntry], tp: TPOptions | None = None) -> list[tuple[ModuleEntry, Implementation, str]]:
+def plan(entries: list[ModuleEntry], tp: TPOptions | None = None,
+         orphans: bool = False) -> list[tuple[ModuleEntry, Implementation, str]]:
     """Every (entry, implementation, case name) a run will verify, in order; with ``tp``, the
-    tensor-parallel rows instead (:mod:`k3verify.harness.tp_rows`)."""
+    tensor-parallel rows instead (:mod:`k3verify.harness.tp_rows`). ``orphans`` adds the rows of
+    plugins that name no registered module (a full run shows them)."""
     if tp is not None:
         return tp_rows.plan(entries, tp)
-    return [(e, impl, c) for e in entries for impl in e.implementations() for c in impl.cases]
+    planned = [(e, impl, c) for e in entries for impl in e.implementations() for c in impl.cases]
+    if orphans and entries:
+        planned += [(entries[0], impl, c) for impl in orphan_implementations() for c in impl.cases]
+    return planned
 
 
 def run(entries: list[ModuleEntry], *, seed: int = 0, progress: Progress | None = None,
@@ -50,14 +56,11 @@ def run(entries: list[ModuleEntry], *, seed: int = 0, progress: Progress | None 
     """Verify every planned row; yields rows as they finish (``progress`` gets each label first).
 
     An implementation that cannot run here yields its ``unavailable`` row without building its
-    case (a broken plugin may ask for a case its module does not make). ``orphans`` adds the
-    rows of plugins that name no registered module (a full run shows them). ``tp`` runs the
-    modules sharded over ranks instead (see :func:`plan`)."""
+    case (a broken plugin may ask for a case its module does not make); one that asks for a
+    case its module does not make yields a failed row. ``orphans`` and ``tp`` as in :func:`plan`;
+    exactly one row is yielded per planned row."""
     cases: dict[int, dict[str, Case]] = {}
-    planned = plan(entries, tp)
-    if orphans and tp is None:
-        planned += [(entries[0], impl, c) for impl in orphan_implementations() for c in impl.cases]
-    for entry, impl, case_name in planned:
+    for entry, impl, case_name in plan(entries, tp, orphans):
         if progress:
             progress(f"{impl.label} on {case_name}")
         reason = impl.unavailable()
@@ -68,7 +71,10 @@ def run(entries: list[ModuleEntry], *, seed: int = 0, progress: Progress | None 
             cases[id(entry)] = entry.make_cases(seed)
         made = cases[id(entry)]
         if case_name not in made:
-            raise KeyError(f"{impl.label} asks for case {case_name!r}, which {entry.name} does not make")
+            yield row_header(impl, Case(case_name, {})) | {
+                "status": FAIL, "reason": f"{impl.label} asks for case {case_name!r}, which {entry.name} does not "
+                                          f"make (its cases: {', '.join(made)})"}
+            continue
         yield verify(entry, impl, made[case_name])
 
 
@@ -101,21 +107,38 @@ def verify(entry: ModuleEntry, impl: Implementation, case: Case, *, oracle: Outp
     reason = impl.unavailable()
     if reason:
         return row | {"status": UNAVAILABLE, "reason": reason}
+    # The oracle is computed before the implementation runs, and the implementation gets a
+    # sealed copy of the case (guard.case_for): nothing it does can reach or redo the oracle.
     ref = as_outputs(entry.oracle(case) if oracle is None else oracle, entry.outputs, f"the {entry.name} oracle")
     start = time.perf_counter()
     try:
-        out = as_outputs(impl.run(case), entry.outputs, impl.label)
+        given = case_for(impl, case)
+        out = as_outputs(guarded(impl.label, lambda: impl.run(given)), entry.outputs, impl.label)
         missing = [n for n in ref if n not in out]
         if missing:
             raise ValueError(f"{impl.label} returned no {', '.join(missing)} (this module's outputs: "
                              f"{', '.join(entry.outputs)})")
-    except Exception as exc:  # a crashing implementation is a failed verdict, not a crashed run
-        return row | {
-            "status": FAIL,
-            "reason": f"{type(exc).__name__}: {exc}",
-            "traceback": traceback.format_exc(limit=4),
-        }
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # a crash, even sys.exit, is a failed verdict, not a crashed run
+        return _crashed(row, exc)
     row["wall_s"] = time.perf_counter() - start
+    try:
+        return _judged(entry, impl, case, row, out, ref)
+    except Exception as exc:  # outputs the policy cannot judge (a wrong shape, a wrong dtype) fail the row
+        return _crashed(row, exc, "its outputs could not be judged: ")
+
+
+def _crashed(row: dict[str, Any], exc: BaseException, prefix: str = "") -> dict[str, Any]:
+    """``row`` failed by ``exc``, with its reason and a short traceback."""
+    what = f"called sys.exit({exc.code!r})" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
+    return row | {"status": FAIL, "reason": prefix + what, "traceback": "".join(traceback.format_exception(
+        type(exc), exc, exc.__traceback__, limit=4))}
+
+
+def _judged(entry: ModuleEntry, impl: Implementation, case: Case, row: dict[str, Any], out: Outputs,
+            ref: Outputs) -> dict[str, Any]:
+    """``row`` with every output of ``out`` judged against ``ref`` (see :func:`verify`)."""
     primary = next(n for n in entry.outputs if n in ref)
     prediction = impl.predict(case) if impl.predict is not None else None
     if prediction is not None:

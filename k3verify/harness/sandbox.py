@@ -1,0 +1,421 @@
+"""Plugins run in a process of their own.
+
+A plugin is code from another package, judged by k3verify; it must not be able to change the
+verdict. So k3verify never imports a plugin: one worker process (``python -m
+k3verify.harness.sandbox``) loads the entry points and runs their implementations, and the
+harness holds a *proxy* :class:`~k3verify.harness.registry.Implementation` for each, whose
+``run``, ``predict``, ``explain`` and ``map_points`` are requests to the worker. What that buys:
+
+- the oracle, the baselines, the policy and the cases live in the harness's process; the worker
+  receives copies of a case's inputs and parameters (never its cache, which holds the oracle's
+  outputs) and sends back tensors only, read with ``torch.load(weights_only=True)`` so no
+  object of the plugin's making is ever built in the harness;
+- patching ``k3verify`` or flipping process-wide torch settings in the worker changes nothing
+  in the harness; the worker also restores settings after every call and fails the call that
+  changed them, so one plugin cannot move another's results;
+- ``sys.exit``, ``os._exit``, a segfault or a hang end one request: the request fails with its
+  reason (its row is a failed verdict), a hang after the timeout (``--timeout``, default
+  :data:`DEFAULT_TIMEOUT_S` per request) by killing the worker's process group; the next request
+  starts a fresh worker, which loads the plugin again and must register the same
+  implementations;
+- what the worker prints reaches stderr line by line with control characters made visible.
+
+Frames are an 8-byte little-endian length and a payload: pickles from the harness (the worker
+trusts the harness), ``torch.save`` documents from the worker (the harness trusts nothing).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.metadata
+import io
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .guard import restore, torch_state
+from .registry import (
+    BASELINE_RULE,
+    PLUGIN_GROUP,
+    RULES,
+    Case,
+    Implementation,
+    Outputs,
+    Prediction,
+    as_outputs,
+)
+
+DEFAULT_TIMEOUT_S = 900.0
+MAX_FRAME_BYTES = 1 << 34  # 16 GiB: a production-shape output fits, a garbage length does not
+_HEADER = struct.Struct("<Q")
+_timeout_s = DEFAULT_TIMEOUT_S
+
+
+class PluginError(RuntimeError):
+    """A request to the plugin process that did not return a result; the message says why."""
+
+
+def set_timeout(seconds: float) -> None:
+    """Seconds one request to the plugin process may take (``k3verify run --timeout``)."""
+    global _timeout_s
+    if not seconds > 0:
+        raise ValueError(f"a timeout is a positive number of seconds, not {seconds!r}")
+    _timeout_s = float(seconds)
+
+
+def timeout() -> float:
+    return _timeout_s
+
+
+# --- frames --------------------------------------------------------------------------------
+
+
+def _write_frame(fd: int, payload: bytes) -> None:
+    data = _HEADER.pack(len(payload)) + payload
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
+    """``n`` bytes from ``fd``; ``None`` at end of file; ``TimeoutError`` past ``deadline``."""
+    chunks, left = [], n
+    while left:
+        if deadline is not None:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([fd], [], [], wait)[0]:
+                raise TimeoutError
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _read_frame(fd: int, deadline: float | None = None) -> bytes | None:
+    head = _read_exact(fd, _HEADER.size, deadline)
+    if head is None:
+        return None
+    (length,) = _HEADER.unpack(head)
+    if length > MAX_FRAME_BYTES:
+        raise PluginError(f"the plugin process sent a frame of {length} bytes")
+    return _read_exact(fd, length, deadline)
+
+
+def _document(value: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+# --- the worker ----------------------------------------------------------------------------
+
+
+def _json_param(value: Any) -> Any:
+    """A parameter as the report writes it: JSON scalars as they are, anything else as text."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else str(value)
+    return str(value)
+
+
+def describe(impl: Any, where: str) -> dict[str, Any]:
+    """What the harness needs to know of one registered object (a plain dict of JSON values)."""
+    if not isinstance(impl, Implementation):
+        return {"invalid": f"{where} is a {type(impl).__name__}, not a k3verify Implementation"}
+    return {
+        "module": str(impl.module), "implementation": str(impl.implementation), "form": str(impl.form),
+        "dtype": str(impl.dtype), "params": {str(k): _json_param(v) for k, v in dict(impl.params).items()},
+        "rule": str(impl.rule), "cases": [str(c) for c in impl.cases], "baseline": str(impl.baseline),
+        "in_map": bool(impl.in_map), "reason": impl.unavailable(),
+        **{f"has_{m}": getattr(impl, m) is not None for m in ("predict", "explain", "map_points")},
+    }
+
+
+class Worker:
+    """The worker's side: loads entry points on demand and answers requests."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[int, list[Any]] = {}
+
+    def load(self, k: int, spec: tuple[str, str]) -> list[Any]:
+        if k not in self.loaded:
+            name, value = spec
+            made = importlib.metadata.EntryPoint(name=name, value=value, group=PLUGIN_GROUP).load()()
+            self.loaded[k] = [made] if isinstance(made, Implementation) else list(made)
+        return self.loaded[k]
+
+    def answer(self, msg: dict[str, Any]) -> Any:
+        impls = self.load(msg["ep"], msg["spec"])
+        name = msg["spec"][0]
+        if msg["op"] == "describe":
+            return [describe(impl, f"what plugin {name!r} returned at position {i}") for i, impl in enumerate(impls)]
+        j = msg["index"]
+        if j >= len(impls) or describe(impls[j], "") != msg["expect"]:
+            raise PluginError(f"plugin {name!r} registered other implementations when loaded again")
+        return self.call(impls[j], msg["method"], msg["arg"])
+
+    @staticmethod
+    def call(impl: Implementation, method: str, arg: Any) -> Any:
+        if method == "run":
+            from . import registry
+
+            out = as_outputs(impl.run(arg), registry.get(impl.module).outputs, impl.label)
+            return {n: _plain_tensor(t, f"{impl.label} output {n!r}") for n, t in out.items()}
+        if method == "predict":
+            p = impl.predict(arg)
+            return {"finite": bool(p.finite), "explanation": str(p.explanation)}
+        if method == "explain":
+            return [str(line) for line in impl.explain(arg)]
+        if method == "map_points":
+            return bool(impl.map_points(arg))
+        raise PluginError(f"unknown request {method!r}")
+
+    def serve(self, rfd: int, wfd: int) -> None:
+        while True:
+            frame = _read_frame(rfd)
+            if frame is None:
+                return
+            msg = pickle.loads(frame)
+            before = torch_state()
+            try:
+                reply = {"ok": True, "value": self.answer(msg)}
+            except BaseException as exc:  # sys.exit and the like are answers too
+                reply = {"ok": False, "error": _error_text(exc)}
+            changed = restore(before)
+            if changed and reply["ok"]:
+                reply = {"ok": False, "error": "changed process-wide torch settings, which change every later "
+                         f"result (restored): {'; '.join(changed)}"}
+            _write_frame(wfd, _document(reply))
+
+
+def _plain_tensor(t: torch.Tensor, what: str) -> torch.Tensor:
+    if t.device.type == "meta":
+        raise TypeError(f"{what} is a meta tensor (no data)")
+    return t.detach().to("cpu").contiguous().clone()
+
+
+def _error_text(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r})"
+    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    at = f" (at {os.path.basename(where[0].filename)}:{where[0].lineno})" if where else ""
+    return f"{type(exc).__name__}: {exc}{at}"
+
+
+def _worker_main(rfd: int, wfd: int) -> None:
+    # What plugins print must not be mistaken for answers; both streams go to the forwarded pipe.
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    Worker().serve(rfd, wfd)
+
+
+# --- the harness's side -----------------------------------------------------------------------
+
+
+def visible(text: str) -> str:
+    """``text`` with control characters (but tabs) shown as escapes, for a terminal."""
+    return "".join(c if c == "\t" or (c.isprintable() and not 0x80 <= ord(c) < 0xA0) else
+                   f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}" for c in text)
+
+
+class Host:
+    """The harness's handle on the worker: starts it when needed, sends requests with a timeout,
+    and starts a new one after a request killed it."""
+
+    def __init__(self, specs: list[tuple[str, str]]):
+        self.specs = specs
+        self.proc: subprocess.Popen | None = None
+        self.to_worker = self.from_worker = -1
+
+    def _start(self) -> None:
+        to_r, to_w = os.pipe()
+        from_r, from_w = os.pipe()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "k3verify.harness.sandbox", str(to_r), str(from_w)], pass_fds=(to_r, from_w),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,  # a timeout kills the plugin's own children too
+        )
+        os.close(to_r)
+        os.close(from_w)
+        self.to_worker, self.from_worker = to_w, from_r
+        threading.Thread(target=_forward, args=(self.proc.stdout,), daemon=True).start()
+
+    def stop(self) -> None:
+        """End the worker (killing its process group) and close the pipes."""
+        if self.proc is None:
+            return
+        for fd in (self.to_worker, self.from_worker):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        self.proc = None
+
+    def request(self, msg: dict[str, Any], what: str) -> Any:
+        """The worker's answer to ``msg``; :class:`PluginError` naming ``what`` when there is none."""
+        if self.proc is None:
+            self._start()
+        limit = timeout()
+        try:
+            _write_frame(self.to_worker, pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            frame = _read_frame(self.from_worker, time.monotonic() + limit)
+        except TimeoutError:
+            self.stop()
+            raise PluginError(f"{what} did not finish within {limit:g} s (--timeout); its process was stopped") \
+                from None
+        except (BrokenPipeError, PluginError):
+            frame = None
+        if frame is None:
+            code = self.proc.wait() if self.proc is not None else None
+            self.stop()
+            raise PluginError(f"the plugin process ended (exit status {code}) during {what}")
+        try:
+            reply = torch.load(io.BytesIO(frame), weights_only=True)
+        except Exception as exc:
+            self.stop()
+            raise PluginError(f"the plugin process answered {what} with something that is not a result "
+                              f"({type(exc).__name__})") from None
+        if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
+            self.stop()
+            raise PluginError(f"the plugin process answered {what} with something that is not a result")
+        if not reply["ok"]:
+            raise PluginError(f"{what}: {str(reply.get('error'))[:2000]}")
+        return reply.get("value")
+
+
+def _forward(stream: Any) -> None:
+    for line in iter(stream.readline, b""):
+        try:
+            sys.stderr.write("plugin: " + visible(line.decode("utf-8", "replace").rstrip("\n")) + "\n")
+        except (OSError, ValueError):  # stderr closed: nothing more to show
+            return
+
+
+_HOST: Host | None = None
+
+
+def stop() -> None:
+    """End the plugin process, if any (the next request starts a new one)."""
+    global _HOST
+    if _HOST is not None:
+        _HOST.stop()
+        _HOST = None
+
+
+atexit.register(stop)
+
+
+def load(entry_points: list[importlib.metadata.EntryPoint], known: Callable[[str], bool],
+         source_of: Callable[[importlib.metadata.EntryPoint], str],
+         placeholder: Callable[..., Implementation]) -> list[Implementation]:
+    """Proxies of every implementation the ``entry_points`` register, loaded in the worker;
+    ``placeholder(name, source, reason)`` stands in for whatever cannot be used (a plugin that
+    fails, exits or hangs while loading, an object that is not an Implementation, a description
+    the harness cannot use); a module ``known`` rejects makes an unavailable proxy."""
+    global _HOST
+    stop()
+    specs = [(ep.name, ep.value) for ep in entry_points]
+    _HOST = host = Host(specs)
+    out: list[Implementation] = []
+    for k, ep in enumerate(entry_points):
+        source = f"{source_of(ep)} (plugin)"
+        try:
+            described = host.request({"op": "describe", "ep": k, "spec": specs[k]}, f"loading plugin {ep.name!r}")
+        except PluginError as exc:
+            out.append(placeholder(ep.name, source, f"plugin {ep.name!r} ({ep.value}) failed: {exc}"))
+            continue
+        for j, d in enumerate(described if isinstance(described, list) else [None]):
+            problem = _invalid(d)
+            if problem:
+                out.append(placeholder(ep.name, source, f"plugin {ep.name!r} ({ep.value}): {problem}"))
+                continue
+            out.append(_proxy(host, k, j, d, source, known))
+    return out
+
+
+def _invalid(d: Any) -> str | None:
+    """Why a description cannot become a proxy, or ``None``."""
+    if not isinstance(d, dict):
+        return "the plugin process described it as nothing usable"
+    if "invalid" in d:
+        return str(d["invalid"])
+    texts = ("module", "implementation", "form", "dtype", "baseline")
+    if not all(isinstance(d.get(k), str) for k in texts) or not isinstance(d.get("params"), dict) \
+            or not isinstance(d.get("cases"), list) or not all(isinstance(c, str) for c in d["cases"]):
+        return "its description lacks names of the right types"
+    if d.get("rule") not in RULES:
+        return f"unknown rule {str(d.get('rule'))[:40]!r}; choose one of {RULES}"
+    from ..numerics import resolve_dtype
+
+    try:
+        resolve_dtype(d["dtype"])
+    except (KeyError, ValueError, TypeError):
+        return f"unknown dtype {d['dtype'][:40]!r}"
+    return None
+
+
+def _proxy(host: Host, k: int, j: int, d: dict[str, Any], source: str, known: Callable[[str], bool]) -> Implementation:
+    """An Implementation whose calls are requests to the worker."""
+    label = f"{d['module']}/{d['implementation']}:{d['form']}[{d['dtype']}]"
+
+    def request(method: str) -> Callable[[Any], Any]:
+        def send(arg: Any) -> Any:
+            if isinstance(arg, Case):  # copies of what the implementation may see; never the cache
+                arg = Case(arg.name, arg.inputs, arg.params)
+            return host.request({"op": "call", "ep": k, "spec": host.specs[k], "index": j, "expect": d,
+                                 "method": method, "arg": arg}, f"{method} of {label}")
+
+        return send
+
+    run = request("run")
+
+    def outputs(case: Case) -> Outputs:
+        value = run(case)
+        if not isinstance(value, dict):
+            raise PluginError(f"{label} returned no named outputs")
+        return value
+
+    predict_raw = request("predict")
+
+    def predict(case: Case) -> Prediction:
+        p = predict_raw(case)
+        if not isinstance(p, dict) or not isinstance(p.get("finite"), bool):
+            raise PluginError(f"predict of {label} returned no prediction")
+        return Prediction(p["finite"], str(p.get("explanation", "")))
+
+    reason = d.get("reason")
+    if not known(d["module"]):
+        reason = f"names module {d['module']!r}, which is not registered"
+    return Implementation(
+        module=d["module"], implementation=d["implementation"], form=d["form"], dtype=d["dtype"],
+        params=d["params"], rule=d.get("rule", BASELINE_RULE), run=outputs,
+        predict=predict if d.get("has_predict") else None,
+        explain=request("explain") if d.get("has_explain") else None,
+        is_available=lambda r=reason: (r is None, str(r or "")),
+        cases=tuple(d["cases"]) or ("default",), baseline=d["baseline"], source=source,
+        in_map=bool(d.get("in_map")), map_points=request("map_points") if d.get("has_map_points") else None,
+    )
+
+
+if __name__ == "__main__":
+    _worker_main(int(sys.argv[1]), int(sys.argv[2]))

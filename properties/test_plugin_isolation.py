@@ -1,0 +1,257 @@
+"""Plugins cannot cheat or stop the run: each cheat a plugin package can try, installed for real
+(entry points in a site folder), and what k3verify makes of it.
+
+Plugins run in their own process (k3verify.harness.sandbox): one that exits, crashes or hangs
+fails its own row, with its reason; one that patches k3verify, reads the case's cached oracle,
+mutates its inputs or flips process-wide torch settings changes neither the verdict of a wrong
+kernel nor any other row; an identity registered twice cannot hide a failing row behind a
+passing twin. Each cheat is checked against a wrong kernel (it must fail) and the correct one
+(it must pass), so the isolation is what decides, not the kernel.
+
+Rules: the correct plugin kernels by the baseline rule (fp32, chunkwise family); the rest
+structural (statuses, reasons, exit codes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from k3verify.harness import registry, runner, sandbox
+from k3verify.numerics import FAIL, PASS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Shared by every plugin below: a correct fp32 KDA kernel and a wrong one (a 3 % larger output).
+COMMON = """
+import os, sys, time
+import torch
+from k3verify import kda
+from k3verify.harness.registry import implementation
+
+def right(*args, **kw):
+    return kda.chunkwise(*args, **kw)
+
+def wrong(*args, **kw):
+    o, s = kda.chunkwise(*args, **kw)
+    return o * 1.03, s * 1.03
+
+def make(name, fn):
+    return implementation("kda", fn, name=name, form="chunkwise", dtype="fp32", baseline="chunkwise", chunk_size=64)
+"""
+
+PLUGINS = {
+    # Loading stops the process: the entry point becomes an unavailable row with its reason.
+    "exit_at_load": "def implementations():\n    sys.exit(0)",
+    "print_at_load": "def implementations():\n    print('\\x1b[2J\\x1b]52;c;cHduZWQ=\\x07 loaded')\n"
+                     "    return [make('printer', right)]",
+    "exit_in_run": "def implementations():\n    def fn(*a, **k):\n        sys.exit(0)\n    return [make('exits', fn)]",
+    "os_exit_in_run": "def implementations():\n    def fn(*a, **k):\n        os._exit(0)\n"
+                      "    return [make('os_exits', fn)]",
+    "hang_in_run": "def implementations():\n    def fn(*a, **k):\n        time.sleep(10**6)\n"
+                   "    return [make('hangs', fn)]",
+    # The wrong kernel, with the definition patched at load so that the oracle agrees with it.
+    "patch_at_load": """
+def implementations():
+    def patched(q, k, v, g, beta, **kw):
+        o, s = kda.chunkwise(q, k, v, g, beta, **kw)
+        return o * 1.03, s * 1.03
+    kda.recurrent = patched
+    import k3verify.kda.recurrent as module
+    module.recurrent = patched
+    return [make('patched_at_load', wrong)]
+""",
+    # The same, patched on the first call (later cases' oracles would be made with the patch).
+    "patch_on_call": """
+def implementations():
+    def fn(*a, **k):
+        kda.recurrent = lambda *x, **y: wrong(*x, **y)
+        return wrong(*a, **k)
+    return [make('patched_on_call', fn)]
+""",
+    # Reads the oracle's outputs out of the case's cache instead of computing anything.
+    "oracle_thief": """
+from k3verify.harness.registry import Implementation
+def implementations():
+    def run(case):
+        return case.cache["oracle"]
+    return [Implementation(module="kda", implementation="thief", form="chunkwise", dtype="fp32", params={},
+                           rule="baseline", run=run, baseline="chunkwise")]
+""",
+    # Correct outputs, but flush-to-zero and the default dtype left changed for whoever runs next.
+    "state_flipper": """
+def implementations():
+    def fn(*a, **k):
+        out = right(*a, **k)
+        torch.set_flush_denormal(True)
+        torch.set_default_dtype(torch.float64)
+        return out
+    return [make('flips_state', fn)]
+""",
+    # Correct outputs computed first, then its inputs scaled in place.
+    "mutator": """
+def implementations():
+    def fn(q, k, v, g, beta, **kw):
+        out = right(q, k, v, g, beta, **kw)
+        for t in (q, k, v, g, beta):
+            t.mul_(3.0)
+        return out
+    return [make('mutates', fn)]
+""",
+    # One identity twice: the wrong kernel, then the right one under the same name.
+    "twice": "def implementations():\n    return [make('twin', wrong), make('twin', right)]",
+    "control": "def implementations():\n    return [make('control', right), make('control_wrong', wrong)]",
+}
+
+
+def _install(site: Path, plugins: dict[str, str]) -> None:
+    """Each plugin as an importable module with a dist-info folder naming its entry point."""
+    for name, body in plugins.items():
+        (site / f"iso_{name}.py").write_text(COMMON + textwrap.dedent(body))
+        info = site / f"iso_{name}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: iso-{name}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(f"[k3verify.implementations]\nkda = iso_{name}:implementations\n")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("isolation-site")
+    _install(folder, PLUGINS)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def plugged(site: Path) -> Iterator[dict[str, Any]]:
+    """The plugins discovered with the site on sys.path, by name; forgotten afterwards."""
+    sys.path.insert(0, str(site))
+    sandbox.set_timeout(8.0)
+    try:
+        registry.reload_plugins()
+        yield {i.implementation: i for i in registry.plugin_implementations("kda")} | {
+            i.form: i for i in registry.plugins() if i.form.startswith("plugin:")}
+    finally:
+        sys.path.remove(str(site))
+        sandbox.set_timeout(sandbox.DEFAULT_TIMEOUT_S)
+        registry.reload_plugins()
+
+
+@pytest.fixture(scope="module")
+def entry() -> Any:
+    return registry.get("kda")
+
+
+@pytest.fixture(scope="module")
+def case(entry: Any) -> Any:
+    return entry.make_cases(0)["default"]
+
+
+def _row(entry: Any, impl: Any, case: Any) -> dict[str, Any]:
+    return runner.verify(entry, impl, case)
+
+
+def test_the_control_pair_shows_the_kernels_are_told_apart(plugged: dict, entry: Any, case: Any) -> None:
+    assert _row(entry, plugged["control"], case)["status"] == PASS
+    assert _row(entry, plugged["control_wrong"], case)["status"] == FAIL
+
+
+def test_exiting_while_loading_is_an_unavailable_row_with_its_reason(plugged: dict) -> None:
+    placeholder = next(i for i in registry.plugins() if i.source.startswith("iso-exit_at_load "))
+    assert "sys.exit(0)" in (placeholder.unavailable() or "")
+
+
+@pytest.mark.parametrize(("name", "reason"), [("exits", "sys.exit(0)"), ("os_exits", "exit status 0"),
+                                              ("hangs", "did not finish within 8 s")])
+def test_exits_crashes_and_hangs_fail_their_own_row(plugged: dict, entry: Any, case: Any, name: str,
+                                                    reason: str) -> None:
+    start = time.perf_counter()
+    row = _row(entry, plugged[name], case)
+    assert row["status"] == FAIL and reason in row["reason"], row.get("reason")
+    assert time.perf_counter() - start < 60
+    # The next plugin row runs in a fresh process and is judged as usual.
+    assert _row(entry, plugged["control"], case)["status"] == PASS
+
+
+@pytest.mark.parametrize("name", ["patched_at_load", "patched_on_call"])
+def test_patching_k3verify_cannot_make_a_wrong_kernel_pass(plugged: dict, entry: Any, case: Any, name: str) -> None:
+    assert _row(entry, plugged[name], case)["status"] == FAIL
+    assert _row(entry, plugged[name], entry.make_cases(0)["default"])["status"] == FAIL  # a later, fresh case too
+    from k3verify import kda
+
+    assert kda.recurrent.__module__ == "k3verify.kda.recurrent"
+
+
+def test_the_cached_oracle_is_out_of_reach(plugged: dict, entry: Any, case: Any) -> None:
+    entry.oracle(case)  # cached on this process's case
+    row = _row(entry, plugged["thief"], case)
+    assert row["status"] == FAIL and "KeyError" in row["reason"] and "oracle" in row["reason"]
+
+
+def test_a_global_state_flip_fails_its_row_and_moves_no_other(plugged: dict, entry: Any, case: Any) -> None:
+    before = _row(entry, plugged["control"], case)
+    row = _row(entry, plugged["flips_state"], case)
+    assert row["status"] == FAIL and "flush denormals" in row["reason"] and "default dtype" in row["reason"]
+    after = _row(entry, plugged["control"], case)
+    assert after["metrics"] == before["metrics"]
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_mutated_inputs_stay_in_the_plugin_process(plugged: dict, entry: Any, case: Any) -> None:
+    q = case.inputs["q"].clone()
+    assert _row(entry, plugged["mutates"], case)["status"] == PASS
+    assert torch.equal(case.inputs["q"], q)
+    assert _row(entry, plugged["control"], case)["status"] == PASS
+
+
+def test_an_identity_registered_twice_fails_from_its_second_registration(plugged: dict, entry: Any,
+                                                                         case: Any) -> None:
+    twins = [i for i in entry.implementations() if i.implementation.startswith("twin")]
+    assert [i.implementation for i in twins] == ["twin", "twin (registered again, #2)"]
+    rows = [_row(entry, i, case) for i in twins]
+    assert [r["status"] for r in rows] == [FAIL, FAIL]
+    assert "registered 2 times" in rows[1]["reason"]
+
+
+def test_what_a_plugin_prints_reaches_stderr_without_control_characters(site: Path, tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]))
+    done = subprocess.run([sys.executable, "-m", "k3verify", "list", "--json", "--modules", "kda"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loaded" in done.stderr and "\x1b" not in done.stderr + done.stdout and "\\x1b[2J" in done.stderr
+    listed = {i["implementation"]: i for i in json.loads(done.stdout)}
+    assert listed["control"]["available"] and listed["control"]["source"] == "iso-control 0.1 (plugin)"
+
+
+def test_run_ends_an_exiting_and_a_hanging_plugin_as_failed_rows(tmp_path: Path) -> None:
+    """The acceptance case, end to end: ``k3verify run --timeout`` with a plugin that calls
+    sys.exit(0) and one that hangs writes a complete report, both rows failed with their reasons,
+    and exits 1 (a failed verdict), not 0 and not a crash."""
+    site = tmp_path / "site"
+    site.mkdir()
+    _install(site, {k: PLUGINS[k] for k in ("exit_at_load", "exit_in_run", "hang_in_run", "control")})
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]))
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "k3verify", "run", "--modules", "kda", "--timeout", "5", "--out",
+                           str(out), "--quiet"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads((out / "report.json").read_text())
+    rows = {r["implementation"]: r for r in doc["rows"]}
+    listed = subprocess.run([sys.executable, "-m", "k3verify", "list", "--json", "--modules", "kda"],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    planned = sum(len(i["cases"]) for i in json.loads(listed.stdout))
+    assert doc["summary"]["rows"] == len(doc["rows"]) == planned
+    assert rows["exits"]["status"] == FAIL and "sys.exit(0)" in rows["exits"]["reason"]
+    assert rows["hangs"]["status"] == FAIL and "did not finish within 5 s" in rows["hangs"]["reason"]
+    assert rows["control"]["status"] == PASS
+    assert {r["implementation"] for r in doc["rows"] if r["status"] == FAIL} == {"exits", "hangs", "control_wrong"}
+    assert "FAIL kda exits" in done.stdout and "FAIL kda hangs" in done.stdout

@@ -21,7 +21,7 @@ from k3verify.harness import compare, report
 from k3verify.harness.map_files import write_map
 from k3verify.harness.overflow_map import MapResult, MapSpec
 from k3verify.harness.render import write_report
-from k3verify.numerics import FAIL, PASS
+from k3verify.numerics import EXPECTED_NONFINITE, FAIL, PASS
 
 BASELINE = Path(__file__).resolve().parents[1] / "reports" / "baseline" / "cpu"
 # Two modules' study files, as their entries register them (the report shows any study it finds).
@@ -69,25 +69,47 @@ def _binding(row: dict[str, Any]) -> dict[str, Any]:
     return row["outputs"][row["output"]]
 
 
+def _consistent(doc: dict[str, Any], row: dict[str, Any]) -> None:
+    """After an edit of ``row``'s outputs: each margin recomputed from its err and limit, the
+    binding output's fields repeated at the top level and the summary recounted, as the runner
+    writes them (``report.load`` refuses a report that contradicts itself)."""
+    for judged in row["outputs"].values():
+        v = judged["verdict"]
+        if isinstance(v.get("err"), float) and isinstance(v.get("limit"), float):
+            judged["margin"] = v["margin"] = 1 - v["err"] / v["limit"]
+    for key in ("verdict", "margin", "metrics", "baseline_metrics"):
+        row[key] = copy.deepcopy(_binding(row).get(key))
+    row["status"] = _binding(row)["status"]
+    doc["summary"] = report.summarize(doc["rows"])
+
+
 def _plant(doc: dict[str, Any], how: str) -> tuple[dict[str, Any], str]:
-    """A copy of ``doc`` with one regression of kind ``how``; returns it and the row's subject."""
+    """A copy of ``doc`` with one regression of kind ``how``, written as the runner would write
+    it; returns it and the row's subject."""
     new = copy.deepcopy(doc)
     row = _baseline_row(new)
     judged = _binding(row)
     v = judged["verdict"]
     if how == "error grew":  # x1.5 with the margin down by far more than 0.05
         v["err"] *= 1.5
-        judged["margin"] = 1 - v["err"] / v["limit"]
     elif how == "verdict flipped":
-        row["status"], v["status"] = FAIL, FAIL
-    elif how == "became non-finite":
-        judged["metrics"]["nonfinite"] = 7
+        judged["status"] = v["status"] = FAIL
+    elif how == "became non-finite":  # the overflow the frontier predicts
+        judged.update(status=EXPECTED_NONFINITE, margin=None, metrics=judged["metrics"] | {"nonfinite": 7})
+        judged["verdict"] = {"status": EXPECTED_NONFINITE, "rule": "frontier", "metric": "nonfinite", "err": 7.0,
+                             "limit": None, "margin": None, "reason": "overflow predicted and observed"}
     elif how == "coverage lost":
-        row["status"] = "unavailable"
+        for key in ("verdict", "margin", "metrics", "baseline_metrics", "outputs", "output"):
+            row.pop(key, None)
+        row.update(status="unavailable", reason="a CUDA device is needed")
+        new["summary"] = report.summarize(new["rows"])
     elif how == "row removed":
         new["rows"].remove(row)
+        new["summary"] = report.summarize(new["rows"])
+    if how in ("error grew", "verdict flipped", "became non-finite"):
+        _consistent(new, row)
     # Findings about one output name it: "<row> [o]".
-    output = f" [{row['output']}]" if how in ("error grew", "became non-finite") else ""
+    output = f" [{row['output']}]" if how == "error grew" else ""
     return new, compare.row_subject(row) + output
 
 
@@ -395,6 +417,7 @@ def test_compare_as_a_pull_request_comment_and_for_bots(
     moved = next(r for r in noisy["rows"] if r["dtype"] == "fp64" and r["status"] == PASS)
     for o in moved["outputs"].values():
         o["verdict"] = o["verdict"] | {"err": o["verdict"]["err"] * 1.01}
+    _consistent(noisy, moved)
     # As if from another host: fp32 rows redrawn by this host's math path are not flagged, so
     # the regressions are the planted ones on any host.
     new = _write(_with_platform(noisy, ELSEWHERE), tmp_path / "new")

@@ -221,7 +221,9 @@ def test_planted_bf16_noise_fails_the_compare_on_any_platform(
         assert all(" tiled bf16 " in f for f in flagged), out
 
 
-def test_new_rows_and_uncovered_modules(mla_report: Path) -> None:
+def test_new_rows_and_missing_modules(mla_report: Path) -> None:
+    """A new report's ``config.modules`` decides nothing: a base module without rows in it is a
+    regression (it used to be "not compared" when the new report named other modules)."""
     base = _doc(mla_report)
     added = copy.deepcopy(base["rows"][0]) | {"module": "newmod"}
     new = base | {"rows": [*base["rows"], added], "config": base["config"] | {"modules": ["mla", "newmod"]}}
@@ -230,8 +232,8 @@ def test_new_rows_and_uncovered_modules(mla_report: Path) -> None:
     failing = new | {"rows": [*base["rows"], added | {"status": FAIL}]}
     assert compare.compare_reports(base, failing).regressions
     narrower = base | {"rows": [], "config": base["config"] | {"modules": ["kda"]}}
-    result = compare.compare_reports(base, narrower)
-    assert result.findings == [] and any("not compared" in n for n in result.notes)
+    (finding,) = compare.compare_reports(base, narrower).findings
+    assert finding.kind == "module missing" and finding.subject == "mla" and finding.regression
 
 
 def test_rows_without_the_newer_optional_keys_compare(mla_report: Path) -> None:
@@ -347,7 +349,7 @@ def test_a_schema_1_baseline_still_compares_with_a_new_run(tmp_path: Path) -> No
     assert main(["run", "--modules", "mla,moe", "--out", str(out), "--maps", str(tmp_path / "none")]) == 0
     new = _doc(out)
     assert new["schema_version"] == 2
-    result = compare.compare_reports(old, new)
+    result = compare.compare_reports(old, new, modules=["mla", "moe"])
     assert result.rows_compared == sum(r["module"] in ("mla", "moe") for r in old["rows"]) > 0
     assert result.regressions == [], result.regressions
     kinds = {f.kind for f in result.findings}

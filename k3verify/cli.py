@@ -5,7 +5,7 @@
     k3verify list [--modules ...]
     k3verify golden generate [--dir golden] [--modules ...] [--seed 0]
     k3verify golden verify [--dir golden] [--modules ...] [--out DIR]
-    k3verify report compare BASE NEW
+    k3verify report compare BASE NEW [--modules kda,mla]
     k3verify report render DIR [--maps DIR]
 
 Exit status: 0 when every verdict passes (a predicted and observed overflow counts as
@@ -37,7 +37,7 @@ from rich.table import Table
 
 from .harness import compare, golden, registry, report, runner, sandbox
 from .harness.environment import environment
-from .harness.files import UsageError, check_output_folder
+from .harness.files import UsageError, check_output_folder, json_safe
 from .harness.map_files import write_map
 from .harness.overflow_map import MapOptions, agreement, sweep_map
 from .harness.render import render_report, write_report
@@ -183,7 +183,7 @@ def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path
     paths = write_report(doc, out_dir, maps_dir=maps_dir) if out_dir is not None else []
     failed = doc["summary"]["fail"]
     if args.format != "table":  # verbatim: no markup, no wrapping
-        text = json.dumps(doc, indent=1, default=str) if args.format == "json" else report.markdown(doc)
+        text = _strict_json(doc) if args.format == "json" else report.markdown(doc)
         out.file.write(text + "\n")
         return 1 if failed else 0
     if not args.quiet:
@@ -341,13 +341,13 @@ def cmd_report_compare(args: argparse.Namespace, out: Console, err: Console) -> 
     thresholds = compare.Thresholds(
         error_growth=args.error_growth, margin_drop=args.margin_drop, error_factor=args.error_factor
     )
-    result = compare.compare_paths(Path(args.base), Path(args.new), thresholds)
+    result = compare.compare_paths(Path(args.base), Path(args.new), thresholds, modules=_module_list(args.modules))
     groups = result.groups()
     n = len(groups["regressions"])
     if args.format == "json":
-        out.file.write(json.dumps({"base": args.base, "new": args.new, "rows_compared": result.rows_compared,
-                          "cells_compared": result.cells_compared, "notes": result.notes,
-                          **{k: [vars(f) for f in v] for k, v in groups.items()}}, indent=1) + "\n")  # fmt: skip
+        out.file.write(_strict_json({"base": args.base, "new": args.new, "rows_compared": result.rows_compared,
+                                     "cells_compared": result.cells_compared, "notes": result.notes,
+                                     **{k: [vars(f) for f in v] for k, v in groups.items()}}) + "\n")  # fmt: skip
     elif args.format == "md":
         out.file.write(compare.markdown(result, args.base, args.new) + "\n")
     else:
@@ -373,6 +373,12 @@ def cmd_report_compare(args: argparse.Namespace, out: Console, err: Console) -> 
         + f", {len(result.findings) - n} other change(s)", highlight=False,
     )
     return 1 if n else 0
+
+
+def _strict_json(doc: object) -> str:
+    """``doc`` as JSON that strict parsers accept: non-finite numbers as ``null`` (as in
+    ``report.json``), objects JSON does not know as their text."""
+    return json.dumps(json_safe(doc), indent=1, allow_nan=False, default=str)
 
 
 def cmd_report_render(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -473,6 +479,9 @@ def parser() -> argparse.ArgumentParser:
                     help=f"margin drop that counts with that growth (default {defaults.margin_drop})")
     rc.add_argument("--error-factor", type=_finite, default=defaults.error_factor,
                     help=f"error growth factor that counts on its own (default {defaults.error_factor})")
+    rc.add_argument("--modules", action="append",
+                    help="compare only these modules, comma-separated (default: every module BASE has rows or "
+                         "maps of; a base module with no row in NEW is a regression)")
     rc.set_defaults(fn=cmd_report_compare)
     rc.add_argument("--format", choices=FORMATS, default="table",
                     help="table (default), md (a pull-request comment) or json (for bots) on stdout")

@@ -21,7 +21,7 @@ from k3verify.harness import compare, report
 from k3verify.harness.map_files import write_map
 from k3verify.harness.overflow_map import MapResult, MapSpec
 from k3verify.harness.render import write_report
-from k3verify.numerics import FAIL, PASS
+from k3verify.numerics import EXPECTED_NONFINITE, FAIL, PASS
 
 BASELINE = Path(__file__).resolve().parents[1] / "reports" / "baseline" / "cpu"
 # Two modules' study files, as their entries register them (the report shows any study it finds).
@@ -69,25 +69,47 @@ def _binding(row: dict[str, Any]) -> dict[str, Any]:
     return row["outputs"][row["output"]]
 
 
+def _consistent(doc: dict[str, Any], row: dict[str, Any]) -> None:
+    """After an edit of ``row``'s outputs: each margin recomputed from its err and limit, the
+    binding output's fields repeated at the top level and the summary recounted, as the runner
+    writes them (``report.load`` refuses a report that contradicts itself)."""
+    for judged in row["outputs"].values():
+        v = judged["verdict"]
+        if isinstance(v.get("err"), float) and isinstance(v.get("limit"), float):
+            judged["margin"] = v["margin"] = 1 - v["err"] / v["limit"]
+    for key in ("verdict", "margin", "metrics", "baseline_metrics"):
+        row[key] = copy.deepcopy(_binding(row).get(key))
+    row["status"] = _binding(row)["status"]
+    doc["summary"] = report.summarize(doc["rows"])
+
+
 def _plant(doc: dict[str, Any], how: str) -> tuple[dict[str, Any], str]:
-    """A copy of ``doc`` with one regression of kind ``how``; returns it and the row's subject."""
+    """A copy of ``doc`` with one regression of kind ``how``, written as the runner would write
+    it; returns it and the row's subject."""
     new = copy.deepcopy(doc)
     row = _baseline_row(new)
     judged = _binding(row)
     v = judged["verdict"]
     if how == "error grew":  # x1.5 with the margin down by far more than 0.05
         v["err"] *= 1.5
-        judged["margin"] = 1 - v["err"] / v["limit"]
     elif how == "verdict flipped":
-        row["status"], v["status"] = FAIL, FAIL
-    elif how == "became non-finite":
-        judged["metrics"]["nonfinite"] = 7
+        judged["status"] = v["status"] = FAIL
+    elif how == "became non-finite":  # the overflow the frontier predicts
+        judged.update(status=EXPECTED_NONFINITE, margin=None, metrics=judged["metrics"] | {"nonfinite": 7})
+        judged["verdict"] = {"status": EXPECTED_NONFINITE, "rule": "frontier", "metric": "nonfinite", "err": 7.0,
+                             "limit": None, "margin": None, "reason": "overflow predicted and observed"}
     elif how == "coverage lost":
-        row["status"] = "unavailable"
+        for key in ("verdict", "margin", "metrics", "baseline_metrics", "outputs", "output"):
+            row.pop(key, None)
+        row.update(status="unavailable", reason="a CUDA device is needed")
+        new["summary"] = report.summarize(new["rows"])
     elif how == "row removed":
         new["rows"].remove(row)
+        new["summary"] = report.summarize(new["rows"])
+    if how in ("error grew", "verdict flipped", "became non-finite"):
+        _consistent(new, row)
     # Findings about one output name it: "<row> [o]".
-    output = f" [{row['output']}]" if how in ("error grew", "became non-finite") else ""
+    output = f" [{row['output']}]" if how == "error grew" else ""
     return new, compare.row_subject(row) + output
 
 
@@ -199,7 +221,9 @@ def test_planted_bf16_noise_fails_the_compare_on_any_platform(
         assert all(" tiled bf16 " in f for f in flagged), out
 
 
-def test_new_rows_and_uncovered_modules(mla_report: Path) -> None:
+def test_new_rows_and_missing_modules(mla_report: Path) -> None:
+    """A new report's ``config.modules`` decides nothing: a base module without rows in it is a
+    regression (it used to be "not compared" when the new report named other modules)."""
     base = _doc(mla_report)
     added = copy.deepcopy(base["rows"][0]) | {"module": "newmod"}
     new = base | {"rows": [*base["rows"], added], "config": base["config"] | {"modules": ["mla", "newmod"]}}
@@ -208,8 +232,8 @@ def test_new_rows_and_uncovered_modules(mla_report: Path) -> None:
     failing = new | {"rows": [*base["rows"], added | {"status": FAIL}]}
     assert compare.compare_reports(base, failing).regressions
     narrower = base | {"rows": [], "config": base["config"] | {"modules": ["kda"]}}
-    result = compare.compare_reports(base, narrower)
-    assert result.findings == [] and any("not compared" in n for n in result.notes)
+    (finding,) = compare.compare_reports(base, narrower).findings
+    assert finding.kind == "module missing" and finding.subject == "mla" and finding.regression
 
 
 def test_rows_without_the_newer_optional_keys_compare(mla_report: Path) -> None:
@@ -325,7 +349,7 @@ def test_a_schema_1_baseline_still_compares_with_a_new_run(tmp_path: Path) -> No
     assert main(["run", "--modules", "mla,moe", "--out", str(out), "--maps", str(tmp_path / "none")]) == 0
     new = _doc(out)
     assert new["schema_version"] == 2
-    result = compare.compare_reports(old, new)
+    result = compare.compare_reports(old, new, modules=["mla", "moe"])
     assert result.rows_compared == sum(r["module"] in ("mla", "moe") for r in old["rows"]) > 0
     assert result.regressions == [], result.regressions
     kinds = {f.kind for f in result.findings}
@@ -395,6 +419,7 @@ def test_compare_as_a_pull_request_comment_and_for_bots(
     moved = next(r for r in noisy["rows"] if r["dtype"] == "fp64" and r["status"] == PASS)
     for o in moved["outputs"].values():
         o["verdict"] = o["verdict"] | {"err": o["verdict"]["err"] * 1.01}
+    _consistent(noisy, moved)
     # As if from another host: fp32 rows redrawn by this host's math path are not flagged, so
     # the regressions are the planted ones on any host.
     new = _write(_with_platform(noisy, ELSEWHERE), tmp_path / "new")

@@ -1,20 +1,24 @@
 """Regression compare: what got worse between a base and a new report (and their overflow maps).
 
-Rows are matched by (module, implementation, form, dtype, params, case). A finding is a
-**regression** (``k3verify report compare`` exits 1) when, from base to new:
+Rows are matched by (module, implementation, form, dtype, params, case); every module the base
+has rows of is compared unless the caller narrows them explicitly (``--modules``). A finding is
+a **regression** (``k3verify report compare`` exits 1) when, from base to new:
 
-- a verdict flipped to ``fail`` (from ``pass``, ``expected-nonfinite`` or ``unavailable``);
+- a verdict flipped to ``fail`` (from ``pass``, ``expected-nonfinite`` or ``unavailable``), or a
+  new row fails;
 - a finite output became non-finite (``pass`` -> ``expected-nonfinite``, or ``metrics.nonfinite``
   0 -> > 0);
-- a row that had a verdict became ``unavailable`` (coverage lost), or disappeared from a
-  module the new report covers;
+- a row that had a verdict became ``unavailable`` (coverage lost); a row disappeared; a base
+  module has no row in the new report at all;
 - the rule's error grew beyond the thresholds (:class:`Thresholds`): by more than 25 % while the
   margin fell by more than 0.05, or by more than 4x (two bits) while at or above 1 % of the limit;
 - an overflow-map cell became non-finite, or its analytic prediction, which agreed, now
-  disagrees away from the frontier.
+  disagrees away from the frontier; a base cell, or all of one implementation's, has no
+  counterpart; the map's layout (module, axis names) changed; a base map is missing.
 
-Everything else that changed is reported as information (improvements, new rows, errors that
-moved within the thresholds are not listed).
+Two rows (or map cells) with one identity in either document are refused (``UsageError``):
+whichever the matching kept, the other would go unjudged. Everything else that changed is
+information (improvements, new rows and cells; errors that moved within the thresholds).
 
 What is invariant decides which thresholds apply. On the same math platform (equal
 ``environment.math_platform`` records: torch build, CPU, ATen capability, MKL/oneDNN code
@@ -37,6 +41,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +54,8 @@ from .map_files import load_map
 from .report import load
 from .runner import UNAVAILABLE
 
-MAP_GLOB = "*_overflow_map.json"
+MAP_SUFFIX = "_overflow_map.json"
+MAP_GLOB = f"*{MAP_SUFFIX}"
 
 
 @dataclass(frozen=True)
@@ -120,10 +127,18 @@ def rounding_noise_row(dtype: str) -> bool:
     return compute_dtype(t) == t
 
 
-def compare_reports(base: dict[str, Any], new: dict[str, Any], thresholds: Thresholds | None = None) -> Comparison:
-    """Findings between two report documents."""
+def compare_reports(base: dict[str, Any], new: dict[str, Any], thresholds: Thresholds | None = None, *,
+                    modules: Sequence[str] | None = None, names: tuple[str, str] = ("base report", "new report"),
+                    ) -> Comparison:
+    """Findings between two report documents, over every module the base has rows of, or only
+    ``modules`` (an explicit narrowing; each must be one of the base's). What the new report says
+    it covers (``config.modules``) decides nothing: a base row with no counterpart is a regression.
+    ``UsageError`` (naming ``names``) for two rows of one identity in either report, or a module
+    the base has no rows of."""
     th = thresholds or Thresholds()
     out = Comparison()
+    base_rows, new_rows = rows_by_key(base["rows"], names[0]), rows_by_key(new["rows"], names[1])
+    scope = modules_in_scope({r["module"] for r in base["rows"]}, modules, names[0])
     differences = platform_differences(
         base.get("environment", {}).get("math_platform"), new.get("environment", {}).get("math_platform")
     )
@@ -135,18 +150,21 @@ def compare_reports(base: dict[str, Any], new: dict[str, Any], thresholds: Thres
             "math platform differs (" + "; ".join(differences) + "): fp32/fp64 rows, whose error is accumulation "
             "rounding noise, are held to the two-bit rule only; narrower dtypes to every threshold"
         )
-    covered = set(new.get("config", {}).get("modules") or {r["module"] for r in new["rows"]})
-    base_rows = {row_key(r): r for r in base["rows"]}
-    new_rows = {row_key(r): r for r in new["rows"]}
-    skipped = {r["module"] for r in base["rows"]} - covered
-    if skipped:
-        out.notes.append(f"not compared (the new report does not cover them): {', '.join(sorted(skipped))}")
+    if modules is not None:
+        left_out = sorted({r["module"] for r in (*base["rows"], *new["rows"])} - scope)
+        out.notes.append(f"compared modules {', '.join(sorted(scope))} only (--modules)"
+                         + (f"; not compared: {', '.join(left_out)}" if left_out else ""))
     for key in ("torch", "device", "fla-core"):
         b, n = base.get("environment", {}).get(key), new.get("environment", {}).get(key)
         if b != n:
             out.notes.append(f"environment differs: {key} {b} -> {n}")
+    present = {r["module"] for r in new["rows"]}
+    for module in sorted(scope - present):
+        lost = [b for b in base_rows.values() if b["module"] == module]
+        out.findings.append(Finding("module missing", module, f"none of its {len(lost)} base rows "
+                                    f"({_status_counts(lost)}) is in the new report", True))
     for key, b in base_rows.items():
-        if b["module"] not in covered:
+        if b["module"] not in scope or b["module"] not in present:
             continue
         n = new_rows.get(key)
         if n is None:
@@ -155,10 +173,45 @@ def compare_reports(base: dict[str, Any], new: dict[str, Any], thresholds: Thres
         out.rows_compared += 1
         out.findings += _compare_row(b, n, th, noise_only=not same_platform and rounding_noise_row(n["dtype"]))
     for key, n in new_rows.items():
-        if key not in base_rows:
+        if key not in base_rows and (modules is None or n["module"] in scope):
             regression = n["status"] == FAIL
             out.findings.append(Finding("new row", row_subject(n), n["status"], regression))
     return out
+
+
+def rows_by_key(rows: list[dict[str, Any]], where: str) -> dict[tuple[str, ...], dict[str, Any]]:
+    """``rows`` by :func:`row_key`; ``UsageError`` naming ``where`` and the identity when two rows
+    share one (a passing twin would otherwise hide a failing row, in whichever order)."""
+    out: dict[tuple[str, ...], dict[str, Any]] = {}
+    first: dict[tuple[str, ...], int] = {}
+    for i, row in enumerate(rows):
+        key = row_key(row)
+        if key in out:
+            raise UsageError(f"{where}: rows {first[key]} and {i} are both {row_subject(row)[:200]!r}; "
+                             "a row's identity (module, implementation, form, dtype, params, case) must be unique")
+        out[key], first[key] = row, i
+    return out
+
+
+def modules_in_scope(present: set[str], modules: Sequence[str] | None, where: str) -> set[str]:
+    """The modules to compare: ``present`` (the base's), or ``modules`` when given, each of which
+    must be present (narrowing to a module the base lacks would compare nothing)."""
+    if modules is None:
+        return set(present)
+    wanted = {m.strip() for m in modules if m.strip()}
+    if not wanted:
+        raise UsageError("--modules names no module")
+    unknown = sorted(wanted - present)
+    if unknown:
+        shown = ", ".join(repr(m[:40]) for m in unknown[:5])
+        raise UsageError(f"--modules names {shown}, which {where} holds nothing of "
+                         f"(it has: {', '.join(repr(m[:40]) for m in sorted(present)) or 'none'})")
+    return wanted
+
+
+def _status_counts(rows: list[dict[str, Any]]) -> str:
+    counts = Counter(r["status"] for r in rows)
+    return ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
 
 
 def _compare_row(b: dict[str, Any], n: dict[str, Any], th: Thresholds, *, noise_only: bool = False) -> list[Finding]:
@@ -242,41 +295,103 @@ def _worse(
 
 # --- overflow maps ----------------------------------------------------------------------------
 
-
-def _cell_key(cell: dict[str, Any], spec: dict[str, Any]) -> tuple[Any, ...]:
-    axes = [spec[k] for k in ("figure", "panel_row", "panel_col", "x", "y")]
-    return (*(cell.get(a) for a in axes), cell.get("implementation"))
+MAP_AXES = ("figure", "panel_row", "panel_col", "x", "y")
 
 
-def compare_maps(base: dict[str, Any], new: dict[str, Any]) -> Comparison:
-    """Findings between two overflow-map documents of one module (``<module>_overflow_map.json``)."""
+def _cell_key(cell: dict[str, Any], spec: dict[str, Any]) -> str:
+    """Where a cell lies (its value on each axis of ``spec``) and whose it is, as one hashable
+    text (values may be any JSON)."""
+    return json.dumps([*(cell.get(spec[a]) for a in MAP_AXES), cell.get("implementation")], sort_keys=True,
+                      default=str)
+
+
+def _cell_subject(module: str, cell: dict[str, Any], spec: dict[str, Any]) -> str:
+    where = " ".join(f"{spec[a]}={cell.get(spec[a])}" for a in MAP_AXES)
+    return f"{module} map cell {where} [{cell.get('implementation')}]"
+
+
+def cells_by_key(doc: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
+    """A map's cells by :func:`_cell_key`; ``UsageError`` naming ``where`` and the cell when two
+    cells share a place (one could hide the other)."""
+    out: dict[str, dict[str, Any]] = {}
+    first: dict[str, int] = {}
+    for i, cell in enumerate(doc["cells"]):
+        key = _cell_key(cell, doc["spec"])
+        if key in out:
+            subject = _cell_subject(str(doc["module"]), cell, doc["spec"])
+            raise UsageError(f"{where}: cells {first[key]} and {i} are both {subject[:200]!r}; a cell's place "
+                             "(its figure, panel and x/y values and implementation) must be unique")
+        out[key], first[key] = cell, i
+    return out
+
+
+def _map_layout(doc: dict[str, Any]) -> dict[str, Any]:
+    """What decides where cells lie: the module and the spec's axis names."""
+    return {"module": doc["module"], **{a: doc["spec"].get(a) for a in MAP_AXES}}
+
+
+def compare_maps(base: dict[str, Any], new: dict[str, Any], *,
+                 names: tuple[str, str] = ("base map", "new map")) -> Comparison:
+    """Findings between two overflow-map documents of one module (``<module>_overflow_map.json``).
+
+    Regressions: a cell that became non-finite, a prediction that agreed and now disagrees away
+    from the frontier, a base cell with no counterpart (one finding per cell, or one per
+    implementation whose cells all vanished), and a changed layout (module or axis names), under
+    which no cell can be matched. New cells are information, one finding per implementation.
+    ``UsageError`` (naming ``names``) for two cells in one place."""
     out = Comparison()
-    module = new["module"]
-    base_cells = {_cell_key(c, base["spec"]): c for c in base["cells"]}
-    for cell in new["cells"]:
-        key = _cell_key(cell, new["spec"])
+    module = str(base["module"])
+    layout_b, layout_n = _map_layout(base), _map_layout(new)
+    if layout_b != layout_n:
+        changed = "; ".join(f"{k} {layout_b[k]!r} -> {layout_n[k]!r}" for k in layout_b if layout_b[k] != layout_n[k])
+        out.findings.append(Finding("map layout changed", f"{module} map", f"{changed}: none of the "
+                                    f"{len(base['cells'])} base cells can be matched", True))
+        return out
+    base_cells, new_cells = cells_by_key(base, names[0]), cells_by_key(new, names[1])
+    spec = new["spec"]
+    for key, cell in new_cells.items():
         b = base_cells.get(key)
         if b is None:
             continue
         out.cells_compared += 1
-        subject = f"{module} map cell " + " ".join(
-            f"{new['spec'][a]}={v}" for a, v in zip(("figure", "panel_row", "panel_col", "x", "y"), key))
+        subject = _cell_subject(module, cell, spec)
         if b["finite"] and not cell["finite"]:
-            out.findings.append(Finding("map cell became non-finite", subject, cell.get("overflow", ""), True))
+            out.findings.append(Finding("map cell became non-finite", subject, str(cell.get("overflow", "")), True))
         agreed = bool(b["finite"]) == bool(b["predicted_finite"])
         agrees = bool(cell["finite"]) == bool(cell["predicted_finite"])
         if agreed and not agrees and not cell.get("frontier_adjacent", False):
             detail = f"predicted finite={cell['predicted_finite']}, observed finite={cell['finite']}"
             out.findings.append(Finding("map prediction now wrong", subject, detail, True))
-    missing = len(base_cells) - out.cells_compared
-    if missing > 0:
-        out.notes.append(f"{module} map: {missing} base cells have no counterpart in the new map (grid changed)")
+    out.findings += _unmatched_cells(module, base_cells, new_cells, spec)
     return out
 
 
+def _unmatched_cells(module: str, base_cells: dict[str, dict[str, Any]], new_cells: dict[str, dict[str, Any]],
+                     spec: dict[str, Any]) -> list[Finding]:
+    """Base cells the new map lacks (regressions: per implementation when all of its cells went,
+    else per cell), then new cells (information, per implementation)."""
+    findings = []
+    by_impl: dict[str, list[str]] = {}
+    for key, cell in base_cells.items():
+        by_impl.setdefault(str(cell.get("implementation")), []).append(key)
+    for impl, keys in by_impl.items():
+        gone = [k for k in keys if k not in new_cells]
+        if gone and len(gone) == len(keys):
+            findings.append(Finding("map implementation missing", f"{module} map [{impl}]",
+                                    f"all {len(keys)} of its base cells are gone", True))
+            continue
+        findings += [Finding("map cell removed", _cell_subject(module, base_cells[k], spec), "no counterpart in "
+                             "the new map", True) for k in gone]
+    added: Counter[str] = Counter(str(c.get("implementation")) for k, c in new_cells.items() if k not in base_cells)
+    findings += [Finding("new map cells", f"{module} map [{impl}]", f"{n} cells the base map does not have", False)
+                 for impl, n in added.items()]
+    return findings
+
+
 def _map_files(path: Path) -> dict[str, Path]:
+    """The overflow maps in ``path`` (or beside the file ``path``), by module."""
     folder = path if path.is_dir() else path.parent
-    return {p.name: p for p in sorted(folder.glob(MAP_GLOB))}
+    return {p.name.removesuffix(MAP_SUFFIX): p for p in sorted(folder.glob(f"*{MAP_SUFFIX}"))}
 
 
 def check_thresholds(th: Thresholds) -> None:
@@ -289,44 +404,51 @@ def check_thresholds(th: Thresholds) -> None:
 
 
 def _judgeable(doc: dict[str, Any], path: Path) -> None:
-    """``UsageError`` for a report compare cannot judge: no rows, or a passing row whose error or
-    limit is missing (its growth could not be judged; a failing row's status says enough)."""
+    """``UsageError`` for a report compare cannot judge: one without rows. (A row whose verdicts
+    contradict each other, or a pass without numeric err and limit, is refused by ``load``.)"""
     if not doc["rows"]:
         raise UsageError(f"{path}: report has no rows; nothing to compare")
-    for row in doc["rows"]:
-        if row["status"] != PASS:
-            continue
-        v = row.get("verdict")
-        if not isinstance(v, dict) or not all(isinstance(v.get(k), (int, float)) and not isinstance(v.get(k), bool)
-                                              for k in ("err", "limit")):
-            raise UsageError(f"{path}: row {row_subject(row)} is {row['status']} but has no numeric err and limit")
 
 
-def compare_paths(base: Path, new: Path, thresholds: Thresholds | None = None) -> Comparison:
-    """Compare two reports (``report.json`` or folders holding one) and the overflow maps that
-    lie in both folders. ``UsageError`` for anything that cannot be judged: a missing or
-    malformed report, an empty one, a row with a verdict but no error, a map without cells,
-    a NaN threshold."""
+def compare_paths(base: Path, new: Path, thresholds: Thresholds | None = None, *,
+                  modules: Sequence[str] | None = None) -> Comparison:
+    """Compare two reports (``report.json`` or folders holding one) and the overflow maps in the
+    base folder with the new folder's, over the base's modules or only ``modules``. A base map
+    the new folder lacks is a regression. ``UsageError`` for anything that cannot be judged: a
+    missing, malformed or self-contradicting report, an empty one, duplicate rows or cells, a map
+    without cells, a NaN threshold, a ``--modules`` the base does not have, nothing to compare."""
     th = thresholds or Thresholds()
     check_thresholds(th)
-    out = Comparison()
     base_has = (base / "report.json").exists() if base.is_dir() else base.exists()
     new_has = (new / "report.json").exists() if new.is_dir() else new.exists()
-    if base_has and new_has:
-        docs = load(base), load(new)
-        for doc, path in zip(docs, (base, new)):
-            _judgeable(doc, path)
-        out = compare_reports(*docs, th)
-    elif base_has or new_has:
+    if base_has != new_has:
         raise UsageError(f"{new if base_has else base}: no report.json to compare against")
     base_maps, new_maps = _map_files(base), _map_files(new)
-    for name in sorted(set(base_maps) & set(new_maps)):
-        m = compare_maps(load_map(base_maps[name]), load_map(new_maps[name]))
+    if not base_has and not base_maps:
+        raise UsageError(f"nothing to compare: no report.json or {MAP_GLOB} in {base}")
+    docs = (load(base), load(new)) if base_has else None
+    for doc, path in zip(docs or (), (base, new)):
+        _judgeable(doc, path)
+    row_modules = {r["module"] for r in docs[0]["rows"]} if docs else set()
+    wanted = None if modules is None else modules_in_scope(row_modules | set(base_maps), modules, str(base))
+    out = Comparison()
+    if docs and (wanted is None or wanted & row_modules):
+        narrowed = None if wanted is None else sorted(wanted & row_modules)
+        out = compare_reports(*docs, th, modules=narrowed, names=(str(base), str(new)))
+    for module, path in base_maps.items():
+        if wanted is not None and module not in wanted:
+            continue
+        if module not in new_maps:
+            out.findings.append(Finding("map missing", f"{module} map", f"{path.name} is in {base} but not in "
+                                        f"{new}", True))  # fmt: skip
+            continue
+        m = compare_maps(load_map(path), load_map(new_maps[module]), names=(str(path), str(new_maps[module])))
         out.findings += m.findings
         out.notes += m.notes
         out.cells_compared += m.cells_compared
-    if not (base_has and new_has) and not (set(base_maps) & set(new_maps)):
-        raise UsageError(f"nothing to compare: no report.json or common {MAP_GLOB} in {base} and {new}")
+    out.findings += [Finding("new map", f"{module} map", f"{path.name} is in {new} only", False)
+                     for module, path in new_maps.items()
+                     if module not in base_maps and (wanted is None or module in wanted)]
     return out
 
 

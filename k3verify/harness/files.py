@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
@@ -99,7 +100,7 @@ def _read_bounded(path: Path, max_bytes: int, what: str) -> bytes:
 
 def read_json(path: Path, *, what: str = "JSON file", max_bytes: int = MAX_JSON_BYTES) -> Any:
     """A bounded JSON document; ``UsageError`` naming ``path`` when it is missing, too large, not
-    UTF-8, malformed or holds NaN/Infinity (which JSON does not have)."""
+    UTF-8, malformed or not strict JSON (see :func:`parse_json`)."""
     try:
         info = path.stat()
     except FileNotFoundError:
@@ -113,18 +114,73 @@ def read_json(path: Path, *, what: str = "JSON file", max_bytes: int = MAX_JSON_
     return parse_json(_read_bounded(path, max_bytes, what), path, what)
 
 
+class _Refused:
+    """Stands in the parsed document where strict JSON was broken, so the problem can be named
+    with its place in the document once parsing is done (the parser's hooks do not know it)."""
+
+    def __init__(self, problem: str):
+        self.problem = problem
+
+
+def _beyond_double(text: str) -> _Refused:
+    shown = text if len(text) <= 40 else text[:40] + "..."
+    return _Refused(f"number {shown} is beyond the range of a double")
+
+
+def _finite_float(text: str) -> float | _Refused:
+    value = float(text)
+    return value if math.isfinite(value) else _beyond_double(text)
+
+
+def _double_range_int(text: str) -> int | _Refused:
+    # Readers take numbers as doubles (err / limit, thresholds); an integer no double holds
+    # would overflow there, so it is refused like a float that overflows.
+    value = int(text)
+    return value if abs(value) <= sys.float_info.max else _beyond_double(text)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any] | _Refused:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            return _Refused(f"key {key[:40]!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _first_refused(doc: Any) -> tuple[str, _Refused] | None:
+    """``(JSON pointer, marker)`` of the first :class:`_Refused` in ``doc`` (document order), if any."""
+    stack: list[tuple[str, Any]] = [("", doc)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, _Refused):
+            return where or "/", value
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        stack += reversed([(f"{where}/{str(k).replace('~', '~0').replace('/', '~1')}", v) for k, v in items])
+    return None
+
+
 def parse_json(data: bytes, path: Path | str, what: str) -> Any:
-    """``data`` parsed as strict JSON (no NaN/Infinity); ``UsageError`` naming ``path`` otherwise."""
+    """``data`` parsed as strict JSON; ``UsageError`` naming ``path`` (and, for the last three,
+    where in the document as a JSON pointer) for text that is not UTF-8 or not JSON, NaN or
+    Infinity, a number beyond the range of a double (``1e999``, which Python would read as
+    inf), and a key that appears twice in one object (parsers disagree on which one wins)."""
 
     def reject(constant: str) -> None:
         raise ValueError(f"{constant} is not JSON")
 
     try:
-        return json.loads(data.decode("utf-8"), parse_constant=reject)
+        doc = json.loads(data.decode("utf-8"), parse_constant=reject, parse_float=_finite_float,
+                         parse_int=_double_range_int, object_pairs_hook=_unique_keys)
     except UnicodeDecodeError:
         raise UsageError(f"{path}: {what} is not UTF-8 text") from None
     except (ValueError, RecursionError) as exc:
         raise UsageError(f"{path}: {what} is not valid JSON: {str(exc)[:200]}") from None
+    refused = _first_refused(doc)
+    if refused is not None:
+        where, marker = refused
+        raise UsageError(f"{path}: {what} is not strict JSON: at {where[:200]!r}: {marker.problem}")
+    return doc
 
 
 def require_keys(doc: Any, keys: dict[str, type | tuple[type, ...]], path: Path | str, what: str) -> dict[str, Any]:

@@ -87,7 +87,8 @@ LIST_ITEMS: dict[str, type | tuple[type, ...]] = {
 
 
 def _check_row(row: Any, i: int, path: Path) -> None:
-    """``UsageError`` naming the row and key unless ``row`` has the keys and types readers use."""
+    """``UsageError`` naming the row and key unless ``row`` has the keys and types readers use
+    and its verdicts agree with each other (:func:`_check_verdicts`)."""
     require_keys(row, ROW_KEYS, path, f"row {i}")
     if row["status"] not in STATUSES:
         raise UsageError(f"{path}: row {i} has status {str(row['status'])[:40]!r}; known: {', '.join(STATUSES)}")
@@ -105,13 +106,92 @@ def _check_row(row: Any, i: int, path: Path) -> None:
             raise UsageError(f"{path}: row {i}'s {key!r} holds an entry that is not a {LIST_ITEMS[key]}")
     for name, judged in (row.get("outputs") or {}).items():
         if not isinstance(judged, dict) or not _typed(judged.get("margin"), _NUMBER) \
-                or judged.get("status", PASS) not in STATUSES:
+                or judged.get("status") not in OUTPUT_STATUSES:
             raise UsageError(f"{path}: row {i}'s output {str(name)[:40]!r} is not a judged output")
         for key in ("verdict", "metrics", "baseline_metrics"):
             value = judged.get(key)
             if not _typed(value, dict) or any(not _typed((value or {}).get(sub), kind)
                                               for sub, kind in NESTED_KEYS[key].items()):
                 raise UsageError(f"{path}: row {i}'s output {str(name)[:40]!r} has a malformed {key!r}")
+    problem = _check_verdicts(row)
+    if problem:
+        raise UsageError(f"{path}: row {i} ({row_heading(row)[:120]!r}) {problem}")
+
+
+# A judged output has a verdict; ``unavailable`` is a row's status only (nothing was judged).
+OUTPUT_STATUSES = (PASS, FAIL, EXPECTED_NONFINITE)
+# What a row carries when it was judged; an unavailable row has none of them.
+JUDGEMENT_KEYS = ("verdict", "margin", "metrics", "baseline_metrics", "outputs", "output")
+# The binding output's fields that the row repeats at the top level.
+BINDING_KEYS = ("verdict", "margin", "metrics", "baseline_metrics")
+# Tolerance of the margin against 1 - err/limit recomputed here (the writer's own formula gives it
+# exactly; this only allows another writer's rounding).
+MARGIN_RTOL = 1e-9
+
+
+def _check_verdicts(row: dict[str, Any]) -> str | None:
+    """What makes ``row`` contradict itself, or ``None``. The invariants are those of the rows
+    ``runner.verify`` writes: a row is ``fail`` iff one of its outputs fails (a row without
+    outputs: iff its verdict fails, or it has no verdict and a reason, a crash); ``output``
+    names one of ``outputs``, and the row's status, verdict, margin and metrics are that
+    output's; every verdict's status, margin and numbers agree (:func:`_verdict_problem`);
+    an ``unavailable`` row carries no judgement at all."""
+    if row["status"] == UNAVAILABLE:
+        carried = [k for k in JUDGEMENT_KEYS if row.get(k) is not None]
+        return f"is unavailable but carries {', '.join(carried)}" if carried else None
+    outputs = row.get("outputs")
+    if outputs is None:
+        if row.get("output") is not None:
+            return f"names output {str(row['output'])[:40]!r} but has no outputs"
+        if row.get("verdict") is None:
+            return None if row["status"] == FAIL and row.get("reason") else f"is {row['status']} without a verdict"
+        problem = _verdict_problem(row["status"], row["verdict"], row.get("margin"), row.get("metrics"))
+        return f"has {problem}" if problem else None
+    if not outputs:
+        return "has an empty 'outputs'"
+    binding = row.get("output")
+    if binding not in outputs:
+        return f"names binding output {str(binding)[:40]!r}, which is not one of its outputs"
+    for name, judged in outputs.items():
+        problem = _verdict_problem(judged["status"], judged.get("verdict"), judged.get("margin"), judged.get("metrics"))
+        if problem:
+            return f"output {str(name)[:40]!r} has {problem}"
+    failing = any(judged["status"] == FAIL for judged in outputs.values())
+    if (row["status"] == FAIL) != failing:
+        return f"is {row['status']} but its outputs {'do' if failing else 'do not'} fail"
+    if row["status"] != outputs[binding]["status"]:
+        return f"is {row['status']} but its binding output {str(binding)[:40]!r} is {outputs[binding]['status']}"
+    for key in BINDING_KEYS:
+        if row.get(key) != outputs[binding].get(key):
+            return f"has a top-level {key!r} that is not its binding output {str(binding)[:40]!r}'s"
+    return None
+
+
+def _verdict_problem(status: str, verdict: dict[str, Any] | None, margin: Any, metrics: dict[str, Any] | None
+                     ) -> str | None:
+    """What is wrong with one judged verdict, or ``None``: a judged status needs a verdict of that
+    status with the same margin; a pass has a numeric err at most its numeric limit and no
+    non-finite output; where err and limit are numbers the margin is ``1 - err / limit``."""
+    if verdict is None:
+        return f"status {status} without a verdict"
+    if verdict.get("status", status) != status:
+        return f"status {status} but a {str(verdict['status'])[:40]!r} verdict"
+    if verdict.get("margin", margin) != margin:
+        return "a margin that is not its verdict's"
+    err, limit = verdict.get("err"), verdict.get("limit")
+    numeric = isinstance(err, _NUMBER) and isinstance(limit, _NUMBER)
+    if status == PASS:
+        if not numeric:
+            return "a pass verdict without a numeric err and limit"
+        if not err <= limit:
+            return f"a pass verdict whose err {err!r} exceeds its limit {limit!r}"
+        if (metrics or {}).get("nonfinite"):
+            return "a pass verdict with non-finite outputs"
+    if numeric and limit > 0 and margin is not None:
+        expected = 1.0 - err / limit
+        if abs(margin - expected) > MARGIN_RTOL * max(1.0, abs(expected)):
+            return f"margin {margin!r} where err and limit give {expected!r}"
+    return None
 
 
 def _typed(value: Any, kind: type | tuple[type, ...]) -> bool:
@@ -125,8 +205,9 @@ def _typed(value: Any, kind: type | tuple[type, ...]) -> bool:
 
 def load(path: Path) -> dict[str, Any]:
     """A report document from ``report.json`` or a folder holding one; ``UsageError`` naming the
-    path for anything that is not a readable report (malformed JSON, another schema, rows
-    without their keys, keys of the wrong type, an unknown status)."""
+    path for anything that is not a readable report (JSON that is malformed or not strict,
+    another schema, rows without their keys, keys of the wrong type, an unknown status, a row
+    whose verdicts contradict each other, a summary that miscounts the rows)."""
     path = path / REPORT_JSON if path.is_dir() else path
     doc = require_keys(read_json(path, what="report"), {"schema_version": int, "rows": list}, path, "report")
     if doc["schema_version"] not in READABLE_SCHEMAS:
@@ -136,6 +217,7 @@ def load(path: Path) -> dict[str, Any]:
     for key in ("environment", "config", "summary"):
         if not isinstance(doc.get(key, {}), dict):
             raise UsageError(f"{path}: report's {key!r} is not an object")
+    _check_summary(doc.get("summary", {}), doc["rows"], path)
     env, config = doc.get("environment", {}), doc.get("config", {})
     if not isinstance(env.get("math_platform") or {}, dict):
         raise UsageError(f"{path}: report's environment.math_platform is not an object")
@@ -148,6 +230,14 @@ def load(path: Path) -> dict[str, Any]:
     if not isinstance(doc.get("command", []), list):
         raise UsageError(f"{path}: report's 'command' is not a list")
     return doc
+
+
+def _check_summary(summary: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
+    """``UsageError`` unless every count the summary gives is the rows' own (pages show the summary)."""
+    counts = summarize(rows)
+    for key, value in summary.items():
+        if key in counts and (not isinstance(value, int) or isinstance(value, bool) or value != counts[key]):
+            raise UsageError(f"{path}: report's summary.{key} is {repr(value)[:40]} but its rows give {counts[key]}")
 
 
 def fmt(x: Any, spec: str = ".2e") -> str:

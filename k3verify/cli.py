@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
+import functools
 import json
 import math
 import os
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -37,11 +39,11 @@ from rich.table import Table
 
 from .harness import compare, golden, registry, report, runner, sandbox
 from .harness.environment import environment
-from .harness.files import UsageError, check_output_folder, json_safe
+from .harness.files import UsageError, check_output_folder, hold_output_folder, json_safe
 from .harness.map_files import write_map
 from .harness.overflow_map import MapOptions, agreement, sweep_map
 from .harness.render import render_report, write_report
-from .harness.tp_rows import BACKENDS, SIZES, TPOptions, default_backend
+from .harness.tp_rows import BACKENDS, MAX_TIMEOUT_S, MAX_WORLD_SIZE, SIZES, TPOptions, check_machine, default_backend
 
 # Text printed as given, one log line each whatever the width: data never read as rich markup.
 PLAIN = dict(markup=False, highlight=False, soft_wrap=True)
@@ -134,10 +136,33 @@ def _maps_dir(value: str | None) -> Path | None:
     return next((p for p in MAPS_SEARCH if p.is_dir() and any(p.iterdir())), None)
 
 
+Command = Callable[[argparse.Namespace, Console, Console], int]
+
+
+def _writes(option: str, what: str) -> Callable[[Command], Command]:
+    """A command that writes the folder named by ``args.<option>``: before it computes anything
+    the folder is checked (a file, an unwritable place, a name too long for its staging folder)
+    and its writer's lock taken, held until the command returns, so a folder another process is
+    writing is refused at once instead of after the whole computation."""
+
+    def wrap(command: Command) -> Command:
+        @functools.wraps(command)
+        def run(args: argparse.Namespace, out: Console, err: Console) -> int:
+            folder = getattr(args, option)
+            if folder is None:
+                return command(args, out, err)
+            with hold_output_folder(Path(folder), what):
+                return command(args, out, err)
+
+        return run
+
+    return wrap
+
+
+@_writes("out", "--out")
 def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Verify every registered implementation of the selected modules; write the report."""
     entries = registry.select(_module_list(args.modules))
-    check_output_folder(Path(args.out), "--out")
     tp = _tp_options(args)
     sandbox.set_timeout(args.timeout)
     orphans = args.modules is None
@@ -167,10 +192,12 @@ def _tp_options(args: argparse.Namespace) -> TPOptions | None:
                 raise UsageError(f"{flag} needs --tp N")
         return None
     try:
-        return TPOptions(args.tp, backend=args.tp_backend or default_backend(args.tp),
-                         size=args.tp_size or "small", timeout_s=args.tp_timeout)  # fmt: skip
+        options = TPOptions(args.tp, backend=args.tp_backend or default_backend(args.tp),
+                            size=args.tp_size or "small", timeout_s=args.tp_timeout)  # fmt: skip
+        check_machine(options)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    return options
 
 
 def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path | None, out: Console,
@@ -235,6 +262,7 @@ def _print_attention(out: Console, rows: list[dict]) -> None:
         out.print(f"FAIL {line}", style="bold red", **PLAIN)
 
 
+@_writes("out", "--out")
 def cmd_overflow_map(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Sweep the overflow map of each selected module (``all``: every module that has one) and
     write its JSON, PNGs and studies; 1 if any cell disagrees with its prediction away from the frontier."""
@@ -291,10 +319,10 @@ def cmd_list(args: argparse.Namespace, out: Console, err: Console) -> int:
     return 0
 
 
+@_writes("dir", "--dir")
 def cmd_golden_generate(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Write every selected module's golden inputs and fp64 oracle outputs, and the manifest."""
     start = time.perf_counter()
-    check_output_folder(Path(args.dir), "--dir")
     manifest = golden.generate(
         Path(args.dir), modules=_module_list(args.modules), seed=args.seed, progress=lambda s: err.print(s)
     )
@@ -309,15 +337,15 @@ def cmd_golden_generate(args: argparse.Namespace, out: Console, err: Console) ->
     return 0
 
 
+@_writes("out", "--out")
 def cmd_golden_verify(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Check every golden file's hash, then judge every implementation on the goldens."""
     start = time.perf_counter()
     directory = Path(args.dir)
-    if args.out:
-        check_output_folder(Path(args.out), "--out")
     modules = _module_list(args.modules)
     registry.select(modules)  # an unknown name is a usage error before anything is read
-    problems = golden.check(directory)
+    goldens = golden.snapshot(directory)  # read once: the rows are judged on the bytes the check passes
+    problems = golden.check(goldens)
     if problems:
         for p in problems:
             err.print(f"k3verify: golden: {p}", markup=False, highlight=False, soft_wrap=True)
@@ -328,7 +356,7 @@ def cmd_golden_verify(args: argparse.Namespace, out: Console, err: Console) -> i
     rows = []
     with _progress(err) as bar:
         task = bar.add_task("verifying goldens", total=None, current="")
-        for row in golden.verify_rows(directory, modules=modules,
+        for row in golden.verify_rows(goldens, modules=modules,
                                       progress=lambda label: bar.update(task, current=label)):
             rows.append(row)
     config = {"goldens": str(directory), "modules": sorted({r["module"] for r in rows}),
@@ -381,6 +409,7 @@ def _strict_json(doc: object) -> str:
     return json.dumps(json_safe(doc), indent=1, allow_nan=False, default=str)
 
 
+@_writes("dir", "report folder")
 def cmd_report_render(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Rewrite report.md and report.html of a report folder from its report.json."""
     paths = render_report(Path(args.dir), maps_dir=_maps_dir(args.maps))
@@ -402,10 +431,25 @@ def _seed(text: str) -> int:
     return value
 
 
-def _positive(text: str) -> float:
-    value = _finite(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a number > 0")
+def _world_size(text: str) -> int:
+    """``--tp``: a number of ranks in [1, MAX_WORLD_SIZE] (what the machine holds is checked later)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 1 <= value <= MAX_WORLD_SIZE:
+        raise argparse.ArgumentTypeError(f"{text[:40]} is outside [1, {MAX_WORLD_SIZE}] ranks")
+    return value
+
+
+def _timeout(text: str) -> float:
+    """``--tp-timeout``, ``--timeout``: seconds in (0, MAX_TIMEOUT_S]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= MAX_TIMEOUT_S:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{text} is outside (0, {MAX_TIMEOUT_S:g}] seconds")
     return value
 
 
@@ -429,15 +473,15 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="reports/latest", help="report folder (default: reports/latest)")
     r.add_argument("--seed", type=_seed, default=0, help="seed of the generated cases (default: 0)")
     r.add_argument("--maps", help=MAPS_HELP)
-    r.add_argument("--tp", type=int, metavar="N",
+    r.add_argument("--tp", type=_world_size, metavar="N",
                    help="instead of the usual rows: every module's layer sharded over N ranks (fp64, and bf16 "
                         "with the all-reduce in fp32 and in bf16) against the unsharded layer")
     r.add_argument("--tp-backend", choices=BACKENDS,
                    help="collective backend for --tp (default: nccl with a CUDA device per rank, else gloo)")
     r.add_argument("--tp-size", choices=SIZES, help="layer widths for --tp: small (default) or k3 (K3's widths)")
-    r.add_argument("--tp-timeout", type=_finite, default=300.0, metavar="SECONDS",
+    r.add_argument("--tp-timeout", type=_timeout, default=300.0, metavar="SECONDS",
                    help="a module's ranks that take longer fail its rows (default 300)")
-    r.add_argument("--timeout", type=_positive, default=sandbox.DEFAULT_TIMEOUT_S, metavar="SECONDS",
+    r.add_argument("--timeout", type=_timeout, default=sandbox.DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="a plugin's call (run, predict, ...) that takes longer fails its row; its process is "
                         f"stopped (default {sandbox.DEFAULT_TIMEOUT_S:g})")
     _output_options(r)
@@ -513,7 +557,7 @@ MAPS_HELP = (
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     # A log gets a wide fixed width instead of rich's 80 columns, unless COLUMNS says otherwise.
-    out = Console() if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit() else Console(width=170)
+    out = OutConsole() if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit() else OutConsole(width=170)
     err = Console(stderr=True)
     try:
         return args.fn(args, out, err)
@@ -539,6 +583,26 @@ INTERNAL_ERROR = 3
 
 class IncompleteRun(RuntimeError):
     """A run that did not produce a row for every planned one (exit :data:`INTERNAL_ERROR`)."""
+
+
+class OutConsole(Console):
+    """The console of standard output. When its reader goes away (``k3verify run | head``) the
+    command ends like any I/O error, one line and exit 2, not rich's silent exit 1 (which would
+    read as a failed verdict); later prints go to /dev/null."""
+
+    def on_broken_pipe(self) -> None:
+        _discard_stdout()
+        raise BrokenPipeError(errno.EPIPE, "standard output was closed before everything was printed")
+
+
+def _discard_stdout() -> None:
+    """Point standard output at /dev/null, so that what is still buffered or printed is dropped
+    instead of failing again at every print and at exit."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, sys.stdout.fileno())
+    finally:
+        os.close(null)
 
 
 def _error(err: Console, message: str, code: int) -> int:

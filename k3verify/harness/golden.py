@@ -38,9 +38,15 @@ Trust: a golden folder may arrive in a pull request, so :func:`check` accepts it
   of each file record, so an edit is named by file and field);
 - each file's sha256 and size match, and the record embedded in the file's own header
   (everything but ``sha256`` and ``bytes``) equals the manifest's, tensor by tensor;
-- the generator, run again for the manifest's seed, makes exactly the listed cases with the
-  same configuration and input layout, stored inputs agree with regenerated ones
-  (fp64-agreement; integers exactly), and each skipped case really exceeds the size cap.
+- the generator, run again for the manifest's seed (in [0, 2**62)), makes exactly the listed
+  cases with the same configuration and input layout, stored inputs agree with regenerated ones
+  (fp64-agreement; integers exactly), and each skipped case really exceeds the size cap;
+- each file holds exactly the named outputs today's oracle makes for its case, in its dtype
+  and shape, non-finite nowhere the oracle is finite, and no other tensor.
+
+The folder is read once (:func:`snapshot`: the manifest and every listed file, through one
+descriptor of the folder); :func:`check` and :func:`verify_rows` judge those bytes, so a
+``generate`` swapping the folder meanwhile cannot put unchecked files under the verdicts.
 
 Reproducibility: generation runs with one intra-op thread, so the bits do not depend on the
 core count. They still depend on the torch build, the CPU and the code paths its math libraries
@@ -55,10 +61,13 @@ Writing is atomic as a set (:func:`~k3verify.harness.files.staged_folder`): an i
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import math
+import os
 import re
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,12 +75,21 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
-from safetensors.torch import save_file
+from safetensors.torch import save as save_tensors
 
 from ..numerics import FAIL, FP64_AGREEMENT_REL, Verdict, fp64_agreement, mismatch_rule
 from . import registry, runner
 from .environment import math_platform, one_thread
-from .files import UsageError, check_relative, json_safe, parse_json, read_confined, read_json, staged_folder
+from .files import (
+    StagingError,
+    UsageError,
+    check_relative,
+    json_safe,
+    parse_json,
+    read_confined,
+    read_json,
+    staged_folder,
+)
 from .registry import FP64_RULE, Case, Implementation, ModuleEntry, Outputs, as_outputs
 from .runner import mismatch_fraction
 
@@ -87,6 +105,13 @@ CASE_CAP_BYTES = 2_000_000
 # A stored file is its tensors (at most the cap, plus the oracle) and a JSON header.
 FILE_CAP_BYTES = 4 * CASE_CAP_BYTES
 MANIFEST_CAP_BYTES = 4_000_000
+# A golden set is read whole into memory before it is checked, so that the rows are judged on
+# the very bytes the check saw: the listed files together stay within this.
+SET_CAP_BYTES = 256_000_000
+# A golden folder holds <module>/<case>.safetensors; the search for unlisted files stops deeper.
+MAX_DEPTH = 16
+# Seeds feed torch.Generator.manual_seed (64 bits) after small offsets per case, as ``--seed``.
+SEED_LIMIT = 2**62
 ORACLE_PREFIX = "oracle."
 HEADER_KEY = "k3verify-golden"
 INPUT_PREFIX = "input."
@@ -237,6 +262,8 @@ def generate(
     the manifest.
     """
     entries = registry.select(modules)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise UsageError(f"golden seed {seed!r} is outside [0, 2**62)")
     out_dir = Path(out_dir)
     names = {e.name for e in entries}
     kept_files: dict[str, Any] = {}
@@ -273,8 +300,32 @@ def generate(
         }
         manifest = json.loads(json.dumps(json_safe(manifest)))
         manifest["digests"] = digests(manifest)
-        (stage / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        _write_new(stage / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+        _check_written(stage, manifest["files"])
     return manifest
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """Write ``data`` to the new file ``path``; a full disk, inode table or quota, or a file-size
+    limit, is an ``OSError`` naming the path (the staged folder is then never swapped in)."""
+    try:
+        with open(path, "xb") as f:
+            f.write(data)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+
+
+def _check_written(stage: Path, files: dict[str, Any]) -> None:
+    """Every file the manifest lists is in ``stage`` with its size: ``StagingError`` otherwise
+    (another program removed or changed what was written, so the set must not be swapped in)."""
+    for rel, record in files.items():
+        try:
+            info = os.lstat(stage / rel)
+        except OSError:
+            info = None
+        if info is None or not stat.S_ISREG(info.st_mode) or info.st_size != record["bytes"]:
+            raise StagingError(errno.ESTALE, f"{rel} is not what was written (removed or changed by another "
+                               "program); the previous goldens are kept", str(stage / rel))
 
 
 def _listed_modules(out_dir: Path) -> set[str]:
@@ -320,11 +371,13 @@ def _generate_module(
             },
         }
         path = out_dir / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(exist_ok=True)  # never parents: a staging folder removed meanwhile is not remade
         # One metadata key: safetensors writes its metadata map in no fixed order.
         embedded = json.dumps({"format": FILE_FORMAT, "record": json_safe(record)}, sort_keys=True)
-        save_file(tensors, str(path), metadata={HEADER_KEY: embedded})
-        data = path.read_bytes()
+        # Serialised in memory and written here, so a full disk or a size limit is an OSError
+        # naming the file (safetensors' own writer raises its SafetensorError instead).
+        data = save_tensors(tensors, metadata={HEADER_KEY: embedded})
+        _write_new(path, data)
         records[rel] = record | {"sha256": _sha256(data), "bytes": len(data)}
     return records, skipped
 
@@ -339,23 +392,121 @@ def _skip_record(module: str, case: str, size: int) -> dict[str, Any]:
     }
 
 
+# --- the set, read once -------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class GoldenSet:
+    """A golden folder as :func:`snapshot` read it: the manifest and the bytes of every listed
+    file, read once. :func:`check` and :func:`verify_rows` judge these bytes and never read the
+    folder again, so a ``golden generate`` swapping the folder meanwhile cannot slip unchecked
+    files under the rows."""
+
+    directory: Path
+    manifest: dict[str, Any]
+    files: dict[str, bytes]  # listed file -> its bytes
+    unreadable: dict[str, str]  # listed file -> why it could not be read
+    on_disk: list[str]  # every *.safetensors path below the folder, relative to it
+    listing_problems: list[str]  # folders that could not be searched for unlisted files
+    problems: list[str] | None = None  # what :func:`check` found, once it ran
+    _opened: dict[str, tuple[dict[str, Any], dict[str, torch.Tensor], str | None]] = dataclasses.field(
+        default_factory=dict, repr=False)
+
+    def opened(self, rel: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], str | None]:
+        """``(embedded record, tensors, error)`` of listed file ``rel`` (parsed once)."""
+        if rel not in self._opened:
+            self._opened[rel] = _open(self.files[rel])
+        return self._opened[rel]
+
+
+def snapshot(golden_dir: Path) -> GoldenSet:
+    """Read the golden folder once: the manifest (its shape validated, ``GoldenError``
+    otherwise), every listed file (sizes checked before reading, the set within
+    :data:`SET_CAP_BYTES`) and the names of the files on disk. Everything is read through one
+    descriptor of the folder, so a folder swapped in under the same name meanwhile is not mixed in."""
+    golden_dir = Path(golden_dir)
+    try:
+        fd = os.open(golden_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise GoldenError(f"{golden_dir / MANIFEST}: no golden manifest; run `k3verify golden generate`") from None
+    except OSError as exc:
+        raise GoldenError(f"{golden_dir}: golden folder cannot be read: {exc.strerror}") from None
+    try:
+        manifest = _read_manifest(golden_dir, fd)
+        total = sum(record["bytes"] for record in manifest["files"].values())
+        if total > SET_CAP_BYTES:
+            raise GoldenError(f"{golden_dir / MANIFEST}: lists {total} bytes of files, more than the {SET_CAP_BYTES} "
+                              "a golden set may hold")
+        files, unreadable = {}, {}
+        for rel in manifest["files"]:
+            try:
+                files[rel] = read_confined(golden_dir, rel, max_bytes=FILE_CAP_BYTES, what="golden file", dir_fd=fd)
+            except UsageError as exc:
+                unreadable[rel] = str(exc)
+        on_disk, listing_problems = _stored_files(golden_dir, fd)
+    finally:
+        os.close(fd)
+    return GoldenSet(golden_dir, manifest, files, unreadable, on_disk, listing_problems)
+
+
+def _as_set(golden: Path | GoldenSet) -> GoldenSet:
+    return golden if isinstance(golden, GoldenSet) else snapshot(golden)
+
+
+def _stored_files(golden_dir: Path, fd: int) -> tuple[list[str], list[str]]:
+    """Every ``*.safetensors`` entry below the folder open at ``fd`` (relative paths), without
+    recursion or following symlinks, and a problem for each folder that could not be listed or
+    lies deeper than :data:`MAX_DEPTH`."""
+    found, problems = [], []
+    pending = [""]
+    while pending:
+        rel = pending.pop()
+        if rel.count("/") + 1 > MAX_DEPTH:
+            problems.append(f"{golden_dir / rel}: folders nested deeper than {MAX_DEPTH} levels; a golden folder "
+                            "holds <module>/<case>.safetensors")
+            continue
+        try:
+            sub = os.open(rel, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd) if rel else fd
+            try:
+                with os.scandir(sub) as entries:
+                    listed = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+            finally:
+                if rel:
+                    os.close(sub)
+        except OSError as exc:
+            problems.append(f"{golden_dir / rel}: cannot be listed: {exc.strerror}")
+            continue
+        for name, is_dir in sorted(listed):
+            child = f"{rel}/{name}" if rel else name
+            if is_dir:
+                pending.append(child)
+            elif name.endswith(".safetensors"):
+                found.append(child)
+    return sorted(found), problems
+
+
 # --- check --------------------------------------------------------------------------------
 
 
 def read_manifest(golden_dir: Path) -> dict[str, Any]:
     """The manifest, its shape validated (paths, names, types); ``GoldenError`` naming what is wrong."""
+    return snapshot(golden_dir).manifest
+
+
+def _read_manifest(golden_dir: Path, fd: int) -> dict[str, Any]:
+    """The manifest in the folder open at ``fd``, its shape validated."""
     path = golden_dir / MANIFEST
-    if not path.exists():
-        raise GoldenError(f"{path}: no golden manifest; run `k3verify golden generate`")
     try:
-        doc = parse_json(read_confined(golden_dir, MANIFEST, max_bytes=MANIFEST_CAP_BYTES, what="golden manifest"),
-                         path, "golden manifest")
+        doc = parse_json(read_confined(golden_dir, MANIFEST, max_bytes=MANIFEST_CAP_BYTES, what="golden manifest",
+                                       dir_fd=fd), path, "golden manifest")
     except UsageError as exc:
+        if not os.path.lexists(path):
+            raise GoldenError(f"{path}: no golden manifest; run `k3verify golden generate`") from None
         raise GoldenError(str(exc)) from None
     if not isinstance(doc, dict) or doc.get("format") != "k3verify-golden":
         raise GoldenError(f"{path}: not a k3verify golden manifest")
     if doc.get("manifest_version") != MANIFEST_VERSION:
-        raise GoldenError(f"{path}: manifest version {doc.get('manifest_version')!r}, this k3verify reads "
+        raise GoldenError(f"{path}: manifest version {str(doc.get('manifest_version'))[:40]!r}, this k3verify reads "
                           f"{MANIFEST_VERSION}; run `k3verify golden generate`")
     unknown = sorted(set(doc) - set(MANIFEST_FIELDS))
     if unknown:
@@ -363,6 +514,8 @@ def read_manifest(golden_dir: Path) -> dict[str, Any]:
     for key, kind in (("files", dict), ("skipped", dict), ("digests", dict), ("seed", int), ("platform", dict)):
         if not isinstance(doc.get(key), kind) or isinstance(doc.get(key), bool):
             raise GoldenError(f"{path}: field {key!r} is missing or not a {kind.__name__}")
+    if not 0 <= doc["seed"] < SEED_LIMIT:
+        raise GoldenError(f"{path}: field 'seed' is {str(doc['seed'])[:40]}, outside [0, 2**62)")
     for rel, record in doc["files"].items():
         _check_file_record(path, rel, record)
     for key, record in doc["skipped"].items():
@@ -391,12 +544,19 @@ def _check_file_record(path: Path, rel: Any, record: Any) -> None:
         raise GoldenError(f"{path}: {rel}: no {ORACLE_PREFIX}<output> tensor listed")
 
 
-def check(golden_dir: Path) -> list[str]:
-    """Problems with a golden folder, each naming its file and field; empty when it is exactly
-    what the generator wrote (see the module docstring). ``GoldenError`` when the manifest itself
-    cannot be used."""
-    manifest = read_manifest(golden_dir)
-    path = golden_dir / MANIFEST
+def check(golden: Path | GoldenSet) -> list[str]:
+    """Problems with a golden folder (or a :func:`snapshot` of one), each naming its file and
+    field; empty when it is exactly what the generator wrote (see the module docstring).
+    ``GoldenError`` when the manifest itself cannot be used. A snapshot remembers the result."""
+    goldens = _as_set(golden)
+    if goldens.problems is None:
+        goldens.problems = _problems(goldens)
+    return list(goldens.problems)
+
+
+def _problems(goldens: GoldenSet) -> list[str]:
+    manifest, directory = goldens.manifest, goldens.directory
+    path = directory / MANIFEST
     problems = [f"{path}: field {field!r} does not match its digest (edited by hand?)"
                 for field in _changed_fields(manifest)]
     for field, expected in (("generator_version", GENERATOR_VERSION), ("reproducibility", REPRODUCIBILITY)):
@@ -406,11 +566,11 @@ def check(golden_dir: Path) -> list[str]:
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in manifest["platform"].items()):
         problems.append(f"{path}: field 'platform' is not a record of names and values")
     for rel, record in manifest["files"].items():
-        problems += _check_file(golden_dir, rel, record)
-    listed = {golden_dir / rel for rel in manifest["files"]}
-    on_disk = sorted(golden_dir.rglob("*.safetensors"))
-    problems += [f"{p}: not listed in {MANIFEST}" for p in on_disk if p not in listed]
-    problems += _check_against_generator(golden_dir, manifest)
+        problems += _check_file(goldens, rel, record)
+    problems += goldens.listing_problems
+    problems += [f"{directory / rel}: not listed in {MANIFEST}" for rel in goldens.on_disk
+                 if rel not in manifest["files"]]
+    problems += _check_against_generator(goldens)
     return problems
 
 
@@ -419,17 +579,16 @@ def _changed_fields(manifest: dict[str, Any]) -> list[str]:
     return sorted(k for k in set(stored) | set(actual) if stored.get(k) != actual.get(k))
 
 
-def _check_file(golden_dir: Path, rel: str, record: dict[str, Any]) -> list[str]:
+def _check_file(goldens: GoldenSet, rel: str, record: dict[str, Any]) -> list[str]:
     """The file's hash, size, embedded record and tensors against the manifest's record."""
-    path = golden_dir / rel
-    try:
-        data = read_confined(golden_dir, rel, max_bytes=FILE_CAP_BYTES, what="golden file")
-    except UsageError as exc:
-        return [str(exc)]
+    path = goldens.directory / rel
+    if rel in goldens.unreadable:
+        return [goldens.unreadable[rel]]
+    data = goldens.files[rel]
     problems = []
     if len(data) != record["bytes"]:
         problems.append(f"{path}: has {len(data)} bytes, {MANIFEST} says {record['bytes']}")
-    embedded, tensors, error = _open(data)
+    embedded, tensors, error = goldens.opened(rel)
     if error:
         return [*problems, f"{path}: unreadable safetensors file ({error})"]
     for field in EMBEDDED_FIELDS:
@@ -470,11 +629,13 @@ def _open(data: bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor], str | N
     return (embedded if isinstance(embedded, dict) else {}), tensors, None
 
 
-def _check_against_generator(golden_dir: Path, manifest: dict[str, Any]) -> list[str]:
+def _check_against_generator(goldens: GoldenSet) -> list[str]:
     """The listed and skipped cases are exactly what the generator makes for the manifest's seed,
-    with the same parameters, layout and (to fp64 rounding) inputs."""
+    with the same parameters, layout and (to fp64 rounding) inputs, and each file holds exactly
+    the oracle outputs today's oracle makes for its case."""
     problems = []
-    path = golden_dir / MANIFEST
+    manifest = goldens.manifest
+    path = goldens.directory / MANIFEST
     seed = manifest["seed"]
     listed: dict[str, dict[str, tuple[str, Any]]] = {}
     for rel, record in manifest["files"].items():
@@ -496,7 +657,9 @@ def _check_against_generator(golden_dir: Path, manifest: dict[str, Any]) -> list
             elif kind == "skipped":
                 problems += _check_skipped(path, key, manifest["skipped"][key], made[name])
             else:
-                problems += _check_regenerated(golden_dir, key, manifest["files"][key], made[name], seed)
+                entry = registry.get(module)
+                problems += _check_regenerated(goldens, key, manifest["files"][key], made[name], seed)
+                problems += _check_outputs(goldens, key, entry, made[name])
     return problems
 
 
@@ -511,8 +674,8 @@ def _check_skipped(path: Path, key: str, record: dict[str, Any], case: Case) -> 
     return []
 
 
-def _check_regenerated(golden_dir: Path, rel: str, record: dict[str, Any], case: Case, seed: int) -> list[str]:
-    path = golden_dir / rel
+def _check_regenerated(goldens: GoldenSet, rel: str, record: dict[str, Any], case: Case, seed: int) -> list[str]:
+    path = goldens.directory / rel
     problems = []
     if record["seed"] != seed:
         problems.append(f"{path}: field 'seed' is {record['seed']!r}, the manifest's seed is {seed}")
@@ -523,16 +686,48 @@ def _check_regenerated(golden_dir: Path, rel: str, record: dict[str, Any], case:
     if record["inputs"] != layout:
         problems.append(f"{path}: field 'inputs' differs from what the generator makes for seed {seed}")
         return problems
-    try:
-        _, stored, error = _open(read_confined(golden_dir, rel, max_bytes=FILE_CAP_BYTES, what="golden file"))
-    except UsageError:
+    if rel in goldens.unreadable or goldens.opened(rel)[2]:
         return problems  # reported by the file check
-    if error:
-        return problems
+    stored = goldens.opened(rel)[1]
     for key, fresh in tensors.items():
         ok, why = _inputs_agree(fresh, stored.get(key))
         if not ok:
             problems.append(f"{path}: stored {key} does not regenerate for seed {seed}: {why}")
+    strays = sorted(k for k in stored if k not in tensors and not k.startswith(ORACLE_PREFIX))
+    if strays:
+        problems.append(f"{path}: tensor(s) {', '.join(strays)[:120]} are neither inputs the generator makes nor "
+                        "oracle outputs")
+    return problems
+
+
+def _check_outputs(goldens: GoldenSet, rel: str, entry: ModuleEntry, case: Case) -> list[str]:
+    """Rule: structural. The file holds exactly the named outputs today's oracle makes for its
+    (regenerated) case, each in that output's dtype (fp64 for floating outputs) and shape, and
+    non-finite nowhere today's oracle is finite: a removed, renamed, emptied, narrowed or
+    poisoned output is named by file and output before anything is judged against it."""
+    path = goldens.directory / rel
+    if rel in goldens.unreadable or goldens.opened(rel)[2]:
+        return []  # reported by the file check
+    have = {k.removeprefix(ORACLE_PREFIX): t for k, t in goldens.opened(rel)[1].items() if k.startswith(ORACLE_PREFIX)}
+    today = {n: t.detach().cpu() for n, t in as_outputs(entry.oracle(case), entry.outputs,
+                                                       f"the {entry.name} oracle").items()}
+    problems = [f"{path}: oracle output {name!r} is missing; today's oracle makes {sorted(today)} for case "
+                f"{case.name!r}" for name in sorted(set(today) - set(have))]
+    problems += [f"{path}: oracle output {name[:60]!r} is not one today's oracle makes for case {case.name!r} "
+                 f"({sorted(today)})" for name in sorted(set(have) - set(today))]
+    for name in sorted(set(have) & set(today)):
+        stored, made = have[name], today[name]
+        if stored.dtype != made.dtype:
+            problems.append(f"{path}: oracle output {name!r} is stored as {_dtype(stored)}; today's oracle makes "
+                            f"{_dtype(made)}")
+        elif stored.shape != made.shape:
+            problems.append(f"{path}: oracle output {name!r} has shape {list(stored.shape)}; today's oracle makes "
+                            f"{list(made.shape)}")
+        elif stored.is_floating_point():
+            poisoned = int((~torch.isfinite(stored) & torch.isfinite(made)).sum())
+            if poisoned:
+                problems.append(f"{path}: oracle output {name!r} has {poisoned} non-finite value(s) where today's "
+                                "oracle is finite")
     return problems
 
 
@@ -569,33 +764,33 @@ def _inputs_agree(fresh: torch.Tensor, stored: torch.Tensor | None) -> tuple[boo
 # --- verify ---------------------------------------------------------------------------------
 
 
-def load_cases(golden_dir: Path, module: str) -> list[tuple[str, Case, torch.Tensor]]:
+def load_cases(golden: Path | GoldenSet, module: str) -> list[tuple[str, Case, Outputs]]:
     """``(file, case, stored oracle outputs)`` for every golden file of ``module`` (run :func:`check` first)."""
-    manifest = read_manifest(golden_dir)
+    goldens = _as_set(golden)
     allowed = input_classes()
     out = []
-    for rel, record in manifest["files"].items():
+    for rel, record in goldens.manifest["files"].items():
         if record["module"] != module:
             continue
-        try:
-            data = read_confined(golden_dir, rel, max_bytes=FILE_CAP_BYTES, what="golden file")
-        except UsageError as exc:
-            raise GoldenError(str(exc)) from None
-        _, tensors, error = _open(data)
+        if rel in goldens.unreadable:
+            raise GoldenError(goldens.unreadable[rel])
+        _, tensors, error = goldens.opened(rel)
         if error:
-            raise GoldenError(f"{golden_dir / rel}: unreadable safetensors file ({error})")
+            raise GoldenError(f"{goldens.directory / rel}: unreadable safetensors file ({error})")
         inputs = unflatten(record["inputs"], tensors, allowed)
         if not isinstance(record["config"], dict):
-            raise GoldenError(f"{golden_dir / rel}: field 'config' is not an object")
+            raise GoldenError(f"{goldens.directory / rel}: field 'config' is not an object")
         stored = {k.removeprefix(ORACLE_PREFIX): t for k, t in tensors.items() if k.startswith(ORACLE_PREFIX)}
         out.append((rel, Case(record["case"], inputs, dict(record["config"])), stored))
     return out
 
 
 def verify_rows(
-    golden_dir: Path, *, modules: list[str] | None = None, progress: Progress | None = None
+    golden: Path | GoldenSet, *, modules: list[str] | None = None, progress: Progress | None = None
 ) -> list[dict[str, Any]]:
-    """Rows judging every registered implementation on the goldens (call :func:`check` first).
+    """Rows judging every registered implementation on the goldens: a folder, read once, or the
+    :func:`snapshot` that :func:`check` judged. A set with problems is refused (``GoldenError``):
+    nothing is judged against files the check did not pass.
 
     Per golden file: one ``oracle`` row (today's fp64 oracle on the stored inputs against the
     stored output, rule fp64-agreement: the definition has not drifted), then one row per
@@ -603,20 +798,24 @@ def verify_rows(
     A registered module without goldens, or an implementation case no golden stands in for,
     is a failed row that says to regenerate.
     """
+    goldens = _as_set(golden)
+    problems = check(goldens)
+    if problems:
+        raise GoldenError(f"{problems[0]} (and {len(problems) - 1} more problem(s)); the goldens do not check out")
     rows = []
-    skipped = read_manifest(golden_dir)["skipped"]
+    skipped = goldens.manifest["skipped"]
     for entry in registry.select(modules):
-        goldens = load_cases(golden_dir, entry.name)
-        if not goldens and not any(s["module"] == entry.name for s in skipped.values()):
-            rows.append(_missing_row(entry.name, "-", f"no goldens for module {entry.name!r} in {golden_dir}"))
+        cases = load_cases(goldens, entry.name)
+        if not cases and not any(s["module"] == entry.name for s in skipped.values()):
+            rows.append(_missing_row(entry.name, "-", f"no goldens for module {entry.name!r} in {goldens.directory}"))
             continue
-        for rel, case, stored in goldens:
+        for rel, case, stored in cases:
             if progress:
                 progress(f"{entry.name} oracle on {rel}")
             rows.append(_oracle_row(entry, case, stored, rel))
         for impl in entry.implementations():
             for wanted in impl.cases:
-                matching = [(rel, c, o) for rel, c, o in goldens if registry.golden_case_kind(c.name) == wanted]
+                matching = [(rel, c, o) for rel, c, o in cases if registry.golden_case_kind(c.name) == wanted]
                 too_large = skipped.get(f"{entry.name}/{wanted}")
                 if too_large:
                     rows.append(_unstored_row(impl, wanted, too_large["reason"]))
@@ -631,9 +830,10 @@ def verify_rows(
 
 def _oracle_row(entry: ModuleEntry, case: Case, stored: Outputs, rel: str) -> dict[str, Any]:
     """Today's oracle against the stored one, output by output (fp64-agreement; integer outputs
-    such as expert sets exactly); the row reports the worst."""
+    such as expert sets exactly); the row reports the worst. An output only one side has fails."""
     today = as_outputs(entry.oracle(case), entry.outputs, f"the {entry.name} oracle")
-    verdicts = [_agree(name, today.get(name), t) for name, t in stored.items()]
+    names = [n for n in entry.outputs if n in today or n in stored]
+    verdicts = [_agree(name, today.get(name), stored.get(name)) for name in names]
     verdict = max(verdicts, key=lambda v: (v.status == FAIL, v.err))
     return {
         "module": entry.name,
@@ -651,9 +851,11 @@ def _oracle_row(entry: ModuleEntry, case: Case, stored: Outputs, rel: str) -> di
     }
 
 
-def _agree(name: str, today: torch.Tensor | None, stored: torch.Tensor) -> Verdict:
+def _agree(name: str, today: torch.Tensor | None, stored: torch.Tensor | None) -> Verdict:
     if today is None:
         return Verdict(FAIL, FP64_RULE, "rel_max", math.inf, 0.0, -math.inf, f"the oracle no longer makes {name!r}")
+    if stored is None:
+        return Verdict(FAIL, FP64_RULE, "rel_max", math.inf, 0.0, -math.inf, f"the golden file has no {name!r}")
     today = today.detach().cpu()
     if not stored.is_floating_point():
         return mismatch_rule(mismatch_fraction(today, stored), None)

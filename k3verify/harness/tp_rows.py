@@ -16,6 +16,7 @@ dies or hangs fails its module's three rows with the reason; the other modules s
 from __future__ import annotations
 
 import dataclasses
+import resource
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -32,6 +33,14 @@ SIZES = ("small", "k3")
 BACKENDS = ("gloo", "nccl")
 # (dtype, reduce dtype): the fp64 oracle row, then bf16 with an fp32 and a bf16 all-reduce.
 VARIANTS = (("fp64", "fp64"), ("bf16", "fp32"), ("bf16", "bf16"))
+# Each rank is a process of its own; K3 shards over 8. More than this is a typo, not a test.
+MAX_WORLD_SIZE = 256
+# Beyond a day a launch is hung, not slow (and gloo keeps its timeout in a C int of milliseconds).
+MAX_TIMEOUT_S = 86_400.0
+# What one rank process holds at its peak, measured on the CPU: the interpreter with torch and
+# gloo, about 250 MB RSS at small widths; at K3's widths each rank also builds its module's
+# whole fp64 call (KDA's 3.6 GB, 5.8 GB at the peak of building it). The parent holds as much.
+RANK_BYTES = {"small": 256 * 2**20, "k3": 6 * 2**30}
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,13 @@ class TPOptions:
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"--tp must be a positive integer, got {self.world_size!r}")
+        if self.world_size > MAX_WORLD_SIZE:
+            raise ValueError(f"--tp {self.world_size} is more than the {MAX_WORLD_SIZE} ranks (processes) k3verify "
+                             "starts")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
+                or not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"--tp-timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], "
+                             f"got {self.timeout_s!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.size not in SIZES:
@@ -54,6 +70,37 @@ class TPOptions:
         if self.backend == "nccl" and torch.cuda.device_count() < self.world_size:
             raise ValueError(f"nccl with {self.world_size} ranks needs {self.world_size} CUDA devices; "
                              f"this machine has {torch.cuda.device_count()} (use --tp-backend gloo)")  # fmt: skip
+
+
+def check_machine(options: TPOptions, available_bytes: int | None = None) -> None:
+    """``ValueError`` naming the limit when this machine cannot hold ``options.world_size``
+    ranks and this process (:data:`RANK_BYTES` each at ``options.size``) in the memory it has
+    available (``available_bytes``, default MemAvailable of ``/proc/meminfo``; unknown: no
+    check), or may not start that many processes (``RLIMIT_NPROC``). Checked before any rank
+    starts: ranks that do not fit would be killed one by one, or swap the machine to a halt."""
+    available = _mem_available() if available_bytes is None else available_bytes
+    per_rank = RANK_BYTES[options.size]
+    needed = (options.world_size + 1) * per_rank
+    if available is not None and needed > available:
+        fits = max(0, available // per_rank - 1)
+        raise ValueError(f"--tp {options.world_size} at {options.size} widths needs about {needed / 2**30:.1f} GiB "
+                         f"({options.world_size} ranks and this process at {per_rank / 2**30:.2g} GiB each); this "
+                         f"machine has {available / 2**30:.1f} GiB available, enough for --tp {fits} at most")
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft != resource.RLIM_INFINITY and options.world_size >= soft:
+        raise ValueError(f"--tp {options.world_size} ranks exceed this user's process limit (ulimit -u {soft})")
+
+
+def _mem_available() -> int | None:
+    """MemAvailable of ``/proc/meminfo`` in bytes; ``None`` where the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def default_backend(world_size: int) -> str:

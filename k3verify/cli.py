@@ -165,23 +165,48 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
     entries = registry.select(_module_list(args.modules))
     tp = _tp_options(args)
     sandbox.set_timeout(args.timeout)
+    start = time.perf_counter()
+    oracle_rows, oracle_check = _oracle_check(args, entries, tp, err)
     orphans = args.modules is None
     planned = runner.plan(entries, tp, orphans)
-    rows = []
-    start = time.perf_counter()
+    rows = list(oracle_rows)
     with _progress(err) as bar:
         task = bar.add_task("verifying", total=len(planned), current="")
         for row in runner.run(entries, seed=args.seed, progress=lambda label: bar.update(task, current=label),
                               orphans=orphans, tp=tp):
             rows.append(row)
             bar.advance(task)
-    if len(rows) != len(planned):  # a report must hold a verdict or a reason for every planned row
-        raise IncompleteRun(f"{len(rows)} rows were verified of the {len(planned)} planned; no report written")
+    if len(rows) != len(oracle_rows) + len(planned):  # a verdict or a reason for every planned row
+        raise IncompleteRun(f"{len(rows) - len(oracle_rows)} rows were verified of the {len(planned)} planned; "
+                            "no report written")
     wall = time.perf_counter() - start
-    config = {"seed": args.seed, "modules": [e.name for e in entries], "wall_s": round(wall, 2)}
+    config = {"seed": args.seed, "modules": [e.name for e in entries], "wall_s": round(wall, 2),
+              "oracle_check": oracle_check}
     if tp is not None:
         config["tp"] = dataclasses.asdict(tp)
     return _finish(rows, config, Path(args.out), _maps_dir(args.maps), out, args)
+
+
+# Where `run` looks for the goldens its oracle is checked against when --goldens is not given.
+DEFAULT_GOLDENS = Path("golden")
+
+
+def _oracle_check(args: argparse.Namespace, entries: list, tp: TPOptions | None,
+                  err: Console) -> tuple[list[dict], str]:
+    """The ``oracle`` rows a run starts with (today's oracle on every golden file of the selected
+    modules against the stored outputs, after the folder checks out) and what the report says
+    of them; none for ``--tp`` runs (their reference is the unsharded layer) or ``--goldens none``."""
+    if tp is not None:
+        return [], "not made: a --tp run's reference is the unsharded layer"
+    if args.goldens == "none":
+        return [], "not made: --goldens none"
+    folder = Path(args.goldens) if args.goldens else DEFAULT_GOLDENS
+    if args.goldens is None and not (folder / golden.MANIFEST).is_file():
+        err.print(f"note: the oracle is not checked against goldens: no {folder / golden.MANIFEST} here "
+                  "(--goldens DIR names a golden folder)", **PLAIN)
+        return [], f"not made: no {folder / golden.MANIFEST}"
+    rows = golden.oracle_rows(golden.snapshot(folder), modules=[e.name for e in entries])
+    return rows, f"{len(rows)} golden files of {folder}"
 
 
 def _tp_options(args: argparse.Namespace) -> TPOptions | None:
@@ -481,6 +506,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--tp-size", choices=SIZES, help="layer widths for --tp: small (default) or k3 (K3's widths)")
     r.add_argument("--tp-timeout", type=_timeout, default=300.0, metavar="SECONDS",
                    help="a module's ranks that take longer fail its rows (default 300)")
+    r.add_argument("--goldens", metavar="DIR",
+                   help="golden folder whose stored fp64 outputs the oracle must reproduce before any row is "
+                        f"judged (default: {DEFAULT_GOLDENS} when it holds a manifest; none: no check)")
     r.add_argument("--timeout", type=_timeout, default=sandbox.DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="a plugin's call (run, predict, ...) that takes longer fails its row; its process is "
                         f"stopped (default {sandbox.DEFAULT_TIMEOUT_S:g})")

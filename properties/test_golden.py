@@ -200,3 +200,24 @@ def test_regeneration_removes_stale_files_in_module_folders_only(tmp_path: Path)
         path.write_bytes(b"x")
     golden.generate(tmp_path, modules=["mla"])
     assert not stale.exists() and elsewhere.exists()
+
+
+@pytest.mark.parametrize("drift", [0.0, 1e-9], ids=["as committed", "oracle drifted by 1e-9"])
+def test_a_run_starts_by_checking_its_oracle_against_the_goldens(drift: float, monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    """Rule: fp64-agreement (1e-10) between today's oracle and the committed one, for every
+    golden file of the run's modules; the rows that follow are stubbed (only the check runs)."""
+    from k3verify import kda
+    from k3verify.harness import runner
+
+    definition = kda.recurrent
+    monkeypatch.setattr(kda, "recurrent", lambda *a, **k: tuple(t * (1 + drift) for t in definition(*a, **k)))
+    monkeypatch.setattr(runner, "plan", lambda *a, **k: [])
+    monkeypatch.setattr(runner, "run", lambda *a, **k: iter([]))
+    code = main(["run", "--modules", "kda", "--out", str(tmp_path / "out"), "--goldens", str(GOLDEN), "--quiet"])
+    doc = json.loads((tmp_path / "out" / "report.json").read_text())
+    oracle_rows = [r for r in doc["rows"] if r["implementation"] == "oracle"]
+    assert {r["golden"] for r in oracle_rows} == {k for k in _manifest(GOLDEN)["files"] if k.startswith("kda/")}
+    assert doc["config"]["oracle_check"] == f"{len(oracle_rows)} golden files of {GOLDEN}"
+    assert {r["status"] for r in oracle_rows} == ({PASS} if drift == 0 else {FAIL})
+    assert code == (0 if drift == 0 else 1)

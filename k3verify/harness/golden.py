@@ -798,10 +798,7 @@ def verify_rows(
     A registered module without goldens, or an implementation case no golden stands in for,
     is a failed row that says to regenerate.
     """
-    goldens = _as_set(golden)
-    problems = check(goldens)
-    if problems:
-        raise GoldenError(f"{problems[0]} (and {len(problems) - 1} more problem(s)); the goldens do not check out")
+    goldens = _checked(golden)
     rows = []
     skipped = goldens.manifest["skipped"]
     for entry in registry.select(modules):
@@ -809,10 +806,7 @@ def verify_rows(
         if not cases and not any(s["module"] == entry.name for s in skipped.values()):
             rows.append(_missing_row(entry.name, "-", f"no goldens for module {entry.name!r} in {goldens.directory}"))
             continue
-        for rel, case, stored in cases:
-            if progress:
-                progress(f"{entry.name} oracle on {rel}")
-            rows.append(_oracle_row(entry, case, stored, rel))
+        rows += _oracle_rows(entry, cases, progress)
         for impl in entry.implementations():
             for wanted in impl.cases:
                 matching = [(rel, c, o) for rel, c, o in cases if registry.golden_case_kind(c.name) == wanted]
@@ -820,11 +814,42 @@ def verify_rows(
                 if too_large:
                     rows.append(_unstored_row(impl, wanted, too_large["reason"]))
                 elif not matching:
-                    rows.append(_missing_row(entry.name, wanted, f"{impl.label}: no golden case for {wanted!r}"))
+                    rows.append(runner.row_header(impl, Case(wanted, {})) | _missing(
+                        f"{impl.label}: no golden case for {wanted!r}"))
                 for rel, case, stored in matching:
                     if progress:
                         progress(f"{impl.label} on {rel}")
                     rows.append(runner.verify(entry, impl, case, oracle=stored) | {"golden": rel})
+    return rows
+
+
+def oracle_rows(golden: Path | GoldenSet, *, modules: list[str] | None = None,
+                progress: Progress | None = None) -> list[dict[str, Any]]:
+    """One ``oracle`` row per golden file of the selected modules: today's fp64 oracle on the
+    stored inputs against the stored outputs (fp64-agreement), after :func:`check` passed (a
+    set with problems is a ``GoldenError``). ``k3verify run`` starts with these: every verdict
+    it gives rests on an oracle that still computes what was committed."""
+    goldens = _checked(golden)
+    return [row for entry in registry.select(modules)
+            for row in _oracle_rows(entry, load_cases(goldens, entry.name), progress)]
+
+
+def _checked(golden: Path | GoldenSet) -> GoldenSet:
+    """The set, read once, if :func:`check` finds nothing wrong with it; ``GoldenError`` otherwise."""
+    goldens = _as_set(golden)
+    problems = check(goldens)
+    if problems:
+        raise GoldenError(f"{problems[0]} (and {len(problems) - 1} more problem(s)); the goldens do not check out")
+    return goldens
+
+
+def _oracle_rows(entry: ModuleEntry, cases: list[tuple[str, Case, Outputs]],
+                 progress: Progress | None) -> list[dict[str, Any]]:
+    rows = []
+    for rel, case, stored in cases:
+        if progress:
+            progress(f"{entry.name} oracle on {rel}")
+        rows.append(_oracle_row(entry, case, stored, rel))
     return rows
 
 
@@ -867,6 +892,10 @@ def _unstored_row(impl: Implementation, case: str, reason: str) -> dict[str, Any
                                                        "reason": f"golden case not stored: {reason}"}
 
 
+def _missing(reason: str) -> dict[str, Any]:
+    return {"status": FAIL, "reason": f"{reason}; run `k3verify golden generate`"}
+
+
 def _missing_row(module: str, case: str, reason: str) -> dict[str, Any]:
     return {
         "module": module,
@@ -876,6 +905,5 @@ def _missing_row(module: str, case: str, reason: str) -> dict[str, Any]:
         "params": {},
         "case": case,
         "rule": "-",
-        "status": FAIL,
-        "reason": f"{reason}; run `k3verify golden generate`",
+        **_missing(reason),
     }

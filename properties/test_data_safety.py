@@ -66,6 +66,7 @@ def _stub_run(monkeypatch: pytest.MonkeyPatch, during: Callable[[], None] | None
         yield ROW
 
     monkeypatch.setattr(runner, "run", run)
+    monkeypatch.setattr(runner, "plan", lambda *a, **k: [ROW])  # one row planned, one made
 
 
 def _refuse_computing(monkeypatch: pytest.MonkeyPatch) -> None:

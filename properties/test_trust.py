@@ -289,6 +289,7 @@ def test_a_full_disk_keeps_the_previous_report(tmp_path: Path, monkeypatch: pyte
     row = {"module": "mla", "implementation": "i", "form": "f", "dtype": "fp64", "params": {}, "case": "c",
            "rule": "fp64-agreement", "status": "pass", "verdict": {"err": 0.0, "limit": 1e-10}, "margin": 1.0}
     monkeypatch.setattr(runner, "run", lambda entries, seed, progress, **kw: iter([row]))
+    monkeypatch.setattr(runner, "plan", lambda *a, **k: [row])
     out, maps = tmp_path / "out", str(tmp_path / "none")
     assert main(["run", "--modules", "mla", "--out", str(out), "--maps", maps]) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}

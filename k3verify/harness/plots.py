@@ -17,6 +17,7 @@ checked before it is drawn, and a PNG read from disk is decoded only within a pi
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 import re
@@ -68,17 +69,22 @@ def draw_map(result: MapResult, out_dir: Path) -> list[Path]:
         # File names from a map's own names: never a path separator, whatever the map says.
         module, figure, slug = (_slug(v) for v in (result.module, spec.figure, fig_value))
         path = out_dir / f"{module}_overflow_map_{figure}-{slug}.png"
-        _draw_figure(cells, result, f"{spec.title}\n{spec.figure} = {fig_value}", path)
+        _draw_figure(cells, result, f"{plot_text(spec.title)}\n{plot_text(f'{spec.figure} = {fig_value}')}", path)
         paths.append(path)
     return paths
 
 
-def _slug(value: Any) -> str:
-    """``value`` as a file-name part: runs of anything but ``A-Za-z0-9._-`` as one ``_``."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(value)).strip("_")
+def _slug(value: Any, limit: int = 64) -> str:
+    """``value`` as a file-name part: runs of anything but ``A-Za-z0-9._-`` as one ``_``; a longer
+    one than ``limit`` is cut and told apart by a hash of the whole (a file name has 255 bytes)."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", str(value)).strip("_")
+    if len(slug) <= limit:
+        return slug
+    return f"{slug[:limit]}-{hashlib.sha256(str(value).encode('utf-8', 'surrogatepass')).hexdigest()[:12]}"
 
 
 def _draw_figure(cells: list[dict[str, Any]], result: MapResult, title: str, path: Path) -> None:
+    """One figure of a map into ``path``; ``title`` is drawn as given (its parts escaped by the caller)."""
     spec = result.spec
     rows = _ordered([c[spec.panel_row] for c in cells])
     cols = _ordered([c[spec.panel_col] for c in cells])
@@ -133,9 +139,9 @@ def _draw_figure(cells: list[dict[str, Any]], result: MapResult, title: str, pat
                 ax.set_ylabel(plot_text(spec.y_label))
             if numeric_x:
                 ax.set_xlim(x_edges[0], x_edges[-1])  # keeps a descending axis descending
-    marked = f"   magenta: {spec.operating_label}" if spec.operating_point else ""
+    marked = f"   magenta: {plot_text(spec.operating_label)}" if spec.operating_point else ""
     legend = f"red: overflow (inf/NaN)   black line: analytic frontier   x: prediction missed{marked}"
-    fig.suptitle(plot_text(f"{title}\n{legend}"), fontsize=10)
+    fig.suptitle(f"{title}\n{legend}", fontsize=10)
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.6, label="log10 rms_ratio vs fp64 oracle")
     fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -183,8 +189,10 @@ def _draw_frontier(ax: Any, pred: np.ndarray, x_edges: np.ndarray) -> None:
 def png_bytes(fig: Any) -> bytes:
     """The figure as PNG bytes (256-colour, see :func:`compact_png`); closes it."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    try:
+        fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    finally:
+        plt.close(fig)
     return compact_png(buf.getvalue())
 
 
@@ -222,10 +230,11 @@ def compact_png(png: bytes) -> bytes:
 
 def row_label(row: dict[str, Any], *, every_param: bool = False) -> str:
     """``implementation form dtype params`` of a report row, for legends and axis ticks
-    (``chunk_size`` left out unless ``every_param``: it does not change a position curve)."""
+    (``chunk_size`` left out unless ``every_param``: it does not change a position curve); plain
+    text, for :func:`plot_text`."""
     params = " ".join(f"{k}={v}" for k, v in (row.get("params") or {}).items() if every_param or k != "chunk_size")
     impl = "" if row["implementation"] == "k3verify" else f"{row['implementation']} "
-    return plot_text(f"{impl}{row['form']} {row['dtype']}{' ' + params if params else ''}")
+    return f"{impl}{row['form']} {row['dtype']}{' ' + params if params else ''}"
 
 
 def _positive(values: list[Any]) -> np.ndarray:
@@ -255,7 +264,8 @@ def position_figure(rows: list[dict[str, Any]], title: str) -> Any | None:
     for ax, (case, case_rows) in zip(axes[:, 0], by_case.items()):
         baselines: dict[str, list[Any]] = {}
         for i, r in enumerate(case_rows):
-            ax.plot(_positive(r["error_by_position"]), color=colors[i % len(colors)], lw=1.2, label=row_label(r))
+            color = colors[i % len(colors)]
+            ax.plot(_positive(r["error_by_position"]), color=color, lw=1.2, label=plot_text(row_label(r)))
             if isinstance(r.get("baseline_error_by_position"), list) and r["baseline_error_by_position"]:
                 label = plot_text(f"baseline {r.get('baseline_form', '')} {r['dtype']}")
                 baselines.setdefault(label, r["baseline_error_by_position"])

@@ -40,7 +40,18 @@ from .map_files import (
     drawable_map,
     maps_entries,
 )
-from .report import REPORT_FILES, REPORT_HTML, REPORT_JSON, REPORT_MD, fmt, load, markdown, notes, params_text
+from .report import (
+    REPORT_FILES,
+    REPORT_HTML,
+    REPORT_JSON,
+    REPORT_MD,
+    STATUSES,
+    fmt,
+    load,
+    markdown,
+    notes,
+    params_text,
+)
 from .text import html_text
 
 NIGHTLY = "nightly.json"
@@ -165,7 +176,7 @@ def _read_map(folder: MapsFolder, name: str, extras: Extras) -> None:
     extras.map_agreement[module] = meta.get("agreement") or {}
     extras.map_commits[module] = (doc.get("environment") or {}).get("git_commit")
     if module not in extras.map_images:
-        extras.map_images[module] = _draw_map_doc(drawable_map(doc, path))
+        extras.map_images[module] = _draw_map_doc(drawable_map(doc, path), path)
 
 
 def _read_study(folder: MapsFolder, name: str, extras: Extras) -> None:
@@ -193,10 +204,14 @@ def curve_title(name: str, doc: Any) -> str:
     return str(title) if title else name.removesuffix(".json").replace("_", " ")
 
 
-def _draw_map_doc(result: Any) -> list[tuple[str, bytes]]:
-    """PNG heatmaps of a map JSON written without its PNGs (a checked :class:`MapResult`)."""
+def _draw_map_doc(result: Any, path: Path) -> list[tuple[str, bytes]]:
+    """PNG heatmaps of a map JSON written without its PNGs (a checked :class:`MapResult`);
+    ``UsageError`` naming ``path`` when a figure is larger than a page embeds."""
     with tempfile.TemporaryDirectory() as tmp:
-        return [(p.name, plots.compact_png(p.read_bytes())) for p in plots.draw_map(result, Path(tmp))]
+        try:
+            return [(p.name, plots.compact_png(p.read_bytes())) for p in plots.draw_map(result, Path(tmp))]
+        except ValueError as exc:
+            raise UsageError(f"{path}: overflow map drawn too large: {exc}") from None
 
 
 def _img(png: bytes, alt: str) -> str:
@@ -210,7 +225,11 @@ def _figure(fig: Any, alt: str, caption: str, heading: str = "") -> str:
     if fig is None:
         return ""
     head = f"<h3>{html_text(heading)}</h3>" if heading else ""
-    return f"{head}<figure>{_img(plots.png_bytes(fig), alt)}<figcaption>{caption}</figcaption></figure>"
+    try:
+        png = plots.png_bytes(fig)
+    except ValueError as exc:  # a figure larger than a page embeds (a report with thousands of rows in a case)
+        return f"{head}<p class='muted'>{html_text(alt)}: not drawn: {html_text(exc)}</p>"
+    return f"{head}<figure>{_img(png, alt)}<figcaption>{caption}</figcaption></figure>"
 
 
 def _table(header: list[str], rows: list[list[Any]], classes: list[str] | None = None) -> str:
@@ -288,8 +307,10 @@ def _words(value: Any) -> str:
 
 def _summary(doc: dict[str, Any]) -> str:
     summary = doc.get("summary") or {}
+    # A status names its badge's colour; any other key of a report gets the plain badge.
     badges = "".join(
-        f"<span class='badge {html_text(k)}'>{html_text(k)}: {html_text(v)}</span>" for k, v in summary.items()
+        f"<span class='badge{' ' + k if k in STATUSES else ''}'>{html_text(k)}: {html_text(v)}</span>"
+        for k, v in summary.items()
     )
     cfg = doc.get("config") or {}
     modules = ", ".join(str(m) for m in cfg.get("modules", [])) if isinstance(cfg.get("modules"), list) else "-"
@@ -338,7 +359,7 @@ def _verdicts(rows: list[dict[str, Any]]) -> str:
         tds += "".join(f"<td class='num'>{html_text(fmt(v.get(k)))}</td>" for k in ("err", "limit"))
         tds += _margin_cell(r.get("margin"))
         tds += f"<td class='status'>{html_text(r['status'])}</td>"
-        body.append(f"<tr class='{html_text(r['status'])}'>{tds}</tr>")
+        body.append(f"<tr class='{r['status'] if r['status'] in STATUSES else 'unknown'}'>{tds}</tr>")
     head = "".join(f"<th>{h}</th>" for h in header)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 

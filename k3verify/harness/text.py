@@ -30,6 +30,8 @@ _INVISIBLE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 # become entities instead (raw HTML, autolinks and entities).
 _MD_SYNTAX = frozenset("\\`*_[]!~|$#")
 _MD_ENTITIES = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
+# The longest label a figure draws (legends and tick labels of reports run to about 90).
+PLOT_TEXT_LIMIT = 160
 
 
 def _escaped(ch: str) -> str:
@@ -74,7 +76,12 @@ def terminal_text(value: object, *, newlines: bool = False) -> str:
     return visible(value, keep="\n" if newlines else "")
 
 
-def plot_text(value: object) -> str:
-    """``value`` for a matplotlib label or title: visible, with every ``$`` escaped so that no
-    text is parsed as mathtext (``$^$`` would stop the figure from drawing)."""
-    return visible(value, keep="\n").replace("$", r"\$")
+def plot_text(value: object, limit: int = PLOT_TEXT_LIMIT) -> str:
+    """``value`` for one line of a matplotlib label or title: visible (a newline too), at most
+    ``limit`` characters (a longer text is cut, with ``…``: a figure grows with its labels), and
+    with every ``$`` escaped so that nothing is parsed as mathtext (``$^$`` would stop the
+    figure from drawing)."""
+    text = visible(value)
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    return text.replace("$", r"\$")

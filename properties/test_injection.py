@@ -431,6 +431,20 @@ def test_list_prints_a_plugin_name_and_reason_as_text(payload: str, monkeypatch:
     assert not invisible(out) and f"evil{terminal_text(payload)}" in out, out[-800:]
 
 
+def test_the_progress_bar_shows_a_label_as_text() -> None:
+    """Rule: structural. On a terminal the progress bar shows the row being verified, whose label
+    a plugin names: as visible text, brackets as brackets."""
+    from rich.console import Console
+
+    progress = cli._progress(Console(file=io.StringIO(), force_terminal=True))
+    task = progress.add_task("verifying [/]", total=2, current="")
+    progress.update(task, current="evil[/]\x1b]52;c;aGk=\x07\u202e")
+    shown = [column(progress.tasks[0]) for column in progress.columns]
+    texts = [t.plain for t in shown if hasattr(t, "plain")]
+    assert "verifying [/]" in texts and "evil[/]\\x1b]52;c;aGk=\\x07\\u202e" in texts, texts
+    assert not invisible("".join(texts))
+
+
 # --- figures: mathtext and control characters in every text they draw ----------------------------------
 
 

@@ -37,7 +37,7 @@ from test_fuzz import _small_report, fuzz
 
 from k3verify import cli
 from k3verify.cli import main
-from k3verify.harness import golden, plots, registry, runner
+from k3verify.harness import golden, plots, registry, report, runner
 from k3verify.harness.text import html_text, md_text, plot_text, terminal_text
 
 # Payloads for every sink: HTML, Markdown (CommonMark and GitHub's), terminals, rich markup and
@@ -227,7 +227,9 @@ def test_the_escapers_leave_nothing_invisible_or_active(text: str) -> None:
 
 
 def _bundle() -> dict[str, Any]:
-    return {"report": _small_report(), "nightly": NIGHTLY, "summary": SUMMARY, "study": STUDY, "map": MAP}
+    """The report and the files beside it, as fresh copies (tests edit them in place)."""
+    return copy.deepcopy({"report": _small_report(), "nightly": NIGHTLY, "summary": SUMMARY, "study": STUDY,
+                          "map": MAP})
 
 
 def _bundle_targets(bundle: dict[str, Any]) -> list[tuple[tuple, str]]:
@@ -387,8 +389,9 @@ def test_a_payload_in_a_row_or_the_environment_never_reaches_the_terminal(
 ) -> None:
     """Rule: structural. ``k3verify run`` (the runner stubbed to return the payload's rows, the
     environment stubbed to hold it) prints its table, its one-line-per-row form, its FAIL,
-    unavailable and overflow lines and its ``report.md`` (what ``--format md`` prints) without a
-    control character, and ends as it does with the neutral token (rich markup in a field is text)."""
+    unavailable and overflow lines and its Markdown (what ``--format md`` prints; the pages are
+    written by a stub here, the page tests above cover them) without a control character, and
+    ends as it does with the neutral token (rich markup in a field is text)."""
     doc = _compare_pair()[1]
     # The runner's rows always carry their keys (the fuzz of report files renames those): here the
     # values, and the keys inside a row (parameters, outputs, metrics).
@@ -397,6 +400,14 @@ def test_a_payload_in_a_row_or_the_environment_never_reaches_the_terminal(
     path, kind = data.draw(st.sampled_from(targets), label="field")
     root = tmp_path_factory.mktemp("run")
     (root / "maps").mkdir()
+    pages: list[str] = []
+
+    def write(doc: dict[str, Any], out_dir: Path, **kwargs: Any) -> list[Path]:
+        """The pages are the other tests' business; what --format md prints is kept."""
+        pages.append(report.markdown(doc))
+        return [out_dir / name for name in report.REPORT_FILES]
+
+    monkeypatch.setattr(cli, "write_report", write)
     codes = []
     for name, text in (("neutral", NEUTRAL), ("payload", _field(payload))):
         fuzzed = _put(doc, path, kind, text)
@@ -407,8 +418,7 @@ def test_a_payload_in_a_row_or_the_environment_never_reaches_the_terminal(
             monkeypatch.setenv("COLUMNS", columns)
             code = main(["run", "--modules", "attnres", "--out", str(root / name), "--maps", str(root / "maps")])
             out, err = capsys.readouterr()
-            # report.md is what --format md prints (the same function, without the nightly section)
-            out += (root / name / "report.md").read_text()
+            out += pages.pop()
             assert not invisible(out + err), (path, columns, (out + err)[-500:])
             assert "Traceback" not in err
             codes.append((name == "payload", code))
@@ -448,7 +458,8 @@ def test_the_progress_bar_shows_a_label_as_text() -> None:
 # --- figures: mathtext and control characters in every text they draw ----------------------------------
 
 
-@pytest.mark.parametrize("payload", ["$^$", "$\\frac$ $x_$", "\x00\x1b[2J\u202e", "\ud800", "long" * 5000 + "\n" * 500])
+@pytest.mark.parametrize("payload", ["$^$ $\\frac$ $x_$ \x00\x1b[2J\u202e \ud800", "long" * 5000 + "\n" * 500],
+                         ids=["mathtext and controls", "20 000 characters"])
 def test_figures_draw_any_text_as_text(payload: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Rule: structural. The payload in every string and key of the report's rows, the study and
     a map drawn from its JSON (no PNG beside it), with figures on: the page renders (exit 0,

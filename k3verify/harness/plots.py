@@ -144,8 +144,10 @@ def _draw_figure(cells: list[dict[str, Any]], result: MapResult, title: str, pat
     fig.suptitle(f"{title}\n{legend}", fontsize=10)
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.6, label="log10 rms_ratio vs fp64 oracle")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
 
 
 def _draw_operating_point(ax: Any, point: dict[str, Any], spec: Any, xs: list[Any], ys: list[Any],

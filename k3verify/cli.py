@@ -33,21 +33,33 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from .harness import compare, golden, registry, report, runner, sandbox
 from .harness.environment import environment
 from .harness.files import UsageError, check_output_folder, hold_output_folder, json_safe
-from .harness.map_files import write_map
+from .harness.map_files import check_maps_folder, default_maps_folder, write_map
 from .harness.overflow_map import MapOptions, agreement, sweep_map
 from .harness.render import render_report, write_report
+from .harness.text import terminal_text
 from .harness.tp_rows import BACKENDS, MAX_TIMEOUT_S, MAX_WORLD_SIZE, SIZES, TPOptions, check_machine, default_backend
 
 # Text printed as given, one log line each whatever the width: data never read as rich markup.
 PLAIN = dict(markup=False, highlight=False, soft_wrap=True)
 STATUS_STYLE = {"pass": "green", "fail": "bold red", "expected-nonfinite": "yellow", "unavailable": "dim"}
+
+
+def _say(console: Console, text: object, style: str = "") -> None:
+    """Print one line of text that may hold report, plugin or path data: every control and
+    invisible character made visible (``terminal_text``), brackets never read as markup."""
+    console.print(terminal_text(text), style=style, **PLAIN)
+
+
+def _cell(text: object, style: str = "") -> Text:
+    """A table cell of data: visible characters only, never markup."""
+    return Text(terminal_text(text), style=style)
 
 
 def _module_list(values: Sequence[str] | None) -> list[str] | None:
@@ -103,11 +115,15 @@ class LineProgress:
         if fraction - t["shown"] >= self.STEP or (fraction >= 1 and t["shown"] < 1):
             t["shown"] = fraction
             elapsed = time.perf_counter() - t["start"]
-            self.console.print(
-                f"{t['description']}: {t['completed']:.0f}/{t['total']:.0f} "
-                f"({100 * fraction:.0f}%) after {elapsed:.1f} s",
-                highlight=False,
-            )
+            _say(self.console, f"{t['description']}: {t['completed']:.0f}/{t['total']:.0f} "
+                               f"({100 * fraction:.0f}%) after {elapsed:.1f} s")
+
+
+class _CurrentColumn(ProgressColumn):
+    """What is being verified (a row's label, which a plugin names): plain visible text."""
+
+    def render(self, task: Task) -> Text:
+        return _cell(task.fields.get("current", ""), style="dim")
 
 
 def _progress(console: Console) -> Progress | LineProgress:
@@ -115,11 +131,11 @@ def _progress(console: Console) -> Progress | LineProgress:
     if not console.is_terminal:
         return LineProgress(console)
     return Progress(
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        TextColumn("{task.fields[current]}", style="dim"),
+        _CurrentColumn(),
         console=console,
         transient=False,
     )
@@ -131,9 +147,12 @@ MAPS_SEARCH = (Path("reports/maps"), Path("reports/baseline/maps"))
 
 
 def _maps_dir(value: str | None) -> Path | None:
+    """The maps folder the pages show: ``--maps`` (``UsageError`` unless it is a folder reached
+    without a symlink), else the first non-empty folder of :data:`MAPS_SEARCH` (one reached
+    through a symlink is a ``UsageError`` too), else ``None``. Called before any computation."""
     if value is not None:
-        return Path(value)
-    return next((p for p in MAPS_SEARCH if p.is_dir() and any(p.iterdir())), None)
+        return check_maps_folder(Path(value), "--maps")
+    return default_maps_folder(MAPS_SEARCH)
 
 
 Command = Callable[[argparse.Namespace, Console, Console], int]
@@ -163,6 +182,7 @@ def _writes(option: str, what: str) -> Callable[[Command], Command]:
 def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Verify every registered implementation of the selected modules; write the report."""
     entries = registry.select(_module_list(args.modules))
+    maps_dir = _maps_dir(args.maps)
     tp = _tp_options(args)
     sandbox.set_timeout(args.timeout)
     start = time.perf_counter()
@@ -184,7 +204,7 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
               "oracle_check": oracle_check}
     if tp is not None:
         config["tp"] = dataclasses.asdict(tp)
-    return _finish(rows, config, Path(args.out), _maps_dir(args.maps), out, args)
+    return _finish(rows, config, Path(args.out), maps_dir, out, args, err=err)
 
 
 # Where `run` looks for the goldens its oracle is checked against when --goldens is not given.
@@ -202,8 +222,8 @@ def _oracle_check(args: argparse.Namespace, entries: list, tp: TPOptions | None,
         return [], "not made: --goldens none"
     folder = Path(args.goldens) if args.goldens else DEFAULT_GOLDENS
     if args.goldens is None and not (folder / golden.MANIFEST).is_file():
-        err.print(f"note: the oracle is not checked against goldens: no {folder / golden.MANIFEST} here "
-                  "(--goldens DIR names a golden folder)", **PLAIN)
+        _say(err, f"note: the oracle is not checked against goldens: no {folder / golden.MANIFEST} here "
+                  "(--goldens DIR names a golden folder)")
         return [], f"not made: no {folder / golden.MANIFEST}"
     rows = golden.oracle_rows(golden.snapshot(folder), modules=[e.name for e in entries])
     return rows, f"{len(rows)} golden files of {folder}"
@@ -226,13 +246,15 @@ def _tp_options(args: argparse.Namespace) -> TPOptions | None:
 
 
 def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path | None, out: Console,
-            args: argparse.Namespace) -> int:
+            args: argparse.Namespace, err: Console | None = None) -> int:
     """Print the verdicts in ``--format``, write the report when ``out_dir`` is given; 1 on a failure.
 
     The table ends with what needs reading (overflows, unavailable rows grouped by reason,
-    then every failed output with its reason, one line each) so a CI log's tail says what broke."""
+    then every failed output with its reason, one line each) so a CI log's tail says what broke.
+    Files beside the report that the pages leave out are named on ``err``, one line each."""
     doc = report.build(rows, environment=environment(), config=config, command=["k3verify", *sys.argv[1:]])
-    paths = write_report(doc, out_dir, maps_dir=maps_dir) if out_dir is not None else []
+    paths = write_report(doc, out_dir, maps_dir=maps_dir, not_shown=_not_shown_printer(err or out)) \
+        if out_dir is not None else []
     failed = doc["summary"]["fail"]
     if args.format != "table":  # verbatim: no markup, no wrapping
         text = _strict_json(doc) if args.format == "json" else report.markdown(doc)
@@ -241,13 +263,17 @@ def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path
     if not args.quiet:
         _print_table(out, rows)
     _print_attention(out, rows)
-    out.print(" · ".join(f"{k}: {v}" for k, v in doc["summary"].items()) + f" · wall {config['wall_s']:.1f} s",
-              **PLAIN)  # fmt: skip
+    _say(out, " · ".join(f"{k}: {v}" for k, v in doc["summary"].items()) + f" · wall {config['wall_s']:.1f} s")
     if paths:
-        out.print(f"wrote {', '.join(str(p) for p in paths)}", **PLAIN)
+        _say(out, f"wrote {', '.join(str(p) for p in paths)}")
     if failed:
-        out.print(f"{failed} verdict(s) failed", style="bold red", **PLAIN)
+        _say(out, f"{failed} verdict(s) failed", style="bold red")
     return 1 if failed else 0
+
+
+def _not_shown_printer(console: Console) -> Callable[[str], None]:
+    """One line per file beside a report that its pages leave out (named on the page too)."""
+    return lambda item: _say(console, f"k3verify: not shown in the report: {item}", style="yellow")
 
 
 def _print_table(out: Console, rows: list[dict]) -> None:
@@ -255,11 +281,11 @@ def _print_table(out: Console, rows: list[dict]) -> None:
     instead, numbers first, so no number is ever cut ("4.1…") or split."""
     cells_by_row = report.table_rows(rows)
     if out.width < WIDE:
-        out.print(f"{'status':<18} {'err':>9} {'limit':>9} {'margin':>6}  row [output] rule", **PLAIN)
+        _say(out, f"{'status':<18} {'err':>9} {'limit':>9} {'margin':>6}  row [output] rule")
         for cells, row in zip(cells_by_row, rows):
             err, limit, margin, status = cells[-4:]
             line = f"{status:<18} {err:>9} {limit:>9} {margin:>6}  {report.row_heading(row)} [{cells[6]}] {cells[7]}"
-            out.print(line, style=STATUS_STYLE.get(row["status"], ""), **PLAIN)
+            _say(out, line, style=STATUS_STYLE.get(row["status"], ""))
         return
     table = Table(*report.TABLE_HEADER, title="k3verify verdicts", show_lines=False)
     for i, column in enumerate(table.columns):
@@ -269,8 +295,7 @@ def _print_table(out: Console, rows: list[dict]) -> None:
         else:  # names fold onto more lines
             column.overflow = "fold"
     for cells, row in zip(cells_by_row, rows):
-        status = f"[{STATUS_STYLE.get(row['status'], '')}]{escape(cells[-1])}[/]"
-        table.add_row(*(escape(c) for c in cells[:-1]), status)
+        table.add_row(*map(_cell, cells[:-1]), _cell(cells[-1], STATUS_STYLE.get(row["status"], "")))
     out.print(table)
 
 
@@ -278,13 +303,13 @@ def _print_attention(out: Console, rows: list[dict]) -> None:
     """Overflow explanations, unavailable rows (one line per distinct reason), then failures."""
     for row in rows:
         for line in row.get("overflow", [])[:1]:
-            out.print(f"overflow: {report.row_heading(row)}: {line}", style="yellow", **PLAIN)
+            _say(out, f"overflow: {report.row_heading(row)}: {line}", style="yellow")
     for reason, headings in report.unavailable_groups(rows):
-        out.print(f"unavailable ({len(headings)}): {reason}", style="dim", **PLAIN)
+        _say(out, f"unavailable ({len(headings)}): {reason}", style="dim")
         for heading in headings:
-            out.print(f"  - {heading}", style="dim", **PLAIN)
+            _say(out, f"  - {heading}", style="dim")
     for line in report.failure_lines(rows):
-        out.print(f"FAIL {line}", style="bold red", **PLAIN)
+        _say(out, f"FAIL {line}", style="bold red")
 
 
 @_writes("out", "--out")
@@ -310,13 +335,11 @@ def cmd_overflow_map(args: argparse.Namespace, out: Console, err: Console) -> in
         paths = write_map(result, Path(args.out), environment())
         counts = agreement(result.cells)
         failed |= counts["disagree_away"] > 0
-        out.print(
-            f"{entry.name}: {len(result.cells)} cells in {result.meta['wall_s']:.1f} s; prediction vs observation: "
-            f"{counts['agree']} agree, {counts['disagree_adjacent']} disagree next to the frontier, "
-            f"{counts['disagree_away']} disagree away from it", markup=False, highlight=False,
-        )
+        _say(out, f"{entry.name}: {len(result.cells)} cells in {result.meta['wall_s']:.1f} s; prediction vs "
+                  f"observation: {counts['agree']} agree, {counts['disagree_adjacent']} disagree next to the frontier, "
+                  f"{counts['disagree_away']} disagree away from it")
         for p in paths:
-            out.print(f"wrote {p}", markup=False, highlight=False)
+            _say(out, f"wrote {p}")
     return 1 if failed else 0
 
 
@@ -339,7 +362,7 @@ def cmd_list(args: argparse.Namespace, out: Console, err: Console) -> int:
         params = " ".join(f"{k}={v}" for k, v in i["params"].items())
         cells = (i["module"], i["implementation"], i["form"], i["dtype"], params, ",".join(i["cases"]), i["rule"],
                  i["source"], "yes" if i["available"] else f"no: {i['reason']}")
-        table.add_row(*(escape(str(c)) for c in cells))
+        table.add_row(*map(_cell, cells))
     out.print(table)
     return 0
 
@@ -349,16 +372,14 @@ def cmd_golden_generate(args: argparse.Namespace, out: Console, err: Console) ->
     """Write every selected module's golden inputs and fp64 oracle outputs, and the manifest."""
     start = time.perf_counter()
     manifest = golden.generate(
-        Path(args.dir), modules=_module_list(args.modules), seed=args.seed, progress=lambda s: err.print(s)
+        Path(args.dir), modules=_module_list(args.modules), seed=args.seed, progress=lambda s: _say(err, s)
     )
     files = manifest["files"]
     total = sum(f["bytes"] for f in files.values())
     for rel, record in files.items():
-        out.print(f"{rel}: {record['bytes'] / 1e3:.0f} kB, {len(record['tensors'])} tensors")
-    out.print(
-        f"wrote {len(files)} golden files ({total / 1e6:.2f} MB) and {Path(args.dir) / golden.MANIFEST} "
-        f"in {time.perf_counter() - start:.1f} s"
-    )
+        _say(out, f"{rel}: {record['bytes'] / 1e3:.0f} kB, {len(record['tensors'])} tensors")
+    _say(out, f"wrote {len(files)} golden files ({total / 1e6:.2f} MB) and {Path(args.dir) / golden.MANIFEST} "
+              f"in {time.perf_counter() - start:.1f} s")
     return 0
 
 
@@ -373,11 +394,11 @@ def cmd_golden_verify(args: argparse.Namespace, out: Console, err: Console) -> i
     problems = golden.check(goldens)
     if problems:
         for p in problems:
-            err.print(f"k3verify: golden: {p}", markup=False, highlight=False, soft_wrap=True)
-        err.print(f"{len(problems)} problem(s): {directory} is not what `k3verify golden generate` wrote",
-                  style="bold red", markup=False, highlight=False)
+            _say(err, f"k3verify: golden: {p}")
+        _say(err, f"{len(problems)} problem(s): {directory} is not what `k3verify golden generate` wrote",
+             style="bold red")
         return 1
-    out.print(f"goldens: every file, field and digest in {directory / golden.MANIFEST} checks out", markup=False)
+    _say(out, f"goldens: every file, field and digest in {directory / golden.MANIFEST} checks out")
     rows = []
     with _progress(err) as bar:
         task = bar.add_task("verifying goldens", total=None, current="")
@@ -386,7 +407,7 @@ def cmd_golden_verify(args: argparse.Namespace, out: Console, err: Console) -> i
             rows.append(row)
     config = {"goldens": str(directory), "modules": sorted({r["module"] for r in rows}),
               "wall_s": round(time.perf_counter() - start, 2)}
-    return _finish(rows, config, Path(args.out) if args.out else None, None, out, args)
+    return _finish(rows, config, Path(args.out) if args.out else None, None, out, args, err=err)
 
 
 def cmd_report_compare(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -405,21 +426,21 @@ def cmd_report_compare(args: argparse.Namespace, out: Console, err: Console) -> 
         out.file.write(compare.markdown(result, args.base, args.new) + "\n")
     else:
         for note in result.notes:
-            out.print(f"note: {note}", style="dim", **PLAIN)
+            _say(out, f"note: {note}", style="dim")
         shown = [f for key in ("changes", "improvements", "regressions") for f in groups[key]]
         if shown:
-            table = Table("", "kind", "what", "detail", title=escape(f"{args.base} -> {args.new}"))
+            table = Table("", "kind", "what", "detail", title=_cell(f"{args.base} -> {args.new}"))
             for column in table.columns:
                 column.overflow = "fold"
             for f in shown:
-                table.add_row("[bold red]REGRESSION[/]" if f.regression else "[dim]info[/]", *map(escape, (
-                    f.kind, f.subject, f.detail)))  # fmt: skip
+                mark = _cell("REGRESSION", "bold red") if f.regression else _cell("info", "dim")
+                table.add_row(mark, *map(_cell, (f.kind, f.subject, f.detail)))
             out.print(table)
         if groups["within_thresholds"]:
-            out.print(f"{len(groups['within_thresholds'])} row output(s) moved within the thresholds "
-                      "(--format md or json lists them)", style="dim", **PLAIN)  # fmt: skip
+            _say(out, f"{len(groups['within_thresholds'])} row output(s) moved within the thresholds "
+                      "(--format md or json lists them)", style="dim")  # fmt: skip
         for f in groups["regressions"]:  # the log's tail names each regression on one line
-            out.print(f"REGRESSION {f.kind}: {f.subject}: {f.detail}", style="bold red", **PLAIN)
+            _say(out, f"REGRESSION {f.kind}: {f.subject}: {f.detail}", style="bold red")
     (err if args.format != "table" else out).print(
         f"compared {result.rows_compared} rows and {result.cells_compared} map cells: "
         + (f"[bold red]{n} regression(s)[/]" if n else "[green]no regressions[/]")
@@ -437,8 +458,8 @@ def _strict_json(doc: object) -> str:
 @_writes("dir", "report folder")
 def cmd_report_render(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Rewrite report.md and report.html of a report folder from its report.json."""
-    paths = render_report(Path(args.dir), maps_dir=_maps_dir(args.maps))
-    out.print(f"wrote {', '.join(str(p) for p in paths)}")
+    paths = render_report(Path(args.dir), maps_dir=_maps_dir(args.maps), not_shown=_not_shown_printer(err))
+    _say(out, f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 
 
@@ -634,7 +655,7 @@ def _discard_stdout() -> None:
 
 
 def _error(err: Console, message: str, code: int) -> int:
-    err.print(f"k3verify: error: {message}", markup=False, highlight=False, soft_wrap=True)
+    _say(err, f"k3verify: error: {message}")
     return code
 
 

@@ -21,6 +21,7 @@ from k3verify.harness import compare, report
 from k3verify.harness.map_files import write_map
 from k3verify.harness.overflow_map import MapResult, MapSpec
 from k3verify.harness.render import write_report
+from k3verify.harness.text import md_text
 from k3verify.numerics import EXPECTED_NONFINITE, FAIL, PASS
 
 BASELINE = Path(__file__).resolve().parents[1] / "reports" / "baseline" / "cpu"
@@ -31,7 +32,7 @@ DEPTH_DRIFT, ROUTING_FLIPS = "attnres_depth_drift.json", "moe_routing_flips.json
 @pytest.fixture(scope="module")
 def mla_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("report")
-    assert main(["run", "--modules", "mla", "--out", str(out), "--maps", str(out / "no-maps")]) == 0
+    assert main(["run", "--modules", "mla", "--out", str(out), "--maps", str(tmp_path_factory.mktemp("no-maps"))]) == 0
     return out
 
 
@@ -199,7 +200,7 @@ def noisy_kda_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("noisy")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kda, "tiled", noisy)
-        main(["run", "--modules", "kda", "--out", str(out), "--maps", str(out / "no-maps")])
+        main(["run", "--modules", "kda", "--out", str(out), "--maps", str(tmp_path_factory.mktemp("no-maps"))])
     return _doc(out)
 
 
@@ -346,6 +347,7 @@ def test_a_schema_1_baseline_still_compares_with_a_new_run(tmp_path: Path) -> No
     old = json.loads((Path(__file__).parent / "data" / "report_schema1.json").read_text())
     assert old["schema_version"] == 1
     out = tmp_path / "new"
+    (tmp_path / "none").mkdir()  # an empty maps folder: no maps on the page
     assert main(["run", "--modules", "mla,moe", "--out", str(out), "--maps", str(tmp_path / "none")]) == 0
     new = _doc(out)
     assert new["schema_version"] == 2
@@ -427,7 +429,8 @@ def test_compare_as_a_pull_request_comment_and_for_bots(
     md = capsys.readouterr().out
     assert md.startswith("### k3verify: ") and "regression(s)" in md.splitlines()[0]
     assert "**Regressions**" in md and "| error grew | kda k3verify tiled bf16" in md
-    assert "<details><summary>Moved within the thresholds" in md and report.row_heading(moved) in md
+    # Fields are escaped Markdown (report fields are untrusted: test_injection.py).
+    assert "<details><summary>Moved within the thresholds" in md and md_text(report.row_heading(moved)) in md
     assert main(["report", "compare", str(base), str(new), "--format", "json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["regressions"] and all(f["regression"] for f in doc["regressions"])
@@ -444,6 +447,7 @@ def test_columns_decides_the_layout(monkeypatch: pytest.MonkeyPatch, capsys: pyt
                                     tmp_path: Path) -> None:  # fmt: skip
     """Rule: structural. Piped output is a 170-column table unless ``COLUMNS`` says otherwise;
     at 80 columns the verdicts are one line per row with every number whole."""
+    (tmp_path / "none").mkdir()
     args = ["run", "--modules", "mla", "--out", str(tmp_path / "r"), "--maps", str(tmp_path / "none")]
     monkeypatch.delenv("COLUMNS", raising=False)
     assert main(args) == 0

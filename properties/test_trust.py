@@ -290,7 +290,7 @@ def test_a_full_disk_keeps_the_previous_report(tmp_path: Path, monkeypatch: pyte
            "rule": "fp64-agreement", "status": "pass", "verdict": {"err": 0.0, "limit": 1e-10}, "margin": 1.0}
     monkeypatch.setattr(runner, "run", lambda entries, seed, progress, **kw: iter([row]))
     monkeypatch.setattr(runner, "plan", lambda *a, **k: [row])
-    out, maps = tmp_path / "out", str(tmp_path / "none")
+    out, maps = tmp_path / "out", str(tmp_path)  # a maps folder without maps
     assert main(["run", "--modules", "mla", "--out", str(out), "--maps", maps]) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     real_write = Path.write_text

@@ -53,6 +53,7 @@ from .files import UsageError
 from .map_files import load_map
 from .report import load
 from .runner import UNAVAILABLE
+from .text import md_text
 
 MAP_SUFFIX = "_overflow_map.json"
 MAP_GLOB = f"*{MAP_SUFFIX}"
@@ -457,12 +458,14 @@ def compare_paths(base: Path, new: Path, thresholds: Thresholds | None = None, *
 
 def markdown(result: Comparison, base: str, new: str) -> str:
     """The comparison as a pull-request comment: regressions and improvements as tables, the
-    rest collapsed under ``<details>``."""
+    rest collapsed under ``<details>``. Every finding, note and path is escaped (``md_text``):
+    they come from the reports, which a pull request may have written."""
     groups = result.groups()
     n = len(groups["regressions"])
     lines = [f"### k3verify: {n} regression(s)" if n else "### k3verify: no regressions", "",
-             f"`{base}` → `{new}`: {result.rows_compared} rows and {result.cells_compared} map cells compared.", ""]
-    lines += [f"> {note}" for note in result.notes] + ([""] if result.notes else [])
+             f"Compared {_md(base)} → {_md(new)}: {result.rows_compared} rows and {result.cells_compared} map "
+             "cells.", ""]
+    lines += [f"> Note: {_md(note)}" for note in result.notes] + ([""] if result.notes else [])
     titles = {"regressions": "Regressions", "improvements": "Improvements", "changes": "Other changes",
               "within_thresholds": "Moved within the thresholds"}
     for key, title in titles.items():
@@ -478,6 +481,6 @@ def markdown(result: Comparison, base: str, new: str) -> str:
     return "\n".join(lines)
 
 
-def _md(text: str) -> str:
-    """A table cell: pipes escaped, no line breaks."""
-    return str(text).replace("|", "\\|").replace("\n", " ")
+def _md(text: Any) -> str:
+    """Inline Markdown (a table cell, a note) that reads as ``text`` itself: see ``md_text``."""
+    return md_text(text)

@@ -8,13 +8,20 @@ disagree carry a white cross.
 The report's figures (error against position, ULP histograms, error against depth, other
 curves) are built from report rows and curve files and returned as figures for
 :func:`png_bytes`; ``report.html`` embeds them.
+
+Rows, maps and curve files are untrusted input: every text drawn goes through
+:func:`k3verify.harness.text.plot_text` (no mathtext, nothing invisible), every number is
+checked before it is drawn, and a PNG read from disk is decoded only within a pixel bound
+(:func:`compact_png`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +35,15 @@ from matplotlib.colors import ListedColormap, LogNorm
 from PIL import Image
 
 from .overflow_map import MapResult
+from .text import plot_text
+
+# A map figure is about 1 500 x 1 000 pixels; a PNG from disk above this is not decoded.
+MAX_PIXELS = 40_000_000
+# Figures drawn from a report: at most this many panels (cases) or lines (histogram rows), so
+# that no figure outgrows what matplotlib can save.
+MAX_PANELS, MAX_LINES = 40, 300
+# What PIL raises for bytes that are not a PNG it can decode (truncated, corrupt, a bomb).
+_DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError)
 
 
 def _ordered(values: list[Any]) -> list[Any]:
@@ -50,14 +66,25 @@ def draw_map(result: MapResult, out_dir: Path) -> list[Path]:
     paths = []
     for fig_value in _ordered([c[spec.figure] for c in result.cells]):
         cells = [c for c in result.cells if c[spec.figure] == fig_value]
-        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", str(fig_value)).strip("_")
-        path = out_dir / f"{result.module}_overflow_map_{spec.figure}-{slug}.png"
-        _draw_figure(cells, result, f"{spec.title}\n{spec.figure} = {fig_value}", path)
+        # File names from a map's own names: never a path separator, whatever the map says.
+        module, figure, slug = (_slug(v) for v in (result.module, spec.figure, fig_value))
+        path = out_dir / f"{module}_overflow_map_{figure}-{slug}.png"
+        _draw_figure(cells, result, f"{plot_text(spec.title)}\n{plot_text(f'{spec.figure} = {fig_value}')}", path)
         paths.append(path)
     return paths
 
 
+def _slug(value: Any, limit: int = 64) -> str:
+    """``value`` as a file-name part: runs of anything but ``A-Za-z0-9._-`` as one ``_``; a longer
+    one than ``limit`` is cut and told apart by a hash of the whole (a file name has 255 bytes)."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", str(value)).strip("_")
+    if len(slug) <= limit:
+        return slug
+    return f"{slug[:limit]}-{hashlib.sha256(str(value).encode('utf-8', 'surrogatepass')).hexdigest()[:12]}"
+
+
 def _draw_figure(cells: list[dict[str, Any]], result: MapResult, title: str, path: Path) -> None:
+    """One figure of a map into ``path``; ``title`` is drawn as given (its parts escaped by the caller)."""
     spec = result.spec
     rows = _ordered([c[spec.panel_row] for c in cells])
     cols = _ordered([c[spec.panel_col] for c in cells])
@@ -102,24 +129,25 @@ def _draw_figure(cells: list[dict[str, Any]], result: MapResult, title: str, pat
             ax.pcolormesh(x_edges, y_edges, np.ma.masked_invalid(over), cmap=overflow_cmap, vmin=0, vmax=1)
             _draw_frontier(ax, pred, x_edges)
             _draw_operating_point(ax, dict(spec.operating_point), spec, xs, ys, x_pos)
-            ax.set_title(f"{spec.panel_row}={rv}, {spec.panel_col}={cv}", fontsize=9)
-            ax.set_yticks(range(len(ys)), [str(y) for y in ys])
+            ax.set_title(plot_text(f"{spec.panel_row}={rv}, {spec.panel_col}={cv}"), fontsize=9)
+            ax.set_yticks(range(len(ys)), [plot_text(y) for y in ys])
             if not numeric_x:
-                ax.set_xticks(x_pos, [str(x) for x in xs], rotation=45, fontsize=7)
+                ax.set_xticks(x_pos, [plot_text(x) for x in xs], rotation=45, fontsize=7)
             if i == len(rows) - 1:
-                ax.set_xlabel(spec.x_label)
+                ax.set_xlabel(plot_text(spec.x_label))
             if j == 0:
-                ax.set_ylabel(spec.y_label)
+                ax.set_ylabel(plot_text(spec.y_label))
             if numeric_x:
                 ax.set_xlim(x_edges[0], x_edges[-1])  # keeps a descending axis descending
-    marked = f"   magenta: {spec.operating_label}" if spec.operating_point else ""
-    fig.suptitle(
-        title + f"\nred: overflow (inf/NaN)   black line: analytic frontier   x: prediction missed{marked}", fontsize=10
-    )
+    marked = f"   magenta: {plot_text(spec.operating_label)}" if spec.operating_point else ""
+    legend = f"red: overflow (inf/NaN)   black line: analytic frontier   x: prediction missed{marked}"
+    fig.suptitle(f"{title}\n{legend}", fontsize=10)
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.6, label="log10 rms_ratio vs fp64 oracle")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
 
 
 def _draw_operating_point(ax: Any, point: dict[str, Any], spec: Any, xs: list[Any], ys: list[Any],
@@ -131,7 +159,7 @@ def _draw_operating_point(ax: Any, point: dict[str, Any], spec: Any, xs: list[An
         value = point[spec.x]
         if value in xs:
             x = x_pos[xs.index(value)]
-        elif all(isinstance(v, (int, float)) for v in xs) and min(xs) <= value <= max(xs):
+        elif _number(value) and all(_number(v) for v in xs) and min(xs) <= value <= max(xs):
             x = value
     if spec.y in point and point[spec.y] in ys:
         y = ys.index(point[spec.y])
@@ -163,19 +191,38 @@ def _draw_frontier(ax: Any, pred: np.ndarray, x_edges: np.ndarray) -> None:
 def png_bytes(fig: Any) -> bytes:
     """The figure as PNG bytes (256-colour, see :func:`compact_png`); closes it."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    try:
+        fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    finally:
+        plt.close(fig)
     return compact_png(buf.getvalue())
 
 
 def compact_png(png: bytes) -> bytes:
-    """``png`` reduced to a 256-colour palette, for embedding in a page.
+    """``png`` reduced to a 256-colour palette, for embedding in a page; ``ValueError`` saying
+    why for bytes that are not a PNG of at most :data:`MAX_PIXELS` pixels that decodes.
 
     Anti-aliased lines make full-colour PNGs of line plots 3-4x larger than their palette
     versions (measured: 363 kB -> 107 kB for the KDA position figure), and a committed
-    baseline page embeds a dozen figures. Colourmaps with 256 entries survive unchanged.
+    baseline page embeds a dozen figures. Colourmaps with 256 entries survive unchanged. The
+    page embeds this new encoding, never the bytes it was given.
     """
-    image = Image.open(io.BytesIO(png)).convert("RGB")
+    try:
+        # The size comes from the header, before anything is decompressed (PIL's own, larger,
+        # bound warns below twice its limit: ours is the one that counts).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            source = Image.open(io.BytesIO(png), formats=["PNG"])
+        with source:
+            width, height = source.size
+            too_large = width * height > MAX_PIXELS
+            image = None if too_large else source.convert("RGB")
+    except Image.DecompressionBombError:
+        too_large, width, height = True, "?", "?"
+    except _DECODE_ERRORS as exc:
+        raise ValueError(f"not a PNG that decodes ({type(exc).__name__})") from None
+    if too_large:
+        raise ValueError(f"a PNG of {width} x {height} pixels, more than the {MAX_PIXELS} allowed")
     buf = io.BytesIO()
     image.quantize(colors=256, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE).save(
         buf, format="PNG", optimize=True
@@ -185,15 +232,16 @@ def compact_png(png: bytes) -> bytes:
 
 def row_label(row: dict[str, Any], *, every_param: bool = False) -> str:
     """``implementation form dtype params`` of a report row, for legends and axis ticks
-    (``chunk_size`` left out unless ``every_param``: it does not change a position curve)."""
-    params = " ".join(f"{k}={v}" for k, v in row.get("params", {}).items() if every_param or k != "chunk_size")
+    (``chunk_size`` left out unless ``every_param``: it does not change a position curve); plain
+    text, for :func:`plot_text`."""
+    params = " ".join(f"{k}={v}" for k, v in (row.get("params") or {}).items() if every_param or k != "chunk_size")
     impl = "" if row["implementation"] == "k3verify" else f"{row['implementation']} "
     return f"{impl}{row['form']} {row['dtype']}{' ' + params if params else ''}"
 
 
 def _positive(values: list[Any]) -> np.ndarray:
-    """Floats with missing/non-positive entries as NaN (log axes cannot draw them)."""
-    out = np.array([v if isinstance(v, (int, float)) and v is not None else np.nan for v in values], dtype=float)
+    """Floats with missing, non-numeric or non-positive entries as NaN (log axes cannot draw them)."""
+    out = np.array([float(v) if _number(v) else np.nan for v in values], dtype=float)
     out[~(out > 0)] = np.nan
     return out
 
@@ -206,18 +254,22 @@ def position_figure(rows: list[dict[str, Any]], title: str) -> Any | None:
     """
     by_case: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        if r["dtype"] != "fp64" and len(r.get("error_by_position") or []) > 1:
+        if r["dtype"] != "fp64" and isinstance(r.get("error_by_position"), list) and len(r["error_by_position"]) > 1:
             by_case.setdefault(r["case"], []).append(r)
     if not by_case:
         return None
+    if len(by_case) > MAX_PANELS:  # a figure has a size limit; a report may have any number of cases
+        title += f" (the first {MAX_PANELS} of {len(by_case)} cases)"
+        by_case = dict(list(by_case.items())[:MAX_PANELS])
     fig, axes = plt.subplots(len(by_case), 1, figsize=(11, 3.4 * len(by_case)), squeeze=False, layout="constrained")
     colors = matplotlib.colormaps["tab20"].colors
     for ax, (case, case_rows) in zip(axes[:, 0], by_case.items()):
         baselines: dict[str, list[Any]] = {}
         for i, r in enumerate(case_rows):
-            ax.plot(_positive(r["error_by_position"]), color=colors[i % len(colors)], lw=1.2, label=row_label(r))
-            if r.get("baseline_error_by_position"):
-                label = f"baseline {r.get('baseline_form', '')} {r['dtype']}"
+            color = colors[i % len(colors)]
+            ax.plot(_positive(r["error_by_position"]), color=color, lw=1.2, label=plot_text(row_label(r)))
+            if isinstance(r.get("baseline_error_by_position"), list) and r["baseline_error_by_position"]:
+                label = plot_text(f"baseline {r.get('baseline_form', '')} {r['dtype']}")
                 baselines.setdefault(label, r["baseline_error_by_position"])
         # Baselines: dark colours and dashes of their own, so each is told apart from the rows
         # and from the other baselines.
@@ -226,37 +278,53 @@ def position_figure(rows: list[dict[str, Any]], title: str) -> Any | None:
         for j, (label, series) in enumerate(baselines.items()):
             ax.plot(_positive(series), color=dark[j % len(dark)], lw=1.0, ls=dashes[j % 4], label=label)
         ax.set_yscale("log")
-        ax.set_title(f"case {case}", fontsize=10)
+        ax.set_title(plot_text(f"case {case}"), fontsize=10)
         ax.set_xlabel("token position t")
         ax.set_ylabel("rms(o_t − ref_t) / rms(ref_t)")
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.suptitle(title, fontsize=11)
+    fig.suptitle(plot_text(title), fontsize=11)
     return fig
 
 
 def ulp_figure(rows: list[dict[str, Any]], title: str) -> Any | None:
     """ULP histograms as a heatmap: one line per row, one column per ULP band, colour = share
     of the outputs in that band (log scale). ``None`` when no row carries a histogram."""
-    rows = [r for r in rows if r.get("ulp_histogram")]
+    rows = [r for r in rows if _histogram_edges(r.get("ulp_histogram"))]
+    if rows:  # one band layout per figure: the first row's
+        edges = rows[0]["ulp_histogram"]["edges"]
+        rows = [r for r in rows if r["ulp_histogram"]["edges"] == edges]
     if not rows:
         return None
-    edges = rows[0]["ulp_histogram"]["edges"]
-    counts = np.array([r["ulp_histogram"]["counts"] for r in rows], dtype=float)
+    if len(rows) > MAX_LINES:
+        title += f" (the first {MAX_LINES} of {len(rows)} rows)"
+        rows = rows[:MAX_LINES]
+    counts = np.array([[float(c) for c in r["ulp_histogram"]["counts"]] for r in rows], dtype=float)
     share = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
     fig, ax = plt.subplots(figsize=(11, 0.22 * len(rows) + 1.6), layout="constrained")
     image = ax.imshow(
         np.ma.masked_equal(share, 0), aspect="auto", cmap="magma_r", norm=LogNorm(1e-4, 1)
     )
-    labels = [f"{row_label(r, every_param=True)} | {r['case']} | {r.get('output', '-')}" for r in rows]
+    labels = [plot_text(f"{row_label(r, every_param=True)} | {r['case']} | {r.get('output', '-')}") for r in rows]
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("row | case | output")
     names = ["0", *(_ulp_tick(e) for e in edges[1:-1])]
     ax.set_xticks(np.arange(len(names)) - 0.5, names, fontsize=7, rotation=90)
     ax.set_xlabel("|error| in ULPs of the row's dtype (band lower edge)")
-    ax.set_title(title, fontsize=11)
+    ax.set_title(plot_text(title), fontsize=11)
     fig.colorbar(image, ax=ax, label="share of outputs", shrink=0.8)
     return fig
+
+
+def _histogram_edges(hist: Any) -> bool:
+    """``hist`` is a ULP histogram the figure can draw: ``edges`` from 0 through positive numbers
+    (the last may be ``null``: infinity) and one non-negative count per band."""
+    if not (isinstance(hist, dict) and isinstance(hist.get("edges"), list) and isinstance(hist.get("counts"), list)):
+        return False
+    edges, counts = hist["edges"], hist["counts"]
+    inner = edges[1:-1]
+    return (len(edges) >= 2 and len(counts) == len(edges) - 1 and all(_number(e) and 1e-300 < e < 1e300 for e in inner)
+            and all(_number(c) and c >= 0 for c in counts))
 
 
 def _ulp_tick(edge: float) -> str:
@@ -272,9 +340,14 @@ def depth_figure(doc: dict[str, Any], title: str) -> Any:
     ``sublayer`` is either one label for the whole curve or one label per point (then each
     label gets its own marker).
     """
-    layers = list(doc["layers"])
+    layers = doc.get("layers")
+    if not isinstance(layers, list) or not layers or not all(_number(x) for x in layers):
+        raise ValueError("'layers' is not a list of numbers")
+    layers = [float(x) for x in layers]
     sub = doc.get("sublayer")
     per_point = isinstance(sub, list) and len(sub) == len(layers)
+    if per_point:
+        sub = [plot_text(s) for s in sub]
     curves = [k for k, v in doc.items() if k.startswith("error_") and isinstance(v, list) and len(v) == len(layers)]
     if not curves:
         raise ValueError(f"no error_* list of {len(layers)} values")
@@ -282,16 +355,16 @@ def depth_figure(doc: dict[str, Any], title: str) -> Any:
     markers = dict(zip(dict.fromkeys(sub), "os^Dv")) if per_point else {}
     for key, color in zip(curves, matplotlib.colormaps["tab10"].colors):
         y = _positive(list(doc[key]))
-        ax.plot(layers, y, color=color, lw=1.0, label=key.removeprefix("error_"))
+        ax.plot(layers, y, color=color, lw=1.0, label=plot_text(key.removeprefix("error_")))
         for kind, marker in markers.items():
             idx = [i for i, s in enumerate(sub) if s == kind]
             ax.scatter([layers[i] for i in idx], y[idx], color=color, marker=marker, s=12)
     for kind, marker in markers.items():  # one legend entry per sublayer kind, in grey
-        ax.scatter([], [], color="grey", marker=marker, s=12, label=str(kind))
+        ax.scatter([], [], color="grey", marker=marker, s=12, label=kind)
     ax.set_yscale("log")
     ax.set_xlabel("layer")
-    ax.set_ylabel(str(doc.get("metric", "error")))
-    ax.set_title(title + ("" if per_point or sub is None else f" ({sub})"), fontsize=11)
+    ax.set_ylabel(plot_text(doc.get("metric", "error")))
+    ax.set_title(plot_text(title + ("" if per_point or sub is None else f" ({sub})")), fontsize=11)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return fig
@@ -299,19 +372,21 @@ def depth_figure(doc: dict[str, Any], title: str) -> Any:
 
 def _words(key: str) -> str:
     """A JSON key as a label: ``bf16_vs_fp32.changed_pairs`` -> ``bf16 vs fp32: changed pairs``."""
-    return key.replace(".", ": ").replace("_", " ")
+    return plot_text(key.replace(".", ": ").replace("_", " "))
 
 
 def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A number that converts to a finite float (not a bool, not an integer beyond float range)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and -1e308 <= x <= 1e308
 
 
-def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
+def _flat(record: dict[str, Any], prefix: str = "", depth: int = 8) -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (records nested deeper than ``depth`` are left out)."""
     out: dict[str, Any] = {}
     for k, v in record.items():
         if isinstance(v, dict):
-            out |= _flat(v, f"{prefix}{k}.")
+            if depth > 1:
+                out |= _flat(v, f"{prefix}{k}.", depth - 1)
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -338,14 +413,15 @@ def series_figure(doc: dict[str, Any], title: str) -> Any | None:
     series = {k: v for k, v in series.items() if len(v) == common}
     if len(series) < 2:
         return None
+    series = {k: [float(x) for x in v] for k, v in series.items()}
     (x_key, xs), *ys = series.items()
     fig, ax = plt.subplots(figsize=(10, 3.6), layout="constrained")
     for key, values in ys:
         ax.plot(xs, values, lw=1.2, marker=".", label=_words(key))
     ax.set_xlabel(_words(x_key))
     shares = all(0 <= v <= 1 for _, values in ys for v in values)
-    ax.set_ylabel(str(doc.get("y_label") or ("fraction" if shares else "value")))
-    ax.set_title(title, fontsize=11)
+    ax.set_ylabel(plot_text(doc.get("y_label") or ("fraction" if shares else "value")))
+    ax.set_title(plot_text(title), fontsize=11)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return fig

@@ -5,29 +5,60 @@ position, the ULP histograms and the overflow maps with their analytic frontiers
 curve files found next to the maps (AttnRes error against depth, MoE routing flips), the
 nightly worst-case search and the notes. Whatever lies outside ``report.json`` is gathered
 by :func:`collect_extras`, so a page can be re-rendered from a report and a maps folder.
+
+A report, its ``nightly.json`` and a maps folder are untrusted input (a CI artifact of someone's
+pull request): every string from them reaches the page through
+:func:`k3verify.harness.text.html_text` (``report.md`` through ``md_text``, figures through
+``plot_text``), and the maps folder is read through
+:class:`k3verify.harness.map_files.MapsFolder`: no symlink, only regular files of known names,
+each size-bounded. A file that cannot be shown (a symlink, a FIFO, too large, malformed, a PNG
+that does not decode within its pixel bound) is named under "Not shown" on both pages instead.
 """
 
 from __future__ import annotations
 
 import base64
-import html
 import json
 import math
-import re
+import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import plots
-from .files import json_safe, read_json, staged_folder
-from .map_files import load_map
-from .overflow_map import MapResult, MapSpec
-from .report import REPORT_FILES, REPORT_HTML, REPORT_JSON, REPORT_MD, fmt, load, markdown, notes, params_text
+from . import plots, registry
+from .files import UsageError, json_safe, staged_folder
+from .map_files import (
+    MAP_JSON,
+    MAP_PNG,
+    MAX_MAP_BYTES,
+    MAX_PNG_BYTES,
+    MAX_STUDY_BYTES,
+    MapsFolder,
+    check_map,
+    drawable_map,
+    maps_entries,
+)
+from .report import (
+    REPORT_FILES,
+    REPORT_HTML,
+    REPORT_JSON,
+    REPORT_MD,
+    STATUSES,
+    fmt,
+    load,
+    markdown,
+    notes,
+    params_text,
+)
+from .text import html_text
 
 NIGHTLY = "nightly.json"
-MAP_SUMMARY = "summary.json"
-_MAP_PNG = re.compile(r"^(?P<module>.+?)_overflow_map_.+\.png$")
+MAX_NIGHTLY_BYTES = 4 * 1024 * 1024
+# A study is shown in full (its JSON in a <pre>), so its nesting is bounded too.
+MAX_STUDY_DEPTH = 32
+NotShown = Callable[[str], None]
 
 
 @dataclass
@@ -40,39 +71,131 @@ class Extras:
     map_commits: dict[str, str | None] = field(default_factory=dict)  # module -> commit the map was made from
     curves: dict[str, Any] = field(default_factory=dict)  # curve file name -> its JSON
     nightly: dict[str, Any] | None = None
+    not_shown: list[str] = field(default_factory=list)  # "<path>: <why>", one per file left out
+
+
+def study_names() -> set[str]:
+    """The study files registered modules write beside their maps (``ModuleEntry.studies``)."""
+    return {name for entry in registry.select(None) for name in entry.studies}
 
 
 def collect_extras(report_dir: Path, maps_dir: Path | None) -> Extras:
     """Overflow-map PNGs (or, lacking them, maps drawn from ``<module>_overflow_map.json``),
-    map agreement counts, curve files from ``maps_dir``, and ``nightly.json`` from ``report_dir``."""
+    map agreement counts, the registered modules' studies from ``maps_dir``, and
+    ``nightly.json`` from ``report_dir``. A file that cannot be shown is named in
+    ``not_shown``; no file other than these is opened."""
     extras = Extras(maps_dir=maps_dir)
-    nightly = report_dir / NIGHTLY
-    if nightly.exists():
-        extras.nightly = read_json(nightly, what="nightly results")
-    if maps_dir is None or not maps_dir.is_dir():
+    if os.path.lexists(report_dir / NIGHTLY):
+        _shown(extras, lambda: _read_nightly(report_dir, extras))
+    if maps_dir is None:
         return extras
-    for png in sorted(maps_dir.glob("*_overflow_map_*.png")):
-        m = _MAP_PNG.match(png.name)
-        if m:
-            extras.map_images.setdefault(m["module"], []).append((png.name, plots.compact_png(png.read_bytes())))
-    summary = maps_dir / MAP_SUMMARY
-    if summary.exists():
-        summaries = read_json(summary, what="map summary")
-        extras.map_agreement |= {k: v.get("agreement", {}) for k, v in summaries.items()}
-        extras.map_commits |= {k: (v.get("environment") or {}).get("git_commit") for k, v in summaries.items()}
-    for path in sorted(maps_dir.glob("*_overflow_map.json")):
-        doc = load_map(path)
-        module = doc["module"]
-        extras.map_agreement[module] = doc.get("meta", {}).get("agreement", {})
-        extras.map_commits[module] = (doc.get("environment") or {}).get("git_commit")
-        if module not in extras.map_images:
-            extras.map_images[module] = _draw_map_doc(doc)
-    # Every other JSON file beside the maps is a module's study (its curve): whatever the modules
-    # register is shown, under the title the file gives.
-    for path in sorted(maps_dir.glob("*.json")):
-        if not path.name.endswith("_overflow_map.json") and path.name != MAP_SUMMARY:
-            extras.curves[path.name] = read_json(path, what="study file")
+    try:
+        folder = MapsFolder(maps_dir)
+    except UsageError as exc:  # checked before the run (cli); gone or swapped since
+        extras.not_shown.append(str(exc))
+        return extras
+    with folder:
+        entries = maps_entries(folder.names(), study_names())
+        for name in entries["png"]:
+            module = MAP_PNG.match(name)["module"]
+            _shown(extras, lambda n=name, m=module: extras.map_images.setdefault(m, []).append(
+                (n, _read_png(folder, n))))
+        for name in entries["summary"]:
+            _shown(extras, lambda n=name: _read_summary(folder, n, extras))
+        for name in entries["map"]:
+            _shown(extras, lambda n=name: _read_map(folder, n, extras))
+        for name in entries["study"]:
+            _shown(extras, lambda n=name: _read_study(folder, n, extras))
     return extras
+
+
+def _shown(extras: Extras, read: Callable[[], Any]) -> None:
+    """Run ``read``; a file it refuses (``UsageError``, naming the file) is named in
+    ``extras.not_shown`` instead of stopping the page."""
+    try:
+        read()
+    except UsageError as exc:
+        extras.not_shown.append(str(exc))
+
+
+def _read_png(folder: MapsFolder, name: str) -> bytes:
+    """A map image from the folder, re-encoded (:func:`plots.compact_png`); ``UsageError``
+    naming it when it is refused or does not decode within the pixel bound."""
+    data = folder.read(name, MAX_PNG_BYTES, "map image")
+    try:
+        return plots.compact_png(data)
+    except ValueError as exc:
+        raise UsageError(f"{folder.path / name}: map image is {exc}") from None
+
+
+def _read_nightly(report_dir: Path, extras: Extras) -> None:
+    with MapsFolder(report_dir, "report folder") as folder:
+        doc = folder.read_json(NIGHTLY, MAX_NIGHTLY_BYTES, "nightly results")
+    path = report_dir / NIGHTLY
+    if not isinstance(doc, dict):
+        raise UsageError(f"{path}: nightly results are a JSON {type(doc).__name__}, not an object")
+    modules = doc.get("modules", {})
+    if not isinstance(modules, dict):
+        raise UsageError(f"{path}: nightly results' 'modules' is not an object")
+    for name, m in modules.items():
+        if not isinstance(m, dict) or not isinstance(m.get("worst") or {}, dict):
+            raise UsageError(f"{path}: nightly results of module {name[:40]!r} are not an object with a 'worst' object")
+    extras.nightly = doc
+
+
+def _read_summary(folder: MapsFolder, name: str, extras: Extras) -> None:
+    path = folder.path / name
+    doc = folder.read_json(name, MAX_MAP_BYTES, "map summary")
+    if not isinstance(doc, dict) or not all(isinstance(v, dict) for v in doc.values()):
+        raise UsageError(f"{path}: map summary is not an object of one object per module")
+    for module, v in doc.items():
+        _check_provenance(v, path, f"map summary of {module[:40]!r}")
+    extras.map_agreement |= {k: v.get("agreement") or {} for k, v in doc.items()}
+    extras.map_commits |= {k: (v.get("environment") or {}).get("git_commit") for k, v in doc.items()}
+
+
+def _check_provenance(record: dict[str, Any], path: Path, what: str) -> None:
+    """``UsageError`` unless ``record``'s ``agreement`` is an object of objects and its
+    ``environment.git_commit`` is text (either may be missing)."""
+    agreement, env = record.get("agreement") or {}, record.get("environment") or {}
+    if not isinstance(agreement, dict) or not all(isinstance(v, dict) for v in agreement.values()):
+        raise UsageError(f"{path}: {what}: 'agreement' is not an object of counts per subset")
+    if not isinstance(env, dict) or not isinstance(env.get("git_commit") or "", str):
+        raise UsageError(f"{path}: {what}: 'environment.git_commit' is not text")
+
+
+def _read_map(folder: MapsFolder, name: str, extras: Extras) -> None:
+    path = folder.path / name
+    doc = check_map(folder.read_json(name, MAX_MAP_BYTES, "overflow map"), path)
+    module = MAP_JSON.match(name)["module"]
+    if doc["module"] != module:
+        raise UsageError(f"{path}: overflow map of module {doc['module'][:40]!r} in a file named for {module!r}")
+    meta = doc.get("meta") if isinstance(doc.get("meta"), dict) else {}
+    _check_provenance({"agreement": meta.get("agreement"), "environment": doc.get("environment")}, path,
+                      "overflow map")
+    extras.map_agreement[module] = meta.get("agreement") or {}
+    extras.map_commits[module] = (doc.get("environment") or {}).get("git_commit")
+    if module not in extras.map_images:
+        extras.map_images[module] = _draw_map_doc(drawable_map(doc, path), path)
+
+
+def _read_study(folder: MapsFolder, name: str, extras: Extras) -> None:
+    doc = folder.read_json(name, MAX_STUDY_BYTES, "study file")
+    if _depth(doc) > MAX_STUDY_DEPTH:
+        raise UsageError(f"{folder.path / name}: study file is nested deeper than {MAX_STUDY_DEPTH} levels")
+    extras.curves[name] = doc
+
+
+def _depth(doc: Any) -> int:
+    """How deeply lists and objects nest in a JSON document (a scalar: 0)."""
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack += [(c, depth + 1) for c in children]
+    return deepest
 
 
 def curve_title(name: str, doc: Any) -> str:
@@ -81,33 +204,41 @@ def curve_title(name: str, doc: Any) -> str:
     return str(title) if title else name.removesuffix(".json").replace("_", " ")
 
 
-def _draw_map_doc(doc: dict[str, Any]) -> list[tuple[str, bytes]]:
-    """PNG heatmaps of a map JSON written without its PNGs."""
-    result = MapResult(doc["module"], doc["cells"], MapSpec(**doc["spec"]), doc.get("meta", {}))
+def _draw_map_doc(result: Any, path: Path) -> list[tuple[str, bytes]]:
+    """PNG heatmaps of a map JSON written without its PNGs (a checked :class:`MapResult`);
+    ``UsageError`` naming ``path`` when a figure is larger than a page embeds."""
     with tempfile.TemporaryDirectory() as tmp:
-        return [(p.name, plots.compact_png(p.read_bytes())) for p in plots.draw_map(result, Path(tmp))]
+        try:
+            return [(p.name, plots.compact_png(p.read_bytes())) for p in plots.draw_map(result, Path(tmp))]
+        except ValueError as exc:
+            raise UsageError(f"{path}: overflow map drawn too large: {exc}") from None
 
 
 def _img(png: bytes, alt: str) -> str:
     data = base64.b64encode(png).decode("ascii")
-    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+    return f'<img alt="{html_text(alt)}" src="data:image/png;base64,{data}">'
 
 
 def _figure(fig: Any, alt: str, caption: str, heading: str = "") -> str:
-    """A figure with its caption (and an ``<h3>`` heading when given); nothing when ``fig`` is None."""
+    """A figure with its caption (HTML, escaped by the caller) and an ``<h3>`` heading when
+    given; nothing when ``fig`` is None."""
     if fig is None:
         return ""
-    head = f"<h3>{html.escape(heading)}</h3>" if heading else ""
-    return f"{head}<figure>{_img(plots.png_bytes(fig), alt)}<figcaption>{caption}</figcaption></figure>"
+    head = f"<h3>{html_text(heading)}</h3>" if heading else ""
+    try:
+        png = plots.png_bytes(fig)
+    except ValueError as exc:  # a figure larger than a page embeds (a report with thousands of rows in a case)
+        return f"{head}<p class='muted'>{html_text(alt)}: not drawn: {html_text(exc)}</p>"
+    return f"{head}<figure>{_img(png, alt)}<figcaption>{caption}</figcaption></figure>"
 
 
-def _table(header: list[str], rows: list[list[str]], classes: list[str] | None = None) -> str:
+def _table(header: list[str], rows: list[list[Any]], classes: list[str] | None = None) -> str:
     """An HTML table; cells are escaped here, so callers pass plain text."""
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    head = "".join(f"<th>{html_text(h)}</th>" for h in header)
     body = []
     for i, cells in enumerate(rows):
-        cls = f' class="{classes[i]}"' if classes else ""
-        body.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
+        cls = f' class="{html_text(classes[i])}"' if classes else ""
+        body.append(f"<tr{cls}>" + "".join(f"<td>{html_text(c)}</td>" for c in cells) + "</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
@@ -136,14 +267,16 @@ details{margin:6px 0} code,pre{font-size:12px}
 
 def html_page(doc: dict[str, Any], extras: Extras) -> str:
     """The whole page as a string."""
+    created, command = html_text(doc.get("created", "-")), html_text(_words(doc.get("command", [])))
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
-        f"<title>k3verify report {html.escape(doc['created'])}</title><style>{CSS}</style></head><body>",
+        f"<title>k3verify report {created}</title><style>{CSS}</style></head><body>",
         "<h1>k3verify report</h1>",
-        f"<p class='muted'>Created {html.escape(doc['created'])} by <code>{html.escape(' '.join(doc['command']))}"
-        f"</code> · schema {doc['schema_version']}</p>",
+        f"<p class='muted'>Created {created} by <code>{command}</code> · schema "
+        f"{html_text(doc.get('schema_version'))}</p>",
         _summary(doc),
         _environment(doc),
+        _not_shown(extras.not_shown),
         "<h2>Verdicts</h2>",
         "<p>Rules: <b>fp64-agreement</b>: normwise relative max error ≤ 1e-10 against the fp64 oracle; "
         "<b>baseline</b>: rms_ratio ≤ 2 × (same-dtype naive baseline's rms_ratio) + noise floor; "
@@ -154,9 +287,10 @@ def html_page(doc: dict[str, Any], extras: Extras) -> str:
     modules = list(dict.fromkeys(r["module"] for r in doc["rows"])) + [
         m for m in extras.map_images if m not in {r["module"] for r in doc["rows"]}
     ]
+    commit = (doc.get("environment") or {}).get("git_commit")
     for module in modules:
         module_rows = [r for r in doc["rows"] if r["module"] == module]
-        parts.append(_module_section(module, module_rows, extras, doc["environment"].get("git_commit")))
+        parts.append(_module_section(module, module_rows, extras, commit if isinstance(commit, str) else None))
     for name, study in extras.curves.items():
         parts.append(_curve_section(name, curve_title(name, study), study, extras.maps_dir))
     if extras.nightly:
@@ -166,28 +300,48 @@ def html_page(doc: dict[str, Any], extras: Extras) -> str:
     return "\n".join(p for p in parts if p)
 
 
+def _words(value: Any) -> str:
+    """A list (a command line, module names) as its items joined by spaces; anything else as text."""
+    return " ".join(str(v) for v in value) if isinstance(value, list) else str(value)
+
+
 def _summary(doc: dict[str, Any]) -> str:
+    summary = doc.get("summary") or {}
+    # A status names its badge's colour; any other key of a report gets the plain badge.
     badges = "".join(
-        f"<span class='badge {html.escape(k)}'>{html.escape(k)}: {v}</span>" for k, v in doc["summary"].items()
+        f"<span class='badge{' ' + k if k in STATUSES else ''}'>{html_text(k)}: {html_text(v)}</span>"
+        for k, v in summary.items()
     )
-    cfg = doc.get("config", {})
-    return f"<p>{badges}</p><p class='muted'>modules: {html.escape(', '.join(cfg.get('modules', [])))} · seed " \
-           f"{cfg.get('seed')} · wall {cfg.get('wall_s', '-')} s</p>"
+    cfg = doc.get("config") or {}
+    modules = ", ".join(str(m) for m in cfg.get("modules", [])) if isinstance(cfg.get("modules"), list) else "-"
+    # Numbers where a report is well-formed, but any value of a report may be text.
+    return (f"<p>{badges}</p><p class='muted'>modules: {html_text(modules)} · seed {html_text(cfg.get('seed'))} · "
+            f"wall {html_text(cfg.get('wall_s', '-'))} s</p>")
 
 
 def _environment(doc: dict[str, Any]) -> str:
-    rows = [[k, "-" if v is None else str(v)] for k, v in doc["environment"].items()]
+    rows = [[k, "-" if v is None else str(v)] for k, v in (doc.get("environment") or {}).items()]
     return f"<details><summary>Environment</summary>{_table(['key', 'value'], rows)}</details>"
 
 
+def _not_shown(items: list[str]) -> str:
+    """The files beside the report that the page leaves out, and why."""
+    if not items:
+        return ""
+    lis = "".join(f"<li>{html_text(item)}</li>" for item in items)
+    return f"<h2>Not shown</h2><div class='warn'><p>Files beside the report that this page leaves out:</p>" \
+           f"<ul>{lis}</ul></div>"
+
+
 def _margin_cell(margin: Any) -> str:
-    if not isinstance(margin, (int, float)) or margin is None or math.isnan(margin):
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or (isinstance(margin, float)
+                                                                             and math.isnan(margin)):
         return "<td class='num'>-</td>"
-    if math.isinf(margin):
+    if not -1e308 <= margin <= 1e308:  # infinite, or an integer beyond float range
         return f"<td class='num'><span class='bar neg' style='width:60px'></span>{fmt(margin, '.2f')}</td>"
     width = round(60 * min(max(abs(margin), 0.0), 1.0))
     neg = " neg" if margin < 0 else ""
-    return f"<td class='num'><span class='bar{neg}' style='width:{width}px'></span>{margin:.3f}</td>"
+    return f"<td class='num'><span class='bar{neg}' style='width:{width}px'></span>{float(margin):.3f}</td>"
 
 
 def _verdicts(rows: list[dict[str, Any]]) -> str:
@@ -200,18 +354,18 @@ def _verdicts(rows: list[dict[str, Any]]) -> str:
                  r.get("output", "-"), r["rule"]]
         # module, dtype, output and rule never wrap; the free-text columns may
         tds = "".join(
-            f"<td{' class=nw' if i in (0, 3, 6, 7) else ''}>{html.escape(str(c))}</td>" for i, c in enumerate(cells)
+            f"<td{' class=nw' if i in (0, 3, 6, 7) else ''}>{html_text(c)}</td>" for i, c in enumerate(cells)
         )
-        tds += f"<td class='num'>{fmt(v.get('err'))}</td><td class='num'>{fmt(v.get('limit'))}</td>"
+        tds += "".join(f"<td class='num'>{html_text(fmt(v.get(k)))}</td>" for k in ("err", "limit"))
         tds += _margin_cell(r.get("margin"))
-        tds += f"<td class='status'>{html.escape(r['status'])}</td>"
-        body.append(f"<tr class='{html.escape(r['status'])}'>{tds}</tr>")
+        tds += f"<td class='status'>{html_text(r['status'])}</td>"
+        body.append(f"<tr class='{r['status'] if r['status'] in STATUSES else 'unknown'}'>{tds}</tr>")
     head = "".join(f"<th>{h}</th>" for h in header)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
 def _module_section(module: str, rows: list[dict[str, Any]], extras: Extras, report_commit: str | None) -> str:
-    parts = [f"<h2 id='module-{html.escape(module)}'>{html.escape(module)}</h2>"]
+    parts = [f"<h2 id='module-{html_text(module)}'>{html_text(module)}</h2>"]
     parts.append(_figure(
         plots.position_figure(rows, f"{module}: error against token position"),
         f"{module} error against position",
@@ -236,7 +390,7 @@ def _module_section(module: str, rows: list[dict[str, Any]], extras: Extras, rep
             parts.append("<p>Analytic prediction against observation:</p>" + _table(
                 ["subset", "cells", "agree", "disagree next to the frontier", "disagree away from it"], table))
         parts += [
-            f"<figure>{_img(png, name)}<figcaption>{html.escape(name)}: colour log10 rms_ratio vs the fp64 oracle, "
+            f"<figure>{_img(png, name)}<figcaption>{html_text(name)}: colour log10 rms_ratio vs the fp64 oracle, "
             "red overflow, black line the analytic frontier, white x a missed prediction</figcaption></figure>"
             for name, png in images
         ]
@@ -246,46 +400,47 @@ def _module_section(module: str, rows: list[dict[str, Any]], extras: Extras, rep
 def _map_provenance(module: str, extras: Extras, report_commit: str | None) -> str:
     """Where a module's maps come from, and whether they describe the code this report ran: a
     warning for committed baseline maps or maps made from another commit."""
-    where = html.escape(str(extras.maps_dir))
+    where = html_text(extras.maps_dir)
     commit = extras.map_commits.get(module)
-    redo = f"<code>k3verify overflow-map --module {html.escape(module)}</code> maps the code under test"
+    redo = f"<code>k3verify overflow-map --module {html_text(module)}</code> maps the code under test"
     if extras.maps_dir is not None and "baseline" in extras.maps_dir.resolve().parts:
         return (f"<p class='warn'>Committed baseline maps from {where}, not made by this run: they show the "
-                f"code of commit {html.escape(str(commit or 'unknown')[:10])}. {redo}.</p>")
+                f"code of commit {html_text(str(commit or 'unknown')[:10])}. {redo}.</p>")
     if commit and report_commit and commit != report_commit:
-        return (f"<p class='warn'>Maps from {where}, made from commit {html.escape(commit[:10])}; this report ran "
-                f"commit {html.escape(report_commit[:10])}. {redo}.</p>")
-    made = f", made from this report's commit {html.escape(commit[:10])}" if commit and commit == report_commit else ""
+        return (f"<p class='warn'>Maps from {where}, made from commit {html_text(commit[:10])}; this report ran "
+                f"commit {html_text(report_commit[:10])}. {redo}.</p>")
+    made = f", made from this report's commit {html_text(commit[:10])}" if commit and commit == report_commit else ""
     return f"<p class='ok'>Maps from {where}{made}.</p>"
 
 
 def _curve_section(name: str, title: str, doc: Any, maps_dir: Path | None) -> str:
-    parts = [f"<h2>{html.escape(title)}</h2><p class='muted'>{html.escape(str((maps_dir or Path()) / name))}</p>"]
-    try:
-        # Curves against depth (a "layers" axis) are drawn as such; any other study as its series.
-        is_depth = isinstance(doc, dict) and "layers" in doc
-        fig = plots.depth_figure(doc, title) if is_depth else plots.series_figure(doc, title)
-    except (KeyError, TypeError, ValueError) as exc:  # a curve file of another shape still shows as data
-        fig, parts = None, [*parts, f"<p class='muted'>not drawn: {html.escape(repr(exc))}</p>"]
-    parts.append(_figure(fig, title, html.escape(name)))
+    parts = [f"<h2>{html_text(title)}</h2><p class='muted'>{html_text((maps_dir or Path()) / name)}</p>"]
+    fig = None
+    if isinstance(doc, dict):
+        try:
+            # Curves against depth (a "layers" axis) are drawn as such; any other study as its series.
+            fig = plots.depth_figure(doc, title) if "layers" in doc else plots.series_figure(doc, title)
+        except ValueError as exc:  # a curve file of another shape still shows as data
+            parts.append(f"<p class='muted'>not drawn: {html_text(exc)}</p>")
+    parts.append(_figure(fig, title, html_text(name)))
     if isinstance(doc, dict):
         scalars = [[k, json.dumps(v)] for k, v in doc.items() if not isinstance(v, (list, dict))]
         if scalars:
             parts.append(_table(["key", "value"], scalars))
-    parts.append(f"<details><summary>{html.escape(name)}</summary><pre>{html.escape(json.dumps(doc, indent=1))}"
+    parts.append(f"<details><summary>{html_text(name)}</summary><pre>{html_text(json.dumps(doc, indent=1))}"
                  "</pre></details>")
     return "\n".join(parts)
 
 
 def _nightly_section(nightly: dict[str, Any]) -> str:
     rows = []
-    for module, m in nightly.get("modules", {}).items():
+    for module, m in (nightly.get("modules") or {}).items():
         w = m.get("worst") or {}
         rows.append([module, m.get("examples"), fmt(m.get("wall_s"), ".0f"), w.get("implementation", "-"),
                      fmt(w.get("ratio"), ".3f"), fmt(w.get("err")), fmt(w.get("limit")), w.get("replay", "-")])
-    head = (f"<h2>Nightly worst-case search</h2><p class='muted'>profile {html.escape(str(nightly.get('profile')))}, "
-            f"budget {nightly.get('budget_s')} s, created {html.escape(str(nightly.get('created')))}; ratio = err / "
-            "limit of the row's rule (1 = at the limit).</p>")
+    head = (f"<h2>Nightly worst-case search</h2><p class='muted'>profile {html_text(nightly.get('profile'))}, "
+            f"budget {html_text(nightly.get('budget_s'))} s, created {html_text(nightly.get('created'))}; "
+            "ratio = err / limit of the row's rule (1 = at the limit).</p>")
     return head + _table(["module", "examples", "wall s", "worst implementation", "err/limit", "err", "limit",
                           "replay"], rows)
 
@@ -296,39 +451,45 @@ def _notes(rows: list[dict[str, Any]]) -> str:
         return ""
     lis = []
     for head, detail, lines in items:
-        sub = "".join(f"<li><code>{html.escape(x)}</code></li>" for x in lines)
-        lis.append(f"<li><b>{html.escape(head)}</b>: {html.escape(detail)}{f'<ul>{sub}</ul>' if sub else ''}</li>")
+        sub = "".join(f"<li><code>{html_text(x)}</code></li>" for x in lines)
+        lis.append(f"<li><b>{html_text(head)}</b>: {html_text(detail)}{f'<ul>{sub}</ul>' if sub else ''}</li>")
     return f"<h2>Notes</h2><ul>{''.join(lis)}</ul>"
 
 
 # --- the report set: report.json, report.md, report.html --------------------------------
 
 
-def write_report(doc: dict[str, Any], out_dir: Path, *, maps_dir: Path | None = None) -> list[Path]:
+def write_report(doc: dict[str, Any], out_dir: Path, *, maps_dir: Path | None = None,
+                 not_shown: NotShown | None = None) -> list[Path]:
     """Write ``report.json``, ``report.md`` and ``report.html`` into ``out_dir`` as one set (the
     folder is swapped in whole: an interrupt leaves the previous three); return the paths.
 
-    ``maps_dir`` is where overflow maps and curve files are looked for (see :func:`render_report`).
+    ``maps_dir`` is where overflow maps and curve files are looked for (see :func:`render_report`);
+    ``not_shown`` is called with one line per file the pages leave out.
     """
-    return _write_set(out_dir, doc, maps_dir, with_json=True)
+    return _write_set(out_dir, doc, maps_dir, with_json=True, not_shown=not_shown)
 
 
-def render_report(out_dir: Path, *, maps_dir: Path | None = None) -> list[Path]:
+def render_report(out_dir: Path, *, maps_dir: Path | None = None, not_shown: NotShown | None = None) -> list[Path]:
     """(Re)write ``report.md`` and ``report.html`` in ``out_dir`` from its ``report.json``.
 
     The pages also show what sits beside the report: ``nightly.json`` in ``out_dir``, and the
     overflow maps and curve files (``attnres_depth_drift.json``, ``moe_routing_flips.json``) in
-    ``maps_dir``.
+    ``maps_dir``; ``not_shown`` is called with one line per file they leave out.
     """
-    return _write_set(out_dir, load(out_dir), maps_dir, with_json=False)
+    return _write_set(out_dir, load(out_dir), maps_dir, with_json=False, not_shown=not_shown)
 
 
-def _write_set(out_dir: Path, doc: dict[str, Any], maps_dir: Path | None, *, with_json: bool) -> list[Path]:
+def _write_set(out_dir: Path, doc: dict[str, Any], maps_dir: Path | None, *, with_json: bool,
+               not_shown: NotShown | None) -> list[Path]:
     extras = collect_extras(out_dir, maps_dir)
-    pages = {REPORT_MD: markdown(doc, nightly=extras.nightly), REPORT_HTML: html_page(doc, extras)}
+    pages = {REPORT_MD: markdown(doc, nightly=extras.nightly, not_shown=extras.not_shown),
+             REPORT_HTML: html_page(doc, extras)}
     if with_json:
         pages[REPORT_JSON] = json.dumps(json_safe(doc), indent=1, allow_nan=False) + "\n"
     with staged_folder(out_dir, carry=lambda name: name not in pages) as stage:
         for name, text in pages.items():
             (stage / name).write_text(text, encoding="utf-8")
+    for item in extras.not_shown if not_shown else ():
+        not_shown(item)
     return [out_dir / name for name in REPORT_FILES if name in pages]

@@ -16,6 +16,11 @@ Keys marked ``?`` appear only where they apply; readers ignore keys they do not 
 ``schema_version`` changes only when a key they rely on changes meaning or disappears.
 ``report.md`` holds the tables (:func:`markdown`); ``report.html`` adds the figures and both are
 written with the JSON, as one set, by :mod:`k3verify.harness.render`.
+
+The text helpers here (:func:`table_rows`, :func:`row_heading`, :func:`failure_lines`,
+:func:`notes`) return plain text, escaped by each sink: :func:`markdown` through
+:func:`k3verify.harness.text.md_text`, the page through ``html_text``, the terminal through
+``terminal_text``. Any field of a report may hold markup or control characters.
 """
 
 from __future__ import annotations
@@ -23,12 +28,14 @@ from __future__ import annotations
 import datetime as _dt
 import math
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ..numerics import EXPECTED_NONFINITE, FAIL, PASS
 from .files import UsageError, read_json, require_keys
 from .runner import UNAVAILABLE
+from .text import md_text
 
 # 2: named outputs (``outputs``, ``output``) per row; readers still take 1 (one unnamed output).
 SCHEMA_VERSION = 2
@@ -241,17 +248,23 @@ def _check_summary(summary: dict[str, Any], rows: list[dict[str, Any]], path: Pa
 
 
 def fmt(x: Any, spec: str = ".2e") -> str:
-    """A number for a table cell: ``-`` when missing, ``inf``/``nan`` spelled out."""
+    """A number for a table cell: ``-`` when missing, ``inf``/``nan`` spelled out (an integer
+    beyond float range counts as infinite); anything else, a bool included, as its text."""
     if x is None:
         return "-"
-    if isinstance(x, float) and not math.isfinite(x):
-        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    return format(x, spec) if isinstance(x, (int, float)) else str(x)
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return str(x)
+    if isinstance(x, float) and math.isnan(x):
+        return "nan"
+    if not -1e308 <= x <= 1e308:
+        return "inf" if x > 0 else "-inf"
+    return format(x, spec)
 
 
 def params_text(row: dict[str, Any]) -> str:
     """``key=value`` pairs of a row's parameters, space-separated."""
-    return " ".join(f"{k}={v}" for k, v in row.get("params", {}).items())
+    params = row.get("params")
+    return " ".join(f"{k}={v}" for k, v in params.items()) if isinstance(params, dict) else ""
 
 
 def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
@@ -294,24 +307,25 @@ TABLE_HEADER = [
 ]
 
 
-def markdown(doc: dict[str, Any], *, nightly: dict[str, Any] | None = None) -> str:
+def markdown(doc: dict[str, Any], *, nightly: dict[str, Any] | None = None, not_shown: Sequence[str] = ()) -> str:
     """Human-readable report: environment, summary, one table row per verified configuration,
-    error against position, the nightly search's maxima (when given) and notes."""
-    env = doc["environment"]
+    error against position, the nightly search's maxima (when given), the files beside the
+    report that were left out (``not_shown``) and notes. Every value is escaped (``md_text``)."""
+    env = doc.get("environment") or {}
+    command = doc.get("command", [])
+    command = " ".join(map(str, command)) if isinstance(command, list) else command
     lines = [
         "# k3verify report",
         "",
-        f"Created {doc['created']} by `{' '.join(doc['command'])}`.",
+        f"Created {md_text(doc.get('created', '-'))} by {md_text(command)}.",
         "",
         "## Environment",
         "",
-        "| key | value |",
-        "|---|---|",
-        *[f"| {k} | {v} |" for k, v in env.items()],
+        *_md_table(["key", "value"], [[k, v] for k, v in env.items()]),
         "",
         "## Summary",
         "",
-        " · ".join(f"{k}: {v}" for k, v in doc["summary"].items()),
+        "Counts: " + " · ".join(f"{md_text(k)}: {md_text(v)}" for k, v in (doc.get("summary") or {}).items()),
         "",
         "Rules: `fp64-agreement` = normwise relative max error <= 1e-10 against the fp64 oracle; "
         "`baseline` = rms_ratio <= 2 x (same-dtype naive baseline's rms_ratio) + noise floor "
@@ -323,7 +337,8 @@ def markdown(doc: dict[str, Any], *, nightly: dict[str, Any] | None = None) -> s
         *_md_table(TABLE_HEADER, table_rows(doc["rows"])),
         "",
     ]
-    positions = [r for r in doc["rows"] if r["dtype"] != "fp64" and len(r.get("error_by_position") or []) > 1]
+    positions = [r for r in doc["rows"] if r["dtype"] != "fp64" and isinstance(r.get("error_by_position"), list)
+                 and len(r["error_by_position"]) > 1]
     if positions:
         lines += [
             "## Error against position",
@@ -336,30 +351,35 @@ def markdown(doc: dict[str, Any], *, nightly: dict[str, Any] | None = None) -> s
             "",
         ]
     if nightly:
-        lines += ["## Nightly worst-case search", "", f"Profile {nightly.get('profile')}, budget "
-                  f"{nightly.get('budget_s')} s; ratio = err / limit of the row's rule.", ""]
+        lines += ["## Nightly worst-case search", "", f"Profile {md_text(nightly.get('profile'))}, budget "
+                  f"{md_text(nightly.get('budget_s'))} s; ratio = err / limit of the row's rule.", ""]
         lines += _md_table(
             ["module", "examples", "worst implementation", "err/limit", "replay"],
-            [[m, str(v.get("examples")), (v.get("worst") or {}).get("implementation", "-"),
-              fmt((v.get("worst") or {}).get("ratio"), ".3f"), f"`{(v.get('worst') or {}).get('replay', '-')}`"]
-             for m, v in nightly.get("modules", {}).items()],
+            [[m, v.get("examples"), (v.get("worst") or {}).get("implementation", "-"),
+              fmt((v.get("worst") or {}).get("ratio"), ".3f"), (v.get("worst") or {}).get("replay", "-")]
+             for m, v in (nightly.get("modules") or {}).items()],
         )
+        lines.append("")
+    if not_shown:
+        lines += ["## Not shown", "", "Files beside the report that the pages leave out:", ""]
+        lines += [f"- {md_text(item)}" for item in not_shown]
         lines.append("")
     items = notes(doc["rows"])
     if items:
         lines += ["## Notes", ""]
         for head, detail, sub in items:
-            lines.append(f"- **{head}**: {detail}")
-            lines += [f"  - {line}" for line in sub]
+            lines.append(f"- **{md_text(head)}**: {md_text(detail)}")
+            lines += [f"  - {md_text(line)}" for line in sub]
         lines.append("")
     return "\n".join(lines)
 
 
-def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+def _md_table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    """A Markdown table; every cell is escaped here (``md_text``), so callers pass plain values."""
     return [
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
-        *["| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |" for cells in rows],
+        *["| " + " | ".join(md_text(c) for c in cells) + " |" for cells in rows],
     ]
 
 
@@ -407,6 +427,6 @@ def notes(rows: list[dict[str, Any]]) -> list[tuple[str, str, list[str]]]:
         if not (r.get("reason") or r.get("overflow") or (r.get("verdict") or {}).get("status") == FAIL):
             continue
         head = f"{r['module']} {r['implementation']} {r['form']} {r['dtype']} {params_text(r)} ({r['case']})"
-        detail = r.get("reason") or (r.get("verdict") or {}).get("reason", "")
-        out.append((head, detail, list(r.get("overflow", []))))
+        detail = r.get("reason") or (r.get("verdict") or {}).get("reason") or ""
+        out.append((head, str(detail), [str(line) for line in r.get("overflow") or []]))
     return out

@@ -55,6 +55,7 @@ from .registry import (
     Prediction,
     as_outputs,
 )
+from .text import terminal_text
 
 DEFAULT_TIMEOUT_S = 900.0
 MAX_FRAME_BYTES = 1 << 34  # 16 GiB: a production-shape output fits, a garbage length does not
@@ -226,12 +227,6 @@ def _worker_main(rfd: int, wfd: int) -> None:
 # --- the harness's side -----------------------------------------------------------------------
 
 
-def visible(text: str) -> str:
-    """``text`` with control characters (but tabs) shown as escapes, for a terminal."""
-    return "".join(c if c == "\t" or (c.isprintable() and not 0x80 <= ord(c) < 0xA0) else
-                   f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}" for c in text)
-
-
 class Host:
     """The harness's handle on the worker: starts it when needed, sends requests with a timeout,
     and starts a new one after a request killed it."""
@@ -306,7 +301,7 @@ class Host:
 def _forward(stream: Any) -> None:
     for line in iter(stream.readline, b""):
         try:
-            sys.stderr.write("plugin: " + visible(line.decode("utf-8", "replace").rstrip("\n")) + "\n")
+            sys.stderr.write("plugin: " + terminal_text(line.decode("utf-8", "replace").rstrip("\n")) + "\n")
         except (OSError, ValueError):  # stderr closed: nothing more to show
             return
 

@@ -36,7 +36,9 @@ def tests(session: nox.Session) -> None:
     ``k3verify golden verify``, a fresh run compared against the committed baseline, and the
     modules sharded over 8 gloo ranks (``k3verify run --tp 8``) compared against theirs."""
     _install(session, "test,fla")
-    session.run("pytest", "-m", "not slow and not nightly", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci"})
+    # One worker per core (pytest-xdist; the conftest gives each its share of torch's threads).
+    session.run("pytest", "-m", "not slow and not nightly", "-n", "auto", "--dist", "loadgroup", *session.posargs,
+                env={"HYPOTHESIS_PROFILE": "ci"})
     session.run("k3verify", "golden", "verify")
     _run_and_compare(session)
     _run_and_compare(session, TP_BASELINE, f"{LATEST}/tp8", "--tp", "8", "--tp-backend", "gloo", "--quiet")

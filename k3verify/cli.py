@@ -467,25 +467,24 @@ def cmd_report_render(args: argparse.Namespace, out: Console, err: Console) -> i
 SEED_LIMIT = 2**62
 
 
-def _seed(text: str) -> int:
+def _integer(text: str, low: int, high: int, shown: str) -> int:
+    """``text`` as an integer in [low, high]; argparse's error naming ``shown`` otherwise."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= value < SEED_LIMIT:
-        raise argparse.ArgumentTypeError(f"{text} is outside [0, 2**62)")
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{text[:40]} is outside {shown}")
     return value
+
+
+def _seed(text: str) -> int:
+    return _integer(text, 0, SEED_LIMIT - 1, "[0, 2**62)")
 
 
 def _world_size(text: str) -> int:
     """``--tp``: a number of ranks in [1, MAX_WORLD_SIZE] (what the machine holds is checked later)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 1 <= value <= MAX_WORLD_SIZE:
-        raise argparse.ArgumentTypeError(f"{text[:40]} is outside [1, {MAX_WORLD_SIZE}] ranks")
-    return value
+    return _integer(text, 1, MAX_WORLD_SIZE, f"[1, {MAX_WORLD_SIZE}] ranks")
 
 
 def _timeout(text: str) -> float:

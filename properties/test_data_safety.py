@@ -37,6 +37,7 @@ from typing import Any
 
 import pytest
 import torch
+from golden_memo import memoised_golden_cases
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load as load_tensors
@@ -67,6 +68,14 @@ def _stub_run(monkeypatch: pytest.MonkeyPatch, during: Callable[[], None] | None
 
     monkeypatch.setattr(runner, "run", run)
     monkeypatch.setattr(runner, "plan", lambda *a, **k: [ROW])  # one row planned, one made
+
+
+def _no_maps(tmp_path: Path) -> str:
+    """An empty maps folder beside ``tmp_path`` (whose listing some tests compare): the page shows
+    no maps (a missing folder is a usage error)."""
+    folder = tmp_path.with_name(f"{tmp_path.name}-no-maps")
+    folder.mkdir(exist_ok=True)
+    return str(folder)
 
 
 def _refuse_computing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,7 +175,7 @@ def test_report_render_of_a_glob_named_folder_spares_a_live_golden_generate(
     """The reproduction: ``report render 'D/g*'`` removed ``D/.gA.k3verify-staging-…`` of a live
     ``golden generate --dir D/gA``."""
     _stub_run(monkeypatch)
-    glob_named, maps = tmp_path / "g*", str(tmp_path / "none")
+    glob_named, maps = tmp_path / "g*", _no_maps(tmp_path)
     assert main(["run", "--modules", "mla", "--out", str(glob_named), "--maps", maps]) == 0
     live = tmp_path / f".gA{STAGING}k3x_9zq1"
     (live / "mla").mkdir(parents=True)
@@ -383,7 +392,7 @@ def test_the_lock_is_held_from_the_start_to_the_end(tmp_path: Path, monkeypatch:
     out = tmp_path / "out"
     seen = []
     _stub_run(monkeypatch, during=lambda: seen.append(_locked_elsewhere(out)))
-    assert main(["run", "--modules", "mla", "--out", str(out), "--maps", str(tmp_path / "none")]) == 0
+    assert main(["run", "--modules", "mla", "--out", str(out), "--maps", _no_maps(tmp_path)]) == 0
     assert seen == [True] and not _locked_elsewhere(out)
 
 
@@ -592,16 +601,7 @@ def test_a_forged_oracle_is_one_named_problem(forgery: str, mla_goldens: Path,
 def memoised(made: dict[str, Path]) -> Iterator[Path]:
     """MLA's goldens, with the check's regeneration of the cases memoised per seed (it is
     deterministic, and the cases cache today's oracle)."""
-    real = registry.ModuleEntry.cases_for_goldens
-    memo: dict[tuple[str, int], Any] = {}
-
-    def cached(entry: registry.ModuleEntry, seed: int) -> Any:
-        if (entry.name, seed) not in memo:
-            memo[entry.name, seed] = real(entry, seed)
-        return memo[entry.name, seed]
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(registry.ModuleEntry, "cases_for_goldens", cached)
+    with memoised_golden_cases():
         yield made["mla"]
 
 
@@ -682,7 +682,7 @@ def test_run_carries_a_folder_1200_deep(tmp_path: Path, deep: None, monkeypatch:
     _stub_run(monkeypatch)
     out = tmp_path / "out"
     deepest = _nest(out / "notes", DEPTH)
-    code, err = _run(["run", "--modules", "mla", "--out", str(out), "--maps", str(tmp_path / "none")], capsys)
+    code, err = _run(["run", "--modules", "mla", "--out", str(out), "--maps", _no_maps(tmp_path)], capsys)
     assert code == 0 and "Traceback" not in err, err
     assert (deepest / "deepest.txt").read_text() == "deep" and (out / "report.json").exists()
 
@@ -811,7 +811,7 @@ def test_golden_generate_past_a_file_size_limit_is_one_line_and_keeps_the_old_se
 def test_run_on_a_full_inode_table_exits_non_zero_and_keeps_the_report(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out, maps = tmp_path / "out", str(tmp_path / "none")
+    out, maps = tmp_path / "out", _no_maps(tmp_path)
     _stub_run(monkeypatch)
     assert main(["run", "--modules", "mla", "--out", str(out), "--maps", maps]) == 0
     before = _snapshot(out)
@@ -854,10 +854,12 @@ from k3verify.harness import runner
 row = {"module": "mla", "implementation": "i", "form": "f", "dtype": "fp64", "params": {}, "case": "c",
        "rule": "fp64-agreement", "status": "pass", "verdict": {"err": 0.0, "limit": 1e-10}, "margin": 1.0}
 runner.run = lambda entries, seed, progress, **kw: iter([row])
+runner.plan = lambda *args, **kw: [row]
 from k3verify.__main__ import entry
 kind, out, seed = sys.argv[1:]
 if kind == "run":
-    sys.argv[1:] = ["run", "--modules", "mla", "--out", out, "--maps", "/nonexistent", "--seed", seed]
+    import tempfile
+    sys.argv[1:] = ["run", "--modules", "mla", "--out", out, "--maps", tempfile.mkdtemp(), "--seed", seed]
 else:
     sys.argv[1:] = ["golden", "generate", "--modules", "mla", "--dir", out, "--seed", seed]
 sys.exit(entry())

@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from golden_memo import memoised_golden_cases
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from k3verify.cli import main
-from k3verify.harness import golden, registry, runner
+from k3verify.harness import golden, report, runner
 from k3verify.harness.files import UsageError
 
 FUZZ_EXAMPLES = int(os.environ.get("K3V_FUZZ_EXAMPLES", "150"))
@@ -88,16 +89,7 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     memoised per seed (it is deterministic, and 0.12 s of every example otherwise)."""
     out = tmp_path_factory.mktemp("fuzz") / "golden"
     golden.generate(out, modules=["mla"])
-    real = registry.ModuleEntry.cases_for_goldens
-    memo: dict[tuple[str, int], Any] = {}
-
-    def cached(entry: registry.ModuleEntry, seed: int) -> Any:
-        if (entry.name, seed) not in memo:
-            memo[entry.name, seed] = real(entry, seed)
-        return memo[entry.name, seed]
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(registry.ModuleEntry, "cases_for_goldens", cached)
+    with memoised_golden_cases():
         yield out
 
 
@@ -166,7 +158,7 @@ def _small_report() -> dict[str, Any]:
         if row["status"] not in seen:
             seen.add(row["status"])
             rows.append(row)
-    return doc | {"rows": rows}
+    return doc | {"rows": rows, "summary": report.summarize(rows)}
 
 
 @pytest.mark.parametrize("side", ["base", "new"])

@@ -13,11 +13,11 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+from plugin_site import install_plugin
 
 from k3verify.harness import golden, registry
 from k3verify.harness.overflow_map import MapOptions, sweep_map
@@ -43,11 +43,7 @@ BROKEN = {
 
 def _install_broken(site: Path) -> None:
     for name, (group_name, source, attr) in BROKEN.items():
-        (site / f"{name}.py").write_text(textwrap.dedent(source))
-        info = site / f"{name}-0.1.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
-        (info / "entry_points.txt").write_text(f"[k3verify.implementations]\n{group_name} = {name}:{attr}\n")
+        install_plugin(site, dist=name, module=name, source=source, extends=group_name, attr=attr)
 
 
 @pytest.fixture(scope="module")

@@ -413,16 +413,23 @@ def _carry(target: Path, stage: Path, carry: Callable[[str], bool]) -> dict[str,
     while pending:
         rel = pending.pop()
         src, dst = target / rel, stage / rel
-        info = os.lstat(src)
-        if stat.S_ISLNK(info.st_mode):
-            os.symlink(os.readlink(src), dst)
-        elif stat.S_ISDIR(info.st_mode):
-            os.mkdir(dst)
-            os.chmod(dst, stat.S_IMODE(info.st_mode))
-            with os.scandir(src) as entries:
-                pending += [f"{rel}/{e.name}" for e in entries]
-        else:
-            _link_or_copy(str(src), str(dst))
+        try:
+            info = os.lstat(src)
+            if stat.S_ISLNK(info.st_mode):
+                os.symlink(os.readlink(src), dst)
+            elif stat.S_ISDIR(info.st_mode):
+                os.mkdir(dst)
+                os.chmod(dst, stat.S_IMODE(info.st_mode))
+                with os.scandir(src) as entries:
+                    pending += [f"{rel}/{e.name}" for e in entries]
+            else:
+                _link_or_copy(str(src), str(dst))
+        except FileNotFoundError:
+            # Another program removed or renamed it since the listing; whatever stands there at
+            # the swap is brought over then (_keep_others_changes).
+            with contextlib.suppress(OSError):
+                os.rmdir(dst)  # a folder begun for it, still empty
+            continue
         carried[rel] = (info.st_ino, os.lstat(dst).st_ino)
     return carried
 

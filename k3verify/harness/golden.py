@@ -555,6 +555,12 @@ def check(golden: Path | GoldenSet) -> list[str]:
 
 
 def _problems(goldens: GoldenSet) -> list[str]:
+    return _storage_problems(goldens) + _check_against_generator(goldens)
+
+
+def _storage_problems(goldens: GoldenSet) -> list[str]:
+    """What :func:`check` finds in the set as stored (digests, file hashes and headers, unlisted
+    files), without regenerating its cases."""
     manifest, directory = goldens.manifest, goldens.directory
     path = directory / MANIFEST
     problems = [f"{path}: field {field!r} does not match its digest (edited by hand?)"
@@ -570,7 +576,6 @@ def _problems(goldens: GoldenSet) -> list[str]:
     problems += goldens.listing_problems
     problems += [f"{directory / rel}: not listed in {MANIFEST}" for rel in goldens.on_disk
                  if rel not in manifest["files"]]
-    problems += _check_against_generator(goldens)
     return problems
 
 
@@ -826,18 +831,21 @@ def verify_rows(
 def oracle_rows(golden: Path | GoldenSet, *, modules: list[str] | None = None,
                 progress: Progress | None = None) -> list[dict[str, Any]]:
     """One ``oracle`` row per golden file of the selected modules: today's fp64 oracle on the
-    stored inputs against the stored outputs (fp64-agreement), after :func:`check` passed (a
-    set with problems is a ``GoldenError``). ``k3verify run`` starts with these: every verdict
-    it gives rests on an oracle that still computes what was committed."""
-    goldens = _checked(golden)
+    stored inputs against the stored outputs (fp64-agreement, every named output), once the set
+    is intact as stored (digests, hashes, headers; a problem is a ``GoldenError``; regenerating
+    the cases is ``golden verify``'s work). ``k3verify run`` starts with these: every verdict it
+    gives rests on an oracle that still computes what was committed."""
+    goldens = _checked(golden, _storage_problems)
     return [row for entry in registry.select(modules)
             for row in _oracle_rows(entry, load_cases(goldens, entry.name), progress)]
 
 
-def _checked(golden: Path | GoldenSet) -> GoldenSet:
-    """The set, read once, if :func:`check` finds nothing wrong with it; ``GoldenError`` otherwise."""
+def _checked(golden: Path | GoldenSet,
+             find: Callable[[GoldenSet], list[str]] = check) -> GoldenSet:
+    """The set, read once, if ``find`` (default :func:`check`) finds nothing wrong with it;
+    ``GoldenError`` otherwise."""
     goldens = _as_set(golden)
-    problems = check(goldens)
+    problems = find(goldens)
     if problems:
         raise GoldenError(f"{problems[0]} (and {len(problems) - 1} more problem(s)); the goldens do not check out")
     return goldens

@@ -27,6 +27,7 @@ trusts the harness), ``torch.save`` documents from the worker (the harness trust
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.metadata
 import io
 import os
@@ -58,6 +59,7 @@ from .registry import (
 from .text import terminal_text
 
 DEFAULT_TIMEOUT_S = 900.0
+STARTUP_TIMEOUT_S = 600.0  # a worker's imports, before any request; generous for a loaded machine
 MAX_FRAME_BYTES = 1 << 34  # 16 GiB: a production-shape output fits, a garbage length does not
 _HEADER = struct.Struct("<Q")
 _timeout_s = DEFAULT_TIMEOUT_S
@@ -221,6 +223,7 @@ def _worker_main(rfd: int, wfd: int) -> None:
     # What plugins print must not be mistaken for answers; both streams go to the forwarded pipe.
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    _write_frame(wfd, _document({"ok": True, "value": "ready"}))
     Worker().serve(rfd, wfd)
 
 
@@ -234,9 +237,12 @@ class Host:
     def __init__(self, specs: list[tuple[str, str]]):
         self.specs = specs
         self.proc: subprocess.Popen | None = None
+        self.forwarder: threading.Thread | None = None
         self.to_worker = self.from_worker = -1
 
     def _start(self) -> None:
+        """A fresh worker, ready for requests (its start-up, importing torch and k3verify, does
+        not count against a request's timeout)."""
         to_r, to_w = os.pipe()
         from_r, from_w = os.pipe()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -248,23 +254,33 @@ class Host:
         os.close(to_r)
         os.close(from_w)
         self.to_worker, self.from_worker = to_w, from_r
-        threading.Thread(target=_forward, args=(self.proc.stdout,), daemon=True).start()
+        self.forwarder = threading.Thread(target=_forward, args=(self.proc.stdout,), daemon=True)
+        self.forwarder.start()
+        try:
+            ready = _read_frame(self.from_worker, time.monotonic() + STARTUP_TIMEOUT_S)
+        except TimeoutError:
+            ready = None
+        if ready is None:
+            self.stop()
+            raise PluginError(f"the plugin process did not start within {STARTUP_TIMEOUT_S:g} s")
 
-    def stop(self) -> None:
-        """End the worker (killing its process group) and close the pipes."""
+    def stop(self, *, grace_s: float = 0.0) -> None:
+        """End the worker: it may finish within ``grace_s`` seconds once its requests end, then
+        its process group is killed; what it printed is shown before this returns."""
         if self.proc is None:
             return
-        for fd in (self.to_worker, self.from_worker):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        try:
+        with contextlib.suppress(OSError):
+            os.close(self.to_worker)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(grace_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         self.proc.wait()
-        self.proc = None
+        if self.forwarder is not None:
+            self.forwarder.join(5.0)
+        with contextlib.suppress(OSError):
+            os.close(self.from_worker)
+        self.proc = self.forwarder = None
 
     def request(self, msg: dict[str, Any], what: str) -> Any:
         """The worker's answer to ``msg``; :class:`PluginError` naming ``what`` when there is none."""
@@ -281,9 +297,10 @@ class Host:
         except (BrokenPipeError, PluginError):
             frame = None
         if frame is None:
-            code = self.proc.wait() if self.proc is not None else None
-            self.stop()
-            raise PluginError(f"the plugin process ended (exit status {code}) during {what}")
+            proc = self.proc
+            self.stop(grace_s=5.0)
+            raise PluginError(f"the plugin process ended (exit status {proc.returncode if proc else None}) "
+                              f"during {what}")
         try:
             reply = torch.load(io.BytesIO(frame), weights_only=True)
         except Exception as exc:
@@ -313,7 +330,7 @@ def stop() -> None:
     """End the plugin process, if any (the next request starts a new one)."""
     global _HOST
     if _HOST is not None:
-        _HOST.stop()
+        _HOST.stop(grace_s=5.0)
         _HOST = None
 
 

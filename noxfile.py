@@ -37,7 +37,7 @@ def tests(session: nox.Session) -> None:
     modules sharded over 8 gloo ranks (``k3verify run --tp 8``) compared against theirs."""
     _install(session, "test,fla")
     # One worker per core (pytest-xdist; the conftest gives each its share of torch's threads).
-    session.run("pytest", "-m", "not slow and not nightly", "-n", "auto", "--dist", "loadgroup", *session.posargs,
+    session.run("pytest", "-m", "not slow and not nightly", "-n", "auto", "--dist", "loadfile", *session.posargs,
                 env={"HYPOTHESIS_PROFILE": "ci"})
     session.run("k3verify", "golden", "verify")
     _run_and_compare(session)

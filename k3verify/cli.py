@@ -186,14 +186,20 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
     tp = _tp_options(args)
     sandbox.set_timeout(args.timeout)
     start = time.perf_counter()
-    oracle_rows, oracle_check = _oracle_check(args, entries, tp, err)
     orphans = args.modules is None
-    planned = runner.plan(entries, tp, orphans)
+    names = _module_list(args.implementations)
+    if names is not None and tp is not None:
+        raise UsageError("--implementations selects rows of a plain run; a --tp run verifies the modules' layers")
+    try:
+        planned = runner.plan(entries, tp, orphans, names)
+    except KeyError as exc:
+        raise UsageError(f"--implementations: {exc.args[0]}") from None
+    oracle_rows, oracle_check = _oracle_check(args, entries, tp, err)
     rows = list(oracle_rows)
     with _progress(err) as bar:
         task = bar.add_task("verifying", total=len(planned), current="")
         for row in runner.run(entries, seed=args.seed, progress=lambda label: bar.update(task, current=label),
-                              orphans=orphans, tp=tp):
+                              orphans=orphans, tp=tp, names=names):
             rows.append(row)
             bar.advance(task)
     if len(rows) != len(oracle_rows) + len(planned):  # a verdict or a reason for every planned row
@@ -202,6 +208,8 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
     wall = time.perf_counter() - start
     config = {"seed": args.seed, "modules": [e.name for e in entries], "wall_s": round(wall, 2),
               "oracle_check": oracle_check}
+    if names is not None:
+        config["implementations"] = sorted(set(names))
     if tp is not None:
         config["tp"] = dataclasses.asdict(tp)
     return _finish(rows, config, Path(args.out), maps_dir, out, args, err=err)
@@ -526,6 +534,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--tp-size", choices=SIZES, help="layer widths for --tp: small (default) or k3 (K3's widths)")
     r.add_argument("--tp-timeout", type=_timeout, default=300.0, metavar="SECONDS",
                    help="a module's ranks that take longer fail its rows (default 300)")
+    r.add_argument("--implementations", action="append", metavar="NAMES",
+                   help="comma-separated implementation names: only their rows (default: every implementation; "
+                        "a compare against a full baseline then counts the others as removed)")
     r.add_argument("--goldens", metavar="DIR",
                    help="golden folder whose stored fp64 outputs the oracle must reproduce before any row is "
                         f"judged (default: {DEFAULT_GOLDENS} when it holds a manifest; none: no check)")

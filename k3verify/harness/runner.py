@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -38,29 +38,38 @@ UNAVAILABLE = "unavailable"
 Progress = Callable[[str], None]
 
 
-def plan(entries: list[ModuleEntry], tp: TPOptions | None = None,
-         orphans: bool = False) -> list[tuple[ModuleEntry, Implementation, str]]:
+def plan(entries: list[ModuleEntry], tp: TPOptions | None = None, orphans: bool = False,
+         names: Collection[str] | None = None) -> list[tuple[ModuleEntry, Implementation, str]]:
     """Every (entry, implementation, case name) a run will verify, in order; with ``tp``, the
     tensor-parallel rows instead (:mod:`k3verify.harness.tp_rows`). ``orphans`` adds the rows of
-    plugins that name no registered module (a full run shows them)."""
+    plugins that name no registered module (a full run shows them); ``names`` keeps only the
+    implementations of those names (``KeyError`` listing the known ones for a name none has)."""
     if tp is not None:
         return tp_rows.plan(entries, tp)
     planned = [(e, impl, c) for e in entries for impl in e.implementations() for c in impl.cases]
     if orphans and entries:
         planned += [(entries[0], impl, c) for impl in orphan_implementations() for c in impl.cases]
+    if names is not None:
+        known = {impl.implementation for _, impl, _ in planned}
+        unknown = sorted(set(names) - known)
+        if unknown:
+            raise KeyError(f"no implementation named {', '.join(map(repr, unknown))} in the selected modules; "
+                           f"known: {', '.join(sorted(known))}")
+        planned = [row for row in planned if row[1].implementation in names]
     return planned
 
 
 def run(entries: list[ModuleEntry], *, seed: int = 0, progress: Progress | None = None,
-        orphans: bool = False, tp: TPOptions | None = None) -> Iterator[dict[str, Any]]:
+        orphans: bool = False, tp: TPOptions | None = None,
+        names: Collection[str] | None = None) -> Iterator[dict[str, Any]]:
     """Verify every planned row; yields rows as they finish (``progress`` gets each label first).
 
     An implementation that cannot run here yields its ``unavailable`` row without building its
     case (a broken plugin may ask for a case its module does not make); one that asks for a
-    case its module does not make yields a failed row. ``orphans`` and ``tp`` as in :func:`plan`;
-    exactly one row is yielded per planned row."""
+    case its module does not make yields a failed row. ``orphans``, ``tp`` and ``names`` as in
+    :func:`plan`; exactly one row is yielded per planned row."""
     cases: dict[int, dict[str, Case]] = {}
-    for entry, impl, case_name in plan(entries, tp, orphans):
+    for entry, impl, case_name in plan(entries, tp, orphans, names):
         if progress:
             progress(f"{impl.label} on {case_name}")
         reason = impl.unavailable()

@@ -958,3 +958,27 @@ def test_a_reader_that_went_away_is_one_line_and_exit_2(argv: list[str]) -> None
         os.close(write)
     assert done.returncode == 2, done.stderr
     _one_line(done.stderr)
+
+
+def test_a_fifo_met_at_the_open_is_refused_without_waiting(tmp_path: Path) -> None:
+    """A path checked as a regular file and swapped for a FIFO before it is opened: the bounded
+    read opens without blocking and refuses what is not a regular file (the read is called on
+    the FIFO directly, as after such a swap; a blocking open would wait for a writer forever)."""
+    fifo = tmp_path / "report.json"
+    os.mkfifo(fifo)
+    outcome: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            files._read_bounded(fifo, 1000, "report")
+        except BaseException as exc:
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # let the blocked open go, then fail
+        with open(fifo, "wb"):
+            pass
+        pytest.fail("the read waited for a writer of the FIFO")
+    assert len(outcome) == 1 and isinstance(outcome[0], UsageError) and "not a regular file" in str(outcome[0])

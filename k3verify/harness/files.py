@@ -103,10 +103,15 @@ def read_confined(root: Path, rel: str, *, max_bytes: int, what: str = "file", d
 def _read_bounded(path: Path, max_bytes: int, what: str, opened: tuple[str, int] | None = None) -> bytes:
     """At most ``max_bytes`` of ``path`` (or of ``opened``: a path relative to a folder descriptor)."""
     try:
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+        # Non-blocking, so a path swapped for a FIFO since it was checked cannot hang the open;
+        # the descriptor must then still be a regular file.
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
         fd = os.open(path, flags) if opened is None else os.open(opened[0], flags, dir_fd=opened[1])
     except OSError as exc:
         raise UsageError(f"{path}: {what} cannot be read: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UsageError(f"{path}: {what} is not a regular file")
     with os.fdopen(fd, "rb") as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:

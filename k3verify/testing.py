@@ -127,7 +127,7 @@ def assert_matches_oracle(
     def run(case: Case) -> dict[str, torch.Tensor]:
         out = as_outputs(_within(timeout, lambda: entry.call(fn, case, torch_dtype, **options), _name(fn)),
                          entry.outputs, _name(fn))
-        seen.update({k: v.detach().cpu() for k, v in out.items()})
+        seen.update({k: v.detach() if v.is_meta else v.detach().cpu() for k, v in out.items()})
         return out
 
     impl = Implementation(module=module, implementation=_name(fn), form="user", dtype=name, params=dict(options),

@@ -40,6 +40,7 @@ import torch
 from golden_memo import memoised_golden_cases
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from quick_forms import without_kernels
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
@@ -499,6 +500,7 @@ def test_verify_judges_the_set_its_check_passed(
     swapped: list[bool] = []
 
     monkeypatch.setattr(golden, "check", check_then_swap)
+    without_kernels(monkeypatch, "mla")
     out = tmp_path / "report"
     assert main(["golden", "verify", "--dir", str(mla_goldens), "--modules", "mla", "--out", str(out)]) == 0
     rows = json.loads((out / "report.json").read_text())["rows"]

@@ -205,7 +205,7 @@ def test_fuzzed_command_lines_end_in_an_exit_status(argv: list[str], monkeypatch
     row = {"module": "mla", "implementation": "i", "form": "f", "dtype": "fp64", "params": {}, "case": "c",
            "rule": "fp64-agreement", "status": "pass", "verdict": {"err": 0.0, "limit": 1e-10}, "margin": 1.0}
     monkeypatch.setattr(runner, "run", lambda entries, seed, progress, **kw: iter([row]))
-    monkeypatch.setattr(runner, "plan", lambda entries, tp=None, orphans=False: [row])  # one row planned, one made
+    monkeypatch.setattr(runner, "plan", lambda entries, *args, **kw: [row])  # one row planned, one made
     monkeypatch.setattr(golden, "generate", _no_generate)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "a" / "b"

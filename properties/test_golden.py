@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from quick_forms import without_kernels
 from safetensors.torch import load_file
 from verdicts import assert_identical
 
@@ -39,8 +40,11 @@ def test_committed_goldens_match_their_manifest() -> None:
         assert {"seed", "config", "generator_version", "torch"} <= set(record)
 
 
-def test_mla_implementations_pass_on_the_goldens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Through the CLI: hashes first, then each row under its own rule (CI verifies every module)."""
+def test_mla_implementations_pass_on_the_goldens(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the CLI: hashes first, then each row under its own rule. The forms here; the
+    kernels too in the CI session's ``k3verify golden verify``, which takes every module."""
+    without_kernels(monkeypatch, "mla")
     assert main(["golden", "verify", "--modules", "mla", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "every file" in out and "fail: 0" in out

@@ -418,7 +418,8 @@ def test_a_payload_in_a_row_or_the_environment_never_reaches_the_terminal(
         # A table, then a line per row; the neutral token only for the exit status to compare with.
         for columns in ("170", "80") if name == "payload" else ("170",):
             monkeypatch.setenv("COLUMNS", columns)
-            code = main(["run", "--modules", "attnres", "--out", str(root / name), "--maps", str(root / "maps")])
+            code = main(["run", "--modules", "attnres", "--out", str(root / name), "--maps", str(root / "maps"),
+                         "--goldens", "none"])
             out, err = capsys.readouterr()
             out += pages.pop()
             assert not invisible(out + err), (path, columns, (out + err)[-500:])

@@ -20,6 +20,7 @@ import pytest
 import torch
 import worst_case
 from hypothesis import settings
+from quick_forms import without_kernels
 
 from k3verify.harness import registry
 from k3verify.harness.environment import environment
@@ -86,6 +87,7 @@ def test_budget_stops_new_work() -> None:
 
 def test_a_module_without_a_search_space_is_searched_over_its_seed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(worst_case.SPACES, "mla")
+    without_kernels(monkeypatch, "mla")  # the search's fallback is what is tested
     assert worst_case.space_for("mla") is worst_case.SEED_SPACE
     result = worst_case.search("mla", budget_s=0.0, run_seed=0, max_examples=2)
     assert result["examples"] == 1

@@ -2,11 +2,12 @@
 (entry points in a site folder), and what k3verify makes of it.
 
 Plugins run in their own process (k3verify.harness.sandbox): one that exits, crashes or hangs
-fails its own row, with its reason; one that patches k3verify, reads the case's cached oracle,
-mutates its inputs or flips process-wide torch settings changes neither the verdict of a wrong
-kernel nor any other row; an identity registered twice cannot hide a failing row behind a
-passing twin. Each cheat is checked against a wrong kernel (it must fail) and the correct one
-(it must pass), so the isolation is what decides, not the kernel.
+fails its own row, with its reason; one that patches k3verify, reads the case's cached oracle or
+flips process-wide torch settings changes neither the verdict of a wrong kernel nor any other
+row; one that mutates its inputs fails its row, naming the input, and changes no other row; an
+identity registered twice cannot hide a failing row behind a passing twin. Each cheat is checked
+against a wrong kernel (it must fail) and the correct one (it must pass), so the isolation is
+what decides, not the kernel.
 
 Rules: the correct plugin kernels by the baseline rule (fp32, chunkwise family); the rest
 structural (statuses, reasons, exit codes).
@@ -33,7 +34,7 @@ from k3verify.numerics import FAIL, PASS
 
 ROOT = Path(__file__).resolve().parents[1]
 # Seconds a plugin call may take here: a hang costs this much, a loaded CI machine must not.
-TIMEOUT_S = 8.0
+TIMEOUT_S = 6.0
 
 # Shared by every plugin below: a correct fp32 KDA kernel and a wrong one (a 3 % larger output).
 COMMON = """
@@ -81,6 +82,19 @@ def implementations():
         kda.recurrent = lambda *x, **y: wrong(*x, **y)
         return wrong(*a, **k)
     return [make('patched_on_call', fn)]
+""",
+    # Broken in the ways a kernel under development is: a dropped column, and parameters that
+    # are no JSON (a dtype, a tensor), which the report stores as their repr.
+    "misshapen": """
+def implementations():
+    def fn(*a, **k):
+        o, s = right(*a, **k)
+        return o[..., :-1], s
+    def takes_odd_params(*a, acc=None, scale=None, **k):
+        return right(*a, **k)
+    return [make('misshapen', fn),
+            implementation("kda", takes_odd_params, name="odd_params", form="chunkwise", dtype="fp32",
+                           baseline="chunkwise", chunk_size=64, acc=torch.float32, scale=torch.ones(2))]
 """,
     # Reads the oracle's outputs out of the case's cache instead of computing anything.
     "oracle_thief": """
@@ -206,9 +220,10 @@ def test_a_global_state_flip_fails_its_row_and_moves_no_other(plugged: dict, ent
     assert torch.get_default_dtype() == torch.float32
 
 
-def test_mutated_inputs_stay_in_the_plugin_process(plugged: dict, entry: Any, case: Any) -> None:
+def test_mutated_inputs_fail_the_row_and_stay_in_the_plugin_process(plugged: dict, entry: Any, case: Any) -> None:
     q = case.inputs["q"].clone()
-    assert _row(entry, plugged["mutates"], case)["status"] == PASS
+    row = _row(entry, plugged["mutates"], case)
+    assert row["status"] == FAIL and "modified its input q in place" in row["reason"], row.get("reason")
     assert torch.equal(case.inputs["q"], q)
     assert _row(entry, plugged["control"], case)["status"] == PASS
 
@@ -238,19 +253,25 @@ def test_run_ends_an_exiting_and_a_hanging_plugin_as_failed_rows(tmp_path: Path)
     and exits 1 (a failed verdict), not 0 and not a crash."""
     site = tmp_path / "site"
     site.mkdir()
-    _install(site, {k: PLUGINS[k] for k in ("exit_at_load", "exit_in_run", "hang_in_run", "control")})
+    _install(site, {k: PLUGINS[k] for k in ("exit_at_load", "exit_in_run", "hang_in_run", "misshapen", "control")})
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]))
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "k3verify", "run", "--modules", "kda", "--timeout", "10", "--out",
-                           str(out), "--quiet", "--implementations", "exits,hangs,control,control_wrong"],
+    done = subprocess.run([sys.executable, "-m", "k3verify", "run", "--modules", "kda", "--timeout", "5", "--out",
+                           str(out), "--quiet", "--implementations", "exits,hangs,misshapen,odd_params,control,"
+                           "control_wrong"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads((out / "report.json").read_text())
     rows = {r["implementation"]: r for r in doc["rows"]}
-    assert doc["summary"]["rows"] == len(doc["rows"]) == 4  # the four named, one case each
-    assert doc["config"]["implementations"] == ["control", "control_wrong", "exits", "hangs"]
+    assert doc["summary"]["rows"] == len(doc["rows"]) == 6  # the six named, one case each
+    assert doc["config"]["implementations"] == ["control", "control_wrong", "exits", "hangs", "misshapen",
+                                                "odd_params"]
     assert rows["exits"]["status"] == FAIL and "sys.exit(0)" in rows["exits"]["reason"]
-    assert rows["hangs"]["status"] == FAIL and "did not finish within 10 s" in rows["hangs"]["reason"]
+    assert rows["misshapen"]["status"] == FAIL and "output 'o': cannot compare shape" in rows["misshapen"]["reason"]
+    assert rows["odd_params"]["status"] == PASS
+    assert rows["odd_params"]["params"] == {"chunk_size": 64, "acc": "torch.float32", "scale": "tensor([1., 1.])"}
+    assert rows["hangs"]["status"] == FAIL and "did not finish within 5 s" in rows["hangs"]["reason"]
     assert rows["control"]["status"] == PASS
-    assert {r["implementation"] for r in doc["rows"] if r["status"] == FAIL} == {"exits", "hangs", "control_wrong"}
+    assert {r["implementation"] for r in doc["rows"] if r["status"] == FAIL} == {"exits", "hangs", "misshapen",
+                                                                                "control_wrong"}
     assert "FAIL kda exits" in done.stdout and "FAIL kda hangs" in done.stdout

@@ -79,6 +79,34 @@ def test_a_kernel_must_return_the_forms_outputs(returned: object, message: str) 
         assert_matches_oracle(fn, "kda", torch.float32, baseline="chunkwise")
 
 
+BROKEN_OUTPUTS = {
+    "wrong shape": (lambda o: o[..., :-1], r"output 'o': cannot compare shape \(2, 200, 2, 127\)"),
+    "wrong dtype": (lambda o: o.to(torch.int32), r"output 'o': unsupported dtype torch.int32"),
+    "meta tensor": (lambda o: o.to("meta"), r"output 'o': a meta tensor, which holds no values"),
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_OUTPUTS))
+def test_a_broken_output_is_an_assertion_with_its_reason(broken: str) -> None:
+    """Never a ValueError from the harness: the failure is the kernel's, and says what is wrong."""
+    change, message = BROKEN_OUTPUTS[broken]
+
+    def fn(*args, **kw):
+        o, s = kda.chunkwise(*args, **kw)
+        return change(o), s
+
+    with pytest.raises(AssertionError, match=message):
+        assert_matches_oracle(fn, "kda", torch.float32, baseline="chunkwise")
+
+
+def test_a_kernel_that_raises_is_an_assertion_with_its_exception() -> None:
+    def fn(*args, **kw):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(AssertionError, match="RuntimeError: CUDA error: an illegal memory access"):
+        assert_matches_oracle(fn, "kda", torch.float32, baseline="chunkwise")
+
+
 def test_a_hung_kernel_fails_its_case_after_the_timeout() -> None:
     release = threading.Event()
 
@@ -131,14 +159,33 @@ def test_patching_the_definition_on_the_first_call_cannot_make_a_wrong_kernel_pa
         assert_matches_oracle(wrong_everywhere, "kda", torch.float32, cases=["default", "small"], baseline="chunkwise")
 
 
-def test_a_kernel_that_writes_into_its_inputs_changes_no_case() -> None:
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_a_kernel_that_writes_into_its_inputs_fails_and_changes_no_case(dtype: torch.dtype) -> None:
+    """Correct outputs, then q written in place: at fp64 (no cast between the case and the kernel)
+    and at the cast dtypes alike the call fails naming q, the case keeps its inputs, and the
+    correct kernel after it passes on the same case."""
     (case,) = cases("kda", ["default"])
     q = case.inputs["q"].clone()
 
     def writes(q_, k, v, g, beta, **kw):
         out = kda.chunkwise(q_, k, v, g, beta, **kw)
-        q_.mul_(2.0)  # fp64 inputs reach the kernel without a cast
+        q_[0, 3].mul_(2.0)
         return out
 
-    assert_matches_oracle(writes, "kda", torch.float64, cases=[case])
+    with pytest.raises(AssertionError, match=r"modified its input q in place \(\d+ of \d+ elements changed\)"):
+        assert_matches_oracle(writes, "kda", dtype, cases=[case], baseline="chunkwise")
     assert torch.equal(case.inputs["q"], q)
+    assert_matches_oracle(kda.chunkwise, "kda", dtype, cases=[case], baseline="chunkwise")
+
+
+def test_a_kernel_that_returns_its_input_fails() -> None:
+    """An output in an input's memory (here the initial state handed back as the final state,
+    right only when nothing happened): named, a failure."""
+    (case,) = cases("kda", ["default"])
+
+    def hands_back(q, k, v, g, beta, initial_state=None, **kw):
+        o, _ = kda.chunkwise(q, k, v, g, beta, initial_state=initial_state, **kw)
+        return o, initial_state
+
+    with pytest.raises(AssertionError, match=r"returned result\[1\] in the memory of its input initial_state"):
+        assert_matches_oracle(hands_back, "kda", torch.float64, cases=[case])

@@ -1,10 +1,14 @@
 """What an implementation may touch: copies of its case's inputs, never the case itself, and no
 process-wide torch setting.
 
-A case carries the oracle's outputs in its cache and is shared by every row of a run, so an
-implementation that is not k3verify's own receives :func:`sealed` copies (cloned inputs, no
-cache). Process-wide torch settings (default dtype, flush-to-zero, TF32, thread count...) change
-the results of every later computation, the oracle's included; :func:`torch_state` records them
+A case carries the oracle's outputs in its cache and is shared by every row of a run, so every
+implementation receives its own copy of the inputs (:func:`case_for`); one that is not k3verify's
+own gets a :func:`sealed` copy (no cache either). What an implementation writes into the inputs
+it was given, or returns in their memory, is its failure (:class:`InputMutated`), checked twice:
+on the case it received (:func:`run_isolated`) and, inside each module's adapter, on the tensors a
+function is called with (:func:`checked_call`) - the cast copies a kernel really sees.
+Process-wide torch settings (default dtype, flush-to-zero, TF32, thread count...) change the
+results of every later computation, the oracle's included; :func:`torch_state` records them
 around each call and :func:`restore` puts back what a call changed, which the caller reports as
 that call's failure.
 """
@@ -12,12 +16,13 @@ that call's failure.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..numerics import named_tensors
 from .registry import BUILTIN_SOURCE, Case, Implementation
 
 
@@ -28,9 +33,102 @@ def sealed(case: Case) -> Case:
 
 
 def case_for(impl: Implementation, case: Case) -> Case:
-    """What ``impl`` receives: k3verify's own forms share the case (they read the cached exact
-    quantities their predictions need); every other implementation gets a :func:`sealed` copy."""
-    return case if impl.source == BUILTIN_SOURCE else sealed(case)
+    """What ``impl`` receives: its own copy of the inputs. k3verify's own forms share the cache
+    (the exact quantities their predictions read); every other implementation gets a
+    :func:`sealed` copy."""
+    if impl.source == BUILTIN_SOURCE:
+        return Case(case.name, copy.deepcopy(case.inputs), case.params, case.cache)
+    return sealed(case)
+
+
+class InputMutated(RuntimeError):
+    """An implementation wrote into an input it was given, or returned memory of one: in a
+    kernel, a caller's tensor changed behind its back."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+_SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flattened and read as integers of its element size, so that a NaN equals itself and
+    -0.0 differs from 0.0: "changed" means any bit changed."""
+    flat = t.detach().reshape(-1)
+    size = t.element_size()
+    return flat.view(_SAME_SIZE_INTS[size]) if size in _SAME_SIZE_INTS else flat
+
+
+def _change(name: str, before: torch.Tensor, after: torch.Tensor) -> str | None:
+    """How ``after`` differs from its copy ``before`` (taken before the call), or None."""
+    if (after.shape, after.dtype, after.device) != (before.shape, before.dtype, before.device):
+        return (f"changed its input {name} from {before.dtype} {tuple(before.shape)} on {before.device} "
+                f"to {after.dtype} {tuple(after.shape)} on {after.device}")
+    if after.is_meta or after.numel() == 0:
+        return None
+    changed = int((_bits(before) != _bits(after)).sum())
+    return f"modified its input {name} in place ({changed} of {after.numel()} elements changed)" if changed else None
+
+
+def _span(t: torch.Tensor) -> tuple[str, int, int] | None:
+    if t.is_meta:
+        return None
+    storage = t.untyped_storage()
+    return (str(t.device), storage.data_ptr(), storage.data_ptr() + storage.nbytes()) if storage.nbytes() else None
+
+
+def _aliases(result: Any, inputs: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """Each returned tensor that shares memory with one of ``inputs``, named."""
+    spans = [(name, s) for name, t in inputs if (s := _span(t)) is not None]
+    found = []
+    for out_name, out in named_tensors(result, "result"):
+        o = _span(out)
+        for in_name, i in spans:
+            if o is not None and o[0] == i[0] and o[1] < i[2] and i[1] < o[2]:
+                found.append(f"returned {out_name} in the memory of its input {in_name} (an output must be "
+                             "a tensor of its own)")
+                break
+    return found
+
+
+def _named(values: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    return [pair for name, value in values.items() for pair in named_tensors(value, name)]
+
+
+def checked_call(fn: Callable[..., Any], args: Sequence[Any], names: Sequence[str], kwargs: Mapping[str, Any],
+                 *, writable: Collection[str] = ()) -> Any:
+    """``fn(*args, **kwargs)``, then :class:`InputMutated` if it changed a tensor it was given or
+    returned one's memory. ``names`` name the positional ``args``; keyword arguments are named by
+    their keys; ``writable`` names arguments ``fn`` may write into and return (a paged cache).
+    Every tensor is copied before the call, so this costs one copy of the arguments."""
+    given = {n: v for n, v in zip(names, args) if n not in writable}
+    given |= {n: v for n, v in kwargs.items() if n not in writable}
+    watched = _named(given)
+    before = [t.detach().clone() for _, t in watched]
+    result = fn(*args, **kwargs)
+    problems = [p for (name, t), b in zip(watched, before) if (p := _change(name, b, t))]
+    problems += _aliases(result, watched)
+    if problems:
+        raise InputMutated(problems)
+    return result
+
+
+def run_isolated(impl: Implementation, case: Case) -> Any:
+    """``impl.run`` on its own copy of ``case`` (:func:`case_for`), under :func:`guarded`; then
+    :class:`InputMutated` if the copy's inputs differ from the case's or the result shares their
+    memory. The case itself is never handed out, so a failing implementation leaves every later
+    row's inputs as they were."""
+    given = case_for(impl, case)
+    result = guarded(impl.label, lambda: impl.run(given))
+    original, received = dict(_named(case.inputs)), dict(_named(given.inputs))
+    problems = [f"removed or replaced its input {name}" for name in original if name not in received]
+    problems += [p for name, t in original.items() if name in received and (p := _change(name, t, received[name]))]
+    problems += _aliases(result, list(received.items()))
+    if problems:
+        raise InputMutated(problems)
+    return result
 
 
 def _denormals_kept(dtype: torch.dtype) -> bool:

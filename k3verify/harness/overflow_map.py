@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
 from ..numerics import compare
+from .guard import run_isolated
 from .registry import as_outputs
 
 REQUIRED_CELL_KEYS = ("module", "dtype", "tile", "finite", "predicted_finite", "rms_ratio")
@@ -245,9 +246,13 @@ def _registered_cell(entry: Any, impl: Any, case: Any, point: dict[str, Any], re
     base = {"module": entry.name, **{k: v for k, v in labels.items() if k not in point or k == spec.figure},
             **{k: v for k, v in point.items() if k != spec.figure}, "implementation": f"{impl.implementation} "
             f"{impl.form}", "source": impl.source} | keys
-    prediction = impl.predict(case) if impl.predict is not None else None
     try:
-        out = as_outputs(impl.run(case), entry.outputs, impl.label)[entry.primary]
+        prediction = impl.predict(case) if impl.predict is not None else None
+    except Exception as exc:  # a prediction that raises is a cell that says so, not a crashed map
+        return base | {"finite": False, "predicted_finite": True, "rms_ratio": None, "max_abs": None,
+                       "nonfinite": None, "overflow": f"its predict() raised {type(exc).__name__}: {exc}"}
+    try:
+        out = as_outputs(run_isolated(impl, case), entry.outputs, impl.label)[entry.primary]
     except Exception as exc:  # a crashing implementation is a cell that says so, not a crashed map
         # It agrees with its prediction only where that predicts a non-finite result (an input
         # that overflows the dtype it is cast to, which a kernel's validation refuses by name).
@@ -256,5 +261,8 @@ def _registered_cell(entry: Any, impl: Any, case: Any, point: dict[str, Any], re
                        "rms_ratio": None, "max_abs": None, "nonfinite": None,
                        "overflow": f"{type(exc).__name__}: {exc}",
                        **({"explanation": why() if callable(why) else why} if why is not None else {})}
-    lines = impl.explain(case) if impl.explain is not None and not bool(out.isfinite().all()) else []
+    try:
+        lines = impl.explain(case) if impl.explain is not None and not bool(out.isfinite().all()) else []
+    except Exception as exc:  # the cell keeps its values; the explanation says it could not be made
+        lines = [f"its explain() raised {type(exc).__name__}: {exc}"]
     return cell(base, out.detach().cpu(), lines, ref, impl.dtype, prediction)

@@ -29,7 +29,7 @@ from ..numerics import (
     spacing,
 )
 from . import tp_rows
-from .guard import case_for, guarded
+from .guard import run_isolated
 from .registry import FP64_RULE, Case, Implementation, ModuleEntry, Outputs, as_outputs, orphan_implementations
 from .tp_rows import TPOptions
 
@@ -94,12 +94,35 @@ def row_header(impl: Implementation, case: Case) -> dict[str, Any]:
         "implementation": impl.implementation,
         "form": impl.form,
         "dtype": impl.dtype,
-        "params": dict(impl.params),
+        "params": {str(k): _param_value(v) for k, v in impl.params.items()},
         "case": case.name,
         "case_params": dict(case.params),
         "rule": impl.rule,
         "source": impl.source,
     }
+
+
+def _param_value(value: Any) -> Any:
+    """A parameter as a report stores it: JSON's own types as they are, anything else (a dtype,
+    a tensor, an object a plugin passed) as its ``repr``."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_param_value(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _param_value(v) for k, v in value.items()}
+    return repr(value)
+
+
+class HookFailed(RuntimeError):
+    """An implementation's ``predict`` or ``explain`` raised: its row fails with that reason."""
+
+
+def _hook(impl: Implementation, name: str, case: Case) -> Any:
+    try:
+        return getattr(impl, name)(case)
+    except Exception as exc:
+        raise HookFailed(f"its {name}() raised {type(exc).__name__}: {exc}") from exc
 
 
 def verify(entry: ModuleEntry, impl: Implementation, case: Case, *, oracle: Outputs | None = None) -> dict[str, Any]:
@@ -116,13 +139,13 @@ def verify(entry: ModuleEntry, impl: Implementation, case: Case, *, oracle: Outp
     reason = impl.unavailable()
     if reason:
         return row | {"status": UNAVAILABLE, "reason": reason}
-    # The oracle is computed before the implementation runs, and the implementation gets a
-    # sealed copy of the case (guard.case_for): nothing it does can reach or redo the oracle.
+    # The oracle is computed before the implementation runs, and the implementation gets its own
+    # copy of the case (guard.run_isolated): nothing it does can reach or redo the oracle, or
+    # change the inputs of a later row.
     ref = as_outputs(entry.oracle(case) if oracle is None else oracle, entry.outputs, f"the {entry.name} oracle")
     start = time.perf_counter()
     try:
-        given = case_for(impl, case)
-        out = as_outputs(guarded(impl.label, lambda: impl.run(given)), entry.outputs, impl.label)
+        out = as_outputs(run_isolated(impl, case), entry.outputs, impl.label)
         missing = [n for n in ref if n not in out]
         if missing:
             raise ValueError(f"{impl.label} returned no {', '.join(missing)} (this module's outputs: "
@@ -134,13 +157,18 @@ def verify(entry: ModuleEntry, impl: Implementation, case: Case, *, oracle: Outp
     row["wall_s"] = time.perf_counter() - start
     try:
         return _judged(entry, impl, case, row, out, ref)
+    except HookFailed as exc:
+        return _crashed(row, exc)
     except Exception as exc:  # outputs the policy cannot judge (a wrong shape, a wrong dtype) fail the row
         return _crashed(row, exc, "its outputs could not be judged: ")
 
 
 def _crashed(row: dict[str, Any], exc: BaseException, prefix: str = "") -> dict[str, Any]:
     """``row`` failed by ``exc``, with its reason and a short traceback."""
-    what = f"called sys.exit({exc.code!r})" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, SystemExit):
+        what = f"called sys.exit({exc.code!r})"
+    else:
+        what = str(exc) if isinstance(exc, HookFailed) else f"{type(exc).__name__}: {exc}"
     return row | {"status": FAIL, "reason": prefix + what, "traceback": "".join(traceback.format_exception(
         type(exc), exc, exc.__traceback__, limit=4))}
 
@@ -149,10 +177,10 @@ def _judged(entry: ModuleEntry, impl: Implementation, case: Case, row: dict[str,
             ref: Outputs) -> dict[str, Any]:
     """``row`` with every output of ``out`` judged against ``ref`` (see :func:`verify`)."""
     primary = next(n for n in entry.outputs if n in ref)
-    prediction = impl.predict(case) if impl.predict is not None else None
+    prediction = _hook(impl, "predict", case) if impl.predict is not None else None
     if prediction is not None:
         row["prediction"] = {"finite": prediction.finite, "explanation": prediction.explanation}
-    judged = {name: _judge(entry, impl, case, name, out[name], ref[name], prediction, name == primary)
+    judged = {name: _judge_output(entry, impl, case, name, out[name], ref[name], prediction, name == primary)
               for name in ref}
     main = judged[primary]
     if main["metrics"].get("nonfinite") == 0 and out[primary].is_floating_point():
@@ -163,7 +191,7 @@ def _judged(entry: ModuleEntry, impl: Implementation, case: Case, row: dict[str,
                 row["baseline_error_by_position"] = error_by_position(main["baseline_out"], ref[primary],
                                                                       entry.position_axis)
     if (main["metrics"].get("nonfinite") or 0) and impl.explain is not None:
-        row["overflow"] = impl.explain(case)
+        row["overflow"] = _hook(impl, "explain", case)
     for j in judged.values():
         j.pop("baseline_out", None)
     binding = _binding(judged, primary)
@@ -186,6 +214,18 @@ def _binding(judged: dict[str, dict[str, Any]], primary: str) -> str:
 
     names = [primary, *(n for n in judged if n != primary)]
     return min(names, key=key)
+
+
+def _judge_output(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out: torch.Tensor,
+                  ref: torch.Tensor, prediction: Any, primary: bool) -> dict[str, Any]:
+    """:func:`_judge`, with an output the policy cannot read (a meta tensor, a wrong shape or
+    dtype) named in the error."""
+    try:
+        if out.is_meta:
+            raise ValueError("a meta tensor, which holds no values")
+        return _judge(entry, impl, case, name, out, ref, prediction, primary)
+    except Exception as exc:
+        raise ValueError(f"output {name!r}: {exc}") from exc
 
 
 def _judge(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out: torch.Tensor, ref: torch.Tensor,

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from .guard import restore, torch_state
+from .guard import restore, run_isolated, torch_state
 from .registry import (
     BASELINE_RULE,
     PLUGIN_GROUP,
@@ -176,7 +176,7 @@ class Worker:
         if method == "run":
             from . import registry
 
-            out = as_outputs(impl.run(arg), registry.get(impl.module).outputs, impl.label)
+            out = as_outputs(run_isolated(impl, arg), registry.get(impl.module).outputs, impl.label)
             return {n: _plain_tensor(t, f"{impl.label} output {n!r}") for n, t in out.items()}
         if method == "predict":
             p = impl.predict(arg)

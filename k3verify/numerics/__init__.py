@@ -21,7 +21,7 @@ from .policy import (
     noise_floor,
 )
 from .rounding import OVERFLOW_MODES, round_to, round_to_reference, rounder, spacing, storage_for
-from .tensors import cast_floats, map_tensors
+from .tensors import cast_floats, map_tensors, named_tensors
 
 __all__ = [
     "BASELINE_K",
@@ -48,6 +48,7 @@ __all__ = [
     "ln_max",
     "map_tensors",
     "mismatch_rule",
+    "named_tensors",
     "noise_floor",
     "relative_max_error",
     "resolve_dtype",

@@ -23,6 +23,7 @@ from ...attnres import kernels, samples, studies
 from ...attnres.samples import LOGIT_SPREAD
 from ...numerics import baseline_rule, compare, map_tensors, noise_floor
 from ..environment import one_thread  # small tensors: a second thread only spins
+from ..guard import checked_call
 from ..overflow_map import MapDefinition, MapOptions, MapSpec, SweptForm, agreement
 from ..registry import (
     BASELINE_RULE,
@@ -67,9 +68,10 @@ def call(fn: Callable, case: Case, dtype: torch.dtype, **options: Any) -> Output
     (a, b, c), kw = _form_args(case)
     if _is_walk(case):
         dev = _device(case)
-        walk = fn(a.to(dev, dtype), map_tensors(b, lambda t: t.to(dev, dtype)), c, **kw, **options)
+        walk = checked_call(fn, (a.to(dev, dtype), map_tensors(b, lambda t: t.to(dev, dtype)), c),
+                            ("embedding", "weights", "sublayers"), kw | options)
         return {"h": walk.output.cpu(), "blocks": walk.blocks.cpu()}
-    return {"h": fn(a.to(dtype), b.to(dtype), c.to(dtype), **options).cpu()}
+    return {"h": checked_call(fn, (a.to(dtype), b.to(dtype), c.to(dtype)), ("sources", "w", "gamma"), options).cpu()}
 
 
 def _device(case: Case) -> str:

@@ -15,6 +15,7 @@ from ...adapters import fla as fla_adapter
 from ...kda import kernels, samples
 from ...kda.samples import CHUNK, G_MIN, TILE
 from ...kda.tiled import ANCHORS, DEFAULT_ROW0_SHIFT, tiled_traced
+from ..guard import checked_call
 from ..overflow_map import MapDefinition, MapOptions, MapSpec, SweptForm, agreement
 from ..registry import (
     BASELINE_RULE,
@@ -38,8 +39,9 @@ TORCH_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bflo
 def call(fn: Callable, case: Case, dtype: torch.dtype, **options: Any) -> Outputs:
     """``fn`` with KDA's form signature on the case's inputs cast to ``dtype``: ``{o, final_state}``."""
     x = {n: (t.to(dtype) if t is not None else None) for n, t in case.inputs.items()}
-    result = fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], output_final_state=True,
-                **options)
+    names = ("q", "k", "v", "g", "beta")
+    result = checked_call(fn, [x[n] for n in names], names,
+                          dict(initial_state=x["initial_state"], output_final_state=True, **options))
     if not isinstance(result, tuple) or len(result) != 2:  # the forms' contract, as fla-core's kernels return it
         kind = f"a tuple of {len(result)}" if isinstance(result, tuple) else f"a {type(result).__name__}"
         raise TypeError(f"a KDA function returns the tuple (o, final_state); this one returned {kind}")

@@ -17,6 +17,7 @@ from ...mla import kernels, samples
 from ...mla.samples import PAGE_SIZE
 from ...numerics import dtype_name, is_float8, resolve_dtype
 from ..environment import one_thread
+from ..guard import checked_call
 from ..overflow_map import MapDefinition, MapOptions, MapSpec, SweptForm, agreement
 from ..registry import (
     BASELINE_RULE,
@@ -43,6 +44,9 @@ FP8_CACHE = "fp8_e4m3"
 FP8_CACHE_OPERANDS = "bf16"
 
 
+FORM_ARGS = ("q_nope", "q_pe", "cache", "w_uk", "w_uv")
+
+
 def form_args(inputs: dict[str, Any], dtype: torch.dtype | str) -> tuple[Any, ...]:
     """``(q_nope, q_pe, cache, w_uk, w_uv)`` in ``dtype``: an fp8 ``dtype`` quantises the cache per
     token to it (a quantised cache stays as it is) and casts the rest to bf16. The cache is a
@@ -66,7 +70,8 @@ def call(fn: Callable, case: Case, dtype: torch.dtype | str, **options: Any) -> 
     cache ``fn`` leaves behind (:func:`k3verify.mla.live_entries`): the one it was given, written
     in place or not, or the :class:`~k3verify.mla.LatentCache` it returns as ``(o, cache)``."""
     args = form_args(case.inputs, dtype)
-    result = fn(*args, **options)
+    # The cache is the one argument a kernel may write into (new entries) and hand back.
+    result = checked_call(fn, args, FORM_ARGS, options, writable=("cache",))
     o, cache = result if isinstance(result, tuple) else (result, None)
     return {"o": o, "cache": mla.live_entries(args[2] if cache is None else cache)}
 

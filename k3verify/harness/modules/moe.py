@@ -26,6 +26,7 @@ from ...adapters import torch_grouped_mm
 from ...moe import kernels, samples, studies
 from ...numerics import compute_dtype, dtype_name, resolve_dtype
 from ..environment import one_thread
+from ..guard import checked_call
 from ..overflow_map import MapDefinition, MapOptions, MapSpec, SweptForm, agreement
 from ..registry import (
     BASELINE_RULE,
@@ -76,7 +77,8 @@ def call(fn: Callable[..., Any], case: Case, dtype: torch.dtype, *, router_dtype
     if router_dtype is None:
         router_dtype = compute_dtype(resolve_dtype(options.get("operand_dtype", dtype)))
     routing = moe.routing_for(given["x"], given["weights"], cfg, None, router_dtype)
-    out = as_outputs(fn(x, w, cfg, routing=routing, **options), OUTPUTS, getattr(fn, "__name__", repr(fn)))
+    result = checked_call(fn, (x, w, cfg), ("x", "weights", "config"), dict(routing=routing, **options))
+    out = as_outputs(result, OUTPUTS, getattr(fn, "__name__", repr(fn)))
     return {"y": out["y"], "experts": expert_sets(out.get("experts", routing.indices))}
 
 

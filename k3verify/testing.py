@@ -27,6 +27,7 @@ Hypothesis strategy of cases, and the pytest plugin (installed with k3verify) a 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -36,7 +37,7 @@ import torch
 
 from .harness import registry, runner
 from .harness.registry import BASELINE_RULE, FP64_RULE, Case, Implementation, as_outputs
-from .numerics import FAIL, dtype_name, resolve_dtype
+from .numerics import FAIL, baseline_rule, compare, dtype_name, noise_floor, resolve_dtype
 
 __all__ = ["assert_matches_oracle", "cases", "strategy"]
 
@@ -116,12 +117,6 @@ def assert_matches_oracle(
     if not chosen:
         raise ValueError("no cases given: nothing would be judged (leave cases out for the module's default case)")
     rule = FP64_RULE if name == "fp64" else BASELINE_RULE
-    # Every oracle and baseline is computed before fn first runs: whatever fn changes in this
-    # process (k3verify's own functions patched, say) cannot reach the references it is judged by.
-    for case in chosen:
-        entry.oracle(case)
-        if rule == BASELINE_RULE:
-            entry.baseline(case, name, baseline)
     seen: dict[str, torch.Tensor] = {}  # what fn returned for the case being judged
 
     def run(case: Case) -> dict[str, torch.Tensor]:
@@ -132,6 +127,14 @@ def assert_matches_oracle(
 
     impl = Implementation(module=module, implementation=_name(fn), form="user", dtype=name, params=dict(options),
                           rule=rule, run=run, baseline=baseline, source="user function")
+    family = entry.baseline_family(impl)
+    # Every oracle and baseline is computed before fn first runs: whatever fn changes in this
+    # process (k3verify's own functions patched, say) cannot reach the references it is judged by.
+    others = [f for f in entry.baseline_families if f != baseline] if rule == BASELINE_RULE else []
+    for case in chosen:
+        entry.oracle(case)
+        for f in [family, *others] if rule == BASELINE_RULE else []:
+            entry.baseline(case, name, entry.baseline_family(dataclasses.replace(impl, baseline=f)))
     rows, returned = [], []
     for case in chosen:
         seen.clear()
@@ -147,10 +150,33 @@ def assert_matches_oracle(
         ref = as_outputs(entry.oracle(case), entry.outputs, "the oracle")
         for out_name, judged in row["outputs"].items():
             if judged["status"] == FAIL:
-                problems.append(_describe(case, out_name, judged, got.get(out_name), ref[out_name]))
+                problems.append(_describe(case, out_name, judged, got.get(out_name), ref[out_name])
+                                + _other_families(entry, impl, case, out_name, judged, got.get(out_name), others))
     if problems:
-        raise AssertionError(f"{_name(fn)} does not match the {module} oracle in {name}:\n" + "\n".join(problems))
+        judged_by = f" (judged by the {family!r} baseline)" if rule == BASELINE_RULE else ""
+        raise AssertionError(f"{_name(fn)} does not match the {module} oracle in {name}{judged_by}:\n"
+                             + "\n".join(problems))
     return rows
+
+
+def _other_families(entry: Any, impl: Implementation, case: Case, output: str, judged: dict[str, Any],
+                    got: torch.Tensor | None, others: list[str]) -> str:
+    """What the baseline rule says of a failing output against each other baseline family
+    (``baseline="chunkwise"`` for a chunked kernel judged by the recurrent baseline, say)."""
+    verdict = judged["verdict"]
+    if got is None or verdict["rule"] != BASELINE_RULE or not others:
+        return ""
+    ref = as_outputs(entry.oracle(case), entry.outputs, "the oracle")[output]
+    if got.shape != ref.shape or not ref.is_floating_point():
+        return ""
+    metrics = compare(got, ref, ulp_dtype=impl.dtype)
+    said = []
+    for f in others:
+        family = entry.baseline_family(dataclasses.replace(impl, baseline=f))
+        base = as_outputs(entry.baseline(case, impl.dtype, family), entry.outputs, "the baseline")[output]
+        v = baseline_rule(metrics, compare(base, ref, ulp_dtype=impl.dtype), noise_floor(ref, got.dtype))
+        said.append(f"against baseline={f!r} it would {'pass' if v.passed else 'fail'} ({v.reason})")
+    return "; " + "; ".join(said)
 
 
 def _within(timeout: float | None, call: Callable[[], Any], who: str) -> Any:

@@ -313,7 +313,7 @@ def _compare_pair() -> tuple[dict[str, Any], dict[str, Any]]:
     change (a new row) and the rest as it was."""
     base = _small_report()
     new = copy.deepcopy(base)
-    row = next(r for r in new["rows"] if r["status"] == "pass")
+    row = next(r for r in new["rows"] if r["status"] == "pass" and r.get("outputs"))  # a judged row, not the oracle's
     for judged in (row, row["outputs"][row["output"]]):
         judged["status"] = judged["verdict"]["status"] = "fail"
         judged["verdict"]["reason"] = "planted"

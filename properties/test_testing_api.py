@@ -16,6 +16,8 @@ import torch
 from hypothesis import given, settings
 
 from k3verify import kda
+from k3verify.harness import registry
+from k3verify.numerics import FAIL, baseline_rule, compare, noise_floor
 from k3verify.testing import assert_matches_oracle, cases, strategy
 
 
@@ -189,3 +191,31 @@ def test_a_kernel_that_returns_its_input_fails() -> None:
 
     with pytest.raises(AssertionError, match=r"returned result\[1\] in the memory of its input initial_state"):
         assert_matches_oracle(hands_back, "kda", torch.float64, cases=[case])
+
+
+@pytest.mark.parametrize("chunk", [50, 100])
+def test_a_chunked_kernel_is_judged_by_the_chunkwise_baseline_at_its_chunk_size(chunk: int) -> None:
+    """Rule: baseline (fp32, the chunkwise family at the kernel's own chunk size). A correct
+    chunked form at chunk 50 or 100 fails final_state against the chunk-64 baseline on the
+    default case (its fp32 cancellation in G_r - G_c is not chunk 64's); against the baseline at
+    its own chunk size it passes, and its row says which baseline judged it."""
+    (row,) = assert_matches_oracle(kda.chunkwise, "kda", torch.float32, baseline="chunkwise", chunk_size=chunk)
+    assert row["baseline_form"] == f"chunkwise/{chunk}"
+    entry = registry.get("kda")
+    (case,) = cases("kda", ["default"])
+    x = {n: t.float() for n, t in case.inputs.items()}
+    _, state = kda.chunkwise(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                             output_final_state=True, chunk_size=chunk)
+    ref = entry.oracle(case)["final_state"]
+    at_64 = compare(entry.baseline(case, "fp32", "chunkwise")["final_state"], ref, ulp_dtype="fp32")
+    assert baseline_rule(compare(state, ref, ulp_dtype="fp32"), at_64, noise_floor(ref, torch.float32)).status == FAIL
+
+
+def test_a_failure_says_which_baseline_judged_it_and_what_the_other_says() -> None:
+    """The chunkwise form judged by the default (recurrent) baseline fails at fp32; the message
+    names that baseline and says that baseline="chunkwise" would pass."""
+    with pytest.raises(AssertionError) as info:
+        assert_matches_oracle(kda.chunkwise, "kda", torch.float32)
+    message = str(info.value)
+    assert "(judged by the 'recurrent' baseline)" in message
+    assert "against baseline='chunkwise' it would pass" in message

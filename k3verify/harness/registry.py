@@ -197,6 +197,11 @@ class ModuleEntry:
     oracle: Callable[[Case], Outputs]
     baseline: Callable[[Case, str, str], Outputs]  # (case, dtype, family)
     own_implementations: Callable[[], list[Implementation]]
+    # The baseline families ``baseline`` knows, and how an implementation's family and params
+    # name the baseline it is judged by (KDA: a chunked form by the chunkwise baseline at its
+    # own chunk size).
+    baseline_families: tuple[str, ...] = ("recurrent",)
+    baseline_for: Callable[[str, Mapping[str, Any]], str] | None = None
     outputs: tuple[str, ...] = ("out",)
     call: Callable[..., Outputs] | None = None
     overflow_map: Any = None  # a harness.sweep.MapDefinition
@@ -218,6 +223,10 @@ class ModuleEntry:
     strategy: Callable[[], Any] | None = None
     # The layer sharded over tensor-parallel ranks (``k3verify run --tp N``).
     sharded: ShardedForm | None = None
+
+    def baseline_family(self, impl: Implementation) -> str:
+        """The baseline family that judges ``impl`` (its ``baseline``, refined by ``baseline_for``)."""
+        return impl.baseline if self.baseline_for is None else self.baseline_for(impl.baseline, impl.params)
 
     @property
     def primary(self) -> str:

@@ -199,7 +199,7 @@ def _judged(entry: ModuleEntry, impl: Implementation, case: Case, row: dict[str,
     if status != FAIL and main["status"] == EXPECTED_NONFINITE:
         status, binding = EXPECTED_NONFINITE, primary
     if "baseline_metrics" in judged[binding]:
-        row["baseline_form"] = impl.baseline
+        row["baseline_form"] = entry.baseline_family(impl)
         row["baseline_metrics"] = judged[binding]["baseline_metrics"]
     row.update(outputs=judged, output=binding, status=status, verdict=judged[binding]["verdict"],
                margin=judged[binding]["margin"], metrics=judged[binding]["metrics"])
@@ -270,7 +270,8 @@ def _judge_discrete(entry: ModuleEntry, impl: Implementation, case: Case, name: 
 
 
 def _baseline(entry: ModuleEntry, case: Case, impl: Implementation) -> Outputs:
-    return as_outputs(entry.baseline(case, impl.dtype, impl.baseline), entry.outputs, f"the {entry.name} baseline")
+    family = entry.baseline_family(impl)
+    return as_outputs(entry.baseline(case, impl.dtype, family), entry.outputs, f"the {entry.name} baseline")
 
 
 def mismatch_fraction(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -4,7 +4,7 @@ fla-core's) and the overflow map, declared; inputs come from :mod:`k3verify.kda.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -55,15 +55,36 @@ def oracle(case: Case) -> Outputs:
     return case.cache["oracle"]
 
 
-BASELINES = {"recurrent": kda.naive_baseline, "chunkwise": partial(kda.naive_chunk_baseline, chunk_size=CHUNK)}
+FAMILIES = ("recurrent", "chunkwise")
+
+
+def _baseline_form(family: str) -> Callable[..., Any]:
+    """The naive form of ``family``: ``recurrent``, ``chunkwise`` (chunk 64) or ``chunkwise/C``."""
+    form, _, chunk = family.partition("/")
+    if form == "recurrent" and not chunk:
+        return kda.naive_baseline
+    if form == "chunkwise" and (not chunk or chunk.isdigit()):
+        return partial(kda.naive_chunk_baseline, chunk_size=int(chunk) if chunk else CHUNK)
+    raise ValueError(f"KDA baseline families are 'recurrent', 'chunkwise' and 'chunkwise/<chunk size>'; "
+                     f"got {family!r}")
 
 
 def baseline(case: Case, dtype: str, family: str = "recurrent") -> Outputs:
     """The ``family`` form with every stored tensor in ``dtype`` (cached per dtype and family)."""
     key = f"baseline:{family}:{dtype}"
     if key not in case.cache:
-        case.cache[key] = call(partial(BASELINES[family], dtype=dtype), case, torch.float64)
+        case.cache[key] = call(partial(_baseline_form(family), dtype=dtype), case, torch.float64)
     return case.cache[key]
+
+
+def baseline_for(family: str, params: Mapping[str, Any]) -> str:
+    """The chunkwise family at the implementation's own chunk size: a chunked form is held to what
+    a plain chunked form achieves with the same chunks (the fp32 cancellation in ``G_r - G_c``
+    grows with the chunk), so a chunk of 50 is not judged by chunk 64's error."""
+    chunk = params.get("chunk_size")
+    if family == "chunkwise" and isinstance(chunk, int) and not isinstance(chunk, bool) and chunk != CHUNK:
+        return f"chunkwise/{chunk}"
+    return family
 
 
 def _quantities(case: Case) -> kda.OverflowQuantities:
@@ -279,6 +300,8 @@ register(
         make_cases=lambda seed: cases_from(samples.make_cases(seed)),
         oracle=oracle,
         baseline=baseline,
+        baseline_families=FAMILIES,
+        baseline_for=baseline_for,
         own_implementations=own_implementations,
         outputs=OUTPUTS,
         call=call,

@@ -17,7 +17,7 @@ Two rules, and every test or report row names the one it uses:
 
     On a small output the two RMS errors are estimates from a handful of elements: a correct
     implementation can land above twice a baseline that rounded luckily (a drawn MLA case with an
-    8-element output: 3.7x). There ``k`` becomes :func:`small_output_k` (``n``), the factor
+    8-element output: 3.56x). There ``k`` becomes :func:`small_output_k` (``n``), the factor
     that the ratio of two RMS of ``n`` independent equal-variance normal errors exceeds with
     probability ``1e-6``: 8.7 at 8 elements, 3.9 at 16, 2.05 at 48, and 2 from 52 elements on.
     At 3 elements and fewer that factor is over 100: the rule then catches gross errors only.

@@ -114,7 +114,7 @@ def _ratio_tail(n: int, c: float) -> float:
     return math.exp(a * math.log(x) - math.log(a) - log_beta) * integral
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def small_output_k(n: int, k: float = BASELINE_K, alpha: float = SMALL_OUTPUT_ALPHA) -> float:
     """The baseline factor for an output of ``n`` elements: ``max(k, c)`` where
     ``P(rms(e1) / rms(e2) > c) = alpha`` for two sets of ``n`` iid normal errors of one scale

@@ -375,6 +375,41 @@ def cmd_list(args: argparse.Namespace, out: Console, err: Console) -> int:
     return 0
 
 
+def cmd_selftest(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """The mutant suite (:mod:`k3verify.harness.selftest`): the correct forms, then every planted
+    bug at fp32 and bf16 through the testing API. Exit 1 when a correct form fails, a mutant is
+    missed where it must be caught, or one is caught where it is declared invisible."""
+    from .harness import selftest
+
+    modules = _module_list(args.modules)
+    if modules is not None:
+        registry.select(modules)  # an unknown name is a usage error, named
+    controls = [m for m in selftest.CONTROLS if modules is None or m in modules]
+    total = len(selftest.DTYPES) * (len(selftest.mutants(modules)) + len(controls))
+    outcomes = []
+    for i, o in enumerate(selftest.run(modules), 1):
+        outcomes.append(o)
+        if not args.quiet:
+            err.print(f"selftest: {i}/{total}", highlight=False)
+    hidden = {(m.module, m.name, d): why for m in selftest.mutants(modules) for d, why in m.hidden.items()}
+    bad = [o for o in outcomes if not o.ok]
+    if args.format == "md":
+        print(selftest.markdown(outcomes, hidden))
+    else:
+        table = Table("module", "mutant", "dtype", "verdict", "expected", "caught by / why not")
+        for o in outcomes:
+            expected = "pass" if o.control else "caught" if o.expected else "missed"
+            verdict = ("fail" if o.control else "caught") if o.caught else ("pass" if o.control else "missed")
+            why = o.by or hidden.get((o.module, o.name, o.dtype), "")
+            table.add_row(*map(_cell, (o.module, o.name, o.dtype, verdict, expected, why)),
+                          style="" if o.ok else "bold red")
+        out.print(table)
+    mutants = [o for o in outcomes if not o.control]
+    print(f"mutants: {len({(o.module, o.name) for o in mutants})} · verdicts: {len(mutants)} · caught: "
+          f"{sum(o.caught for o in mutants)} · controls: {len(outcomes) - len(mutants)} · not as expected: {len(bad)}")
+    return 1 if bad else 0
+
+
 @_writes("dir", "--dir")
 def cmd_golden_generate(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Write every selected module's golden inputs and fp64 oracle outputs, and the manifest."""
@@ -555,6 +590,12 @@ def parser() -> argparse.ArgumentParser:
     ls.add_argument("--modules", action="append")
     ls.add_argument("--json", action="store_true", help="one JSON object per implementation")
     ls.set_defaults(fn=cmd_list)
+
+    st = sub.add_parser("selftest", help="plant known bugs in correct forms and check that each is caught")
+    st.add_argument("--modules", action="append")
+    st.add_argument("--format", choices=("table", "md"), default="table", help="table (default) or md")
+    st.add_argument("--quiet", action="store_true", help="no progress lines")
+    st.set_defaults(fn=cmd_selftest)
 
     g = sub.add_parser("golden", help="golden tensors: generate, or verify hashes and implementations")
     gsub = g.add_subparsers(dest="golden_command", required=True)

@@ -98,18 +98,19 @@ def _named(values: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
 
 
 def checked_call(fn: Callable[..., Any], args: Sequence[Any], names: Sequence[str], kwargs: Mapping[str, Any],
-                 *, writable: Collection[str] = ()) -> Any:
+                 *, writable: Collection[str] = (), returnable: Collection[str] = ()) -> Any:
     """``fn(*args, **kwargs)``, then :class:`InputMutated` if it changed a tensor it was given or
     returned one's memory. ``names`` name the positional ``args``; keyword arguments are named by
-    their keys; ``writable`` names arguments ``fn`` may write into and return (a paged cache).
-    Every tensor is copied before the call, so this costs one copy of the arguments."""
+    their keys; ``writable`` names arguments ``fn`` may write into and return (a paged cache),
+    ``returnable`` those it may hand back unchanged (MoE's routing, whose indices are the experts
+    a kernel reports). Every tensor is copied before the call: one copy of the arguments."""
     given = {n: v for n, v in zip(names, args) if n not in writable}
     given |= {n: v for n, v in kwargs.items() if n not in writable}
     watched = _named(given)
     before = [t.detach().clone() for _, t in watched]
     result = fn(*args, **kwargs)
     problems = [p for (name, t), b in zip(watched, before) if (p := _change(name, b, t))]
-    problems += _aliases(result, watched)
+    problems += _aliases(result, [(name, t) for name, t in watched if name.partition(".")[0] not in returnable])
     if problems:
         raise InputMutated(problems)
     return result

@@ -77,7 +77,8 @@ def call(fn: Callable[..., Any], case: Case, dtype: torch.dtype, *, router_dtype
     if router_dtype is None:
         router_dtype = compute_dtype(resolve_dtype(options.get("operand_dtype", dtype)))
     routing = moe.routing_for(given["x"], given["weights"], cfg, None, router_dtype)
-    result = checked_call(fn, (x, w, cfg), ("x", "weights", "config"), dict(routing=routing, **options))
+    result = checked_call(fn, (x, w, cfg), ("x", "weights", "config"), dict(routing=routing, **options),
+                          returnable=("routing",))
     out = as_outputs(result, OUTPUTS, getattr(fn, "__name__", repr(fn)))
     return {"y": out["y"], "experts": expert_sets(out.get("experts", routing.indices))}
 

@@ -94,8 +94,11 @@ def _collect(procs: list, results: queues.Queue, timeout_s: float) -> list[Any]:
     got: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     while len(got) < len(procs):
+        remaining = deadline - time.monotonic()
         try:
-            rank, ok, value = results.get(timeout=POLL_S)
+            if remaining <= 0:  # what arrives after the deadline is late, however soon after
+                raise queues.Empty
+            rank, ok, value = results.get(timeout=min(POLL_S, remaining))
         except queues.Empty:
             dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
             if dead:

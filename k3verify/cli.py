@@ -391,16 +391,15 @@ def cmd_selftest(args: argparse.Namespace, out: Console, err: Console) -> int:
         outcomes.append(o)
         if not args.quiet:
             err.print(f"selftest: {i}/{total}", highlight=False)
-    hidden = {(m.module, m.name, d): why for m in selftest.mutants(modules) for d, why in m.hidden.items()}
     bad = [o for o in outcomes if not o.ok]
     if args.format == "md":
-        print(selftest.markdown(outcomes, hidden))
+        print(selftest.markdown(outcomes))
     else:
         table = Table("module", "mutant", "dtype", "verdict", "expected", "caught by / why not")
         for o in outcomes:
             expected = "pass" if o.control else "caught" if o.expected else "missed"
             verdict = ("fail" if o.control else "caught") if o.caught else ("pass" if o.control else "missed")
-            why = o.by or hidden.get((o.module, o.name, o.dtype), "")
+            why = o.by or o.hidden
             table.add_row(*map(_cell, (o.module, o.name, o.dtype, verdict, expected, why)),
                           style="" if o.ok else "bold red")
         out.print(table)

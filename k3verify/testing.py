@@ -37,7 +37,7 @@ import torch
 
 from .harness import registry, runner
 from .harness.registry import BASELINE_RULE, FP64_RULE, Case, Implementation, as_outputs
-from .numerics import FAIL, baseline_rule, compare, dtype_name, noise_floor, resolve_dtype
+from .numerics import FAIL, compare, dtype_name, resolve_dtype
 
 __all__ = ["assert_matches_oracle", "cases", "strategy"]
 
@@ -174,7 +174,7 @@ def _other_families(entry: Any, impl: Implementation, case: Case, output: str, j
     for f in others:
         family = entry.baseline_family(dataclasses.replace(impl, baseline=f))
         base = as_outputs(entry.baseline(case, impl.dtype, family), entry.outputs, "the baseline")[output]
-        v = baseline_rule(metrics, compare(base, ref, ulp_dtype=impl.dtype), noise_floor(ref, got.dtype))
+        _, v = runner.baseline_verdict(metrics, base, ref, impl.dtype, got.dtype)
         said.append(f"against baseline={f!r} it would {'pass' if v.passed else 'fail'} ({v.reason})")
     return "; " + "; ".join(said)
 

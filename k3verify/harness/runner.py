@@ -20,6 +20,8 @@ import torch
 from ..numerics import (
     EXPECTED_NONFINITE,
     FAIL,
+    Metrics,
+    Verdict,
     baseline_rule,
     compare,
     expected_nonfinite,
@@ -248,12 +250,19 @@ def _judge(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out:
             verdict = fp64_agreement(_as_fp64(out, impl, name), ref)
         else:
             base_out = _baseline(entry, case, impl)[name].detach().cpu()
-            base = compare(base_out, ref, ulp_dtype=impl.dtype)
+            base, verdict = baseline_verdict(metrics, base_out, ref, impl.dtype, out.dtype)
             judged.update(baseline_metrics=base.as_dict(), baseline_out=base_out)
-            # The floor is what storing the oracle in the output's own dtype costs (an fp8 run
-            # that writes bf16 is floored at bf16, not fp8).
-            verdict = baseline_rule(metrics, base, noise_floor(ref, out.dtype))
     return judged | {"status": verdict.status, "verdict": verdict.as_dict(), "margin": verdict.margin}
+
+
+def baseline_verdict(metrics: Metrics, base_out: torch.Tensor, ref: torch.Tensor, dtype: str,
+                     out_dtype: torch.dtype) -> tuple[Metrics, Verdict]:
+    """The baseline rule for an output whose ``metrics`` against ``ref`` are known, judged
+    against ``base_out``: the baseline's metrics (ULPs in ``dtype``) and the verdict. The floor
+    is what storing the oracle in the output's own dtype costs (an fp8 run that writes bf16 is
+    floored at bf16, not fp8)."""
+    base = compare(base_out, ref, ulp_dtype=dtype)
+    return base, baseline_rule(metrics, base, noise_floor(ref, out_dtype))
 
 
 def _judge_discrete(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out: torch.Tensor,

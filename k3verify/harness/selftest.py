@@ -26,7 +26,7 @@ import torch
 
 from .. import attnres, kda, mla, moe
 from ..moe.inputs import Routing
-from ..moe.router import router_logits, select
+from ..moe.router import route
 from .text import md_text
 
 DTYPES = ("fp32", "bf16")
@@ -57,6 +57,7 @@ class Outcome:
     by: str  # the first line of the failure, or ""
     expected: bool  # whether it must be caught (controls: must not)
     control: bool = False
+    hidden: str = ""  # why it is not expected to be caught at this dtype (the mutant's declaration)
 
     @property
     def ok(self) -> bool:
@@ -288,10 +289,14 @@ def _routed(routing_change: Callable[[Any, Any, Any, Routing], Routing] | None =
     return fn
 
 
+def _scores(x: Any, weights: Any, config: Any, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The router's unbiased scores ``σ(logits)`` in ``dtype`` (its own router, :func:`route`)."""
+    return route(x.to(dtype), weights.w_router.to(dtype), weights.bias.to(dtype), config).scores
+
+
 def _biased_weights(x: Any, weights: Any, config: Any, routing: Routing) -> Routing:
     """Mixture weights from the biased scores (the balancing bias belongs to selection only)."""
-    scores = torch.sigmoid(router_logits(x.double(), weights.w_router.double(), config))
-    biased = torch.gather(scores + weights.bias.double(), -1, routing.indices)
+    biased = torch.gather(_scores(x, weights, config) + weights.bias.double(), -1, routing.indices)
     p = biased / biased.sum(-1, keepdim=True) * config.routed_scaling_factor
     return Routing(routing.indices, p.to(routing.weights.dtype), None)
 
@@ -299,17 +304,14 @@ def _biased_weights(x: Any, weights: Any, config: Any, routing: Routing) -> Rout
 def _bf16_router(x: Any, weights: Any, config: Any, routing: Routing) -> Routing:
     """Router logits rounded to bf16 before selection and weights."""
     cfg = dataclasses.replace(config, logits_dtype="bf16")
-    scores = torch.sigmoid(router_logits(x.float(), weights.w_router.float(), cfg))
-    indices = select(scores, weights.bias.float(), config.top_k, config.tie_break)
-    s = torch.gather(scores, -1, indices)
-    return Routing(indices, (s / (s.sum(-1, keepdim=True) + config.renorm_eps) * config.routed_scaling_factor)
-                   .to(routing.weights.dtype), None)
+    r = route(x.float(), weights.w_router.float(), weights.bias.float(), cfg)
+    return Routing(r.indices, r.weights.to(routing.weights.dtype), None)
 
 
 def _unnormalised(x: Any, weights: Any, config: Any, routing: Routing) -> Routing:
     """Mixture weights not renormalised over the selected experts."""
-    scores = torch.sigmoid(router_logits(x.double(), weights.w_router.double(), config))
-    return Routing(routing.indices, torch.gather(scores, -1, routing.indices).to(routing.weights.dtype), None)
+    s = torch.gather(_scores(x, weights, config), -1, routing.indices)
+    return Routing(routing.indices, s.to(routing.weights.dtype), None)
 
 
 def _one_expert_fewer(x: Any, weights: Any, config: Any, routing: Routing) -> Routing:
@@ -369,10 +371,11 @@ def run(modules: list[str] | None = None) -> Iterator[Outcome]:
     for m in mutants(modules):
         for dtype in DTYPES:
             caught, by = _judge(m.fn, m.module, dtype, m.case, m.baseline)
-            yield Outcome(m.name, m.module, dtype, caught, by, expected=dtype not in m.hidden)
+            yield Outcome(m.name, m.module, dtype, caught, by, expected=dtype not in m.hidden,
+                          hidden=m.hidden.get(dtype, ""))
 
 
-def markdown(outcomes: list[Outcome], hidden: Mapping[tuple[str, str, str], str]) -> str:
+def markdown(outcomes: list[Outcome]) -> str:
     """The detection table: one row per mutant, a column per dtype with the verdict and what
     caught it (or why it cannot be caught there); the controls first."""
     by_name: dict[tuple[str, str], dict[str, Outcome]] = {}
@@ -389,7 +392,7 @@ def markdown(outcomes: list[Outcome], hidden: Mapping[tuple[str, str, str], str]
             if o.control:
                 cells.append("pass" if not o.caught else f"**fail**: {md_text(o.by)}")
                 continue
-            what = _statistic(o.by) if o.caught else md_text(hidden.get((module, name, d), ""))
+            what = _statistic(o.by) if o.caught else md_text(o.hidden)
             mark = "" if o.ok else " **(not as declared)**"
             cells.append(f"{'caught' if o.caught else 'missed'}{mark}: {what}")
         lines.append(f"| {md_text(module)} | {md_text(name)} | " + " | ".join(cells) + " |")

@@ -384,6 +384,9 @@ def cmd_selftest(args: argparse.Namespace, out: Console, err: Console) -> int:
     modules = _module_list(args.modules)
     if modules is not None:
         registry.select(modules)  # an unknown name is a usage error, named
+    bad_sweeps = _false_alarm_sweeps(args, modules or list(selftest.CONTROLS), out, err)
+    if args.only == "sweep":
+        return 1 if bad_sweeps else 0
     controls = [m for m in selftest.CONTROLS if modules is None or m in modules]
     total = len(selftest.DTYPES) * (len(selftest.mutants(modules)) + len(controls))
     outcomes = []
@@ -406,7 +409,30 @@ def cmd_selftest(args: argparse.Namespace, out: Console, err: Console) -> int:
     mutants = [o for o in outcomes if not o.control]
     print(f"mutants: {len({(o.module, o.name) for o in mutants})} · verdicts: {len(mutants)} · caught: "
           f"{sum(o.caught for o in mutants)} · controls: {len(outcomes) - len(mutants)} · not as expected: {len(bad)}")
-    return 1 if bad else 0
+    return 1 if bad or bad_sweeps else 0
+
+
+def _false_alarm_sweeps(args: argparse.Namespace, modules: list[str], out: Console, err: Console) -> int:
+    """With ``--drawn N`` (or ``--only sweep``): every module's correct implementations on its
+    built-in cases and ``N`` drawn ones (:func:`selftest.sweep`); prints one line per module and
+    every failure, and returns how many failed."""
+    from .harness import selftest
+
+    if args.drawn is None and args.only != "sweep":
+        return 0
+    failed = 0
+    for module in modules:
+        say = None if args.quiet else (lambda s: _say(err, s))
+        result = selftest.sweep(module, args.drawn or 0, kernels=not args.no_kernels, progress=say)
+        failed += len(result.failures)
+        print(f"false alarms: {module}: {len(result.failures)} of {result.verdicts} verdicts "
+              f"({result.drawn} drawn cases, {result.unavailable} unavailable rows, "
+              f"{len(result.findings)} pinned findings)")
+        for label, case, reason in result.failures:
+            _say(out, f"  FAIL {label} on {case}: {reason}")
+        for label, case, reason in result.findings:
+            _say(out, f"  finding (pinned, a real loss) {label} on {case}: {reason}")
+    return failed
 
 
 @_writes("dir", "--dir")
@@ -524,6 +550,11 @@ def _seed(text: str) -> int:
     return _integer(text, 0, SEED_LIMIT - 1, "[0, 2**62)")
 
 
+def _count(text: str) -> int:
+    """``--drawn``: a number of drawn cases in [0, 10000]."""
+    return _integer(text, 0, 10_000, "[0, 10000]")
+
+
 def _world_size(text: str) -> int:
     """``--tp``: a number of ranks in [1, MAX_WORLD_SIZE] (what the machine holds is checked later)."""
     return _integer(text, 1, MAX_WORLD_SIZE, f"[1, {MAX_WORLD_SIZE}] ranks")
@@ -594,6 +625,11 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--modules", action="append")
     st.add_argument("--format", choices=("table", "md"), default="table", help="table (default) or md")
     st.add_argument("--quiet", action="store_true", help="no progress lines")
+    st.add_argument("--drawn", type=_count, metavar="N",
+                    help="also the false-alarm sweep: every correct implementation on its built-in cases "
+                         "and N drawn ones")
+    st.add_argument("--no-kernels", action="store_true", help="the sweep without the module's kernels")
+    st.add_argument("--only", choices=("mutants", "sweep"), help="run only the mutants or only the sweep")
     st.set_defaults(fn=cmd_selftest)
 
     g = sub.add_parser("golden", help="golden tensors: generate, or verify hashes and implementations")

@@ -174,7 +174,8 @@ def _other_families(entry: Any, impl: Implementation, case: Case, output: str, j
     for f in others:
         family = entry.baseline_family(dataclasses.replace(impl, baseline=f))
         base = as_outputs(entry.baseline(case, impl.dtype, family), entry.outputs, "the baseline")[output]
-        _, v = runner.baseline_verdict(metrics, base, ref, impl.dtype, got.dtype)
+        _, v = runner.baseline_verdict(metrics, base, ref, impl.dtype, got.dtype,
+                                       entry.samples_of(output, ref.shape, case.params))
         said.append(f"against baseline={f!r} it would {'pass' if v.passed else 'fail'} ({v.reason})")
     return "; " + "; ".join(said)
 

@@ -7,12 +7,14 @@ must be caught, and why it cannot be elsewhere).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from k3verify import moe
 from k3verify.cli import main
-from k3verify.harness import selftest
+from k3verify.harness import registry, selftest
 from k3verify.numerics import policy
 from k3verify.testing import assert_matches_oracle
 
@@ -25,8 +27,11 @@ def test_every_mutant_is_caught_where_declared_and_no_correct_form_fails(capsys:
 
 
 def test_a_blind_policy_fails_the_suite(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """With the baseline factor made huge, numerical mutants pass: the suite says so, exit 1."""
+    """With the baseline factor and the bias allowance made huge, numerical mutants pass: the
+    suite says so, exit 1. (Blinding the RMS term alone is not enough: the bias term catches the
+    wrong softmax scale by itself.)"""
     monkeypatch.setattr(policy, "small_output_k", lambda n, k=2.0, alpha=1e-6: 1e9)
+    monkeypatch.setattr(policy, "bias_z", lambda n, alpha=1e-6: 1e9)
     assert main(["selftest", "--quiet", "--modules", "mla", "--format", "md"]) == 1
     out = capsys.readouterr().out
     assert "| mla | softmax scale from 576 | missed **(not as declared)**" in out, out
@@ -40,3 +45,17 @@ def test_a_kernel_may_report_the_experts_it_was_routed_to() -> None:
         return moe.recurrent(x, weights, config, routing=routing, **kw), routing.indices
 
     assert_matches_oracle(fn, "moe", torch.float32)
+
+
+def test_the_false_alarm_sweep_passes_correct_forms_and_names_a_planted_bug(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep (``k3verify selftest --drawn N``) on MLA's forms over its built-in cases and one
+    drawn case: no correct form fails. With a form whose softmax scale is 1 % off registered
+    beside them at bf16 it fails, and names that form and the bias statistic."""
+    clean = selftest.sweep("mla", 1, kernels=False)
+    assert clean.verdicts > 20 and clean.failures == (), clean.failures
+    entry = registry.get("mla")
+    buggy = registry.implementation("mla", selftest.mutant("mla", "softmax scale 1 % off").fn, name="planted")
+    monkeypatch.setattr(registry, "get", lambda name: dataclasses.replace(entry, own_implementations=lambda: [buggy]))
+    planted = selftest.sweep("mla", 0)
+    assert planted.failures and all(f[0] == buggy.label for f in planted.failures), planted
+    assert any("bias" in f[2] for f in planted.failures), planted.failures

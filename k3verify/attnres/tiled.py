@@ -343,6 +343,20 @@ def _predict_walk(q: WalkOverflowQuantities, logit: torch.dtype, acc: torch.dtyp
     return OverflowPrediction(finite, () if finite else (what,), what, limit - value)
 
 
+def explain_logit_rounding(q: OverflowQuantities, logit_dtype: torch.dtype | str) -> list[str]:
+    """For the known-bad ``logit_dtype`` variant: how far its largest logit moves when stored in
+    ``logit_dtype`` (half a spacing at ``|ℓ|``, an absolute error in the exponent of a weight)."""
+    peak = max(abs(q.max_logit), abs(q.min_logit))
+
+    def half_spacing(dtype: torch.dtype | str) -> float:
+        return float(spacing(torch.tensor([peak], dtype=torch.float64), dtype)[0]) / 2
+
+    half, name = half_spacing(logit_dtype), facts(resolve_dtype(logit_dtype)).name
+    return [f"logits stored in {name}: |logit| reaches {peak:.3g}, where a rounding moves it by up to {half:.3g}, "
+            f"so a mixing weight e^logit by up to {100 * math.expm1(half):.2f} % (with fp32 logits: "
+            f"{100 * math.expm1(half_spacing(torch.float32)):.1e} %)"]
+
+
 def explain_overflow(
     first: torch.Tensor | Sequence[torch.Tensor],
     second: torch.Tensor | AttnResWeights,

@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
-from collections.abc import Callable, Iterable, Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,6 +182,26 @@ def unavailable_as(reason: Callable[[], str | None]) -> Callable[[], tuple[bool,
 
 
 @dataclass(frozen=True)
+class ErrorSamples:
+    """How many independent rounding errors an output holds, for each statistic of the baseline
+    rule (``numerics.policy``): ``rms`` sets the small-output factor of the RMS term, ``bias`` the
+    noise of the projection on the oracle. They differ where errors are carried along an axis:
+    KDA's state sums many independent roundings into every position's RMS, but projects them
+    coherently, so its bias has the (batch, head) pairs only."""
+
+    rms: int
+    bias: int
+
+
+def default_error_samples(shape: tuple[int, ...]) -> ErrorSamples:
+    """Every element for the RMS term, the rows along the last axis for the bias: a row often
+    shares one scalar rounding (a softmax's ``1/l``, an RMSNorm's ``1/rms``, a mixture's
+    normaliser), which moves it coherently (docs/sensitivity.md)."""
+    n = math.prod(shape)
+    return ErrorSamples(n, n // shape[-1] if shape and shape[-1] else n)
+
+
+@dataclass(frozen=True)
 class ModuleEntry:
     """Everything the harness needs to verify one module.
 
@@ -223,10 +244,23 @@ class ModuleEntry:
     strategy: Callable[[], Any] | None = None
     # The layer sharded over tensor-parallel ranks (``k3verify run --tp N``).
     sharded: ShardedForm | None = None
+    # How many independent rounding errors an output holds, for the baseline rule's statistics:
+    # (output name, shape, case params) -> ErrorSamples; ``None``: default_error_samples.
+    error_samples: Callable[[str, tuple[int, ...], Mapping[str, Any]], ErrorSamples] | None = None
+    # Whether a run without ``--modules`` (and every module-wide command) includes it; an opt-in
+    # entry (a whole layer) runs when named.
+    default: bool = True
 
     def baseline_family(self, impl: Implementation) -> str:
         """The baseline family that judges ``impl`` (its ``baseline``, refined by ``baseline_for``)."""
         return impl.baseline if self.baseline_for is None else self.baseline_for(impl.baseline, impl.params)
+
+    def samples_of(self, output: str, shape: Sequence[int], params: Mapping[str, Any]) -> ErrorSamples:
+        """The independent rounding errors in ``output`` of ``shape`` on a case with ``params``
+        (``error_samples``, else :func:`default_error_samples`)."""
+        if self.error_samples is None:
+            return default_error_samples(tuple(shape))
+        return self.error_samples(output, tuple(shape), params)
 
     @property
     def primary(self) -> str:
@@ -301,10 +335,11 @@ def _load() -> None:
     from . import modules  # noqa: F401
 
 
-def module_names() -> list[str]:
-    """Names of every registered module, in registration order."""
+def module_names(*, opt_in: bool = False) -> list[str]:
+    """Names of the registered modules a run includes by default, in registration order; with
+    ``opt_in`` the opt-in entries too (``ModuleEntry.default``)."""
     _load()
-    return list(_REGISTRY)
+    return [name for name, entry in _REGISTRY.items() if opt_in or entry.default]
 
 
 def get(name: str) -> ModuleEntry:
@@ -319,7 +354,7 @@ def select(names: Iterable[str] | None) -> list[ModuleEntry]:
     """Entries for ``names`` (all when ``None``), checking every name before returning any."""
     _load()
     if names is None:
-        return list(_REGISTRY.values())
+        return [entry for entry in _REGISTRY.values() if entry.default]
     wanted = [n.strip() for n in names if n.strip()]
     if not wanted:
         raise UnknownModuleError("", list(_REGISTRY))

@@ -7,7 +7,7 @@
      "summary": {"rows": n, "pass": n, "fail": n, "expected-nonfinite": n, "unavailable": n},
      "rows": [{"module", "implementation", "form", "dtype", "params", "case", "rule",
                "status", "verdict", "margin", "metrics", "baseline_metrics"?, "prediction"?,
-               "overflow"?, "reason"?, "wall_s"?, "ulp_histogram"?, "error_by_position"?,
+               "overflow"?, "explanation"?, "reason"?, "wall_s"?, "ulp_histogram"?, "error_by_position"?,
                "baseline_error_by_position"?, "golden"?, "source", "output", "outputs": {name: {"status",
                "verdict", "margin", "metrics", "baseline_metrics"?}}}, ...]}
 
@@ -76,20 +76,21 @@ ROW_KEYS: dict[str, type | tuple[type, ...]] = {
 _NUMBER = (int, float)
 OPTIONAL_ROW_KEYS: dict[str, type | tuple[type, ...]] = {
     "params": dict, "case_params": dict, "verdict": dict, "metrics": dict, "baseline_metrics": dict,
-    "prediction": dict, "margin": _NUMBER, "reason": str, "overflow": list, "wall_s": _NUMBER,
+    "prediction": dict, "margin": _NUMBER, "reason": str, "overflow": list, "explanation": list, "wall_s": _NUMBER,
     "ulp_histogram": dict, "error_by_position": list, "baseline_error_by_position": list, "golden": str,
     "outputs": dict, "output": str, "source": str,
 }
 NESTED_KEYS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "verdict": {"err": _NUMBER, "limit": _NUMBER, "margin": _NUMBER, "baseline_err": _NUMBER, "floor": _NUMBER,
-                "k": _NUMBER, "metric": str, "reason": str, "rule": str, "status": str},
-    "metrics": {"nonfinite": int, "rms_ratio": _NUMBER, "max_abs": _NUMBER, "n": int},
+                "k": _NUMBER, "metric": str, "reason": str, "rule": str, "status": str, "bias": _NUMBER,
+                "bias_limit": _NUMBER},
+    "metrics": {"nonfinite": int, "rms_ratio": _NUMBER, "max_abs": _NUMBER, "n": int, "bias": _NUMBER},
     "baseline_metrics": {"nonfinite": int, "rms_ratio": _NUMBER},
     "prediction": {"finite": bool, "explanation": str},
     "ulp_histogram": {"edges": list, "counts": list, "dtype": str},
 }
 LIST_ITEMS: dict[str, type | tuple[type, ...]] = {
-    "overflow": str, "error_by_position": _NUMBER, "baseline_error_by_position": _NUMBER,
+    "overflow": str, "explanation": str, "error_by_position": _NUMBER, "baseline_error_by_position": _NUMBER,
 }
 
 
@@ -421,12 +422,14 @@ def unavailable_groups(rows: list[dict[str, Any]]) -> list[tuple[str, list[str]]
 
 
 def notes(rows: list[dict[str, Any]]) -> list[tuple[str, str, list[str]]]:
-    """``(row heading, reason, overflow lines)`` for every row with a reason, an overflow or a failure."""
+    """``(row heading, reason, lines)`` for every row with a reason, an overflow or a failure: the
+    lines say which operand overflowed, or for a finite failure what the form's trace found."""
     out = []
     for r in rows:
         if not (r.get("reason") or r.get("overflow") or (r.get("verdict") or {}).get("status") == FAIL):
             continue
         head = f"{r['module']} {r['implementation']} {r['form']} {r['dtype']} {params_text(r)} ({r['case']})"
         detail = r.get("reason") or (r.get("verdict") or {}).get("reason") or ""
-        out.append((head, str(detail), [str(line) for line in r.get("overflow") or []]))
+        lines = [*(r.get("overflow") or []), *(r.get("explanation") or [])]
+        out.append((head, str(detail), [str(line) for line in lines]))
     return out

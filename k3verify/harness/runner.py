@@ -32,7 +32,16 @@ from ..numerics import (
 )
 from . import tp_rows
 from .guard import run_isolated
-from .registry import FP64_RULE, Case, Implementation, ModuleEntry, Outputs, as_outputs, orphan_implementations
+from .registry import (
+    FP64_RULE,
+    Case,
+    ErrorSamples,
+    Implementation,
+    ModuleEntry,
+    Outputs,
+    as_outputs,
+    orphan_implementations,
+)
 from .tp_rows import TPOptions
 
 UNAVAILABLE = "unavailable"
@@ -194,6 +203,10 @@ def _judged(entry: ModuleEntry, impl: Implementation, case: Case, row: dict[str,
                                                                       entry.position_axis)
     if (main["metrics"].get("nonfinite") or 0) and impl.explain is not None:
         row["overflow"] = _hook(impl, "explain", case)
+    elif impl.explain is not None and any(j["status"] == FAIL for j in judged.values()):
+        # A finite output that fails: what the form's trace says of its operands (an underflow
+        # into the subnormal range, say), if anything.
+        row["explanation"] = _hook(impl, "explain", case)
     for j in judged.values():
         j.pop("baseline_out", None)
     binding = _binding(judged, primary)
@@ -250,19 +263,21 @@ def _judge(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out:
             verdict = fp64_agreement(_as_fp64(out, impl, name), ref)
         else:
             base_out = _baseline(entry, case, impl)[name].detach().cpu()
-            base, verdict = baseline_verdict(metrics, base_out, ref, impl.dtype, out.dtype)
+            base, verdict = baseline_verdict(metrics, base_out, ref, impl.dtype, out.dtype,
+                                             entry.samples_of(name, ref.shape, case.params))
             judged.update(baseline_metrics=base.as_dict(), baseline_out=base_out)
     return judged | {"status": verdict.status, "verdict": verdict.as_dict(), "margin": verdict.margin}
 
 
 def baseline_verdict(metrics: Metrics, base_out: torch.Tensor, ref: torch.Tensor, dtype: str,
-                     out_dtype: torch.dtype) -> tuple[Metrics, Verdict]:
+                     out_dtype: torch.dtype, samples: ErrorSamples) -> tuple[Metrics, Verdict]:
     """The baseline rule for an output whose ``metrics`` against ``ref`` are known, judged
     against ``base_out``: the baseline's metrics (ULPs in ``dtype``) and the verdict. The floor
     is what storing the oracle in the output's own dtype costs (an fp8 run that writes bf16 is
-    floored at bf16, not fp8)."""
+    floored at bf16, not fp8). ``samples``: the output's independent errors
+    (``ModuleEntry.samples_of``) for the RMS and bias terms."""
     base = compare(base_out, ref, ulp_dtype=dtype)
-    return base, baseline_rule(metrics, base, noise_floor(ref, out_dtype))
+    return base, baseline_rule(metrics, base, noise_floor(ref, out_dtype), rms_n=samples.rms, bias_n=samples.bias)
 
 
 def _judge_discrete(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out: torch.Tensor,

@@ -153,11 +153,18 @@ def tiled_traced(
 
     ``tiling`` takes the keyword arguments of :class:`TileConfig`.
     """
+    o, caster = _run_traced(q, k, v, g, beta, scale, initial_state, tiling)
+    return o, caster.events
+
+
+def _run_traced(q, k, v, g, beta, scale: float | None, initial_state: torch.Tensor | None,
+                tiling: dict[str, object]) -> tuple[torch.Tensor, TracingRounder]:
+    """:func:`tiled` with a tracing rounder, which comes back with the output."""
     cfg = TileConfig(**tiling)  # type: ignore[arg-type]
     dims, scale = check_inputs(q, k, v, g, beta, initial_state, scale)
     caster = _caster(cfg, trace=True)
     o, _ = _tiled(q, k, v, g, beta, scale, initial_state, dims, cfg, caster)
-    return o, caster.events
+    return o, caster
 
 
 def overflow_events(
@@ -167,17 +174,41 @@ def overflow_events(
     return tiled_traced(q, k, v, g, beta, **kwargs)[1]  # type: ignore[arg-type]
 
 
+def _fp32_arguments(q, k, v, g, beta, kwargs: dict[str, object]) -> tuple[list, dict[str, object]]:
+    """The inputs and keyword arguments of an explanation, in fp32 (``output_final_state`` dropped)."""
+    f32 = [t.float() if isinstance(t, torch.Tensor) else t for t in (q, k, v, g, beta)]
+    kwargs = dict(kwargs)
+    kwargs.pop("output_final_state", None)
+    state = kwargs.get("initial_state")
+    if isinstance(state, torch.Tensor):
+        kwargs["initial_state"] = state.float()
+    return f32, kwargs
+
+
 def explain_overflow(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, **kwargs: object
 ) -> list[str]:
     """Each operand that overflowed in :func:`tiled` (same arguments, computed in fp32): which,
     where (batch, head, chunk, tile) and by how much, one line each, in computing order."""
-    f32 = [t.float() if isinstance(t, torch.Tensor) else t for t in (q, k, v, g, beta)]
-    state = kwargs.pop("initial_state", None)
-    kwargs.pop("output_final_state", None)
-    if isinstance(state, torch.Tensor):
-        kwargs["initial_state"] = state.float()
+    f32, kwargs = _fp32_arguments(q, k, v, g, beta, kwargs)
     return [e.describe() for e in overflow_events(*f32, **kwargs)]
+
+
+def explain_underflow(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, **kwargs: object
+) -> list[str]:
+    """Each operand of :func:`tiled` (same arguments, computed in fp32) some of whose non-zero
+    values fell into the operand dtype's subnormal range: the diagonal tile's split operands
+    first, then the others, each group by the largest share. The split is where an underflow
+    costs: with a tile-start anchor the queries are scaled by ``e^(G_t - G_0)``, which strong
+    decay takes below the smallest normal of fp8 or fp16 (or of bf16 on a long tile), and their
+    partner, the key scaled by ``e^(G_0 - G_s)``, is large, so the lost bits reach the output.
+    Elsewhere an underflowed value is mostly a contribution already negligible."""
+    f32, kwargs = _fp32_arguments(q, k, v, g, beta, kwargs)
+    scale, state = kwargs.pop("scale", None), kwargs.pop("initial_state", None)
+    _, caster = _run_traced(*f32, scale, state, kwargs)
+    ranked = sorted(caster.underflows.values(), key=lambda e: (not e.operand.startswith("diagonal"), -e.fraction))
+    return [e.describe() for e in ranked]
 
 
 def _tiled(q, k, v, g, beta, scale: float, initial_state, dims: Dims, cfg: TileConfig, cast: TracingRounder):

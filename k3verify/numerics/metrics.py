@@ -26,6 +26,9 @@ class Metrics:
     - ``ulp_max`` / ``ulp_mean`` / ``ulp_p99``: ``|x - ref|`` in units of the spacing of the
       comparison dtype at ``ref`` (how many representable steps away)
     - ``nonfinite``: count of non-finite entries of ``x``
+    - ``bias``: ``<x - ref, ref> / <ref, ref>``, the error's projection on the reference: a
+      scale error ``x = (1 + c) ref`` shows as ``c``; noise independent of ``ref`` gives about
+      ``rms_ratio / sqrt(n)``
     """
 
     n: int
@@ -38,6 +41,7 @@ class Metrics:
     ulp_p99: float
     nonfinite: int
     ulp_dtype: str
+    bias: float = 0.0
 
     def as_dict(self) -> dict[str, float | int | str]:
         return asdict(self)
@@ -56,7 +60,7 @@ def compare(x: torch.Tensor, ref: torch.Tensor, *, ulp_dtype: torch.dtype | str)
     name = dtype_name(ulp_dtype)
     if nonfinite:
         inf = math.inf
-        return Metrics(n, inf, inf, inf, -inf, inf, inf, inf, nonfinite, name)
+        return Metrics(n, inf, inf, inf, -inf, inf, inf, inf, nonfinite, name, math.nan)
     diff = xd - rd
     ref_sq = float((rd * rd).sum())
     err_sq = float((diff * diff).sum())
@@ -80,6 +84,7 @@ def compare(x: torch.Tensor, ref: torch.Tensor, *, ulp_dtype: torch.dtype | str)
         ulp_p99=float(torch.quantile(ulps[: 1 << 24], 0.99)) if n else 0.0,
         nonfinite=0,
         ulp_dtype=name,
+        bias=float((diff * rd).sum()) / ref_sq if ref_sq > 0 else 0.0,
     )
 
 

@@ -22,6 +22,22 @@ Two rules, and every test or report row names the one it uses:
     probability ``1e-6``: 8.7 at 8 elements, 3.9 at 16, 2.05 at 48, and 2 from 52 elements on.
     At 3 elements and fewer that factor is over 100: the rule then catches gross errors only.
 
+    The same rule holds the error's projection on the oracle, ``bias = <x - r, r> / <r, r>``
+    (:class:`~k3verify.numerics.metrics.Metrics`), to the baseline's:
+    ``|bias| <= k * |bias(baseline)| + z(n) * rms_ratio / sqrt(n) + k * 2^-24``. A systematic
+    error such as a softmax scale 1 % off is coherent with the output: its RMS hides under bf16's rounding
+    noise, its projection does not. Noise of RMS ratio ``rho`` over ``n`` independent errors
+    projects to about ``rho / sqrt(n)``; ``z(n)`` (:func:`bias_z`) is what that projection
+    exceeds with probability ``1e-6`` (4.89 for large ``n``; at most ``sqrt(n)``, which allows any
+    projection, so a handful of errors judge nothing). ``n`` is the number of independent errors
+    of the output, which its module declares (``ModuleEntry.error_samples``): by default the rows
+    (a row shares scalars such as a softmax's ``1/l`` or an RMSNorm's ``1/rms``), a Block AttnRes
+    call's tokens, a walk's tokens, the (batch, head) pairs for KDA, whose state carries a rounding
+    along every later position. The small-output factor of the RMS term counts independent errors
+    too: every element, but a walk's tokens and KDA's rows. The last term is the bias's floor: a
+    correct kernel may round a scalar once in its fp32 accumulator (a folded constant, a row's
+    normaliser), which scales a whole row coherently.
+
 The margin is the fraction of the allowance left: ``1 - err / limit``; 1 when exact, 0 at
 the limit, negative when failing.
 """
@@ -30,7 +46,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -42,6 +59,11 @@ BASELINE_K = 2.0
 # The probability that a correct output of n elements fails the baseline rule on rounding
 # noise alone, where its error and the baseline's are n independent normal errors of one scale.
 SMALL_OUTPUT_ALPHA = 1e-6
+# The bias no correct kernel can be held below: one rounding of a scalar in its fp32 accumulator
+# (a folded constant such as the softmax scale times log2(e), a row's 1/l) scales a whole row by
+# up to fp32's unit roundoff, coherently. Our Triton MLA kernels in fp32 measured 2.0e-8 and 4.1e-8
+# on an H100 (docs/sensitivity.md); the floor is k such roundings.
+ACCUMULATOR_ROUNDOFF = 2.0**-24
 
 PASS = "pass"
 FAIL = "fail"
@@ -62,6 +84,8 @@ class Verdict:
     baseline_err: float | None = None
     floor: float | None = None
     k: float | None = None
+    bias: float | None = None
+    bias_limit: float | None = None
 
     @property
     def passed(self) -> bool:
@@ -98,36 +122,70 @@ def fp64_agreement(x: torch.Tensor, ref: torch.Tensor, *, rel: float = FP64_AGRE
     )
 
 
-def _ratio_tail(n: int, c: float) -> float:
-    """``P(rms(e1) / rms(e2) > c)`` for ``e1, e2`` of ``n`` iid standard normals each: with
-    ``F = chi2_n / chi2_n``, ``P(F > c^2) = I_x(n/2, n/2)`` at ``x = 1 / (1 + c^2)``. The
-    incomplete beta integral is taken after ``t = x u^(1/a)``, which leaves the smooth integrand
-    ``(1 - x u^(1/a))^(a-1)`` on ``[0, 1]`` (Simpson's rule, 2048 panels, fp64)."""
-    a = n / 2.0
-    x = 1.0 / (1.0 + c * c)
+def _incomplete_beta(x: float, a: float, b: float) -> float:
+    """The regularised incomplete beta function ``I_x(a, b)``. The integral is taken after
+    ``t = x u^(1/a)``, which leaves the smooth integrand ``(1 - x u^(1/a))^(b-1)`` on ``[0, 1]``
+    (Simpson's rule, 2048 panels, fp64); ``x`` must stay away from 1 where ``b < 1``."""
     u = torch.linspace(0.0, 1.0, 2049, dtype=torch.float64)
-    f = torch.pow(1.0 - x * torch.pow(u, 1.0 / a), a - 1.0)
+    f = torch.pow(1.0 - x * torch.pow(u, 1.0 / a), b - 1.0)
     weights = torch.ones_like(u)
     weights[1:-1:2], weights[2:-1:2] = 4.0, 2.0
     integral = float((weights * f).sum()) / (3.0 * 2048)
-    log_beta = 2.0 * math.lgamma(a) - math.lgamma(2.0 * a)
+    log_beta = math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
     return math.exp(a * math.log(x) - math.log(a) - log_beta) * integral
+
+
+def _ratio_tail(n: int, c: float) -> float:
+    """``P(rms(e1) / rms(e2) > c)`` for ``e1, e2`` of ``n`` iid standard normals each: with
+    ``F = chi2_n / chi2_n``, ``P(F > c^2) = I_x(n/2, n/2)`` at ``x = 1 / (1 + c^2)``."""
+    return _incomplete_beta(1.0 / (1.0 + c * c), n / 2.0, n / 2.0)
+
+
+def _projection_tail(n: int, z: float) -> float:
+    """``P(sqrt(n) |cos(e, r)| > z)`` for ``e`` of ``n`` iid normals and any fixed ``r``: the
+    squared cosine of a random direction is ``Beta(1/2, (n-1)/2)``, so the tail is
+    ``I_x((n-1)/2, 1/2)`` at ``x = 1 - z^2 / n`` (0 from ``z = sqrt(n)`` on)."""
+    if z * z >= n:
+        return 0.0
+    return _incomplete_beta(1.0 - z * z / n, (n - 1) / 2.0, 0.5)
+
+
+def _upper_quantile(tail: Callable[[float], float], alpha: float, lo: float) -> float:
+    """The ``c >= lo`` where the decreasing ``tail(c)`` falls to ``alpha`` (bisection on
+    ``log c`` to 1e-9 relative); ``lo`` itself when ``tail(lo) <= alpha``."""
+    if tail(lo) <= alpha:
+        return lo
+    a, b = math.log(lo), math.log(1e12)
+    while b - a > 1e-9:
+        mid = 0.5 * (a + b)
+        a, b = (mid, b) if tail(math.exp(mid)) > alpha else (a, mid)
+    return math.exp(b)
 
 
 @functools.cache
 def small_output_k(n: int, k: float = BASELINE_K, alpha: float = SMALL_OUTPUT_ALPHA) -> float:
     """The baseline factor for an output of ``n`` elements: ``max(k, c)`` where
-    ``P(rms(e1) / rms(e2) > c) = alpha`` for two sets of ``n`` iid normal errors of one scale
-    (bisection on ``log c``, to 1e-9 relative)."""
+    ``P(rms(e1) / rms(e2) > c) = alpha`` for two sets of ``n`` iid normal errors of one scale."""
     if n <= 0:
         return k
-    if _ratio_tail(n, k) <= alpha:
-        return k
-    lo, hi = math.log(k), math.log(1e12)
-    while hi - lo > 1e-9:
+    return _upper_quantile(lambda c: _ratio_tail(n, c), alpha, k)
+
+
+@functools.cache
+def bias_z(n: int, alpha: float = SMALL_OUTPUT_ALPHA) -> float:
+    """The allowance on the bias, in units of ``rms_ratio / sqrt(n)``, over ``n`` independent
+    errors. ``bias / (rms_ratio / sqrt(n))`` is ``sqrt(n) cos(e, r)``; the returned ``z`` is the
+    value its magnitude exceeds with probability ``alpha`` for iid normal errors (4.89 for large
+    ``n``, as a normal's two-sided tail; ``sqrt(n)``, which no error can exceed, below 2)."""
+    if n < 2:
+        return math.sqrt(max(n, 0))
+    if _projection_tail(n, 1.0) <= alpha:
+        return 1.0
+    lo, hi = 1.0, math.sqrt(n)
+    while hi - lo > 1e-9 * hi:
         mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if _ratio_tail(n, math.exp(mid)) > alpha else (lo, mid)
-    return math.exp(hi)
+        lo, hi = (mid, hi) if _projection_tail(n, mid) > alpha else (lo, mid)
+    return hi
 
 
 def noise_floor(ref: torch.Tensor, dtype: torch.dtype | str, *, metric: str = "rms_ratio") -> float:
@@ -143,25 +201,55 @@ def baseline_rule(
     *,
     k: float = BASELINE_K,
     metric: str = "rms_ratio",
+    rms_n: int | None = None,
+    bias_n: int | None = None,
 ) -> Verdict:
     """Verdict of the ``baseline`` rule: ``err(impl) <= k * err(baseline) + floor``, ``k``
-    widened on a small output (:func:`small_output_k` of ``impl.n``)."""
+    widened on a small output (:func:`small_output_k` of its ``rms_n`` independent errors, every
+    element by default); then, with ``bias_n``
+    independent errors, ``|bias| <= k * |bias(baseline)| + bias_z(bias_n) * rms_ratio / sqrt(bias_n)``
+    (:func:`bias_limit`). The verdict names the statistic that failed; ``None`` leaves the bias
+    unjudged."""
     err = float(getattr(impl, metric))
     base = float(getattr(baseline, metric))
-    k = small_output_k(impl.n, k)
+    k = small_output_k(impl.n if rms_n is None else rms_n, k)
     if impl.nonfinite:
         return Verdict(
             FAIL, "baseline", metric, err, math.nan, -math.inf, f"{impl.nonfinite} non-finite outputs", base, floor, k
         )
-    if baseline.nonfinite or not math.isfinite(base):
+    base_finite = not baseline.nonfinite and math.isfinite(base)
+    if base_finite:
+        base_term, note = k * base, ""
+    else:
         # A baseline that overflowed grants no allowance; only the floor remains.
         base_term, note = 0.0, " (baseline non-finite: floor only)"
-    else:
-        base_term, note = k * base, ""
     limit = base_term + floor
     ok = err <= limit
     reason = f"{metric} {err:.3e} {'<=' if ok else '>'} {k:.3g}x{base:.3e} + {floor:.3e}{note}"
-    return Verdict(PASS if ok else FAIL, "baseline", metric, err, limit, _margin(err, limit), reason, base, floor, k)
+    verdict = Verdict(PASS if ok else FAIL, "baseline", metric, err, limit, _margin(err, limit), reason, base, floor, k)
+    if bias_n is None:
+        return verdict
+    b_limit, b_reason = bias_limit(impl, baseline if base_finite else None, bias_n, k=BASELINE_K)
+    verdict = replace(verdict, bias=impl.bias, bias_limit=b_limit)
+    if not ok or abs(impl.bias) <= b_limit:
+        return verdict
+    return replace(verdict, status=FAIL, metric="bias", err=abs(impl.bias), limit=b_limit,
+                   margin=_margin(abs(impl.bias), b_limit), reason=b_reason, baseline_err=abs(baseline.bias))
+
+
+def bias_limit(impl: Metrics, baseline: Metrics | None, n: int, *, k: float = BASELINE_K) -> tuple[float, str]:
+    """The allowance on ``|impl.bias|`` and the sentence a failure reads: ``k`` times the
+    baseline's ``|bias|`` (nothing when the baseline overflowed: ``None``), plus the projection of
+    ``impl``'s own noise, ``bias_z(n) * rms_ratio / sqrt(n)`` over ``n`` independent errors, plus
+    ``k`` scalar roundings in the fp32 accumulator (:data:`ACCUMULATOR_ROUNDOFF`)."""
+    base = 0.0 if baseline is None else abs(baseline.bias)
+    z = bias_z(n)
+    noise = impl.rms_ratio / math.sqrt(n) if n > 0 else math.inf
+    floor = k * ACCUMULATOR_ROUNDOFF
+    limit = k * base + z * noise + floor
+    reason = (f"bias {impl.bias:+.3e}: |bias| {abs(impl.bias):.3e} > {k:g}x{base:.3e} + "
+              f"{z:.3g}x{noise:.3e} + {floor:.3e} (rms_ratio {impl.rms_ratio:.3e} over {n} independent errors)")
+    return limit, reason
 
 
 def expected_nonfinite(impl: Metrics, *, predicted_finite: bool, explanation: str) -> Verdict | None:

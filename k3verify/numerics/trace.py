@@ -1,4 +1,5 @@
-"""Rounding with an audit trail: which named tensor overflowed its dtype, where, and by how much.
+"""Rounding with an audit trail: which named tensor overflowed its dtype (or fell into its
+subnormal range), where, and by how much.
 
 A tiled form passes every operand through a :class:`TracingRounder`; with tracing on, the
 first tensors whose rounding produced inf/NaN are kept as :class:`OverflowEvent` records, so
@@ -52,6 +53,34 @@ class OverflowEvent:
 
 
 @dataclass
+class UnderflowEvent:
+    """A named tensor some of whose non-zero values fell below its dtype's smallest normal when
+    rounded: they keep fewer significant bits (or become 0), a precision loss no overflow check
+    sees. Counts add up over every rounding of that tensor; the place is that of the smallest."""
+
+    operand: str
+    count: int
+    nonzero: int
+    index: tuple[int, ...]
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    min_log_magnitude: float  # ln of the smallest non-zero pre-rounding magnitude
+    dtype: str
+    ln_tiny: float  # ln of the dtype's smallest normal
+
+    @property
+    def fraction(self) -> float:
+        return self.count / self.nonzero if self.nonzero else 0.0
+
+    def describe(self) -> str:
+        """One line naming the tensor, how much of it fell into the subnormal range, and where."""
+        where = OverflowEvent.where(self)  # type: ignore[arg-type]
+        return (f"{self.operand} fell below {self.dtype}'s smallest normal in {self.count} of {self.nonzero} "
+                f"non-zero values ({100 * self.fraction:.1f} %): ln|value| down to {self.min_log_magnitude:.2f} "
+                f"< {self.ln_tiny:.2f} at {where}, with fewer significant bits")
+
+
+@dataclass
 class TracingRounder:
     """``rounder(name, t, dtype=None)`` rounds ``t`` to ``dtype`` (default: the rounder's own).
 
@@ -65,6 +94,7 @@ class TracingRounder:
     trace: bool = False
     axes: Callable[[str], tuple[str, ...]] = lambda name: ()
     events: list[OverflowEvent] = field(default_factory=list)
+    underflows: dict[str, UnderflowEvent] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.dtype = resolve_dtype(self.dtype)
@@ -75,7 +105,36 @@ class TracingRounder:
         y = round_to(wide, target, overflow=self.overflow)
         if self.trace and len(self.events) < MAX_EVENTS:
             self._record(name, wide, y, target)
+        if self.trace:
+            self._record_underflow(name, wide, target)
         return y
+
+    def _record_underflow(self, name: str, before: torch.Tensor, dtype: torch.dtype) -> None:
+        magnitude = before.detach().abs()
+        nonzero = torch.isfinite(magnitude) & (magnitude > 0)
+        tiny = facts(dtype).smallest_normal
+        low = nonzero & (magnitude < tiny)
+        count = int(low.sum())
+        if not count:
+            return
+        smallest = torch.where(low, magnitude, torch.full_like(magnitude, math.inf))
+        at = int(smallest.reshape(-1).argmin())
+        least = float(smallest.reshape(-1)[at])
+        seen = self.underflows.get(name)
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(at), tuple(before.shape)))
+        if seen is not None and seen.min_log_magnitude <= math.log(least):
+            index, least = seen.index, math.exp(seen.min_log_magnitude)
+        self.underflows[name] = UnderflowEvent(
+            operand=name,
+            count=count + (seen.count if seen else 0),
+            nonzero=int(nonzero.sum()) + (seen.nonzero if seen else 0),
+            index=index,
+            shape=tuple(before.shape),
+            axes=self.axes(name),
+            min_log_magnitude=math.log(least),
+            dtype=facts(dtype).name,
+            ln_tiny=math.log(tiny),
+        )
 
     def _record(self, name: str, before: torch.Tensor, after: torch.Tensor, dtype: torch.dtype) -> None:
         bad = ~torch.isfinite(after)

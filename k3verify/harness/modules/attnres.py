@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -29,6 +29,7 @@ from ..registry import (
     BASELINE_RULE,
     FP64_RULE,
     Case,
+    ErrorSamples,
     Implementation,
     ModuleEntry,
     Outputs,
@@ -46,6 +47,20 @@ TILE = 4
 
 def _is_walk(case: Case) -> bool:
     return "embedding" in case.inputs
+
+
+def _error_samples(output: str, shape: tuple[int, ...], params: Mapping[str, Any]) -> ErrorSamples:
+    """One call's ``h: [T, d]``: every element for the RMS term (the rounded sources err per
+    element), its tokens for the bias (a token's channels share its mixing weights and
+    normaliser: counted per element, the bf16 tiled form's error on a seeded ``sources`` case
+    projected 6.9 noise units onto the output). A walk's ``h`` and ``blocks: [N, T, d]``: the
+    tokens for both, since every channel of a token also shares the mixing errors of all the
+    layers before it (on ``walk_full`` one token of eight carries most of the error;
+    docs/sensitivity.md)."""
+    tokens = shape[-2] if len(shape) >= 2 else 1
+    if params.get("kind") == "walk":
+        return ErrorSamples(tokens, tokens)
+    return ErrorSamples(math.prod(shape), math.prod(shape[:-1]))
 
 
 def _form_args(case: Case) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -121,8 +136,14 @@ def _predict(case: Case, **options: Any) -> Prediction:
 
 @one_thread()
 def _explain(case: Case, **options: Any) -> list[str]:
+    """The first three tensors that overflowed; for the bf16-logit variant on one call, how far
+    its logits move when rounded."""
     args, kw = _form_args(case)
-    return attnres.explain_overflow(*args, **kw, **options)[:3]
+    lines = attnres.explain_overflow(*args, **kw, **options)[:3]
+    quantities = _quantities(case, options["stream_dtype"])
+    if options.get("logit_dtype") and isinstance(quantities, attnres.OverflowQuantities):
+        lines += attnres.explain_logit_rounding(quantities, options["logit_dtype"])
+    return lines
 
 
 def _form(form: str, dtype: str, cases: tuple[str, ...], **extra: Any) -> Implementation:
@@ -360,6 +381,7 @@ register(
         baseline=baseline,
         own_implementations=own_implementations,
         outputs=OUTPUTS,
+        error_samples=_error_samples,
         call=call,
         overflow_map=MAP,
         golden_cases=lambda seed: cases_from(samples.golden_cases(seed)),

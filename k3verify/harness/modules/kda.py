@@ -4,6 +4,7 @@ fla-core's) and the overflow map, declared; inputs come from :mod:`k3verify.kda.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -14,13 +15,14 @@ from ... import kda
 from ...adapters import fla as fla_adapter
 from ...kda import kernels, samples
 from ...kda.samples import CHUNK, G_MIN, TILE
-from ...kda.tiled import ANCHORS, DEFAULT_ROW0_SHIFT, tiled_traced
+from ...kda.tiled import ANCHORS, DEFAULT_ROW0_SHIFT, explain_underflow, tiled_traced
 from ..guard import checked_call
 from ..overflow_map import MapDefinition, MapOptions, MapSpec, SweptForm, agreement
 from ..registry import (
     BASELINE_RULE,
     FP64_RULE,
     Case,
+    ErrorSamples,
     Implementation,
     ModuleEntry,
     Outputs,
@@ -98,9 +100,12 @@ def _predict(case: Case, **tiling: Any) -> Prediction:
 
 
 def _explain(case: Case, **tiling: Any) -> list[str]:
+    """The first three operands that overflowed, then the three with the largest share of values
+    in the subnormal range."""
     x = case.inputs
-    return kda.explain_overflow(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
-                                **tiling)[:3]
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    return (kda.explain_overflow(*args, initial_state=x["initial_state"], **tiling)[:3]
+            + explain_underflow(*args, initial_state=x["initial_state"], **tiling)[:3])
 
 
 def _form(form: str, dtype: str, cases: tuple[str, ...] = ("default",), baseline_family: str | None = None,
@@ -293,6 +298,16 @@ MAP = MapDefinition(
 )
 
 
+def _error_samples(output: str, shape: tuple[int, ...], params: Mapping[str, Any]) -> ErrorSamples:
+    """The rows along the value axis for the RMS term, the (batch, head) pairs for the bias, of
+    ``o: [B, T, H, V]`` and ``final_state: [B, H, K, V]``. A rounded key or query reaches every
+    value channel of its row alike (on one token with saturated gates an fp32 form's whole error
+    is one scalar rounding, -2.8e-7 x the output), and the state carries a rounding along every
+    later position, so its projection on the output sums coherently over positions: only
+    separate sequences and heads project independently (docs/sensitivity.md)."""
+    return ErrorSamples(math.prod(shape[:-1]), shape[0] * (shape[2] if output == "o" else shape[1]))
+
+
 register(
     ModuleEntry(
         name="kda",
@@ -309,6 +324,7 @@ register(
         golden_cases=lambda seed: cases_from(samples.golden_cases(seed)),
         position_axis=1,  # o: [B, T, H, V]
         strategy=samples.strategy,
+        error_samples=_error_samples,
         sharded=ShardedForm(
             "k3verify.kda.sharded", ("y", "final_state"), position_axis=1,
             gather=lambda ranks: {"y": replicated(ranks, "y"),

@@ -8,6 +8,7 @@ hand over the same :class:`KDAState` (conv history + recurrent state), so
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -185,6 +186,29 @@ class KDALayer:
         o = rms_norm(o, self.weights.norm, eps=self.cfg.norm_eps) * torch.sigmoid(parts["g_out"].reshape(B, T, h, K))
         y = o.reshape(B, T, h * K) @ self.weights.w_o
         return y, KDAState(conv=conv_cache, recurrent=S.to(x.dtype))
+
+    def prefill_packed(
+        self, x: torch.Tensor, state: KDAState, cu_seqlens: torch.Tensor, *, core: Callable | None = None
+    ) -> tuple[torch.Tensor, KDAState]:
+        """A packed batch, as serving engines hand it over: ``x:[1, sum T_i, d]`` holds ``N``
+        requests back to back, request ``i`` at ``cu_seqlens[i]:cu_seqlens[i + 1]`` (``int64
+        [N + 1]``, from 0), each continuing from its own ``state`` entry (batch ``N``). The
+        definition: each request through :meth:`prefill` on its own, outputs packed again."""
+        if x.dim() != 3 or x.shape[0] != 1:
+            raise ValueError(f"a packed batch is x:[1, sum T, d]; got {list(x.shape)}")
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+        if bounds[0] != 0 or bounds[-1] != x.shape[1] or any(b > c for b, c in itertools.pairwise(bounds)):
+            raise ValueError(f"cu_seqlens {bounds} does not split {x.shape[1]} tokens from 0")
+        if state.conv.shape[0] != len(bounds) - 1:
+            raise ValueError(f"{len(bounds) - 1} requests but a state for {state.conv.shape[0]}")
+        ys, convs, states = [], [], []
+        for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+            one = KDAState(state.conv[i : i + 1], state.recurrent[i : i + 1])
+            y, new = self.prefill(x[:, a:b], one, core=core)
+            ys.append(y)
+            convs.append(new.conv)
+            states.append(new.recurrent)
+        return torch.cat(ys, 1), KDAState(torch.cat(convs), torch.cat(states))
 
     def project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """The packed GEMM ``x @ w_packed`` split into ``[q | k | v | g_out | f_a | beta]``."""

@@ -85,6 +85,11 @@ class LatentCache:
         """``seq_lens`` as Python ints."""
         return [int(n) for n in self.seq_lens.tolist()]
 
+    def clone(self) -> LatentCache:
+        """A copy that shares no memory with this cache (a function may write into it)."""
+        return LatentCache(*(None if t is None else t.clone()
+                             for t in (self.pool, self.block_table, self.seq_lens, self.scales)))
+
     def to(self, dtype: torch.dtype | str) -> LatentCache:
         """The same cache with an unquantised pool cast to ``dtype`` (a quantised cache is returned as is).
 

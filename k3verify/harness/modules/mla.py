@@ -58,8 +58,7 @@ def form_args(inputs: dict[str, Any], dtype: torch.dtype | str) -> tuple[Any, ..
         dt = resolve_dtype(FP8_CACHE_OPERANDS)
     else:
         cache = cache.to(dt)
-    cache = mla.LatentCache(*(None if t is None else t.clone()
-                              for t in (cache.pool, cache.block_table, cache.seq_lens, cache.scales)))
+    cache = cache.clone()
     x = {n: inputs[n].to(dt) for n in ("q_nope", "q_pe", "w_uk", "w_uv")}
     return x["q_nope"], x["q_pe"], cache, x["w_uk"], x["w_uv"]
 

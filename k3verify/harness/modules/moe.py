@@ -57,7 +57,7 @@ def expert_sets(indices: torch.Tensor) -> torch.Tensor:
 
 
 def call(fn: Callable[..., Any], case: Case, dtype: torch.dtype, *, router_dtype: torch.dtype | None = None,
-         **options: Any) -> Outputs:
+         kernel_routes: bool = False, **options: Any) -> Outputs:
     """``fn(x, weights, config, *, routing, **options)`` on the case's inputs cast to ``dtype``:
     ``{"y": [T, d], "experts": [T, k] int64}``.
 
@@ -71,9 +71,19 @@ def call(fn: Callable[..., Any], case: Case, dtype: torch.dtype, *, router_dtype
     changes a near-tied token's experts (one token of ``default``) where the baseline does not.
     For fp64 and fp32 inputs (every built-in row) this is the routing the form makes itself, bit
     for bit: the router casts to ``router_dtype`` first.
+
+    With ``kernel_routes`` the function routes itself (the router GEMM, the balancing bias in the
+    selection and the renormalised weights are then its own): it is called without ``routing``
+    and must return ``(y, experts)``; its experts are judged by their mismatch with the oracle's.
     """
     given = case.inputs
     x, w, cfg = given["x"].to(dtype), given["weights"].to(dtype), given["config"]
+    if kernel_routes:
+        result = checked_call(fn, (x, w, cfg), ("x", "weights", "config"), options)
+        out = as_outputs(result, OUTPUTS, getattr(fn, "__name__", repr(fn)))
+        if "experts" not in out:
+            raise TypeError("a MoE function that routes itself (kernel_routes=True) returns (y, experts)")
+        return {"y": out["y"], "experts": expert_sets(out["experts"])}
     if router_dtype is None:
         router_dtype = compute_dtype(resolve_dtype(options.get("operand_dtype", dtype)))
     routing = moe.routing_for(given["x"], given["weights"], cfg, None, router_dtype)

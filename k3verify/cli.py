@@ -29,6 +29,8 @@ import os
 import sys
 import time
 import traceback
+import warnings
+import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -37,7 +39,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-from .harness import compare, golden, registry, report, runner, sandbox
+from .harness import ci_output, compare, golden, registry, report, runner, sandbox
 from .harness.environment import environment
 from .harness.files import UsageError, check_output_folder, hold_output_folder, json_safe
 from .harness.map_files import check_maps_folder, default_maps_folder, write_map
@@ -254,7 +256,7 @@ def _tp_options(args: argparse.Namespace) -> TPOptions | None:
 
 
 def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path | None, out: Console,
-            args: argparse.Namespace, err: Console | None = None) -> int:
+            args: argparse.Namespace, err: Console | None = None, title: str = "k3verify run") -> int:
     """Print the verdicts in ``--format``, write the report when ``out_dir`` is given; 1 on a failure.
 
     The table ends with what needs reading (overflows, unavailable rows grouped by reason,
@@ -264,6 +266,7 @@ def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path
     paths = write_report(doc, out_dir, maps_dir=maps_dir, not_shown=_not_shown_printer(err or out)) \
         if out_dir is not None else []
     failed = doc["summary"]["fail"]
+    _ci_outputs(args, ci_output.rows_suite(rows, title), ci_output.run_summary(title, doc))
     if args.format != "table":  # verbatim: no markup, no wrapping
         text = _strict_json(doc) if args.format == "json" else report.markdown(doc)
         out.file.write(text + "\n")
@@ -475,7 +478,8 @@ def cmd_golden_verify(args: argparse.Namespace, out: Console, err: Console) -> i
             rows.append(row)
     config = {"goldens": str(directory), "modules": sorted({r["module"] for r in rows}),
               "wall_s": round(time.perf_counter() - start, 2)}
-    return _finish(rows, config, Path(args.out) if args.out else None, None, out, args, err=err)
+    return _finish(rows, config, Path(args.out) if args.out else None, None, out, args, err=err,
+                   title="k3verify golden verify")
 
 
 def cmd_report_compare(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -483,9 +487,13 @@ def cmd_report_compare(args: argparse.Namespace, out: Console, err: Console) -> 
     thresholds = compare.Thresholds(
         error_growth=args.error_growth, margin_drop=args.margin_drop, error_factor=args.error_factor
     )
-    result = compare.compare_paths(Path(args.base), Path(args.new), thresholds, modules=_module_list(args.modules))
+    result = compare.compare_paths(Path(args.base), Path(args.new), thresholds, modules=_module_list(args.modules),
+                                   strict_coverage=args.strict_coverage)
     groups = result.groups()
     n = len(groups["regressions"])
+    _ci_outputs(args, ci_output.findings_suite(result.findings, f"k3verify report compare {args.base} {args.new}",
+                                               result.rows_compared),
+                compare.markdown(result, args.base, args.new))
     if args.format == "json":
         out.file.write(_strict_json({"base": args.base, "new": args.new, "rows_compared": result.rows_compared,
                                      "cells_compared": result.cells_compared, "notes": result.notes,
@@ -658,6 +666,9 @@ def parser() -> argparse.ArgumentParser:
                     help=f"margin drop that counts with that growth (default {defaults.margin_drop})")
     rc.add_argument("--error-factor", type=_finite, default=defaults.error_factor,
                     help=f"error growth factor that counts on its own (default {defaults.error_factor})")
+    _junit_option(rc)
+    rc.add_argument("--strict-coverage", action="store_true",
+                    help="a row whose optional package is missing in NEW (now unavailable) is a regression")
     rc.add_argument("--modules", action="append",
                     help="compare only these modules, comma-separated (default: every module BASE has rows or "
                          "maps of; a base module with no row in NEW is a regression)")
@@ -681,6 +692,35 @@ def _output_options(p: argparse.ArgumentParser) -> None:
                    help="table (default; failures last, one line each), md or json (the whole report) on stdout")
     p.add_argument("--quiet", action="store_true", help="no table: only overflows, unavailable rows, failures "
                    "and the summary")  # fmt: skip
+    _junit_option(p)
+
+
+def _junit_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--junit-xml", metavar="PATH", type=_junit_path,
+                   help="also write a JUnit XML file there: one test case per row (per finding for compare); "
+                        f"with ${ci_output.STEP_SUMMARY} set, the Markdown summary is appended to that file too")
+
+
+def _junit_path(text: str) -> Path:
+    """``--junit-xml``: a file path whose folder exists (checked before anything is computed)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text[:200]!r} is a folder; give a file path")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"the folder of {text[:200]!r} does not exist")
+    return path
+
+
+def _ci_outputs(args: argparse.Namespace, suite: ET.Element, summary: str) -> None:
+    """The JUnit file (``--junit-xml``) and the GitHub step summary, where asked for; a file that
+    cannot be written is a usage error naming it."""
+    target = getattr(args, "junit_xml", None)
+    try:
+        if target is not None:
+            ci_output.write_junit(target, suite)
+        ci_output.append_step_summary(summary)
+    except OSError as exc:
+        raise UsageError(f"cannot write a CI output: {exc}") from None
 
 
 MAPS_HELP = (
@@ -695,7 +735,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = OutConsole() if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit() else OutConsole(width=170)
     err = Console(stderr=True)
     try:
-        return args.fn(args, out, err)
+        with warnings.catch_warnings():
+            # Triton's CPU interpreter computes with numpy, which warns where an emulated kernel
+            # overflows; the row says so (non-finite outputs, the operand named), so the warning
+            # adds a stray line to the log and nothing else.
+            warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
+            return args.fn(args, out, err)
     except (registry.UnknownModuleError, UsageError) as exc:
         return _error(err, str(exc), 2)
     except golden.GoldenError as exc:

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from .harness import registry, runner
+from .harness import registry, report, runner
 from .harness.registry import BASELINE_RULE, FP64_RULE, Case, Implementation, as_outputs
-from .numerics import FAIL, compare, dtype_name, resolve_dtype
+from .numerics import FAIL, compare, dtype_name, resolve_dtype, where_text, worst_element
 
 __all__ = ["assert_matches_oracle", "cases", "strategy"]
 
@@ -62,7 +62,14 @@ def strategy(module: str) -> Any:
     entry = registry.get(module)
     if entry.strategy is None:
         raise NotImplementedError(f"module {module!r} has no case strategy")
-    return entry.strategy().map(lambda sample: Case("drawn", sample[0], dict(sample[1])))
+    try:
+        drawn = entry.strategy()
+    except ModuleNotFoundError as exc:
+        if exc.name != "hypothesis":
+            raise
+        raise ModuleNotFoundError("k3verify.testing.strategy draws cases with Hypothesis, which the test extra "
+                                  "installs: pip install 'k3verify[test]'", name="hypothesis") from exc
+    return drawn.map(lambda sample: Case("drawn", sample[0], dict(sample[1])))
 
 
 def _as_cases(module: str, given: Iterable[Case | str | tuple] | None, seed: int) -> list[Case]:
@@ -150,7 +157,9 @@ def assert_matches_oracle(
         ref = as_outputs(entry.oracle(case), entry.outputs, "the oracle")
         for out_name, judged in row["outputs"].items():
             if judged["status"] == FAIL:
-                problems.append(_describe(case, out_name, judged, got.get(out_name), ref[out_name])
+                problems.append(_describe(case, out_name, judged, got.get(out_name), ref[out_name],
+                                          tuple(entry.output_axes.get(out_name, ())))
+                                + (report.worst_position(row) if out_name == entry.primary else "")
                                 + _other_families(entry, impl, case, out_name, judged, got.get(out_name), others))
     if problems:
         judged_by = f" (judged by the {family!r} baseline)" if rule == BASELINE_RULE else ""
@@ -215,7 +224,8 @@ def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
-def _describe(case: Case, output: str, judged: dict[str, Any], got: torch.Tensor | None, ref: torch.Tensor) -> str:
+def _describe(case: Case, output: str, judged: dict[str, Any], got: torch.Tensor | None, ref: torch.Tensor,
+              axes: tuple[str, ...] = ()) -> str:
     """One failing output: rule, err, limit, margin, worst element, mismatch fraction."""
     v = judged["verdict"]
     head = (f"case {case.name!r}, output {output!r}: rule {v['rule']}: {v['reason']} "
@@ -225,13 +235,12 @@ def _describe(case: Case, output: str, judged: dict[str, Any], got: torch.Tensor
     x, r = got.to(torch.float64), ref.to(torch.float64)
     diff = (x - r).abs()
     diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
-    flat = int(diff.reshape(-1).argmax()) if diff.numel() else 0
-    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), r.shape)) if r.numel() else ()
     allowed = (v["limit"] if isinstance(v.get("limit"), float) and math.isfinite(v["limit"]) else 0.0) * \
         float(r.pow(2).mean().sqrt()) if r.is_floating_point() and r.numel() else 0.0
     fraction = float((diff > allowed).double().mean()) if diff.numel() else 0.0
-    worst = (f"; worst element at {index}: got {_f(float(x.reshape(-1)[flat]))}, expected "
-             f"{_f(float(r.reshape(-1)[flat]))} (|diff| {_f(float(diff.reshape(-1)[flat]))})") if r.numel() else ""
+    w = judged.get("worst") or worst_element(x, r, axes)
+    worst = (f"; worst element at {where_text(w['index'], w['axes'])}: got {_f(w['got'])}, expected "
+             f"{_f(w['expected'])} (|diff| {_f(w['abs_diff'])})") if r.numel() else ""
     return head + worst + f"; mismatch fraction {fraction:.3%} (elements off by more than limit x rms(oracle))"
 
 

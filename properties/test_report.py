@@ -69,6 +69,39 @@ def test_the_committed_baseline_compares_clean_with_itself() -> None:
     assert main(["report", "compare", str(BASELINE), str(BASELINE)]) == 0
 
 
+def _without_fla(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` as a run without the ``fla`` extra writes it: fla-core's rows unavailable, named
+    ``fla-core (missing)``, with the install hint as their reason."""
+    out = copy.deepcopy(doc)
+    for row in out["rows"]:
+        if row["implementation"].startswith("fla-core "):
+            for key in ("verdict", "margin", "metrics", "baseline_metrics", "outputs", "output", "prediction",
+                        "ulp_histogram", "error_by_position", "baseline_error_by_position", "wall_s"):
+                row.pop(key, None)
+            row.update(implementation="fla-core (missing)", status="unavailable",
+                       reason="fla-core is not installed (pip install 'k3verify[fla]')")
+    return out
+
+
+def test_a_missing_optional_package_reads_as_now_unavailable() -> None:
+    """The quick start installs no ``[fla]``: its run compared against the baseline made with
+    fla-core says "now unavailable" with the reason for each fla-core row, which is information;
+    with ``strict_coverage`` each is a regression. A row removed for another cause still regresses."""
+    base = report.load(BASELINE)
+    new = _without_fla(base)
+    fla_rows = [r for r in base["rows"] if r["implementation"].startswith("fla-core ")]
+    result = compare.compare_reports(base, new)
+    gone = [f for f in result.findings if f.kind == "now unavailable"]
+    assert fla_rows and len(gone) == len(fla_rows) and not result.regressions, result.findings
+    assert all("pip install 'k3verify[fla]'" in f.detail for f in gone)
+    assert not [f for f in result.findings if f.kind in ("row removed", "new row")]
+    strict = compare.compare_reports(base, new, strict_coverage=True)
+    assert len(strict.regressions) == len(fla_rows)
+    dropped = copy.deepcopy(new)
+    dropped["rows"] = [r for r in dropped["rows"] if r["implementation"] != "k3verify" or r["case"] != "hot"]
+    assert any(f.kind == "row removed" for f in compare.compare_reports(base, dropped).regressions)
+
+
 def _binding(row: dict[str, Any]) -> dict[str, Any]:
     """The judged output that decides a row (its top-level verdict is a copy of this one's)."""
     return row["outputs"][row["output"]]
@@ -394,7 +427,8 @@ def test_a_failed_row_ends_the_log_with_its_reason(mla_report: Path) -> None:
     assert code == 1
     lines = text.splitlines()
     assert lines[-2].startswith("rows: ") and lines[-1] == "1 verdict(s) failed", lines[-3:]
-    assert lines[-3] == f"FAIL {report.row_heading(bad)} [{name}]: rms_ratio 9.9e-03 > 2x4.1e-03 + 1e-04"
+    assert lines[-3].startswith(f"FAIL {report.row_heading(bad)} [{name}]: rms_ratio 9.9e-03 > 2x4.1e-03 + 1e-04; "
+                                "worst at [b="), lines[-3]
     assert text.count(reason) == 1 and f"unavailable (2): {reason}" in text
     assert "…" not in text and f"{report.fmt(bad['verdict']['err'])}" in text  # 80 columns: a line per row
     assert "…" not in _printed(rows, width=170)[1]  # a table, names folded, numbers whole
@@ -464,3 +498,26 @@ def test_columns_decides_the_layout(mla_report: Path, monkeypatch: pytest.Monkey
     narrow = capsys.readouterr().out
     assert "k3verify verdicts" not in narrow and "…" not in narrow
     assert re.search(r"^pass +\d\.\d\de-\d\d +\d\.\d\de-\d\d +\d\.\d\d  mla k3verify ", narrow, re.M), narrow[:400]
+
+
+def test_a_failure_line_says_where() -> None:
+    """The FAIL line and the Markdown's Failures section name the worst element by the output's
+    axes and the worst position; a passing report has no Failures section."""
+    from k3verify.harness import registry
+
+    def off(q, k, v, g, beta, **kw):
+        o, state = kda.chunkwise(q, k, v, g, beta, **kw)
+        o = o.clone()
+        o[0, 5, 1, 3] += 1.0
+        return o, state
+
+    entry = registry.get("kda")
+    impl = registry.implementation("kda", off, name="plugin-off", dtype="fp32", baseline="chunkwise")
+    row = runner.verify(entry, impl, entry.make_cases(0)["default"])
+    (line,) = report.failure_lines([row])
+    assert "[o]" in line and "worst at [b=0, t=5, h=1, v=3]" in line and "worst position 5 of " in line, line
+    doc = {"rows": [row], "summary": {}, "environment": {}}
+    assert "## Failures" in report.markdown(doc)
+    clean = runner.verify(entry, registry.implementation("kda", kda.chunkwise, name="fine", dtype="fp32",
+                                                         baseline="chunkwise"), entry.make_cases(0)["default"])
+    assert clean["status"] == PASS and "## Failures" not in report.markdown({"rows": [clean], "summary": {}})

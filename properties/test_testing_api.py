@@ -36,8 +36,8 @@ def test_a_kernel_one_percent_off_fails_with_a_readable_message() -> None:
     with pytest.raises(AssertionError) as info:
         assert_matches_oracle(partial(_scaled, o_gain=1.01), "kda", torch.float32, baseline="chunkwise")
     message = str(info.value)
-    for part in ("output 'o'", "rule baseline", "err ", "limit ", "margin ", "worst element at (", "got ",
-                 "expected ", "mismatch fraction"):
+    for part in ("output 'o'", "rule baseline", "err ", "limit ", "margin ", "worst element at [b=", ", t=",
+                 ", h=", ", v=", "got ", "expected ", "mismatch fraction", "worst position "):
         assert part in message, (part, message)
     assert "output 'final_state'" not in message
 
@@ -219,3 +219,14 @@ def test_a_failure_says_which_baseline_judged_it_and_what_the_other_says() -> No
     message = str(info.value)
     assert "(judged by the 'recurrent' baseline)" in message
     assert "against baseline='chunkwise' it would pass" in message
+
+
+def test_a_missing_hypothesis_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without Hypothesis, ``strategy`` says which extra installs it instead of a bare import error."""
+    from k3verify import testing
+
+    for name in [m for m in sys.modules if m == "hypothesis" or m.startswith("hypothesis.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "hypothesis", None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'k3verify\[test\]'"):
+        testing.strategy("mla")

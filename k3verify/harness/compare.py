@@ -9,7 +9,9 @@ a **regression** (``k3verify report compare`` exits 1) when, from base to new:
 - a finite output became non-finite (``pass`` -> ``expected-nonfinite``, or ``metrics.nonfinite``
   0 -> > 0);
 - a row that had a verdict became ``unavailable`` (coverage lost); a row disappeared; a base
-  module has no row in the new report at all;
+  module has no row in the new report at all. A row whose optional package is not installed in
+  the new run (``fla-core 0.6.0`` -> ``fla-core (missing)``) is ``now unavailable`` with the
+  reason, information unless ``--strict-coverage``;
 - the rule's error grew beyond the thresholds (:class:`Thresholds`): by more than 25 % while the
   margin fell by more than 0.05, or by more than 4x (two bits) while at or above 1 % of the limit;
 - an overflow-map cell became non-finite, or its analytic prediction, which agreed, now
@@ -128,14 +130,40 @@ def rounding_noise_row(dtype: str) -> bool:
     return compute_dtype(t) == t
 
 
+MISSING = " (missing)"
+
+
+def _package_key(row: dict[str, Any]) -> tuple[str, ...]:
+    """A row's identity with its implementation's version left out (``fla-core 0.6.0`` and
+    ``fla-core (missing)`` are one package's row)."""
+    implementation = row["implementation"]
+    if implementation.endswith(MISSING):
+        package = implementation[: -len(MISSING)]
+    else:
+        package = implementation.rsplit(" ", 1)[0] if " " in implementation else implementation
+    return (row["module"], package, *row_key(row)[2:])
+
+
+def _now_unavailable(base_rows: dict[tuple[str, ...], dict[str, Any]],
+                     new_rows: dict[tuple[str, ...], dict[str, Any]]) -> dict[tuple[str, ...], dict[str, Any]]:
+    """Base rows whose optional package is missing from the new run: base key -> the new row,
+    ``unavailable`` and named ``<package> (missing)``, that stands for it."""
+    missing = {_package_key(n): n for k, n in new_rows.items()
+               if k not in base_rows and n["status"] == UNAVAILABLE and n["implementation"].endswith(MISSING)}
+    return {k: missing[_package_key(b)] for k, b in base_rows.items()
+            if k not in new_rows and _package_key(b) in missing}
+
+
 def compare_reports(base: dict[str, Any], new: dict[str, Any], thresholds: Thresholds | None = None, *,
                     modules: Sequence[str] | None = None, names: tuple[str, str] = ("base report", "new report"),
-                    ) -> Comparison:
+                    strict_coverage: bool = False) -> Comparison:
     """Findings between two report documents, over every module the base has rows of, or only
     ``modules`` (an explicit narrowing; each must be one of the base's). What the new report says
     it covers (``config.modules``) decides nothing: a base row with no counterpart is a regression.
-    ``UsageError`` (naming ``names``) for two rows of one identity in either report, or a module
-    the base has no rows of."""
+    A base row whose optional package is not installed in the new run (its new row is the same
+    row of ``<package> (missing)``, unavailable) is ``now unavailable`` with the reason:
+    information, or a regression with ``strict_coverage``. ``UsageError`` (naming ``names``) for
+    two rows of one identity in either report, or a module the base has no rows of."""
     th = thresholds or Thresholds()
     out = Comparison()
     base_rows, new_rows = rows_by_key(base["rows"], names[0]), rows_by_key(new["rows"], names[1])
@@ -160,6 +188,7 @@ def compare_reports(base: dict[str, Any], new: dict[str, Any], thresholds: Thres
         if b != n:
             out.notes.append(f"environment differs: {key} {b} -> {n}")
     present = {r["module"] for r in new["rows"]}
+    gone = _now_unavailable(base_rows, new_rows)
     for module in sorted(scope - present):
         lost = [b for b in base_rows.values() if b["module"] == module]
         out.findings.append(Finding("module missing", module, f"none of its {len(lost)} base rows "
@@ -168,13 +197,19 @@ def compare_reports(base: dict[str, Any], new: dict[str, Any], thresholds: Thres
         if b["module"] not in scope or b["module"] not in present:
             continue
         n = new_rows.get(key)
+        if n is None and key in gone:
+            reason = gone[key].get("reason") or "no reason given"
+            out.findings.append(Finding("now unavailable", row_subject(b), f"was {b['status']}: {reason}",
+                                        strict_coverage))
+            continue
         if n is None:
             out.findings.append(Finding("row removed", row_subject(b), f"was {b['status']}", True))
             continue
         out.rows_compared += 1
         out.findings += _compare_row(b, n, th, noise_only=not same_platform and rounding_noise_row(n["dtype"]))
+    standing_in = {id(n) for n in gone.values()}
     for key, n in new_rows.items():
-        if key not in base_rows and (modules is None or n["module"] in scope):
+        if key not in base_rows and id(n) not in standing_in and (modules is None or n["module"] in scope):
             regression = n["status"] == FAIL
             out.findings.append(Finding("new row", row_subject(n), n["status"], regression))
     return out
@@ -412,7 +447,7 @@ def _judgeable(doc: dict[str, Any], path: Path) -> None:
 
 
 def compare_paths(base: Path, new: Path, thresholds: Thresholds | None = None, *,
-                  modules: Sequence[str] | None = None) -> Comparison:
+                  modules: Sequence[str] | None = None, strict_coverage: bool = False) -> Comparison:
     """Compare two reports (``report.json`` or folders holding one) and the overflow maps in the
     base folder with the new folder's, over the base's modules or only ``modules``. A base map
     the new folder lacks is a regression. ``UsageError`` for anything that cannot be judged: a
@@ -435,7 +470,8 @@ def compare_paths(base: Path, new: Path, thresholds: Thresholds | None = None, *
     out = Comparison()
     if docs and (wanted is None or wanted & row_modules):
         narrowed = None if wanted is None else sorted(wanted & row_modules)
-        out = compare_reports(*docs, th, modules=narrowed, names=(str(base), str(new)))
+        out = compare_reports(*docs, th, modules=narrowed, names=(str(base), str(new)),
+                              strict_coverage=strict_coverage)
     for module, path in base_maps.items():
         if wanted is not None and module not in wanted:
             continue

@@ -247,6 +247,9 @@ class ModuleEntry:
     # How many independent rounding errors an output holds, for the baseline rule's statistics:
     # (output name, shape, case params) -> ErrorSamples; ``None``: default_error_samples.
     error_samples: Callable[[str, tuple[int, ...], Mapping[str, Any]], ErrorSamples] | None = None
+    # The axis names of each output (KDA's ``o``: ``("b", "t", "h", "v")``), which failure
+    # messages use to say where the worst element sits.
+    output_axes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # Whether a run without ``--modules`` (and every module-wide command) includes it; an opt-in
     # entry (a whole layer) runs when named.
     default: bool = True

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..numerics import EXPECTED_NONFINITE, FAIL, PASS
+from ..numerics import EXPECTED_NONFINITE, FAIL, PASS, where_text
 from .files import UsageError, read_json, require_keys
 from .runner import UNAVAILABLE
 from .text import md_text
@@ -333,6 +333,7 @@ def markdown(doc: dict[str, Any], *, nightly: dict[str, Any] | None = None, not_
         "(the oracle rounded to the dtype); `frontier` = overflow predicted and observed. "
         "margin = 1 - err/limit.",
         "",
+        *_failures_md(doc["rows"]),
         "## Results",
         "",
         *_md_table(TABLE_HEADER, table_rows(doc["rows"])),
@@ -399,17 +400,48 @@ def row_heading(row: dict[str, Any]) -> str:
 
 
 def failure_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per failed output: the row, the output and the verdict's reason."""
+    """One line per failed output: the row, the output, the verdict's reason, where its worst
+    element is (with the output's axis names) and, for the primary output, its worst position."""
     lines = []
     for r in rows:
         if r.get("status") != FAIL:
             continue
         outputs = r.get("outputs") or {r.get("output", "-"): {"status": FAIL, "verdict": r.get("verdict")}}
+        primary = next(iter(r.get("outputs") or {}), None)
         for name, o in outputs.items():
             if o.get("status") == FAIL:
                 reason = (o.get("verdict") or {}).get("reason") or r.get("reason") or "failed"
-                lines.append(f"{row_heading(r)} [{name}]: {reason}")
+                lines.append(f"{row_heading(r)} [{name}]: {reason}{_where(o)}"
+                             f"{worst_position(r) if name == primary else ''}")
     return lines
+
+
+def _failures_md(rows: list[dict[str, Any]]) -> list[str]:
+    """A ``## Failures`` section, one bullet per failed output (:func:`failure_lines`), first in
+    the report where a reader looks; nothing when every verdict passed."""
+    lines = failure_lines(rows)
+    if not lines:
+        return []
+    return ["## Failures", "", *(f"- {md_text(line)}" for line in lines), ""]
+
+
+def _where(output: dict[str, Any]) -> str:
+    """``; worst at [b=1, t=155, h=1, v=126]: got -0.0602, expected -0.0596`` (or nothing)."""
+    w = output.get("worst") or {}
+    if not isinstance(w, dict) or not w.get("index"):
+        return ""
+    return (f"; worst at {where_text(list(w['index']), list(w.get('axes') or []))}: got {fmt(w.get('got'), '.4g')}, "
+            f"expected {fmt(w.get('expected'), '.4g')}")
+
+
+def worst_position(row: dict[str, Any]) -> str:
+    """``; worst position 37 of 64 (rms ratio 3.1e-02)`` from the row's error by position."""
+    curve = row.get("error_by_position")
+    if not isinstance(curve, list) or len(curve) < 2:
+        return ""
+    values = [v if isinstance(v, (int, float)) else math.inf for v in curve]
+    at = max(range(len(values)), key=lambda i: values[i])
+    return f"; worst position {at} of {len(values)} (rms ratio {fmt(values[at], '.2e')})"
 
 
 def unavailable_groups(rows: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:

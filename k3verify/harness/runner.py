@@ -29,6 +29,7 @@ from ..numerics import (
     mismatch_rule,
     noise_floor,
     spacing,
+    worst_element,
 )
 from . import tp_rows
 from .guard import run_isolated
@@ -250,7 +251,8 @@ def _judge(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out:
     if not ref.is_floating_point():
         return _judge_discrete(entry, impl, case, name, out, ref)
     metrics = compare(out, ref, ulp_dtype=impl.dtype)
-    judged: dict[str, Any] = {"metrics": metrics.as_dict()}
+    judged: dict[str, Any] = {"metrics": metrics.as_dict(),
+                              "worst": worst_element(out, ref, tuple(entry.output_axes.get(name, ())))}
     verdict = None
     if prediction is not None:
         verdict = expected_nonfinite(metrics, predicted_finite=prediction.finite, explanation=prediction.explanation)

@@ -6,7 +6,7 @@ Modules and the harness use these and never re-implement them.
 from .collective import all_reduce
 from .dtypes import DTypeFacts, compute_dtype, dtype_name, facts, is_float8, resolve_dtype, supported_dtypes
 from .frontier import exp_fits, headroom, ln_max
-from .metrics import Metrics, compare, relative_max_error
+from .metrics import Metrics, compare, relative_max_error, where_text, worst_element
 from .policy import (
     BASELINE_K,
     EXPECTED_NONFINITE,
@@ -58,4 +58,6 @@ __all__ = [
     "spacing",
     "storage_for",
     "supported_dtypes",
+    "where_text",
+    "worst_element",
 ]

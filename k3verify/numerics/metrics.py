@@ -99,3 +99,27 @@ def relative_max_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     if scale == 0.0:
         return 0.0 if err == 0.0 else math.inf
     return err / scale
+
+
+def worst_element(x: torch.Tensor, ref: torch.Tensor, axes: tuple[str, ...] = ()) -> dict[str, object]:
+    """Where ``|x - ref|`` is largest (a non-finite ``x`` first): ``{"index", "axes", "got",
+    "expected", "abs_diff"}``, the index one integer per axis of ``ref`` and ``axes`` their names
+    when there is one per axis (else empty). Same shapes; computed in fp64."""
+    xd = x.detach().to("cpu", torch.float64)
+    rd = ref.detach().to("cpu", torch.float64)
+    if rd.numel() == 0:
+        return {"index": [], "axes": [], "got": None, "expected": None, "abs_diff": 0.0}
+    diff = (xd - rd).abs()
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
+    flat = int(diff.reshape(-1).argmax())
+    index = [int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(rd.shape))]
+    return {"index": index, "axes": list(axes) if len(axes) == len(index) else [],
+            "got": float(xd.reshape(-1)[flat]), "expected": float(rd.reshape(-1)[flat]),
+            "abs_diff": float(diff.reshape(-1)[flat])}
+
+
+def where_text(index: list[int], axes: list[str]) -> str:
+    """``[b=2, t=0, h=3, v=15]`` from an index and its axis names (``[2, 0, 3, 15]`` without)."""
+    if axes and len(axes) == len(index):
+        return "[" + ", ".join(f"{a}={i}" for a, i in zip(axes, index)) + "]"
+    return "[" + ", ".join(str(i) for i in index) + "]"

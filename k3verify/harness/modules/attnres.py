@@ -381,6 +381,7 @@ register(
         baseline=baseline,
         own_implementations=own_implementations,
         outputs=OUTPUTS,
+        output_axes={"h": ("t", "d"), "blocks": ("n", "t", "d")},
         error_samples=_error_samples,
         call=call,
         overflow_map=MAP,

@@ -319,6 +319,7 @@ register(
         baseline_for=baseline_for,
         own_implementations=own_implementations,
         outputs=OUTPUTS,
+        output_axes={"o": ("b", "t", "h", "v"), "final_state": ("b", "h", "k", "v")},
         call=call,
         overflow_map=MAP,
         golden_cases=lambda seed: cases_from(samples.golden_cases(seed)),

@@ -175,6 +175,7 @@ register(
         baseline_families=("recurrent", "chunkwise"),
         own_implementations=own_implementations,
         outputs=OUTPUTS,
+        output_axes={"y": ("b", "t", "d"), "conv": ("b", "c", "w"), "recurrent": ("b", "h", "k", "v")},
         call=call,
         position_axis=1,  # y: [B, T, d]
         input_types=(KDAWeights, KDAState, KDAConfig),

@@ -378,6 +378,7 @@ register(
         baseline=baseline,
         own_implementations=own_implementations,
         outputs=OUTPUTS,
+        output_axes={"o": ("b", "t", "h", "v"), "cache": ("b", "l", "w")},
         call=call,
         overflow_map=MAP,
         golden_cases=lambda seed: cases_from(samples.golden_cases(seed)),

@@ -142,6 +142,7 @@ register(
         baseline=baseline,
         own_implementations=own_implementations,
         outputs=OUTPUTS,
+        output_axes={"y": ("b", "t", "d"), "cache": ("b", "l", "w")},
         call=call,
         position_axis=1,  # y: [B, T, d]
         input_types=(mla_layer.MLAWeights, mla_layer.MLAConfig, mla.LatentCache),

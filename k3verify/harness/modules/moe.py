@@ -346,6 +346,7 @@ register(
         baseline=baseline,
         own_implementations=own_implementations,
         outputs=OUTPUTS,
+        output_axes={"y": ("t", "d"), "experts": ("t", "k")},
         call=call,
         overflow_map=MAP,
         position_axis=0,  # y:[T, d]; tokens are independent, so a routing flip shows as one bad position

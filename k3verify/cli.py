@@ -19,6 +19,7 @@ write is atomic, so an interrupted command leaves what was there before.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import dataclasses
 import errno
@@ -27,12 +28,14 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 import traceback
 import warnings
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
@@ -729,11 +732,29 @@ MAPS_HELP = (
 )
 
 
+def redeliver_interrupts(previous: Callable[[Any], object]) -> Callable[[Any], object]:
+    """An unraisable-exception hook that hands a ``KeyboardInterrupt`` back to the main thread.
+
+    A SIGINT that lands while Python runs a callback it cannot raise from (an import's module-lock
+    finaliser, say) would otherwise be printed as "Exception ignored" with a traceback and then
+    lost, the command running on. The interrupt is raised in the main thread again from a helper
+    thread, which reaches it once the callback has returned; anything else goes to ``previous``."""
+
+    def hook(unraisable: Any) -> None:
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            threading.Thread(target=_thread.interrupt_main, daemon=True).start()
+            return
+        previous(unraisable)
+
+    return hook
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     # A log gets a wide fixed width instead of rich's 80 columns, unless COLUMNS says otherwise.
     out = OutConsole() if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit() else OutConsole(width=170)
     err = Console(stderr=True)
+    previous_hook, sys.unraisablehook = sys.unraisablehook, redeliver_interrupts(sys.unraisablehook)
     try:
         with warnings.catch_warnings():
             # Triton's CPU interpreter computes with numpy, which warns where an emulated kernel
@@ -755,6 +776,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         return _error(err, f"internal error, the command did not complete ({type(exc).__name__}: {exc}); "
                            "K3VERIFY_TRACEBACK=1 prints where", INTERNAL_ERROR)
+    finally:
+        sys.unraisablehook = previous_hook
 
 
 # Exit status of a command that could not complete: a bug, or a run that lost rows.

@@ -143,3 +143,20 @@ def test_many_kill_points(command: str, sig: signal.Signals, tmp_path: Path, set
     rng = random.Random(f"{command}/{sig.name}")
     outcomes = _trials(command, sig, [rng.uniform(0.3, 1.05) for _ in range(25)], tmp_path, sets)
     print(f"{command} {sig.name}: {len(outcomes)} kill points: {' '.join(outcomes)}")
+
+
+def test_an_interrupt_swallowed_by_a_callback_reaches_the_command() -> None:
+    """A SIGINT that lands in a callback Python cannot raise from (an import's module-lock
+    finaliser) reaches the unraisable hook; the CLI's hook hands it back to the main thread, so
+    the command stops with exit 130 instead of printing a traceback and running on."""
+    import types
+
+    from k3verify.cli import redeliver_interrupts
+
+    seen = []
+    hook = redeliver_interrupts(seen.append)
+    hook(types.SimpleNamespace(exc_type=ValueError))
+    assert len(seen) == 1  # anything else goes to the previous hook
+    with pytest.raises(KeyboardInterrupt):
+        hook(types.SimpleNamespace(exc_type=KeyboardInterrupt))
+        time.sleep(5)  # the interrupt arrives from the helper thread while the main thread waits

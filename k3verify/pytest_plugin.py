@@ -20,6 +20,7 @@ class Oracle:
 
     def assert_matches(self, fn: Any, module: str, dtype: Any = None, cases: Any = None, **kw: Any) -> list[dict]:
         """:func:`k3verify.testing.assert_matches_oracle` (``dtype`` defaults to bf16)."""
+        __tracebackhide__ = True
         import torch
 
         from .testing import assert_matches_oracle

@@ -113,6 +113,7 @@ def assert_matches_oracle(
     than ``timeout`` seconds (``None``: no limit, and ``fn`` runs in the calling thread) fails its
     case. An empty ``cases`` is a ``ValueError``: nothing would be judged.
     """
+    __tracebackhide__ = True  # pytest shows the caller's line, not this function's source
     entry = registry.get(module)
     if entry.call is None:
         raise NotImplementedError(f"module {module!r} has no calling convention for user functions")

@@ -521,3 +521,32 @@ def test_a_failure_line_says_where() -> None:
     clean = runner.verify(entry, registry.implementation("kda", kda.chunkwise, name="fine", dtype="fp32",
                                                          baseline="chunkwise"), entry.make_cases(0)["default"])
     assert clean["status"] == PASS and "## Failures" not in report.markdown({"rows": [clean], "summary": {}})
+
+
+def test_the_compare_comment_folds_notes_and_small_moves() -> None:
+    """The PR comment: notes under a <details> (not a blockquote), a new failing row with its
+    reason, no double space where a row has no params, and more than five small moves summarised
+    by their count, their largest factor and the largest five."""
+    base = report.load(BASELINE)
+    new = copy.deepcopy(base)
+    passing = [r for r in new["rows"] if r["status"] == PASS and r["rule"] == "baseline" and "outputs" in r]
+    for row in passing[:8]:
+        for o in row["outputs"].values():
+            o["verdict"] = o["verdict"] | {"err": o["verdict"]["err"] * 1.01}
+        _consistent(new, row)
+    added = copy.deepcopy(passing[8])
+    added["case"] = "planted"
+    added["status"] = FAIL
+    for o in added["outputs"].values():
+        o["status"] = FAIL
+        o["verdict"] = o["verdict"] | {"status": FAIL, "reason": "rms_ratio 9.0e-02 > limit"}
+    added["verdict"] = added["outputs"][added["output"]]["verdict"]
+    new["rows"].append(added)
+    result = compare.compare_reports(base, new)
+    md = compare.markdown(result, "base", "new")
+    assert "> Note" not in md and "<details><summary>Notes (" in md
+    assert "| new row |" in md and "fail: rms\\_ratio 9.0e-02 &gt; limit" in md
+    assert "  (" not in md
+    moved = re.search(r"<details><summary>Moved within the thresholds \((\d+); the largest 5 below, every one "
+                      r"within x1\.01\)", md)
+    assert moved and int(moved.group(1)) >= 8, md[-800:]

@@ -6,10 +6,12 @@ it; the messages are checked structurally."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 import time
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,3 +232,24 @@ def test_a_missing_hypothesis_names_the_extra(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setitem(sys.modules, "hypothesis", None)
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'k3verify\[test\]'"):
         testing.strategy("mla")
+
+
+def test_pytest_shows_the_callers_line_not_the_librarys(tmp_path: Path) -> None:
+    """A failing ``assert_matches_oracle`` in a user's test: pytest's traceback ends at the
+    user's call (the library frames are hidden), with the failure message."""
+    test = tmp_path / "test_user.py"
+    test.write_text(
+        "import torch\n"
+        "from k3verify import kda\n"
+        "from k3verify.testing import assert_matches_oracle\n\n"
+        "def off(q, k, v, g, beta, **kw):\n"
+        "    o, s = kda.chunkwise(q, k, v, g, beta, **kw)\n"
+        "    return o * 1.01, s\n\n"
+        "def test_mine():\n"
+        "    assert_matches_oracle(off, 'kda', torch.float32, baseline='chunkwise', timeout=None)\n"
+    )
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 1, done.stdout[-2000:]
+    assert "assert_matches_oracle(off, 'kda'" in done.stdout and "does not match the kda oracle" in done.stdout
+    assert "def assert_matches_oracle(" not in done.stdout and "__tracebackhide__" not in done.stdout

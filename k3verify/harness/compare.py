@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -117,7 +118,8 @@ def row_key(row: dict[str, Any]) -> tuple[str, ...]:
 
 def row_subject(row: dict[str, Any]) -> str:
     params = " ".join(f"{k}={v}" for k, v in row.get("params", {}).items())
-    return f"{row['module']} {row['implementation']} {row['form']} {row['dtype']} {params} ({row['case']})"
+    parts = [row["module"], row["implementation"], row["form"], row["dtype"], params, f"({row['case']})"]
+    return " ".join(str(p) for p in parts if p)
 
 
 def rounding_noise_row(dtype: str) -> bool:
@@ -211,7 +213,9 @@ def compare_reports(base: dict[str, Any], new: dict[str, Any], thresholds: Thres
     for key, n in new_rows.items():
         if key not in base_rows and id(n) not in standing_in and (modules is None or n["module"] in scope):
             regression = n["status"] == FAIL
-            out.findings.append(Finding("new row", row_subject(n), n["status"], regression))
+            reason = n.get("reason") or (n.get("verdict") or {}).get("reason")
+            detail = f"{n['status']}: {reason}" if reason and n["status"] != PASS else n["status"]
+            out.findings.append(Finding("new row", row_subject(n), detail, regression))
     return out
 
 
@@ -501,12 +505,17 @@ def markdown(result: Comparison, base: str, new: str) -> str:
     lines = [f"### k3verify: {n} regression(s)" if n else "### k3verify: no regressions", "",
              f"Compared {_md(base)} → {_md(new)}: {result.rows_compared} rows and {result.cells_compared} map "
              "cells.", ""]
-    lines += [f"> Note: {_md(note)}" for note in result.notes] + ([""] if result.notes else [])
+    if result.notes:
+        lines += [f"<details><summary>Notes ({len(result.notes)}): platforms and environment</summary>", "",
+                  *(f"- {_md(note)}" for note in result.notes), "", "</details>", ""]
     titles = {"regressions": "Regressions", "improvements": "Improvements", "changes": "Other changes",
               "within_thresholds": "Moved within the thresholds"}
     for key, title in titles.items():
         found = groups[key]
         if not found:
+            continue
+        if key == "within_thresholds" and len(found) > WITHIN_SHOWN:
+            lines += _within_summary(found)
             continue
         table = ["| kind | what | detail |", "|---|---|---|"] + [
             f"| {_md(f.kind)} | {_md(f.subject)} | {_md(f.detail)} |" for f in found]  # fmt: skip
@@ -515,6 +524,32 @@ def markdown(result: Comparison, base: str, new: str) -> str:
         else:
             lines += [f"<details><summary>{title} ({len(found)})</summary>", "", *table, "", "</details>", ""]
     return "\n".join(lines)
+
+
+# A comment lists this many of the outputs that moved within the thresholds, the largest moves.
+WITHIN_SHOWN = 5
+_FACTOR = re.compile(r"\(x([0-9.eE+-]+)\)")
+
+
+def _factor(f: Finding) -> float:
+    """How far a within-thresholds move went, as ``max(r, 1/r)`` of its error ratio (1 if unread)."""
+    m = _FACTOR.search(f.detail)
+    try:
+        r = float(m.group(1)) if m else 1.0
+    except ValueError:
+        return 1.0
+    return max(r, 1 / r) if r > 0 else math.inf
+
+
+def _within_summary(found: list[Finding]) -> list[str]:
+    """Many small moves, summarised: their count, the range of their factors and the largest few."""
+    ranked = sorted(found, key=_factor, reverse=True)
+    largest = ranked[:WITHIN_SHOWN]
+    table = ["| kind | what | detail |", "|---|---|---|"] + [
+        f"| {_md(f.kind)} | {_md(f.subject)} | {_md(f.detail)} |" for f in largest]  # fmt: skip
+    return [f"<details><summary>Moved within the thresholds ({len(found)}; the largest "
+            f"{len(largest)} below, every one within x{_factor(ranked[0]):.3g})</summary>", "", *table, "",
+            "</details>", ""]
 
 
 def _md(text: Any) -> str:

@@ -202,7 +202,7 @@ def compare_reports(base: dict[str, Any], new: dict[str, Any], thresholds: Thres
         if n is None and key in gone:
             reason = gone[key].get("reason") or "no reason given"
             out.findings.append(Finding("now unavailable", row_subject(b), f"was {b['status']}: {reason}",
-                                        strict_coverage))
+                                        strict_coverage and b["status"] != UNAVAILABLE))
             continue
         if n is None:
             out.findings.append(Finding("row removed", row_subject(b), f"was {b['status']}", True))

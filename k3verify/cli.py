@@ -290,11 +290,19 @@ def _not_shown_printer(console: Console) -> Callable[[str], None]:
     return lambda item: _say(console, f"k3verify: not shown in the report: {item}", style="yellow")
 
 
+def _natural_width(header: Sequence[str], cells_by_row: Sequence[Sequence[str]]) -> int:
+    """Columns a table of these cells needs with no cell folded (rich's borders and padding: three
+    per column and one)."""
+    widths = [max([len(h), *(len(str(cells[i])) for cells in cells_by_row)]) for i, h in enumerate(header)]
+    return sum(widths) + 3 * len(widths) + 1
+
+
 def _print_table(out: Console, rows: list[dict]) -> None:
-    """The verdict table; narrower than a table needs (about 150 columns), one line per row
-    instead, numbers first, so no number is ever cut ("4.1…") or split."""
+    """The verdict table; narrower than the table needs with no cell folded, one line per row
+    instead, numbers first, so no number is ever cut ("4.1…") and no word split
+    ("fp64-agreemen│t")."""
     cells_by_row = report.table_rows(rows)
-    if out.width < WIDE:
+    if out.width < _natural_width(report.TABLE_HEADER, cells_by_row):
         _say(out, f"{'status':<18} {'err':>9} {'limit':>9} {'margin':>6}  row [output] rule")
         for cells, row in zip(cells_by_row, rows):
             err, limit, margin, status = cells[-4:]
@@ -371,11 +379,18 @@ def cmd_list(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.json:
         print(json.dumps(listed, indent=1))
         return 0
-    table = Table("module", "implementation", "form", "dtype", "params", "cases", "rule", "source", "available")
+    header = ("module", "implementation", "form", "dtype", "params", "cases", "rule", "source", "available")
+    rows = []
     for i in listed:
         params = " ".join(f"{k}={v}" for k, v in i["params"].items())
-        cells = (i["module"], i["implementation"], i["form"], i["dtype"], params, ",".join(i["cases"]), i["rule"],
-                 i["source"], "yes" if i["available"] else f"no: {i['reason']}")
+        rows.append((i["module"], i["implementation"], i["form"], i["dtype"], params, ",".join(i["cases"]), i["rule"],
+                     i["source"], "yes" if i["available"] else f"no: {i['reason']}"))
+    if out.width < _natural_width(header, rows):  # one line each, the reason whole
+        for cells in rows:
+            _say(out, " ".join(c for c in cells[:-1] if c) + f" · available: {cells[-1]}")
+        return 0
+    table = Table(*header)
+    for cells in rows:
         table.add_row(*map(_cell, cells))
     out.print(table)
     return 0
@@ -687,7 +702,6 @@ def parser() -> argparse.ArgumentParser:
 
 FORMATS = ("table", "md", "json")
 NUMERIC_COLUMNS = ("err", "limit", "margin", "status")
-WIDE = 150  # columns below which the verdicts print one line per row instead of a table
 
 
 def _output_options(p: argparse.ArgumentParser) -> None:

@@ -481,19 +481,26 @@ def test_compare_as_a_pull_request_comment_and_for_bots(
 
 def test_columns_decides_the_layout(mla_report: Path, monkeypatch: pytest.MonkeyPatch,
                                     capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:  # fmt: skip
-    """Rule: structural. Piped output is a 170-column table unless ``COLUMNS`` says otherwise;
-    at 80 columns the verdicts are one line per row with every number whole. (The rows are
-    those of the module's real run; the run itself is replayed, the oracle rows are made anew.)"""
+    """Rule: structural. Piped output is 170 columns wide unless ``COLUMNS`` says otherwise; the
+    verdicts are a table only where it fits with no cell folded, else one line per row with every
+    number whole (at 170 columns MLA's rows need more). (The rows are those of the module's real
+    run; the run itself is replayed, the oracle rows are made anew.)"""
     rows = [r for r in _doc(mla_report)["rows"] if r["implementation"] != "oracle"]
     monkeypatch.setattr(runner, "plan", lambda *a, **k: rows)
     monkeypatch.setattr(runner, "run", lambda *a, **k: iter(copy.deepcopy(rows)))
     (tmp_path / "none").mkdir()
     args = ["run", "--modules", "mla", "--out", str(tmp_path / "r"), "--maps", str(tmp_path / "none")]
-    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setenv("COLUMNS", "400")
     assert main(args) == 0
     wide = capsys.readouterr().out
-    table = [line for line in wide.splitlines() if line[:1] in "┏┃┡│└"]
-    assert "k3verify verdicts" in wide and table and max(map(len, table)) <= 170
+    printed = len(_doc(tmp_path / "r")["rows"])  # the replayed rows and the oracle's
+    table = [line for line in wide.splitlines() if line[:1] in "┃│"]
+    assert "k3verify verdicts" in wide and len(table) == printed + 1, len(table)  # a line per row: none folded
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(args) == 0
+    piped = capsys.readouterr().out
+    lines = [line for line in piped.splitlines() if re.match(r"^(pass|fail|unavailable|expected)", line)]
+    assert "k3verify verdicts" not in piped and len(lines) == printed
     monkeypatch.setenv("COLUMNS", "80")
     assert main(args) == 0
     narrow = capsys.readouterr().out

@@ -348,15 +348,17 @@ def test_html_is_self_contained_and_shows_every_section(mla_report: Path, maps_d
     assert page.startswith("<!DOCTYPE html>") and "<script" not in page
     assert not re.search(r"""(src|href)=["']?(https?:|//|file:)""", page)  # nothing fetched from outside
     images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
-    # position, ULP histograms, the toy map (from its PNG), depth drift, routing flips
-    assert len(images) == 5 and all(len(i) > 1000 for i in images)
+    # position, ULP histograms, depth drift, routing flips; the toy map is KDA's, a module this run
+    # did not verify: named as left out, not drawn
+    assert len(images) == 4 and all(len(i) > 1000 for i in images)
+    assert "Overflow maps of modules this run did not verify are left out: kda" in page
     assert "not drawn" not in page
     doc = _doc(mla_report)
-    assert page.count("<tr class=") == len(doc["rows"])
+    assert page.count("<tr id='row-") == len(doc["rows"])
     for r in doc["rows"]:
         if isinstance(r.get("margin"), float) and r["status"] == PASS:
             assert f"{r['margin']:.3f}</td>" in page
-    for text in ("Error against token position", "ULP histograms", "Overflow map", "Block AttnRes: error against depth",
+    for text in ("Error against token position", "ULP histograms", "Block AttnRes: error against depth",
                  "Stable LatentMoE: routing flips", "Nightly worst-case search", "worst_case.py mla"):
         assert text in page, text
     md = (out / "report.md").read_text()
@@ -368,6 +370,8 @@ def test_a_map_json_without_its_png_is_drawn(maps_dir: Path, mla_report: Path, t
     only_json.mkdir()
     (only_json / "kda_overflow_map.json").write_text((maps_dir / "kda_overflow_map.json").read_text())
     doc = report.load(mla_report)
+    for row in doc["rows"]:  # the page draws the maps of the modules that ran
+        row["module"] = "kda"
     paths = write_report(doc, tmp_path / "r", maps_dir=only_json)
     page = paths[-1].read_text()
     assert "kda_overflow_map_input-worst.png" in page and "Overflow map" in page
@@ -558,3 +562,34 @@ def test_the_compare_comment_folds_notes_and_small_moves() -> None:
     moved = re.search(r"<details><summary>Moved within the thresholds \((\d+); the largest 5 below, every one "
                       r"within x1\.01\)", md)
     assert moved and int(moved.group(1)) >= 8, md[-800:]
+
+
+def test_the_page_puts_failures_first_and_groups_what_did_not_run(tmp_path: Path) -> None:
+    """report.html: a Failures section before the verdict table, each failure linked to its row,
+    failed rows first in the table with a reason and a source column, unavailable rows grouped by
+    reason, and only the modules that ran get a section (no maps of the others)."""
+    from k3verify.harness import registry
+    from k3verify.harness.render import Extras, html_page
+
+    def off(q, k, v, g, beta, **kw):
+        o, state = kda.chunkwise(q, k, v, g, beta, **kw)
+        return o * 1.01, state
+
+    entry = registry.get("kda")
+    case = entry.make_cases(0)["default"]
+    good = runner.verify(entry, registry.implementation("kda", kda.chunkwise, name="fine", dtype="fp32",
+                                                        baseline="chunkwise"), case)
+    bad = runner.verify(entry, registry.implementation("kda", off, name="plugin-off", dtype="fp32",
+                                                       baseline="chunkwise"), case)
+    gone = [dict(good, implementation=f"gpu-only {i}", status="unavailable", reason="needs CUDA") for i in range(3)]
+    for row in gone:
+        for key in ("verdict", "margin", "metrics", "outputs", "output"):
+            row.pop(key, None)
+    page = html_page({"rows": [good, bad, *gone], "summary": {}, "environment": {}}, Extras())
+    assert page.index("<h2 id='failures'>Failures (1)</h2>") < page.index("<h2>Verdicts</h2>")
+    assert "<a href='#row-1'>kda plugin-off kernel fp32 (default) [o]" in page and "worst at [b=" in page
+    table = page[page.index("<h2>Verdicts</h2>"):]
+    assert table.index("id='row-1'") < table.index("id='row-0'")  # the failure first
+    assert "<th>reason</th><th>source</th>" in page
+    assert page.count("needs CUDA (3 rows)") == 1 and "Unavailable here (3 rows, 1 reasons)" in page
+    assert "id='module-mla'" not in page and "id='module-kda'" in page

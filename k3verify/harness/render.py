@@ -46,11 +46,13 @@ from .report import (
     REPORT_JSON,
     REPORT_MD,
     STATUSES,
+    failure_lines,
     fmt,
     load,
     markdown,
     notes,
     params_text,
+    unavailable_groups,
 )
 from .text import html_text
 
@@ -251,6 +253,7 @@ th,td{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top}
 th{background:#f3f3f3;position:sticky;top:0}
 tr.pass td.status{color:#1a7f37;font-weight:600} tr.fail td.status{color:#c62828;font-weight:700}
 tr.fail{background:#fde8e8} tr.expected-nonfinite td.status{color:#9a6700} tr.unavailable{color:#999}
+td.reason{font-size:12px;max-width:40em} ul.failures li{color:#c62828}
 td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap} td.nw{white-space:nowrap}
 .bar{display:inline-block;height:9px;background:#4c9a2a;margin-right:6px;vertical-align:middle}
 .bar.neg{background:#c62828}
@@ -275,6 +278,7 @@ def html_page(doc: dict[str, Any], extras: Extras) -> str:
         f"<p class='muted'>Created {created} by <code>{command}</code> · schema "
         f"{html_text(doc.get('schema_version'))}</p>",
         _summary(doc),
+        _failures(doc["rows"]),
         _environment(doc),
         _not_shown(extras.not_shown),
         "<h2>Verdicts</h2>",
@@ -283,10 +287,14 @@ def html_page(doc: dict[str, Any], extras: Extras) -> str:
         "<b>frontier</b>: overflow predicted and observed. Margin = 1 − err/limit (bar: share of the allowance "
         "left; red when failing).</p>",
         _verdicts(doc["rows"]),
+        _unavailable(doc["rows"]),
     ]
-    modules = list(dict.fromkeys(r["module"] for r in doc["rows"])) + [
-        m for m in extras.map_images if m not in {r["module"] for r in doc["rows"]}
-    ]
+    # The modules that ran, each with its plots and map; maps of modules not run are left out.
+    modules = list(dict.fromkeys(r["module"] for r in doc["rows"]))
+    skipped = [m for m in extras.map_images if m not in modules]
+    if skipped:
+        parts.append(f"<p class='muted'>Overflow maps of modules this run did not verify are left out: "
+                     f"{html_text(', '.join(skipped))} ({html_text(extras.maps_dir or '-')}).</p>")
     commit = (doc.get("environment") or {}).get("git_commit")
     for module in modules:
         module_rows = [r for r in doc["rows"] if r["module"] == module]
@@ -344,22 +352,58 @@ def _margin_cell(margin: Any) -> str:
     return f"<td class='num'><span class='bar{neg}' style='width:{width}px'></span>{float(margin):.3f}</td>"
 
 
+def _failures(rows: list[dict[str, Any]]) -> str:
+    """Every failed output first on the page, each linked to its row of the verdict table, with
+    what the row's trace explains (overflowed or subnormal operands)."""
+    items = []
+    for i, r in enumerate(rows):
+        if r.get("status") != "fail":
+            continue
+        extra = [*(r.get("overflow") or []), *(r.get("explanation") or [])]
+        sub = "".join(f"<li><code>{html_text(x)}</code></li>" for x in extra)
+        for line in failure_lines([r]):
+            items.append(f"<li><a href='#row-{i}'>{html_text(line)}</a>{f'<ul>{sub}</ul>' if sub else ''}</li>")
+    if not items:
+        return ""
+    return f"<h2 id='failures'>Failures ({len(items)})</h2><ul class='failures'>{''.join(items)}</ul>"
+
+
+def _unavailable(rows: list[dict[str, Any]]) -> str:
+    """Rows that could not run here, grouped by their reason (one entry per reason)."""
+    groups = unavailable_groups(rows)
+    if not groups:
+        return ""
+    n = sum(len(headings) for _, headings in groups)
+    items = "".join(
+        f"<li><details><summary>{html_text(reason)} ({len(headings)} rows)</summary><ul>"
+        + "".join(f"<li>{html_text(h)}</li>" for h in headings) + "</ul></details></li>"
+        for reason, headings in groups
+    )
+    return f"<h3 id='unavailable'>Unavailable here ({n} rows, {len(groups)} reasons)</h3><ul>{items}</ul>"
+
+
 def _verdicts(rows: list[dict[str, Any]]) -> str:
+    """The verdict table, failed rows first (each row keeps its anchor ``row-<i>`` from the
+    report's order), with the verdict's reason (or why the row did not run) and its source."""
     header = ["module", "implementation", "form", "dtype", "params", "case", "output", "rule", "err", "limit",
-              "margin", "status"]
+              "margin", "status", "reason", "source"]
     body = []
-    for r in rows:
+    order = sorted(range(len(rows)), key=lambda i: rows[i].get("status") != "fail")
+    for i in order:
+        r = rows[i]
         v = r.get("verdict") or {}
         cells = [r["module"], r["implementation"], r["form"], r["dtype"], params_text(r), r["case"],
                  r.get("output", "-"), r["rule"]]
         # module, dtype, output and rule never wrap; the free-text columns may
         tds = "".join(
-            f"<td{' class=nw' if i in (0, 3, 6, 7) else ''}>{html_text(c)}</td>" for i, c in enumerate(cells)
+            f"<td{' class=nw' if j in (0, 3, 6, 7) else ''}>{html_text(c)}</td>" for j, c in enumerate(cells)
         )
         tds += "".join(f"<td class='num'>{html_text(fmt(v.get(k)))}</td>" for k in ("err", "limit"))
         tds += _margin_cell(r.get("margin"))
         tds += f"<td class='status'>{html_text(r['status'])}</td>"
-        body.append(f"<tr class='{r['status'] if r['status'] in STATUSES else 'unknown'}'>{tds}</tr>")
+        tds += f"<td class='reason'>{html_text(r.get('reason') or v.get('reason') or '')}</td>"
+        tds += f"<td>{html_text(r.get('source') or '')}</td>"
+        body.append(f"<tr id='row-{i}' class='{r['status'] if r['status'] in STATUSES else 'unknown'}'>{tds}</tr>")
     head = "".join(f"<th>{h}</th>" for h in header)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
@@ -446,7 +490,8 @@ def _nightly_section(nightly: dict[str, Any]) -> str:
 
 
 def _notes(rows: list[dict[str, Any]]) -> str:
-    items = notes(rows)
+    """Overflows and crash reasons of rows that ran (unavailable rows are grouped above)."""
+    items = notes([r for r in rows if r.get("status") != "unavailable"])
     if not items:
         return ""
     lis = []

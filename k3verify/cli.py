@@ -151,6 +151,16 @@ def _progress(console: Console) -> Progress | LineProgress:
 MAPS_SEARCH = (Path("reports/maps"), Path("reports/baseline/maps"))
 
 
+def _map_fallbacks(value: str | None, chosen: Path | None) -> tuple[Path, ...]:
+    """Without ``--maps``, the other non-empty folders of :data:`MAPS_SEARCH` after the chosen
+    one: a module or study the fresh maps lack is shown from the committed baseline maps, and
+    says so. With ``--maps``, none."""
+    if value is not None or chosen is None:
+        return ()
+    later = MAPS_SEARCH[MAPS_SEARCH.index(chosen) + 1:] if chosen in MAPS_SEARCH else ()
+    return tuple(p for p in later if default_maps_folder((p,)) is not None)
+
+
 def _maps_dir(value: str | None) -> Path | None:
     """The maps folder the pages show: ``--maps`` (``UsageError`` unless it is a folder reached
     without a symlink), else the first non-empty folder of :data:`MAPS_SEARCH` (one reached
@@ -266,7 +276,8 @@ def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path
     then every failed output with its reason, one line each) so a CI log's tail says what broke.
     Files beside the report that the pages leave out are named on ``err``, one line each."""
     doc = report.build(rows, environment=environment(), config=config, command=["k3verify", *sys.argv[1:]])
-    paths = write_report(doc, out_dir, maps_dir=maps_dir, not_shown=_not_shown_printer(err or out)) \
+    paths = write_report(doc, out_dir, maps_dir=maps_dir, not_shown=_not_shown_printer(err or out),
+                         map_fallbacks=_map_fallbacks(getattr(args, "maps", None), maps_dir)) \
         if out_dir is not None else []
     failed = doc["summary"]["fail"]
     _ci_outputs(args, ci_output.rows_suite(rows, title), ci_output.run_summary(title, doc))
@@ -552,7 +563,9 @@ def _strict_json(doc: object) -> str:
 @_writes("dir", "report folder")
 def cmd_report_render(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Rewrite report.md and report.html of a report folder from its report.json."""
-    paths = render_report(Path(args.dir), maps_dir=_maps_dir(args.maps), not_shown=_not_shown_printer(err))
+    maps_dir = _maps_dir(args.maps)
+    paths = render_report(Path(args.dir), maps_dir=maps_dir, not_shown=_not_shown_printer(err),
+                          map_fallbacks=_map_fallbacks(args.maps, maps_dir))
     _say(out, f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 

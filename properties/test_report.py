@@ -593,3 +593,22 @@ def test_the_page_puts_failures_first_and_groups_what_did_not_run(tmp_path: Path
     assert "<th>reason</th><th>source</th>" in page
     assert page.count("needs CUDA (3 rows)") == 1 and "Unavailable here (3 rows, 1 reasons)" in page
     assert "id='module-mla'" not in page and "id='module-kda'" in page
+
+
+def test_maps_fall_back_module_by_module(tmp_path: Path) -> None:
+    """After a fresh map of one module (KDA), the page shows it from the fresh folder and every
+    other module's map and the studies from the committed baseline maps, each saying where it
+    came from; the fresh folder's KDA map is not replaced by the baseline's."""
+    from k3verify.harness.render import collect_extras
+
+    baseline = BASELINE.parent / "maps"
+    fresh = tmp_path / "maps"
+    fresh.mkdir()
+    worst = "kda_overflow_map_input-worst.png"
+    (fresh / worst).write_bytes((baseline / worst).read_bytes())
+    extras = collect_extras(tmp_path, fresh, [baseline])
+    assert extras.map_dirs["kda"] == fresh and extras.map_dirs["mla"] == baseline, extras.map_dirs
+    assert {"attnres_depth_drift.json", "moe_routing_flips.json"} <= set(extras.curves)
+    assert [name for name, _ in extras.map_images["kda"]] == [worst]  # the baseline's other KDA figure stays out
+    only_fresh = collect_extras(tmp_path, fresh)
+    assert set(only_fresh.map_dirs) == {"kda"} and not only_fresh.curves

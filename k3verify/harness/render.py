@@ -22,7 +22,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,7 @@ class Extras:
     """What a report page shows beyond ``report.json``."""
 
     maps_dir: Path | None = None
+    map_dirs: dict[str, Path] = field(default_factory=dict)  # module -> the folder its maps came from
     map_images: dict[str, list[tuple[str, bytes]]] = field(default_factory=dict)  # module -> [(name, png)]
     map_agreement: dict[str, dict[str, Any]] = field(default_factory=dict)  # module -> agreement counts
     map_commits: dict[str, str | None] = field(default_factory=dict)  # module -> commit the map was made from
@@ -81,34 +82,52 @@ def study_names() -> set[str]:
     return {name for entry in registry.select(None) for name in entry.studies}
 
 
-def collect_extras(report_dir: Path, maps_dir: Path | None) -> Extras:
+def collect_extras(report_dir: Path, maps_dir: Path | None, fallbacks: Sequence[Path] = ()) -> Extras:
     """Overflow-map PNGs (or, lacking them, maps drawn from ``<module>_overflow_map.json``),
     map agreement counts, the registered modules' studies from ``maps_dir``, and
-    ``nightly.json`` from ``report_dir``. A file that cannot be shown is named in
-    ``not_shown``; no file other than these is opened."""
+    ``nightly.json`` from ``report_dir``; then, module by module and study by study, what
+    ``maps_dir`` lacks from each of ``fallbacks`` in turn (``extras.map_dirs`` says which folder
+    each module's maps came from). A file that cannot be shown is named in ``not_shown``; no
+    file other than these is opened."""
     extras = Extras(maps_dir=maps_dir)
     if os.path.lexists(report_dir / NIGHTLY):
         _shown(extras, lambda: _read_nightly(report_dir, extras))
-    if maps_dir is None:
-        return extras
-    try:
-        folder = MapsFolder(maps_dir)
-    except UsageError as exc:  # checked before the run (cli); gone or swapped since
-        extras.not_shown.append(str(exc))
-        return extras
-    with folder:
-        entries = maps_entries(folder.names(), study_names())
-        for name in entries["png"]:
-            module = MAP_PNG.match(name)["module"]
+    for path in [p for p in (maps_dir, *fallbacks) if p is not None]:
+        try:
+            folder = MapsFolder(path)
+        except UsageError as exc:  # checked before the run (cli); gone or swapped since
+            extras.not_shown.append(str(exc))
+            continue
+        with folder:
+            _read_maps_folder(folder, path, extras, first=path == maps_dir)
+    return extras
+
+
+def _read_maps_folder(folder: MapsFolder, path: Path, extras: Extras, *, first: bool) -> None:
+    """Everything of ``folder`` for a module or study the page has nothing of yet (all of it for
+    the first folder)."""
+    entries = maps_entries(folder.names(), study_names())
+    had = set(extras.map_images) | set(extras.map_agreement) | set(extras.map_commits)
+
+    def wanted(module: str) -> bool:
+        if first or module not in had:
+            extras.map_dirs.setdefault(module, path)
+            return True
+        return False
+
+    for name in entries["png"]:
+        module = MAP_PNG.match(name)["module"]
+        if wanted(module):
             _shown(extras, lambda n=name, m=module: extras.map_images.setdefault(m, []).append(
                 (n, _read_png(folder, n))))
-        for name in entries["summary"]:
-            _shown(extras, lambda n=name: _read_summary(folder, n, extras))
-        for name in entries["map"]:
+    for name in entries["summary"]:  # one file for every module: only the modules wanted are merged
+        _shown(extras, lambda n=name: _read_summary(folder, n, extras, keep=None if first else had))
+    for name in entries["map"]:
+        if wanted(MAP_JSON.match(name)["module"]):
             _shown(extras, lambda n=name: _read_map(folder, n, extras))
-        for name in entries["study"]:
+    for name in entries["study"]:
+        if first or name not in extras.curves:
             _shown(extras, lambda n=name: _read_study(folder, n, extras))
-    return extras
 
 
 def _shown(extras: Extras, read: Callable[[], Any]) -> None:
@@ -145,13 +164,16 @@ def _read_nightly(report_dir: Path, extras: Extras) -> None:
     extras.nightly = doc
 
 
-def _read_summary(folder: MapsFolder, name: str, extras: Extras) -> None:
+def _read_summary(folder: MapsFolder, name: str, extras: Extras, keep: set[str] | None = None) -> None:
+    """The maps' agreement counts and commits, per module; the modules in ``keep`` (already
+    shown from an earlier folder) are left as they are."""
     path = folder.path / name
     doc = folder.read_json(name, MAX_MAP_BYTES, "map summary")
     if not isinstance(doc, dict) or not all(isinstance(v, dict) for v in doc.values()):
         raise UsageError(f"{path}: map summary is not an object of one object per module")
     for module, v in doc.items():
         _check_provenance(v, path, f"map summary of {module[:40]!r}")
+    doc = {k: v for k, v in doc.items() if keep is None or k not in keep}
     extras.map_agreement |= {k: v.get("agreement") or {} for k, v in doc.items()}
     extras.map_commits |= {k: (v.get("environment") or {}).get("git_commit") for k, v in doc.items()}
 
@@ -444,10 +466,11 @@ def _module_section(module: str, rows: list[dict[str, Any]], extras: Extras, rep
 def _map_provenance(module: str, extras: Extras, report_commit: str | None) -> str:
     """Where a module's maps come from, and whether they describe the code this report ran: a
     warning for committed baseline maps or maps made from another commit."""
-    where = html_text(extras.maps_dir)
+    folder = extras.map_dirs.get(module, extras.maps_dir)
+    where = html_text(folder)
     commit = extras.map_commits.get(module)
     redo = f"<code>k3verify overflow-map --module {html_text(module)}</code> maps the code under test"
-    if extras.maps_dir is not None and "baseline" in extras.maps_dir.resolve().parts:
+    if folder is not None and "baseline" in folder.resolve().parts:
         return (f"<p class='warn'>Committed baseline maps from {where}, not made by this run: they show the "
                 f"code of commit {html_text(str(commit or 'unknown')[:10])}. {redo}.</p>")
     if commit and report_commit and commit != report_commit:
@@ -505,29 +528,32 @@ def _notes(rows: list[dict[str, Any]]) -> str:
 
 
 def write_report(doc: dict[str, Any], out_dir: Path, *, maps_dir: Path | None = None,
-                 not_shown: NotShown | None = None) -> list[Path]:
+                 not_shown: NotShown | None = None, map_fallbacks: Sequence[Path] = ()) -> list[Path]:
     """Write ``report.json``, ``report.md`` and ``report.html`` into ``out_dir`` as one set (the
     folder is swapped in whole: an interrupt leaves the previous three); return the paths.
 
-    ``maps_dir`` is where overflow maps and curve files are looked for (see :func:`render_report`);
-    ``not_shown`` is called with one line per file the pages leave out.
+    ``maps_dir`` is where overflow maps and curve files are looked for (see :func:`render_report`),
+    then ``map_fallbacks`` for the modules and studies it lacks; ``not_shown`` is called with one
+    line per file the pages leave out.
     """
-    return _write_set(out_dir, doc, maps_dir, with_json=True, not_shown=not_shown)
+    return _write_set(out_dir, doc, maps_dir, with_json=True, not_shown=not_shown, fallbacks=map_fallbacks)
 
 
-def render_report(out_dir: Path, *, maps_dir: Path | None = None, not_shown: NotShown | None = None) -> list[Path]:
+def render_report(out_dir: Path, *, maps_dir: Path | None = None, not_shown: NotShown | None = None,
+                  map_fallbacks: Sequence[Path] = ()) -> list[Path]:
     """(Re)write ``report.md`` and ``report.html`` in ``out_dir`` from its ``report.json``.
 
     The pages also show what sits beside the report: ``nightly.json`` in ``out_dir``, and the
     overflow maps and curve files (``attnres_depth_drift.json``, ``moe_routing_flips.json``) in
     ``maps_dir``; ``not_shown`` is called with one line per file they leave out.
     """
-    return _write_set(out_dir, load(out_dir), maps_dir, with_json=False, not_shown=not_shown)
+    return _write_set(out_dir, load(out_dir), maps_dir, with_json=False, not_shown=not_shown,
+                      fallbacks=map_fallbacks)
 
 
 def _write_set(out_dir: Path, doc: dict[str, Any], maps_dir: Path | None, *, with_json: bool,
-               not_shown: NotShown | None) -> list[Path]:
-    extras = collect_extras(out_dir, maps_dir)
+               not_shown: NotShown | None, fallbacks: Sequence[Path] = ()) -> list[Path]:
+    extras = collect_extras(out_dir, maps_dir, fallbacks)
     pages = {REPORT_MD: markdown(doc, nightly=extras.nightly, not_shown=extras.not_shown),
              REPORT_HTML: html_page(doc, extras)}
     if with_json:

@@ -403,23 +403,23 @@ class Finding:
         return Case("finding", self.make(), dict(self.params))
 
 
-def _saturated_kda(**shape: Any) -> Callable[[], dict[str, Any]]:
-    return lambda: kda_samples.saturated_inputs(**shape, one_hot=False)
+def _saturated_kda(label: str, why: str, mechanism: str, **shape: Any) -> Finding:
+    """A KDA finding on a case with every gate at its bound, its params and inputs from ``shape``."""
+    return Finding("kda", label, {**shape, "gates": "all at g_min"}, why,
+                   lambda: kda_samples.saturated_inputs(**shape, one_hot=False), mechanism)
 
 
 FINDINGS: tuple[Finding, ...] = (
-    Finding("kda", "kda/k3verify:tiled[bf16 chunk_size=64 tile=32 anchor=tile_start]",
-            {"B": 1, "T": 127, "H": 1, "K": 32, "V": 32, "g_min": -2.77, "seed": 1, "gates": "all at g_min"},
-            "a 32-token tile at g_min -2.77 spans e^-86: the anchored queries and keys of the diagonal tile "
-            "fall below bf16's smallest normal (5 % of them) while their partners are e^+86 large",
-            _saturated_kda(B=1, T=127, H=1, K=32, V=32, g_min=-2.77, seed=1),
-            "diagonal q operand fell below bf16's smallest normal"),
-    Finding("kda", "kda/k3verify:tiled[fp16 chunk_size=64 tile=16 anchor=tile_start]",
-            {"B": 2, "T": 32, "H": 1, "K": 16, "V": 32, "g_min": -0.72, "seed": 53, "gates": "all at g_min"},
-            "a 16-token tile at g_min -0.72 spans e^-10.8, under fp16's smallest normal e^-9.7: 36 % of "
-            "the diagonal tile's anchored operands are subnormal",
-            _saturated_kda(B=2, T=32, H=1, K=16, V=32, g_min=-0.72, seed=53),
-            "diagonal q operand fell below fp16's smallest normal"),
+    _saturated_kda("kda/k3verify:tiled[bf16 chunk_size=64 tile=32 anchor=tile_start]",
+                   "a 32-token tile at g_min -2.77 spans e^-86: the anchored queries and keys of the diagonal "
+                   "tile fall below bf16's smallest normal (5 % of them) while their partners are e^+86 large",
+                   "diagonal q operand fell below bf16's smallest normal",
+                   B=1, T=127, H=1, K=32, V=32, g_min=-2.77, seed=1),
+    _saturated_kda("kda/k3verify:tiled[fp16 chunk_size=64 tile=16 anchor=tile_start]",
+                   "a 16-token tile at g_min -0.72 spans e^-10.8, under fp16's smallest normal e^-9.7: 36 % of "
+                   "the diagonal tile's anchored operands are subnormal",
+                   "diagonal q operand fell below fp16's smallest normal",
+                   B=2, T=32, H=1, K=16, V=32, g_min=-0.72, seed=53),
     Finding("attnres", "attnres/k3verify:tiled[bf16 tile=4 logit_dtype=bf16]",
             {"N": 4, "T": 1, "d": 16, "kind": "aggregation", "logit_scale": 19.408391593382618,
              "logit_spread": 4.0, "seed": 4},

@@ -42,7 +42,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-from .harness import ci_output, compare, golden, registry, report, runner, sandbox
+from .harness import ci_output, compare, golden, registry, report, runner, sandbox, timing
 from .harness.environment import environment
 from .harness.files import UsageError, check_output_folder, hold_output_folder, json_safe
 from .harness.map_files import check_maps_folder, default_maps_folder, write_map
@@ -205,6 +205,8 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
     names = _module_list(args.implementations)
     if names is not None and tp is not None:
         raise UsageError("--implementations selects rows of a plain run; a --tp run verifies the modules' layers")
+    if args.time and tp is not None:
+        raise UsageError("--time times the kernel rows of a plain run; a --tp run has none")
     try:
         planned = runner.plan(entries, tp, orphans, names)
     except KeyError as exc:
@@ -214,9 +216,11 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
     with _progress(err) as bar:
         task = bar.add_task("verifying", total=len(planned), current="")
         for row in runner.run(entries, seed=args.seed, progress=lambda label: bar.update(task, current=label),
-                              orphans=orphans, tp=tp, names=names):
+                              orphans=orphans, tp=tp, names=names, time_kernels=args.time):
             rows.append(row)
             bar.advance(task)
+    if args.time:
+        timing.with_peer_ratios(rows)
     if len(rows) != len(oracle_rows) + len(planned):  # a verdict or a reason for every planned row
         raise IncompleteRun(f"{len(rows) - len(oracle_rows)} rows were verified of the {len(planned)} planned; "
                             "no report written")
@@ -225,6 +229,8 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
               "oracle_check": oracle_check}
     if names is not None:
         config["implementations"] = sorted(set(names))
+    if args.time:
+        config["time"] = timing.clock()
     if tp is not None:
         config["tp"] = dataclasses.asdict(tp)
     return _finish(rows, config, Path(args.out), maps_dir, out, args, err=err)
@@ -287,6 +293,7 @@ def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path
         return 1 if failed else 0
     if not args.quiet:
         _print_table(out, rows)
+        _print_speed(out, rows)
     _print_attention(out, rows)
     _say(out, " · ".join(f"{k}: {v}" for k, v in doc["summary"].items()) + f" · wall {config['wall_s']:.1f} s")
     if paths:
@@ -330,6 +337,18 @@ def _print_table(out: Console, rows: list[dict]) -> None:
     for cells, row in zip(cells_by_row, rows):
         table.add_row(*map(_cell, cells[:-1]), _cell(cells[-1], STATUS_STYLE.get(row["status"], "")))
     out.print(table)
+
+
+def _print_speed(out: Console, rows: list[dict]) -> None:
+    """The timed kernel rows (``run --time``), one line each: verdict, median time, clock, time over the peer's."""
+    timed = report.speed_rows(rows)
+    if not timed:
+        return
+    _say(out, f"speed: {report.speed_note(rows)}", style="dim")
+    _say(out, f"{'status':<18} {'margin':>6} {'median':>9} {'clock':<5} {'÷ peer':>6}  row · peer")
+    for row, status, margin, median, where, ratio, peer in timed:
+        _say(out, f"{status:<18} {margin:>6} {median:>9} {where:<5} {ratio:>6}  {row} · {peer}",
+             style=STATUS_STYLE.get(status, ""))
 
 
 def _print_attention(out: Console, rows: list[dict]) -> None:
@@ -644,6 +663,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--goldens", metavar="DIR",
                    help="golden folder whose stored fp64 outputs the oracle must reproduce before any row is "
                         f"judged (default: {DEFAULT_GOLDENS} when it holds a manifest; none: no check)")
+    r.add_argument("--time", action="store_true",
+                   help="also time every kernel row that ran (median of its run on its case) and, where it "
+                        "names a peer, its time over the peer's; on a CPU the times are the Triton interpreter's")
     r.add_argument("--timeout", type=_timeout, default=sandbox.DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="a plugin's call (run, predict, ...) that takes longer fails its row; its process is "
                         f"stopped (default {sandbox.DEFAULT_TIMEOUT_S:g})")

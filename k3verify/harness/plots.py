@@ -42,6 +42,8 @@ MAX_PIXELS = 40_000_000
 # Figures drawn from a report: at most this many panels (cases) or lines (histogram rows), so
 # that no figure outgrows what matplotlib can save.
 MAX_PANELS, MAX_LINES = 40, 300
+# Lines one panel of the position figure draws at most (rows and baselines), so each is told apart.
+LINES_PER_AXES = 6
 # What PIL raises for bytes that are not a PNG it can decode (truncated, corrupt, a bomb).
 _DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError)
 
@@ -247,44 +249,75 @@ def _positive(values: list[Any]) -> np.ndarray:
 
 
 def position_figure(rows: list[dict[str, Any]], title: str) -> Any | None:
-    """Error against token position: one panel per case, one line per row, baselines dashed.
+    """Error against token position as small multiples: one panel per case and dtype (split
+    further so that no panel draws more than :data:`LINES_PER_AXES` lines), one line per row, the
+    same-dtype baselines dashed.
 
     Uses each row's ``error_by_position`` (RMS ratio at every position); rows computed in
     fp64 and cases with a single position are left out. ``None`` when nothing is left.
     """
-    by_case: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        if r["dtype"] != "fp64" and isinstance(r.get("error_by_position"), list) and len(r["error_by_position"]) > 1:
-            by_case.setdefault(r["case"], []).append(r)
-    if not by_case:
+    panels = _position_panels(rows)
+    if not panels:
         return None
-    if len(by_case) > MAX_PANELS:  # a figure has a size limit; a report may have any number of cases
-        title += f" (the first {MAX_PANELS} of {len(by_case)} cases)"
-        by_case = dict(list(by_case.items())[:MAX_PANELS])
-    fig, axes = plt.subplots(len(by_case), 1, figsize=(11, 3.4 * len(by_case)), squeeze=False, layout="constrained")
-    colors = matplotlib.colormaps["tab20"].colors
-    for ax, (case, case_rows) in zip(axes[:, 0], by_case.items()):
-        baselines: dict[str, list[Any]] = {}
-        for i, r in enumerate(case_rows):
-            color = colors[i % len(colors)]
-            ax.plot(_positive(r["error_by_position"]), color=color, lw=1.2, label=plot_text(row_label(r)))
-            if isinstance(r.get("baseline_error_by_position"), list) and r["baseline_error_by_position"]:
-                label = plot_text(f"baseline {r.get('baseline_form', '')} {r['dtype']}")
-                baselines.setdefault(label, r["baseline_error_by_position"])
+    if len(panels) > MAX_PANELS:  # a figure has a size limit; a report may have any number of cases
+        title += f" (the first {MAX_PANELS} of {len(panels)} panels)"
+        panels = panels[:MAX_PANELS]
+    ncols = min(2 if len(panels) <= 6 else 3, len(panels))  # many panels: three across, to keep the page short
+    nrows = math.ceil(len(panels) / ncols)
+    width = 6.4 if ncols < 3 else 5.0
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, 3.9 * nrows), squeeze=False, layout="constrained")
+    colors = matplotlib.colormaps["tab10"].colors
+    dark = matplotlib.colormaps["Dark2"].colors
+    dashes = ("--", ":", "-.", (0, (5, 1, 1, 1)))
+    for ax, (name, panel_rows, baselines) in zip(axes.flat, panels):
+        labels = [row_label(r) for r in panel_rows]
+        if len(set(labels)) < len(labels):  # rows told apart only by chunk_size: name every parameter
+            labels = [row_label(r, every_param=True) for r in panel_rows]
+        for i, (r, label) in enumerate(zip(panel_rows, labels)):
+            ax.plot(_positive(r["error_by_position"]), color=colors[i % len(colors)], lw=1.2, label=plot_text(label))
         # Baselines: dark colours and dashes of their own, so each is told apart from the rows
         # and from the other baselines.
-        dark = matplotlib.colormaps["Dark2"].colors
-        dashes = ("--", ":", "-.", (0, (5, 1, 1, 1)))
         for j, (label, series) in enumerate(baselines.items()):
             ax.plot(_positive(series), color=dark[j % len(dark)], lw=1.0, ls=dashes[j % 4], label=label)
         ax.set_yscale("log")
-        ax.set_title(plot_text(f"case {case}"), fontsize=10)
-        ax.set_xlabel("token position t")
-        ax.set_ylabel("rms(o_t − ref_t) / rms(ref_t)")
+        ax.set_title(plot_text(name), fontsize=10)
+        ax.set_xlabel("token position t", fontsize=8)
+        ax.set_ylabel("rms(o_t − ref_t) / rms(ref_t)", fontsize=8)
+        ax.tick_params(which="both", labelsize=7)
         ax.grid(True, which="major", alpha=0.3)
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_axis_off()
     fig.suptitle(plot_text(title), fontsize=11)
     return fig
+
+
+def _position_panels(rows: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]], dict[str, list[Any]]]]:
+    """``(title, rows, {baseline label: series})`` per panel of :func:`position_figure`: the rows
+    of one case and dtype, at most :data:`LINES_PER_AXES` lines with their baselines."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["dtype"] != "fp64" and isinstance(r.get("error_by_position"), list) and len(r["error_by_position"]) > 1:
+            groups.setdefault((str(r["case"]), str(r["dtype"])), []).append(r)
+    panels = []
+    for (case, dtype), group in groups.items():
+        # Baselines are drawn in every panel of their group; rows share what is left.
+        per_panel = max(LINES_PER_AXES - len(_baselines(group)), 2)
+        chunks = [group[i:i + per_panel] for i in range(0, len(group), per_panel)]
+        for k, chunk in enumerate(chunks):
+            part = f" ({k + 1}/{len(chunks)})" if len(chunks) > 1 else ""
+            panels.append((f"case {case} · {dtype}{part}", chunk, _baselines(chunk)))
+    return panels
+
+
+def _baselines(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """The distinct same-dtype baselines of ``rows``: ``{label: error by position}``."""
+    out: dict[str, list[Any]] = {}
+    for r in rows:
+        if isinstance(r.get("baseline_error_by_position"), list) and r["baseline_error_by_position"]:
+            out.setdefault(plot_text(f"baseline {r.get('baseline_form', '')} {r['dtype']}"),
+                           r["baseline_error_by_position"])
+    return out
 
 
 def ulp_figure(rows: list[dict[str, Any]], title: str) -> Any | None:

@@ -67,6 +67,18 @@ def _available() -> tuple[bool, str]:
 
 
 @dataclass(frozen=True)
+class Peer:
+    """Whom ``k3verify run --time`` compares a kernel's speed with: the row of the same module,
+    case and dtype whose implementation is ``implementation`` (a package name matches any
+    version: ``fla-core`` matches ``fla-core 0.6.0``), whose form is ``form`` and whose
+    parameters include ``params``."""
+
+    implementation: str
+    form: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Implementation:
     """One verifiable configuration: a form of a module at one dtype and parameter set.
 
@@ -84,7 +96,9 @@ class Implementation:
     version); ``in_map`` puts it in its module's overflow map, on the map's inputs, at every
     point ``map_points`` accepts (default: all; an implementation that refuses some inputs by
     design, such as a kernel that needs a stored block, names them here rather than crashing
-    there).
+    there). ``peer`` names the row whose speed ``run --time`` sets a kernel's beside; ``time``,
+    when given, times ``run`` on a case itself (a plugin's proxy: in its own process; see
+    :mod:`k3verify.harness.timing`).
     """
 
     module: str
@@ -102,6 +116,8 @@ class Implementation:
     source: str = BUILTIN_SOURCE
     in_map: bool = False
     map_points: Callable[[Mapping[str, Any]], bool] | None = None
+    peer: Peer | None = None
+    time: Callable[[Case], dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -134,11 +150,13 @@ def implementation(
     in_map: bool = False,
     predict: Callable[[Case], Prediction] | None = None,
     is_available: Callable[[], tuple[bool, str]] = _available,
+    peer: Peer | None = None,
     **options: Any,
 ) -> Implementation:
     """An implementation from a function with the module forms' signature (the way plugins and
     users' tests bring their kernels): inputs are cast to ``dtype`` and ``options`` passed on;
-    the rule is fp64-agreement for ``fp64``, the baseline rule otherwise (see docs/extending.md)."""
+    the rule is fp64-agreement for ``fp64``, the baseline rule otherwise; ``peer`` names the row
+    ``run --time`` compares its speed with (see docs/extending.md)."""
     torch_dtype = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
 
     def run(case: Case) -> Outputs:
@@ -149,7 +167,7 @@ def implementation(
 
     return Implementation(module=module, implementation=name, form=form, dtype=dtype, params=dict(options),
                           rule=FP64_RULE if dtype == "fp64" else BASELINE_RULE, run=run, predict=predict,
-                          is_available=is_available, cases=cases, baseline=baseline, in_map=in_map)
+                          is_available=is_available, cases=cases, baseline=baseline, in_map=in_map, peer=peer)
 
 
 @dataclass(frozen=True)

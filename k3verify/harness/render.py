@@ -45,6 +45,7 @@ from .report import (
     REPORT_HTML,
     REPORT_JSON,
     REPORT_MD,
+    SPEED_HEADER,
     STATUSES,
     failure_lines,
     fmt,
@@ -52,6 +53,8 @@ from .report import (
     markdown,
     notes,
     params_text,
+    speed_note,
+    speed_rows,
     unavailable_groups,
 )
 from .text import html_text
@@ -73,13 +76,19 @@ class Extras:
     map_agreement: dict[str, dict[str, Any]] = field(default_factory=dict)  # module -> agreement counts
     map_commits: dict[str, str | None] = field(default_factory=dict)  # module -> commit the map was made from
     curves: dict[str, Any] = field(default_factory=dict)  # curve file name -> its JSON
+    curve_dirs: dict[str, Path] = field(default_factory=dict)  # curve file name -> the folder it came from
     nightly: dict[str, Any] | None = None
     not_shown: list[str] = field(default_factory=list)  # "<path>: <why>", one per file left out
 
 
 def study_names() -> set[str]:
     """The study files registered modules write beside their maps (``ModuleEntry.studies``)."""
-    return {name for entry in registry.select(None) for name in entry.studies}
+    return set(study_owners())
+
+
+def study_owners() -> dict[str, str]:
+    """Each registered study file's module."""
+    return {name: entry.name for entry in registry.select(None) for name in entry.studies}
 
 
 def collect_extras(report_dir: Path, maps_dir: Path | None, fallbacks: Sequence[Path] = ()) -> Extras:
@@ -127,6 +136,7 @@ def _read_maps_folder(folder: MapsFolder, path: Path, extras: Extras, *, first: 
             _shown(extras, lambda n=name: _read_map(folder, n, extras))
     for name in entries["study"]:
         if first or name not in extras.curves:
+            extras.curve_dirs.setdefault(name, path)
             _shown(extras, lambda n=name: _read_study(folder, n, extras))
 
 
@@ -275,13 +285,15 @@ th,td{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top}
 th{background:#f3f3f3;position:sticky;top:0}
 tr.pass td.status{color:#1a7f37;font-weight:600} tr.fail td.status{color:#c62828;font-weight:700}
 tr.fail{background:#fde8e8} tr.expected-nonfinite td.status{color:#9a6700} tr.unavailable{color:#999}
-td.reason{font-size:12px;max-width:40em} ul.failures li{color:#c62828}
+td.reason{font-size:12px;min-width:16em;max-width:32em} ul.failures li{color:#c62828}
 td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap} td.nw{white-space:nowrap}
 .bar{display:inline-block;height:9px;background:#4c9a2a;margin-right:6px;vertical-align:middle}
 .bar.neg{background:#c62828}
 .badge{display:inline-block;padding:2px 9px;border-radius:10px;margin-right:6px;font-size:13px;background:#eee}
 .badge.pass{background:#dff5e1} .badge.fail{background:#fbd5d5} .badge.expected-nonfinite{background:#fff3c4}
 figure{margin:10px 0} figure img{max-width:100%;border:1px solid #eee}
+.wide{overflow-x:auto}
+.maps{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));gap:8px}
 figcaption{font-size:12px;color:#555}
 details{margin:6px 0} code,pre{font-size:12px}
 .muted{color:#777;font-size:12px}
@@ -309,20 +321,31 @@ def html_page(doc: dict[str, Any], extras: Extras) -> str:
         "<b>frontier</b>: overflow predicted and observed. Margin = 1 − err/limit (bar: share of the allowance "
         "left; red when failing).</p>",
         _verdicts(doc["rows"]),
+        _speed(doc["rows"]),
         _unavailable(doc["rows"]),
     ]
-    # The modules that ran, each with its plots and map; maps of modules not run are left out.
+    # The modules that ran, each with its plots, map and studies; those of modules not run are left out.
     modules = list(dict.fromkeys(r["module"] for r in doc["rows"]))
+    owners = study_owners()
+    studies = {name: s for name, s in extras.curves.items() if owners.get(name) in (*modules, None)}
     skipped = [m for m in extras.map_images if m not in modules]
     if skipped:
+        by_folder: dict[str, list[str]] = {}
+        for m in skipped:
+            by_folder.setdefault(str(extras.map_dirs.get(m, extras.maps_dir) or "-"), []).append(m)
+        where = "; ".join(f"{', '.join(ms)} ({folder})" for folder, ms in by_folder.items())
         parts.append(f"<p class='muted'>Overflow maps of modules this run did not verify are left out: "
-                     f"{html_text(', '.join(skipped))} ({html_text(extras.maps_dir or '-')}).</p>")
+                     f"{html_text(where)}.</p>")
+    if len(studies) < len(extras.curves):
+        left = [n for n in extras.curves if n not in studies]
+        parts.append(f"<p class='muted'>Studies of modules this run did not verify are left out: "
+                     f"{html_text(', '.join(left))}.</p>")
     commit = (doc.get("environment") or {}).get("git_commit")
     for module in modules:
         module_rows = [r for r in doc["rows"] if r["module"] == module]
         parts.append(_module_section(module, module_rows, extras, commit if isinstance(commit, str) else None))
-    for name, study in extras.curves.items():
-        parts.append(_curve_section(name, curve_title(name, study), study, extras.maps_dir))
+    for name, study in studies.items():
+        parts.append(_curve_section(name, curve_title(name, study), study, extras.curve_dirs.get(name)))
     if extras.nightly:
         parts.append(_nightly_section(extras.nightly))
     parts.append(_notes(doc["rows"]))
@@ -390,6 +413,16 @@ def _failures(rows: list[dict[str, Any]]) -> str:
     return f"<h2 id='failures'>Failures ({len(items)})</h2><ul class='failures'>{''.join(items)}</ul>"
 
 
+def _speed(rows: list[dict[str, Any]]) -> str:
+    """The timed kernel rows (``run --time``) with their verdicts, times and peers."""
+    timed = speed_rows(rows)
+    if not timed:
+        return ""
+    status = [r[1] if r[1] in STATUSES else "unknown" for r in timed]
+    return (f"<h2 id='speed'>Speed</h2><p class='muted'>{html_text(speed_note(rows))}</p>"
+            + _table(SPEED_HEADER, timed, status))
+
+
 def _unavailable(rows: list[dict[str, Any]]) -> str:
     """Rows that could not run here, grouped by their reason (one entry per reason)."""
     groups = unavailable_groups(rows)
@@ -427,7 +460,7 @@ def _verdicts(rows: list[dict[str, Any]]) -> str:
         tds += f"<td>{html_text(r.get('source') or '')}</td>"
         body.append(f"<tr id='row-{i}' class='{r['status'] if r['status'] in STATUSES else 'unknown'}'>{tds}</tr>")
     head = "".join(f"<th>{h}</th>" for h in header)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    return f"<div class='wide'><table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
 
 
 def _module_section(module: str, rows: list[dict[str, Any]], extras: Extras, report_commit: str | None) -> str:
@@ -455,11 +488,11 @@ def _module_section(module: str, rows: list[dict[str, Any]], extras: Extras, rep
                      for k, v in agreement.items() if isinstance(v, dict)]
             parts.append("<p>Analytic prediction against observation:</p>" + _table(
                 ["subset", "cells", "agree", "disagree next to the frontier", "disagree away from it"], table))
-        parts += [
-            f"<figure>{_img(png, name)}<figcaption>{html_text(name)}: colour log10 rms_ratio vs the fp64 oracle, "
-            "red overflow, black line the analytic frontier, white x a missed prediction</figcaption></figure>"
-            for name, png in images
-        ]
+        parts.append("<p class='muted'>Colour: log10 rms_ratio against the fp64 oracle; red: overflow; black line: "
+                     "the analytic frontier; white x: a missed prediction.</p><div class='maps'>")
+        parts += [f"<figure>{_img(png, name)}<figcaption>{html_text(name)}</figcaption></figure>"
+                  for name, png in images]
+        parts.append("</div>")
     return "\n".join(p for p in parts if p)
 
 
@@ -481,7 +514,11 @@ def _map_provenance(module: str, extras: Extras, report_commit: str | None) -> s
 
 
 def _curve_section(name: str, title: str, doc: Any, maps_dir: Path | None) -> str:
-    parts = [f"<h2>{html_text(title)}</h2><p class='muted'>{html_text((maps_dir or Path()) / name)}</p>"]
+    where = html_text((maps_dir or Path()) / name)
+    baseline = maps_dir is not None and "baseline" in maps_dir.resolve().parts
+    parts = [f"<h2>{html_text(title)}</h2>" + (
+        f"<p class='warn'>Committed baseline study {where}, not made by this run.</p>" if baseline
+        else f"<p class='muted'>{where}</p>")]
     fig = None
     if isinstance(doc, dict):
         try:

@@ -78,7 +78,7 @@ OPTIONAL_ROW_KEYS: dict[str, type | tuple[type, ...]] = {
     "params": dict, "case_params": dict, "verdict": dict, "metrics": dict, "baseline_metrics": dict,
     "prediction": dict, "margin": _NUMBER, "reason": str, "overflow": list, "explanation": list, "wall_s": _NUMBER,
     "ulp_histogram": dict, "error_by_position": list, "baseline_error_by_position": list, "golden": str,
-    "outputs": dict, "output": str, "source": str,
+    "outputs": dict, "output": str, "source": str, "time": dict,
 }
 NESTED_KEYS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "verdict": {"err": _NUMBER, "limit": _NUMBER, "margin": _NUMBER, "baseline_err": _NUMBER, "floor": _NUMBER,
@@ -88,6 +88,8 @@ NESTED_KEYS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "baseline_metrics": {"nonfinite": int, "rms_ratio": _NUMBER},
     "prediction": {"finite": bool, "explanation": str},
     "ulp_histogram": {"edges": list, "counts": list, "dtype": str},
+    "time": {"median_s": _NUMBER, "repeats": int, "clock": str, "ratio": _NUMBER, "peer": str, "peer_note": str,
+             "error": str},
 }
 LIST_ITEMS: dict[str, type | tuple[type, ...]] = {
     "overflow": str, "explanation": str, "error_by_position": _NUMBER, "baseline_error_by_position": _NUMBER,
@@ -339,6 +341,10 @@ def markdown(doc: dict[str, Any], *, nightly: dict[str, Any] | None = None, not_
         *_md_table(TABLE_HEADER, table_rows(doc["rows"])),
         "",
     ]
+    timed = speed_rows(doc["rows"])
+    if timed:
+        lines += ["## Speed", "", md_text(speed_note(doc["rows"])), "",
+                  *_md_table(SPEED_HEADER, timed), ""]
     positions = [r for r in doc["rows"] if r["dtype"] != "fp64" and isinstance(r.get("error_by_position"), list)
                  and len(r["error_by_position"]) > 1]
     if positions:
@@ -374,6 +380,47 @@ def markdown(doc: dict[str, Any], *, nightly: dict[str, Any] | None = None, not_
             lines += [f"  - {md_text(line)}" for line in sub]
         lines.append("")
     return "\n".join(lines)
+
+
+SPEED_HEADER = ["row", "status", "margin", "median", "clock", "time / peer", "peer"]
+
+
+def duration(seconds: Any) -> str:
+    """``12.3 ms``, ``450 µs``, ``1.20 s``: a duration for a cell (``-`` when not a positive number)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e30:
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def speed_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """One line of cells per timed row (``run --time``): its name and verdict beside its median
+    time, the clock, and its time over its peer's (with the peer's name, or why there is none)."""
+    out = []
+    for r in rows:
+        t = r.get("time")
+        if not isinstance(t, dict):
+            continue
+        if t.get("error"):
+            median, ratio, peer = "-", "-", f"not timed: {t['error']}"
+        else:
+            median, ratio = duration(t.get("median_s")), fmt(t.get("ratio"), ".2f")
+            peer = t.get("peer") or t.get("peer_note") or "no peer registered"
+        out.append([f"{row_heading(r)} [{r.get('output', '-')}]", r["status"], fmt(r.get("margin"), ".2f"), median,
+                    str(t.get("clock", "-")), ratio, peer])
+    return out
+
+
+def speed_note(rows: list[dict[str, Any]]) -> str:
+    """What the speed table's times are, in one sentence, with the clock they were taken on."""
+    clocks = {str((r.get("time") or {}).get("clock")) for r in rows if isinstance(r.get("time"), dict)} - {"None"}
+    where = (" Taken on the CPU: our Triton kernels run in Triton's interpreter here, so these times measure "
+             "the interpreter, not a GPU.") if "cpu" in clocks else ""
+    return ("Median time of each kernel row's run on its verification case (the cast of the fp64 inputs "
+            "included; small shapes: benchmarks/ times production shapes), and its time over its registered "
+            f"peer's on the same case and dtype (above 1: slower than the peer). Never part of a verdict.{where}")
 
 
 def _md_table(header: list[str], rows: list[list[Any]]) -> list[str]:

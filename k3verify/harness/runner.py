@@ -31,7 +31,7 @@ from ..numerics import (
     spacing,
     worst_element,
 )
-from . import tp_rows
+from . import timing, tp_rows
 from .guard import run_isolated
 from .registry import (
     FP64_RULE,
@@ -73,15 +73,20 @@ def plan(entries: list[ModuleEntry], tp: TPOptions | None = None, orphans: bool 
 
 def run(entries: list[ModuleEntry], *, seed: int = 0, progress: Progress | None = None,
         orphans: bool = False, tp: TPOptions | None = None,
-        names: Collection[str] | None = None) -> Iterator[dict[str, Any]]:
+        names: Collection[str] | None = None, time_kernels: bool = False) -> Iterator[dict[str, Any]]:
     """Verify every planned row; yields rows as they finish (``progress`` gets each label first).
 
     An implementation that cannot run here yields its ``unavailable`` row without building its
     case (a broken plugin may ask for a case its module does not make); one that asks for a
     case its module does not make yields a failed row. ``orphans``, ``tp`` and ``names`` as in
-    :func:`plan`; exactly one row is yielded per planned row."""
+    :func:`plan`; exactly one row is yielded per planned row. ``time_kernels``: every kernel row
+    that ran, and every row a kernel names as its peer, also gets its ``time``
+    (:mod:`k3verify.harness.timing`; ratios are set once all rows are in, by
+    :func:`~k3verify.harness.timing.with_peer_ratios`)."""
     cases: dict[int, dict[str, Case]] = {}
-    for entry, impl, case_name in plan(entries, tp, orphans, names):
+    planned = plan(entries, tp, orphans, names)
+    peers = timing.named_peers([impl for _, impl, _ in planned]) if time_kernels else []
+    for entry, impl, case_name in planned:
         if progress:
             progress(f"{impl.label} on {case_name}")
         reason = impl.unavailable()
@@ -96,7 +101,20 @@ def run(entries: list[ModuleEntry], *, seed: int = 0, progress: Progress | None 
                 "status": FAIL, "reason": f"{impl.label} asks for case {case_name!r}, which {entry.name} does not "
                                           f"make (its cases: {', '.join(made)})"}
             continue
-        yield verify(entry, impl, made[case_name])
+        row = verify(entry, impl, made[case_name])
+        if time_kernels and "verdict" in row and (timing.timed(impl) or timing.is_peer(row, peers)):
+            row["time"] = _timed(impl, made[case_name])
+        yield row
+
+
+def _timed(impl: Implementation, case: Case) -> dict[str, Any]:
+    """The row's ``time``, or ``{"error": why}`` when timing it raised (the verdict stands)."""
+    try:
+        return timing.time_row(impl, case)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
 def row_header(impl: Implementation, case: Case) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from .guard import restore, run_isolated, torch_state
+from .guard import case_for, restore, run_isolated, torch_state
 from .registry import (
     BASELINE_RULE,
     PLUGIN_GROUP,
@@ -53,6 +53,7 @@ from .registry import (
     Case,
     Implementation,
     Outputs,
+    Peer,
     Prediction,
     as_outputs,
 )
@@ -143,9 +144,17 @@ def describe(impl: Any, where: str) -> dict[str, Any]:
         "module": str(impl.module), "implementation": str(impl.implementation), "form": str(impl.form),
         "dtype": str(impl.dtype), "params": {str(k): _json_param(v) for k, v in dict(impl.params).items()},
         "rule": str(impl.rule), "cases": [str(c) for c in impl.cases], "baseline": str(impl.baseline),
-        "in_map": bool(impl.in_map), "reason": impl.unavailable(),
+        "in_map": bool(impl.in_map), "reason": impl.unavailable(), "peer": _peer(impl.peer),
         **{f"has_{m}": getattr(impl, m) is not None for m in ("predict", "explain", "map_points")},
     }
+
+
+def _peer(peer: Any) -> dict[str, Any] | None:
+    """A registered :class:`Peer` as plain values (``None`` for none or anything else)."""
+    if not isinstance(peer, Peer):
+        return None
+    return {"implementation": str(peer.implementation), "form": str(peer.form),
+            "params": {str(k): _json_param(v) for k, v in dict(peer.params).items()}}
 
 
 class Worker:
@@ -185,6 +194,11 @@ class Worker:
             return [str(line) for line in impl.explain(arg)]
         if method == "map_points":
             return bool(impl.map_points(arg))
+        if method == "time":
+            from . import timing
+
+            given = case_for(impl, arg)
+            return timing.measure(lambda: impl.run(given))
         raise PluginError(f"unknown request {method!r}")
 
     def serve(self, rfd: int, wfd: int) -> None:
@@ -377,6 +391,11 @@ def _invalid(d: Any) -> str | None:
         return "its description lacks names of the right types"
     if d.get("rule") not in RULES:
         return f"unknown rule {str(d.get('rule'))[:40]!r}; choose one of {RULES}"
+    peer = d.get("peer")
+    if peer is not None and not (isinstance(peer, dict) and set(peer) == {"implementation", "form", "params"}
+                                 and isinstance(peer["implementation"], str) and isinstance(peer["form"], str)
+                                 and isinstance(peer["params"], dict)):
+        return "its peer is not an implementation name, a form and parameters"
     from ..numerics import resolve_dtype
 
     try:
@@ -426,6 +445,7 @@ def _proxy(host: Host, k: int, j: int, d: dict[str, Any], source: str, known: Ca
         is_available=lambda r=reason: (r is None, str(r or "")),
         cases=tuple(d["cases"]) or ("default",), baseline=d["baseline"], source=source,
         in_map=bool(d.get("in_map")), map_points=request("map_points") if d.get("has_map_points") else None,
+        peer=Peer(**d["peer"]) if d.get("peer") else None, time=request("time"),
     )
 
 

@@ -26,6 +26,7 @@ from ..registry import (
     Implementation,
     ModuleEntry,
     Outputs,
+    Peer,
     Prediction,
     ShardedForm,
     cases_from,
@@ -150,6 +151,11 @@ def own_implementations() -> list[Implementation]:
     return impls + _kernel_implementations() + _fla_implementations()
 
 
+# Whose speed `run --time` sets our bf16 kernels' beside: fla-core's production kernels.
+FLA_PEERS = {"kernel:chunk": Peer("fla-core", "kernel:chunk_kda", {"safe_gate": True}),
+             "kernel:fused_recurrent": Peer("fla-core", "kernel:fused_recurrent_kda")}
+
+
 def _kernel_implementations() -> list[Implementation]:
     """Our Triton kernels: fp32 wherever Triton runs (the interpreter is faithful there), the
     operand dtypes of production on a CUDA device only (SPEC §5); the bf16 chunk kernels also
@@ -162,7 +168,7 @@ def _kernel_implementations() -> list[Implementation]:
             run=lambda case: {n: t.cpu() for n, t in call(fn, case, torch.float64, operand_dtype=dtype, **kw).items()},
             predict=partial(_predict, **tiling) if kw else None, cases=cases, baseline=family,
             is_available=unavailable_as(partial(kernels.unavailable_reason, dtype)),
-            in_map=bool(kw) and dtype != "fp32",
+            in_map=bool(kw) and dtype != "fp32", peer=FLA_PEERS.get(form) if dtype == "bf16" else None,
         )
 
     chunked, decode = ("kernel:chunk", kernels.chunk), ("kernel:fused_recurrent", kernels.fused_recurrent)

@@ -26,6 +26,7 @@ from ..registry import (
     Implementation,
     ModuleEntry,
     Outputs,
+    Peer,
     Prediction,
     ShardedForm,
     cases_from,
@@ -156,6 +157,11 @@ def _kernel_map_points(point: dict[str, Any]) -> bool:
     return not kernels.interpreted() or point["context"] <= min(QUICK_CONTEXTS)
 
 
+# Whose speed `run --time` sets our bf16 kernels' beside: torch's own attention on the same call.
+TORCH_PEERS = {"decode": Peer("torch flex_attention", "kernel:decode"),
+               "prefill": Peer("torch sdpa", "kernel:prefill", {"backend": "flash"})}
+
+
 def _kernel(dtype: str, cases: tuple[str, ...] = ("default", "decode", "hot"), kind: str = "decode",
             **options: Any) -> Implementation:  # fmt: skip
     """One of our kernels (``kind``: the absorbed paged decode or the expanded chunked prefill):
@@ -175,6 +181,7 @@ def _kernel(dtype: str, cases: tuple[str, ...] = ("default", "decode", "hot"), k
         predict=partial(_predict, dtype=dtype, operand_dtype=FP8_CACHE_OPERANDS if fp8 else dtype, **options)
         if in_map else None, in_map=in_map, map_points=_kernel_map_points if in_map else None,
         is_available=unavailable_as(partial(kernels.unavailable_reason, FP8_CACHE_OPERANDS if fp8 else dtype)),
+        peer=TORCH_PEERS[kind] if dtype == "bf16" else None,
     )  # fmt: skip
 
 

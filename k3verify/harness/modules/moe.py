@@ -35,6 +35,7 @@ from ..registry import (
     Implementation,
     ModuleEntry,
     Outputs,
+    Peer,
     Prediction,
     ShardedForm,
     as_outputs,
@@ -179,6 +180,8 @@ def _grouped_kernel(dtype: str, cases: tuple[str, ...] = ALL_CASES) -> Implement
         module="moe", implementation="k3verify", form="kernel:grouped", dtype=dtype, params={},
         rule=BASELINE_RULE, run=partial(call, kernels.grouped, dtype=resolve_dtype(dtype)), cases=cases,
         is_available=unavailable_as(partial(kernels.experts_unavailable_reason, dtype)),
+        # `run --time` sets the bf16 kernel's speed beside torch's CUTLASS grouped GEMMs
+        peer=Peer("torch _grouped_mm", "kernel:grouped") if dtype == "bf16" else None,
     )  # fmt: skip
 
 

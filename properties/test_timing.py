@@ -115,7 +115,7 @@ def _row(doc: dict[str, Any], implementation: str, form: str, dtype: str, case: 
 def test_a_plugin_kernel_is_timed_in_its_worker_beside_its_peer(timed_run: tuple) -> None:
     doc, *_ = timed_run
     mine, peer = _row(doc, "sleepy decode", "kernel", "fp32"), _row(doc, "k3verify", "recurrent", "fp32")
-    assert mine["status"] == "pass" and mine["time"]["clock"] == "cpu" == doc["config"]["time"]
+    assert mine["status"] == "pass" and mine["time"]["clock"] == timing.clock() == doc["config"]["time"]
     assert mine["time"]["repeats"] >= timing.MIN_REPEATS
     assert mine["time"]["median_s"] >= 0.1  # its sleep: a lower bound, whatever the machine
     # The peer is timed because it is named, though not a kernel; the ratio is the medians' quotient.
@@ -140,10 +140,10 @@ def test_a_peer_not_in_the_run_is_said(timed_run: tuple) -> None:
 def test_the_pages_show_verdict_and_speed_in_one_table_labelled_cpu(timed_run: tuple) -> None:
     doc, md, page, _ = timed_run
     speed = md.split("## Speed", 1)[1].split("\n## ", 1)[0]
-    assert "Taken on the CPU" in speed and "interpreter" in speed
+    assert ("Taken on the CPU" in speed and "interpreter" in speed) == (timing.clock() == "cpu")
     line = next(x for x in speed.splitlines() if x.startswith("| mla sleepy decode"))
     cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[1] == "pass" and cells[4] == "cpu" and cells[5] == f"{_ratio(doc):.2f}"
+    assert cells[1] == "pass" and cells[4] == timing.clock() and cells[5] == f"{_ratio(doc):.2f}"
     assert cells[6] == "mla k3verify recurrent fp32 (default)"
     assert "<h2 id='speed'>Speed</h2>" in page and "mla sleepy decode kernel fp32 (default) [o]" in page
 
@@ -204,3 +204,43 @@ def test_peers_registered_by_our_kernels_name_rows_that_exist() -> None:
             assert matches, f"{impl.label} names {impl.peer}, which no {module} implementation is"
     assert named >= 8
     assert Peer("fla-core", "kernel:chunk_kda").params == {}
+
+
+def test_a_peer_that_did_not_run_is_named_with_the_first_line_of_its_reason() -> None:
+    """A compiler's many-line error as the peer's reason: the note keeps its first line."""
+    base = {"module": "mla", "case": "default", "dtype": "bf16", "params": {}, "status": "pass", "margin": 0.5}
+    mine = base | {"implementation": "k3verify", "form": "kernel:prefill", "time": {
+        "median_s": 0.002, "repeats": 5, "clock": "cuda",
+        "peer_of": {"implementation": "torch sdpa", "form": "kernel:prefill", "params": {"backend": "efficient"}}}}
+    peer = base | {"implementation": "torch sdpa", "form": "kernel:prefill", "params": {"backend": "efficient"},
+                   "status": "fail", "reason": "CompilationError: at 18:23:\n    x = tl.arange(0, 7)\n" + "^" * 500}
+    other = peer | {"params": {"backend": "flash"}, "reason": "not this one"}
+    timing.with_peer_ratios([mine, other, peer])
+    assert mine["time"] == {"median_s": 0.002, "repeats": 5, "clock": "cuda",
+                            "peer_note": "peer torch sdpa kernel:prefill not timed: CompilationError: at 18:23:"}
+
+
+def test_the_cuda_clock_stretches_do_benchs_window_for_a_long_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """do_bench repeats a call as often as its window holds it; a 0.5 s call gets a window of
+    MIN_REPEATS calls and a half (the device and do_bench replaced: the arithmetic is checked)."""
+    import triton.testing
+
+    clock = FakeClock()
+    seen = {}
+
+    def do_bench(fn: Any, warmup: float, rep: float, return_mode: str) -> list[float]:
+        seen.update(warmup=warmup, rep=rep, return_mode=return_mode)
+        return [3.0, 1.0, 2.0]
+
+    monkeypatch.setattr(timing, "time", clock)
+    monkeypatch.setattr(timing, "clock", lambda: "cuda")
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+
+    def call() -> None:
+        clock.now += 0.5
+
+    assert timing.measure(call) == {"median_s": 0.002, "repeats": 3, "clock": "cuda"}
+    assert seen == {"warmup": timing.CUDA_WARMUP_MS, "rep": 1.5 * timing.MIN_REPEATS * 500, "return_mode": "all"}
+    timing.measure(lambda: None)  # a short call keeps the usual window
+    assert seen["rep"] == timing.CUDA_REP_MS

@@ -114,7 +114,7 @@ def _timed(impl: Implementation, case: Case) -> dict[str, Any]:
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        return {"error": timing.first_line(f"{type(exc).__name__}: {exc}", 300)}
 
 
 def row_header(impl: Implementation, case: Case) -> dict[str, Any]:

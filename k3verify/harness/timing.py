@@ -6,7 +6,7 @@ say how a kernel compares with its registered peer on the same call, in the same
 are not the production-shape benchmarks of ``benchmarks/`` and never part of a verdict.
 
 - On a CUDA device: ``triton.testing.do_bench`` (it synchronises and flushes the L2 cache between
-  calls), the median of its repetitions.
+  calls), the median of its repetitions (at least :data:`MIN_REPEATS`, for a long call too).
 - Elsewhere: wall time around each call, the median of at least :data:`MIN_REPEATS` calls within
   :data:`CPU_BUDGET_S`. On a CPU our Triton kernels run in Triton's interpreter, so these times
   measure the interpreter: the report labels them ``cpu``.
@@ -74,7 +74,14 @@ def measure(fn: Callable[[], Any]) -> dict[str, Any]:
     if clock() == "cuda":
         from triton.testing import do_bench
 
-        times_ms = [float(t) for t in do_bench(fn, warmup=CUDA_WARMUP_MS, rep=CUDA_REP_MS, return_mode="all")]
+        # do_bench repeats as often as its window holds calls, once for a call longer than the
+        # window: the window is stretched to hold MIN_REPEATS calls of the length one call takes.
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        window = max(CUDA_REP_MS, 1.5 * MIN_REPEATS * (time.perf_counter() - start) * 1e3)
+        times_ms = [float(t) for t in do_bench(fn, warmup=CUDA_WARMUP_MS, rep=window, return_mode="all")]
         return {"median_s": statistics.median(times_ms) / 1e3, "repeats": len(times_ms), "clock": "cuda"}
     # No warm-up call: the row's verdict has just run the same call (caches, the interpreter's trace).
     times: list[float] = []
@@ -112,6 +119,12 @@ def checked(value: Any, label: str) -> dict[str, Any]:
     return {"median_s": median, "repeats": repeats, "clock": where}
 
 
+def first_line(text: Any, limit: int = 200) -> str:
+    """The first line of a reason, at most ``limit`` characters (a compiler's error spans many)."""
+    line = str(text).strip().splitlines()[0] if str(text).strip() else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
 def _matches(row: dict[str, Any], peer: dict[str, Any]) -> bool:
     """``row`` is the peer's: its implementation is the peer's name (any version after it) and its
     form and the peer's parameters agree."""
@@ -136,7 +149,7 @@ def with_peer_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         peer = next((r for r in same if (r.get("time") or {}).get("median_s")), None)
         if peer is None:
             why = "not timed" if same else "not in this run"
-            reason = next((r.get("reason") for r in same if r.get("reason")), None)
+            reason = next((first_line(r["reason"]) for r in same if r.get("reason")), None)
             row["time"]["peer_note"] = (f"peer {spec['implementation']} {spec['form']} {why}"
                                         + (f": {reason}" if reason else ""))
             continue

@@ -157,9 +157,10 @@ def _kernel_map_points(point: dict[str, Any]) -> bool:
     return not kernels.interpreted() or point["context"] <= min(QUICK_CONTEXTS)
 
 
-# Whose speed `run --time` sets our bf16 kernels' beside: torch's own attention on the same call.
+# Whose speed `run --time` sets our bf16 kernels' beside: torch's own attention on the same call
+# (SDPA's efficient backend: its flash backend refuses K3's head widths, q/k 192 and v 128).
 TORCH_PEERS = {"decode": Peer("torch flex_attention", "kernel:decode"),
-               "prefill": Peer("torch sdpa", "kernel:prefill", {"backend": "flash"})}
+               "prefill": Peer("torch sdpa", "kernel:prefill", {"backend": "efficient"})}
 
 
 def _kernel(dtype: str, cases: tuple[str, ...] = ("default", "decode", "hot"), kind: str = "decode",

@@ -201,7 +201,7 @@ def compare_reports(base: dict[str, Any], new: dict[str, Any], thresholds: Thres
         n = new_rows.get(key)
         if n is None and key in gone:
             reason = gone[key].get("reason") or "no reason given"
-            out.findings.append(Finding("now unavailable", row_subject(b), f"was {b['status']}: {reason}",
+            out.findings.append(Finding("now unavailable", row_subject(b), f"was {b['status']}, now: {reason}",
                                         strict_coverage and b["status"] != UNAVAILABLE))
             continue
         if n is None:

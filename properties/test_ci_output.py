@@ -31,6 +31,23 @@ def _read_junit(path: Path) -> dict[str, object]:
             message = (failure if failure is not None else skipped).get("message") if outcome != "pass" else ""
             cases.append((case.get("classname"), case.get("name"), outcome, message))
     totals = {k: int(root.get(k)) for k in ("tests", "failures", "skipped", "errors")}
+    assert _read_with_junitparser(path) == {"totals": totals, "cases": cases}
+    return {"totals": totals, "cases": cases}
+
+
+def _read_with_junitparser(path: Path) -> dict[str, object]:
+    """The same file as junitparser (a JUnit library CI tools use) reads it: it must agree."""
+    from junitparser import Failure, JUnitXml, Skipped
+
+    xml = JUnitXml.fromfile(str(path))
+    xml.update_statistics()  # counted from the cases themselves, not the file's attributes
+    cases = []
+    for suite in xml:
+        for case in suite:
+            (result, *_) = case.result or [None]
+            outcome = "failure" if isinstance(result, Failure) else "skipped" if isinstance(result, Skipped) else "pass"
+            cases.append((case.classname, case.name, outcome, result.message if result is not None else ""))
+    totals = {"tests": xml.tests, "failures": xml.failures, "skipped": xml.skipped, "errors": xml.errors}
     return {"totals": totals, "cases": cases}
 
 

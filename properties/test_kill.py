@@ -157,6 +157,12 @@ def test_an_interrupt_swallowed_by_a_callback_reaches_the_command() -> None:
     hook = redeliver_interrupts(seen.append)
     hook(types.SimpleNamespace(exc_type=ValueError))
     assert len(seen) == 1  # anything else goes to the previous hook
-    with pytest.raises(KeyboardInterrupt):
-        hook(types.SimpleNamespace(exc_type=KeyboardInterrupt))
-        time.sleep(5)  # the interrupt arrives from the helper thread while the main thread waits
+    # The command's process has Python's own SIGINT handler; a test worker may not (pytest-xdist's
+    # workers can run with SIGINT ignored, and interrupt_main then does nothing).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            hook(types.SimpleNamespace(exc_type=KeyboardInterrupt))
+            time.sleep(5)  # the interrupt arrives from the helper thread while the main thread waits
+    finally:
+        signal.signal(signal.SIGINT, previous)

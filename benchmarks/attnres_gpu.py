@@ -27,7 +27,6 @@ import argparse
 import json
 import subprocess
 import sys
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -57,34 +56,6 @@ def _block_inputs(T: int, d: int, seed: int = 0) -> dict[str, torch.Tensor]:
     w = torch.randn(QUERIES, d, generator=gen, device="cuda") * 8 / d**0.5
     gamma = 1 + 0.1 * torch.randn(QUERIES, d, generator=gen, device="cuda")
     return dict(stored=stored, partial=partial, w=w, gamma=gamma)
-
-
-def phase1_setup(out: str, what: str, T: int = 8192, d: int = 7168) -> tuple[Any, ...] | None:
-    """What an AttnRes phase-1 experiment starts from: the output folder and logger
-    (``gpu_timing.start``; ``None`` without a GPU), the copy bandwidth (logged), K3's block inputs at
-    ``T, d`` (:func:`_block_inputs`), the bytes phase 1 moves once and our two launches' statistics."""
-    begun = gpu_timing.start(out, what)
-    if begun is None:
-        return None
-    folder, log = begun
-    copy_tbps = copy_bandwidth()
-    log(f"copy bandwidth {copy_tbps:.2f} TB/s")
-    x = _block_inputs(T, d)
-    moved = STORED * T * d * 2 + QUERIES * T * d * 4
-    return folder, log, copy_tbps, x, moved, kernels.phase1(x["stored"], x["w"], x["gamma"])
-
-
-def phase1_experiment(doc: str, named: dict[str, dict[str, Any]], defaults: dict[str, Any],
-                      usage: Callable[[dict[str, Any]], str], argv: list[str] | None, what: str) -> int | tuple:
-    """An AttnRes phase-1 experiment with named variants, started: its exit code where it is
-    done (``0`` after ``--compile``, ``2`` without a GPU), else the chosen variants and the
-    tokens (``--tokens``) followed by :func:`phase1_setup`'s tuple."""
-    parsed = gpu_timing.named_experiment(doc, named, defaults, usage, argv)
-    if parsed is None:
-        return 0
-    args, chosen = parsed
-    begun = phase1_setup(args.out, what, T=args.tokens)
-    return 2 if begun is None else (chosen, args.tokens, *begun)
 
 
 def _compiled_chunkwise():

@@ -50,10 +50,11 @@ from .harness.overflow_map import MapOptions, agreement, sweep_map
 from .harness.render import render_report, write_report
 from .harness.text import terminal_text
 from .harness.tp_rows import BACKENDS, MAX_TIMEOUT_S, MAX_WORLD_SIZE, SIZES, TPOptions, check_machine, default_backend
+from .numerics import EXPECTED_NONFINITE, FAIL, PASS, UNAVAILABLE
 
 # Text printed as given, one log line each whatever the width: data never read as rich markup.
 PLAIN = dict(markup=False, highlight=False, soft_wrap=True)
-STATUS_STYLE = {"pass": "green", "fail": "bold red", "expected-nonfinite": "yellow", "unavailable": "dim"}
+STATUS_STYLE = {PASS: "green", FAIL: "bold red", EXPECTED_NONFINITE: "yellow", UNAVAILABLE: "dim"}
 
 
 def _say(console: Console, text: object, style: str = "") -> None:

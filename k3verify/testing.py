@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from .harness import registry, report, runner
-from .harness.registry import BASELINE_RULE, FP64_RULE, Case, Implementation, as_outputs
-from .numerics import FAIL, compare, dtype_name, resolve_dtype, where_text, worst_element
+from .harness.registry import BASELINE_RULE, Case, Implementation, as_outputs
+from .numerics import FAIL, compare, dtype_name, resolve_dtype, rule_for, where_text, worst_element
 
 __all__ = ["assert_matches_oracle", "cases", "strategy"]
 
@@ -124,7 +124,7 @@ def assert_matches_oracle(
     chosen = _as_cases(module, cases, seed)
     if not chosen:
         raise ValueError("no cases given: nothing would be judged (leave cases out for the module's default case)")
-    rule = FP64_RULE if name == "fp64" else BASELINE_RULE
+    rule = rule_for(name)
     seen: dict[str, torch.Tensor] = {}  # what fn returned for the case being judged
 
     def run(case: Case) -> dict[str, torch.Tensor]:

@@ -17,9 +17,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..numerics import FAIL
+from ..numerics import FAIL, UNAVAILABLE
 from .report import failure_lines, row_heading
-from .runner import UNAVAILABLE
 from .text import md_text
 
 STEP_SUMMARY = "GITHUB_STEP_SUMMARY"

@@ -50,12 +50,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..numerics import EXPECTED_NONFINITE, FAIL, PASS, compute_dtype, resolve_dtype
+from ..numerics import EXPECTED_NONFINITE, FAIL, PASS, UNAVAILABLE, compute_dtype, resolve_dtype
 from .environment import platform_differences
 from .files import UsageError
 from .map_files import load_map
 from .report import load
-from .runner import UNAVAILABLE
 from .text import md_text
 
 MAP_SUFFIX = "_overflow_map.json"

@@ -29,10 +29,8 @@ from typing import Any
 import torch
 
 from ..numerics.frontier import OverflowPrediction
+from ..numerics.policy import BASELINE_RULE, FP64_RULE, RULES, rule_for  # noqa: F401 (plugins import the rule names here)
 
-FP64_RULE = "fp64-agreement"
-BASELINE_RULE = "baseline"
-RULES = (FP64_RULE, BASELINE_RULE)
 PLUGIN_GROUP = "k3verify.implementations"
 BUILTIN_SOURCE = "k3verify"
 
@@ -166,7 +164,7 @@ def implementation(
         return entry.call(fn, case, torch_dtype, **options)
 
     return Implementation(module=module, implementation=name, form=form, dtype=dtype, params=dict(options),
-                          rule=FP64_RULE if dtype == "fp64" else BASELINE_RULE, run=run, predict=predict,
+                          rule=rule_for(dtype), run=run, predict=predict,
                           is_available=is_available, cases=cases, baseline=baseline, in_map=in_map, peer=peer)
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..numerics import FAIL, UNAVAILABLE
 from . import plots, registry
 from .files import UsageError, json_safe, staged_folder
 from .map_files import (
@@ -402,7 +403,7 @@ def _failures(rows: list[dict[str, Any]]) -> str:
     what the row's trace explains (overflowed or subnormal operands)."""
     items = []
     for i, r in enumerate(rows):
-        if r.get("status") != "fail":
+        if r.get("status") != FAIL:
             continue
         extra = [*(r.get("overflow") or []), *(r.get("explanation") or [])]
         sub = "".join(f"<li><code>{html_text(x)}</code></li>" for x in extra)
@@ -443,7 +444,7 @@ def _verdicts(rows: list[dict[str, Any]]) -> str:
     header = ["module", "implementation", "form", "dtype", "params", "case", "output", "rule", "err", "limit",
               "margin", "status", "reason", "source"]
     body = []
-    order = sorted(range(len(rows)), key=lambda i: rows[i].get("status") != "fail")
+    order = sorted(range(len(rows)), key=lambda i: rows[i].get("status") != FAIL)
     for i in order:
         r = rows[i]
         v = r.get("verdict") or {}
@@ -551,7 +552,7 @@ def _nightly_section(nightly: dict[str, Any]) -> str:
 
 def _notes(rows: list[dict[str, Any]]) -> str:
     """Overflows and crash reasons of rows that ran (unavailable rows are grouped above)."""
-    items = notes([r for r in rows if r.get("status") != "unavailable"])
+    items = notes([r for r in rows if r.get("status") != UNAVAILABLE])
     if not items:
         return ""
     lis = []

@@ -32,15 +32,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..numerics import EXPECTED_NONFINITE, FAIL, PASS, where_text
+from ..numerics import FAIL, PASS, STATUSES, UNAVAILABLE, VERDICT_STATUSES, where_text
 from .files import UsageError, read_json, require_keys
-from .runner import UNAVAILABLE
 from .text import md_text
 
 # 2: named outputs (``outputs``, ``output``) per row; readers still take 1 (one unnamed output).
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
-STATUSES = (PASS, FAIL, EXPECTED_NONFINITE, UNAVAILABLE)
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, int]:
@@ -129,7 +127,7 @@ def _check_row(row: Any, i: int, path: Path) -> None:
 
 
 # A judged output has a verdict; ``unavailable`` is a row's status only (nothing was judged).
-OUTPUT_STATUSES = (PASS, FAIL, EXPECTED_NONFINITE)
+OUTPUT_STATUSES = VERDICT_STATUSES
 # What a row carries when it was judged; an unavailable row has none of them.
 JUDGEMENT_KEYS = ("verdict", "margin", "metrics", "baseline_metrics", "outputs", "output")
 # The binding output's fields that the row repeats at the top level.
@@ -495,7 +493,7 @@ def unavailable_groups(rows: list[dict[str, Any]]) -> list[tuple[str, list[str]]
     """``(reason, row headings)`` for unavailable rows, one group per distinct reason."""
     groups: dict[str, list[str]] = {}
     for r in rows:
-        if r.get("status") == "unavailable":
+        if r.get("status") == UNAVAILABLE:
             groups.setdefault(r.get("reason") or "no reason given", []).append(row_heading(r))
     return list(groups.items())
 

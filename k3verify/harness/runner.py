@@ -20,6 +20,7 @@ import torch
 from ..numerics import (
     EXPECTED_NONFINITE,
     FAIL,
+    UNAVAILABLE,
     Metrics,
     Verdict,
     baseline_rule,
@@ -44,8 +45,6 @@ from .registry import (
     orphan_implementations,
 )
 from .tp_rows import TPOptions
-
-UNAVAILABLE = "unavailable"
 
 Progress = Callable[[str], None]
 

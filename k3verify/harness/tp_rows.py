@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..numerics import map_tensors
-from .registry import BASELINE_RULE, FP64_RULE, Case, Implementation, ModuleEntry, Outputs, ShardedForm
+from ..numerics import map_tensors, rule_for
+from .registry import Case, Implementation, ModuleEntry, Outputs, ShardedForm
 from .tp import RankFailure, resolve_target, run_calls
 
 CASE = "layer"
@@ -150,7 +150,7 @@ def _sharded_entry(entry: ModuleEntry, form: ShardedForm,
         Implementation(
             module=entry.name, implementation="k3verify", form="sharded", dtype=dtype,
             params={"tp": options.world_size, "backend": options.backend, "reduce": reduce, "size": options.size},
-            rule=FP64_RULE if dtype == "fp64" else BASELINE_RULE,
+            rule=rule_for(dtype),
             run=partial(_variant, form, options, i), cases=(CASE,),
         )
         for i, (dtype, reduce) in enumerate(VARIANTS)

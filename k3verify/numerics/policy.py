@@ -65,9 +65,27 @@ SMALL_OUTPUT_ALPHA = 1e-6
 # on an H100 (docs/sensitivity.md); the floor is k such roundings.
 ACCUMULATOR_ROUNDOFF = 2.0**-24
 
+# Statuses, once for the whole project: a judged output is one of VERDICT_STATUSES; a row is one
+# of STATUSES (``unavailable``: it could not run here, so nothing was judged).
 PASS = "pass"
 FAIL = "fail"
 EXPECTED_NONFINITE = "expected-nonfinite"
+UNAVAILABLE = "unavailable"
+VERDICT_STATUSES = (PASS, FAIL, EXPECTED_NONFINITE)
+STATUSES = (*VERDICT_STATUSES, UNAVAILABLE)
+
+# Rules, once: a row is held to FP64_RULE or BASELINE_RULE (rule_for); FRONTIER_RULE judges an
+# output where overflow was predicted.
+FP64_RULE = "fp64-agreement"
+BASELINE_RULE = "baseline"
+FRONTIER_RULE = "frontier"
+RULES = (FP64_RULE, BASELINE_RULE)
+
+
+def rule_for(dtype: str) -> str:
+    """The rule a row computed in ``dtype`` (a dtype name: ``fp64``, ``bf16``, ...) is held to:
+    fp64-agreement for fp64, the baseline rule for every lower precision."""
+    return FP64_RULE if dtype == "fp64" else BASELINE_RULE
 
 
 @dataclass(frozen=True)
@@ -113,7 +131,7 @@ def fp64_agreement(x: torch.Tensor, ref: torch.Tensor, *, rel: float = FP64_AGRE
     ok = err <= rel
     return Verdict(
         status=PASS if ok else FAIL,
-        rule="fp64-agreement",
+        rule=FP64_RULE,
         metric="rel_max",
         err=err,
         limit=rel,
@@ -214,9 +232,8 @@ def baseline_rule(
     base = float(getattr(baseline, metric))
     k = small_output_k(impl.n if rms_n is None else rms_n, k)
     if impl.nonfinite:
-        return Verdict(
-            FAIL, "baseline", metric, err, math.nan, -math.inf, f"{impl.nonfinite} non-finite outputs", base, floor, k
-        )
+        return Verdict(FAIL, BASELINE_RULE, metric, err, math.nan, -math.inf, f"{impl.nonfinite} non-finite outputs",
+                       base, floor, k)
     base_finite = not baseline.nonfinite and math.isfinite(base)
     if base_finite:
         base_term, note = k * base, ""
@@ -226,7 +243,8 @@ def baseline_rule(
     limit = base_term + floor
     ok = err <= limit
     reason = f"{metric} {err:.3e} {'<=' if ok else '>'} {k:.3g}x{base:.3e} + {floor:.3e}{note}"
-    verdict = Verdict(PASS if ok else FAIL, "baseline", metric, err, limit, _margin(err, limit), reason, base, floor, k)
+    verdict = Verdict(PASS if ok else FAIL, BASELINE_RULE, metric, err, limit, _margin(err, limit), reason, base,
+                      floor, k)
     if bias_n is None:
         return verdict
     b_limit, b_reason = bias_limit(impl, baseline if base_finite else None, bias_n, k=BASELINE_K)
@@ -265,7 +283,7 @@ def expected_nonfinite(impl: Metrics, *, predicted_finite: bool, explanation: st
     if not predicted_finite and not observed_finite:
         return Verdict(
             EXPECTED_NONFINITE,
-            "frontier",
+            FRONTIER_RULE,
             "nonfinite",
             float(impl.nonfinite),
             math.nan,
@@ -277,7 +295,8 @@ def expected_nonfinite(impl: Metrics, *, predicted_finite: bool, explanation: st
         if observed_finite
         else (f"{impl.nonfinite} non-finite outputs where the frontier predicts finite")
     )
-    return Verdict(FAIL, "frontier", "nonfinite", float(impl.nonfinite), math.nan, -math.inf, f"{what}: {explanation}")
+    return Verdict(FAIL, FRONTIER_RULE, "nonfinite", float(impl.nonfinite), math.nan, -math.inf,
+                   f"{what}: {explanation}")
 
 
 def mismatch_rule(err: float, baseline_err: float | None, *, k: float = BASELINE_K) -> Verdict:
@@ -291,5 +310,5 @@ def mismatch_rule(err: float, baseline_err: float | None, *, k: float = BASELINE
                        f"mismatch {err:.3g} {'==' if ok else '>'} 0")
     limit = k * baseline_err
     ok = err <= limit
-    return Verdict(PASS if ok else FAIL, "baseline", "mismatch", err, limit, _margin(err, limit),
+    return Verdict(PASS if ok else FAIL, BASELINE_RULE, "mismatch", err, limit, _margin(err, limit),
                    f"mismatch {err:.3g} {'<=' if ok else '>'} {k:g}x{baseline_err:.3g}", baseline_err, 0.0, k)

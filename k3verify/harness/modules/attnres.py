@@ -21,13 +21,12 @@ from ... import attnres
 from ...adapters import flash_attn_res
 from ...attnres import kernels, samples, studies
 from ...attnres.samples import LOGIT_SPREAD
-from ...numerics import baseline_rule, compare, map_tensors, noise_floor
+from ...numerics import baseline_rule, compare, map_tensors, noise_floor, rule_for
 from ..environment import one_thread  # small tensors: a second thread only spins
 from ..guard import checked_call
 from ..overflow_map import MapDefinition, MapOptions, MapSpec, SweptForm, agreement
 from ..registry import (
     BASELINE_RULE,
-    FP64_RULE,
     Case,
     ErrorSamples,
     Implementation,
@@ -153,7 +152,7 @@ def _form(form: str, dtype: str, cases: tuple[str, ...], **extra: Any) -> Implem
     exact = dtype == "fp64"
     return Implementation(
         module="attnres", implementation="k3verify", form=form, dtype=dtype, params=extra,
-        rule=FP64_RULE if exact else BASELINE_RULE,
+        rule=rule_for(dtype),
         run=partial(_run, form=form, **options),
         predict=partial(_predict, **options) if form == "tiled" and not exact else None,
         explain=partial(_explain, **options) if form == "tiled" else None,

@@ -16,11 +16,11 @@ from ...adapters import fla as fla_adapter
 from ...kda import kernels, samples
 from ...kda.samples import CHUNK, G_MIN, TILE
 from ...kda.tiled import ANCHORS, DEFAULT_ROW0_SHIFT, explain_underflow, tiled_traced
+from ...numerics import rule_for
 from ..guard import checked_call
 from ..overflow_map import MapDefinition, MapOptions, MapSpec, SweptForm, agreement
 from ..registry import (
     BASELINE_RULE,
-    FP64_RULE,
     Case,
     ErrorSamples,
     Implementation,
@@ -120,7 +120,7 @@ def _form(form: str, dtype: str, cases: tuple[str, ...] = ("default",), baseline
     shown = {k: v for k, v in options.items() if k != "operand_dtype"}
     return Implementation(
         module="kda", implementation="k3verify", form=form, dtype=dtype, params=shown,
-        rule=FP64_RULE if dtype == "fp64" else BASELINE_RULE,
+        rule=rule_for(dtype),
         run=partial(call, getattr(kda, form), dtype=inputs_dtype, **options),
         predict=partial(_predict, **options) if tiled and dtype != "fp64" else None,
         explain=partial(_explain, **options) if tiled else None,

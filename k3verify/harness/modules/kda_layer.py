@@ -22,9 +22,9 @@ import torch
 
 from ... import kda
 from ...kda.layer import KDAConfig, KDALayer, KDAState, KDAWeights, init_weights
-from ...numerics import map_tensors, resolve_dtype
+from ...numerics import map_tensors, resolve_dtype, rule_for
 from ..guard import checked_call
-from ..registry import BASELINE_RULE, FP64_RULE, Case, ErrorSamples, Implementation, ModuleEntry, Outputs, register
+from ..registry import Case, ErrorSamples, Implementation, ModuleEntry, Outputs, register
 from .kda import _baseline_form
 
 OUTPUTS = ("y", "conv", "recurrent")
@@ -152,7 +152,7 @@ def _own(dtype: str, core: str) -> Implementation:
     run_core = {"chunkwise": None, "recurrent": kda.recurrent}[core]
     return Implementation(
         module="kda_layer", implementation="k3verify", form=f"layer/{core}", dtype=dtype, params={},
-        rule=FP64_RULE if dtype == "fp64" else BASELINE_RULE,
+        rule=rule_for(dtype),
         run=lambda case, d=dtype, c=run_core: call(partial(layer, core=c), case, d),
         cases=CASES, baseline=core,
     )

@@ -15,13 +15,12 @@ from ... import mla
 from ...adapters import torch_flex, torch_sdpa
 from ...mla import kernels, samples
 from ...mla.samples import PAGE_SIZE
-from ...numerics import dtype_name, is_float8, resolve_dtype
+from ...numerics import dtype_name, is_float8, resolve_dtype, rule_for
 from ..environment import one_thread
 from ..guard import checked_call
 from ..overflow_map import MapDefinition, MapOptions, MapSpec, SweptForm, agreement
 from ..registry import (
     BASELINE_RULE,
-    FP64_RULE,
     Case,
     Implementation,
     ModuleEntry,
@@ -142,7 +141,7 @@ def _form(form: str, dtype: str, cases: tuple[str, ...] = ("default", "decode"),
     exact = dtype == "fp64"
     return Implementation(
         module="mla", implementation="k3verify", form=form, dtype=dtype, params=shown,
-        rule=FP64_RULE if exact else BASELINE_RULE,
+        rule=rule_for(dtype),
         run=partial(call, getattr(mla, "tiled" if tiled else form), dtype=dtype, **options),
         predict=partial(_predict, dtype=dtype, **options) if tiled and not exact else None,
         explain=partial(_explain, dtype=dtype, **options) if tiled else None,

@@ -21,9 +21,9 @@ import torch
 from ... import mla
 from ...mla import layer as mla_layer
 from ...mla.samples import PAGE_SIZE
-from ...numerics import map_tensors, resolve_dtype
+from ...numerics import map_tensors, resolve_dtype, rule_for
 from ..guard import checked_call
-from ..registry import BASELINE_RULE, FP64_RULE, Case, ErrorSamples, Implementation, ModuleEntry, Outputs, register
+from ..registry import Case, ErrorSamples, Implementation, ModuleEntry, Outputs, register
 
 OUTPUTS = ("y", "cache")
 CONFIG = mla_layer.MLAConfig.small()
@@ -121,7 +121,7 @@ def _own(dtype: str, form: str, **options: Any) -> Implementation:
     fn = partial(layer, form=getattr(mla, form), **options)
     return Implementation(
         module="mla_layer", implementation="k3verify", form=f"layer/{form}", dtype=dtype, params=dict(options),
-        rule=FP64_RULE if dtype == "fp64" else BASELINE_RULE,
+        rule=rule_for(dtype),
         run=lambda case, d=dtype: call(fn, case, d), cases=CASES,
     )
 

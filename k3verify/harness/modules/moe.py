@@ -24,13 +24,12 @@ import torch
 from ... import moe
 from ...adapters import torch_grouped_mm
 from ...moe import kernels, samples, studies
-from ...numerics import compute_dtype, dtype_name, resolve_dtype
+from ...numerics import compute_dtype, dtype_name, resolve_dtype, rule_for
 from ..environment import one_thread
 from ..guard import checked_call
 from ..overflow_map import MapDefinition, MapOptions, MapSpec, SweptForm, agreement
 from ..registry import (
     BASELINE_RULE,
-    FP64_RULE,
     Case,
     Implementation,
     ModuleEntry,
@@ -145,7 +144,7 @@ def _form(form: str, dtype: str, cases: tuple[str, ...] = ALL_CASES, **extra: An
     return Implementation(
         module="moe", implementation="k3verify", form=form, dtype=dtype,
         params={k: v for k, v in options.items() if k != "operand_dtype"},
-        rule=FP64_RULE if dtype == "fp64" else BASELINE_RULE,
+        rule=rule_for(dtype),
         run=partial(call, getattr(moe, form), dtype=torch.float64 if tiled else TORCH_DTYPES[dtype], **options),
         predict=partial(_predict, **options) if tiled and dtype != "fp64" else None,
         explain=partial(_explain, **options) if tiled else None,

@@ -172,3 +172,14 @@ def test_frontier_marks_every_cell_that_shares_a_position() -> None:
     cells = [at(0, True, 1), at(0, True, 4), at(1, False, 1), at(1, False, 4), at(2, False, 1)]
     mark_frontier(cells, {"x": [0, 1, 2]}, fixed=("implementation", "dtype"))
     assert [c["frontier_adjacent"] for c in cells] == [True, True, True, True, False]
+
+
+def test_implementation_names_the_dtypes_it_casts_to() -> None:
+    """Rule: structural. An fp8 dtype needs its scaling: implementation() refuses it by name."""
+    from k3verify import mla
+    from k3verify.harness.registry import IMPLEMENTATION_DTYPES, implementation
+
+    with pytest.raises(ValueError, match="implementation\\(\\) takes dtype fp64, fp32, bf16, fp16, not 'fp8_e4m3'"):
+        implementation("mla", mla.recurrent, name="x", dtype="fp8_e4m3")
+    assert [implementation("mla", mla.recurrent, name="x", dtype=d).dtype for d in IMPLEMENTATION_DTYPES] == list(
+        IMPLEMENTATION_DTYPES)

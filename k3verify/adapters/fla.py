@@ -14,6 +14,8 @@ import warnings
 
 import torch
 
+from ..kda.gate import DEFAULT_G_MIN
+
 NAIVE_CHUNK = 64  # naive_chunk_kda asserts T % 64 == 0
 
 
@@ -88,7 +90,8 @@ def _to_cuda(tensors, initial_state):
 
 
 def chunk_gpu(
-    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, safe_gate=True, lower_bound=-5.0
+    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, safe_gate=True,
+    lower_bound=DEFAULT_G_MIN,
 ):
     """fla-core ``chunk_kda`` on CUDA with pre-computed gates (``use_gate_in_kernel=False``)."""
     fn = _import("fla.ops.kda").chunk_kda

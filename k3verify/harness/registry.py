@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..numerics.dtypes import resolve_dtype
 from ..numerics.frontier import OverflowPrediction
 from ..numerics.policy import BASELINE_RULE, FP64_RULE, RULES, rule_for  # noqa: F401 (plugins import the rule names here)
 
@@ -62,6 +63,10 @@ class Prediction:
 
 def _available() -> tuple[bool, str]:
     return True, ""
+
+
+# The dtypes implementation() casts inputs to (a float8 row needs its scaling: build the Implementation).
+IMPLEMENTATION_DTYPES = ("fp64", "fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -155,7 +160,9 @@ def implementation(
     users' tests bring their kernels): inputs are cast to ``dtype`` and ``options`` passed on;
     the rule is fp64-agreement for ``fp64``, the baseline rule otherwise; ``peer`` names the row
     ``run --time`` compares its speed with (see docs/extending.md)."""
-    torch_dtype = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    if dtype not in IMPLEMENTATION_DTYPES:  # an fp8 dtype needs its own Implementation (docs/extending.md)
+        raise ValueError(f"implementation() takes dtype {', '.join(IMPLEMENTATION_DTYPES)}, not {dtype!r}")
+    torch_dtype = resolve_dtype(dtype)
 
     def run(case: Case) -> Outputs:
         entry = get(module)

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from .gate import l2norm, lower_bound_gate
+from .gate import DEFAULT_G_MIN, l2norm, lower_bound_gate
 
-G_MIN = -5.0
+G_MIN = DEFAULT_G_MIN  # K3's gate lower bound
 CHUNK = 64
 TILE = 16
 INPUT_NAMES = ("q", "k", "v", "g", "beta", "initial_state")

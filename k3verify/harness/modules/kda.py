@@ -16,7 +16,7 @@ from ...adapters import fla as fla_adapter
 from ...kda import kernels, samples
 from ...kda.samples import CHUNK, G_MIN, TILE
 from ...kda.tiled import ANCHORS, DEFAULT_ROW0_SHIFT, explain_underflow, tiled_traced
-from ...numerics import rule_for
+from ...numerics import resolve_dtype, rule_for
 from ..guard import checked_call
 from ..overflow_map import MapDefinition, MapOptions, MapSpec, SweptForm, agreement
 from ..registry import (
@@ -36,7 +36,6 @@ from ..registry import (
 from ..tp_rows import replicated
 
 OUTPUTS = ("o", "final_state")
-TORCH_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def call(fn: Callable, case: Case, dtype: torch.dtype, **options: Any) -> Outputs:
@@ -116,7 +115,7 @@ def _form(form: str, dtype: str, cases: tuple[str, ...] = ("default",), baseline
     tiled = form == "tiled"
     if tiled:
         options = dict(chunk_size=CHUNK, tile=TILE, operand_dtype=dtype, anchor="tile_start") | options
-    inputs_dtype = (torch.float64 if dtype == "fp64" else torch.float32) if tiled else TORCH_DTYPES[dtype]
+    inputs_dtype = (torch.float64 if dtype == "fp64" else torch.float32) if tiled else resolve_dtype(dtype)
     shown = {k: v for k, v in options.items() if k != "operand_dtype"}
     return Implementation(
         module="kda", implementation="k3verify", form=form, dtype=dtype, params=shown,
@@ -188,7 +187,7 @@ def _fla_implementations() -> list[Implementation]:
         def run(case: Case) -> Outputs:
             # fla's kernels take the gate's lower bound: the bound the case's gates were drawn with.
             bound = {"lower_bound": case.params.get("g_min", G_MIN)} if lower_bound else {}
-            return call(fn, case, TORCH_DTYPES[dtype], **kw, **bound)
+            return call(fn, case, resolve_dtype(dtype), **kw, **bound)
 
         return Implementation(
             # lower_bound shows the default cases' bound; a map case passes its own (see run).
@@ -292,8 +291,8 @@ MAP = MapDefinition(
         y_label="sub-tile BC",
         title="KDA tiled form: overflow and error vs the fp64 oracle (chunk 64)",
         x_descending=True,
-        operating_point=(("g_min", -5.0), ("tile", 16)),
-        operating_label="K3 (g_min = -5, gate_lower_bound; sub-tile 16)",
+        operating_point=(("g_min", G_MIN), ("tile", TILE)),
+        operating_label=f"K3 (g_min = {G_MIN:g}, gate_lower_bound; sub-tile {TILE})",
     ),
     # Adjacent along g_min only: a neighbour in sub-tile size does not excuse a disagreement.
     frontier_axes=lambda cells: {"g_min": sorted({c["g_min"] for c in cells}, reverse=True)},

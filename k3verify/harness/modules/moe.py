@@ -47,7 +47,6 @@ from ..tp_rows import replicated
 OUTPUTS = ("y", "experts")
 TILING = dict(tile_m=16, tile_k=16)
 ALL_CASES = ("default", "decode", "skewed", "scaled", "scaled_swiglu")
-TORCH_DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 
 
 def expert_sets(indices: torch.Tensor) -> torch.Tensor:
@@ -145,7 +144,7 @@ def _form(form: str, dtype: str, cases: tuple[str, ...] = ALL_CASES, **extra: An
         module="moe", implementation="k3verify", form=form, dtype=dtype,
         params={k: v for k, v in options.items() if k != "operand_dtype"},
         rule=rule_for(dtype),
-        run=partial(call, getattr(moe, form), dtype=torch.float64 if tiled else TORCH_DTYPES[dtype], **options),
+        run=partial(call, getattr(moe, form), dtype=torch.float64 if tiled else resolve_dtype(dtype), **options),
         predict=partial(_predict, **options) if tiled and dtype != "fp64" else None,
         explain=partial(_explain, **options) if tiled else None,
         cases=cases, baseline=f"recurrent/{scaling}" if dtype == "fp8_e4m3" else "recurrent",

@@ -68,7 +68,7 @@ def shape_rows(T: int, H: int, peak: float, log) -> list[dict[str, Any]]:
     w = _weights(cfg, gen)
     x = torch.randn(T, cfg.hidden_size, generator=gen, device="cuda")
     group = f"moe T={T} H={H}"
-    route = partial(kernels.route, x, w.w_router.float(), w.bias.float(), cfg)  # SPEC's fp32 router
+    route = partial(kernels.route, x, w.w_router.float(), w.bias.float(), cfg)  # the fp32 router of docs/model.md §4
     r = route()
     d = dispatch(r.indices, cfg.num_experts)
     z = (x.bfloat16() @ w.w_latent_down).contiguous()

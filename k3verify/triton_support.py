@@ -4,7 +4,7 @@ Importing this module chooses Triton's CPU interpreter (``TRITON_INTERPRET=1``) 
 device is visible, before Triton is imported (Triton reads the setting then), so every
 ``kernels.py`` takes ``triton`` and ``tl`` from here instead of importing them. The interpreter
 is faithful for fp32 only (it rounds fp32 -> bf16 by truncation and its bf16 ``tl.dot`` is
-wrong, SPEC §5); :func:`unavailable_reason` says so for the other dtypes.
+wrong, docs/model.md §5); :func:`unavailable_reason` says so for the other dtypes.
 """
 
 from __future__ import annotations

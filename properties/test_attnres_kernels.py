@@ -1,7 +1,7 @@
 """Our Block AttnRes Triton kernels (``k3verify.attnres.kernels``) against the fp64 oracle.
 
 Where no CUDA device is visible these run under Triton's interpreter with an fp32 stream, the
-one dtype it computes faithfully (SPEC §5); the bf16 tests need a CUDA device and are skipped
+one dtype it computes faithfully (docs/model.md §5); the bf16 tests need a CUDA device and are skipped
 with that reason otherwise. Rules used:
 
 - ``baseline``: error vs the fp64 definition <= 2 x the plain definition storing the same

@@ -1,6 +1,6 @@
 """The depth walk: the schedule's source lists, and every walk form against the definition.
 
-Source lists are compared exactly against a table derived independently from SPEC §3's
+Source lists are compared exactly against a table derived independently from docs/model.md §3's
 statement of vLLM's rule. Walk forms reorganising the same arithmetic are held to the
 ``fp64-agreement`` rule in fp64 over every call's AttnRes output; the block-size-1 schedule is
 compared bit for bit against a Full AttnRes written out here from its definition.
@@ -32,7 +32,7 @@ EMB = "b0"
 
 
 def spec_table(num_layers: int, block_size: int) -> list[list[object]]:
-    """Every call's sources by SPEC §3 read literally (layer ``l`` 0-indexed, prefix ``p``,
+    """Every call's sources by docs/model.md §3 read literally (layer ``l`` 0-indexed, prefix ``p``,
     ``δ`` the previous MLP output), each source as ``"b0"`` or the range of sublayer outputs
     ``(first, stop)`` it sums; attention of layer ``l`` is sublayer ``2l``, its MLP ``2l + 1``."""
 
@@ -62,7 +62,7 @@ def as_table(schedule: attnres.Schedule) -> list[list[object]]:
 @pytest.mark.parametrize("block_size", [12, 1, 2, 5, 31, 93, 200])
 def test_source_lists_match_the_spec_rule(block_size: int) -> None:
     """Exact: for every one of the 93 layers (both sides) and the output call, the source count
-    and order of :meth:`Schedule.calls` equal the table derived from SPEC's rule."""
+    and order of :meth:`Schedule.calls` equal the table derived from the schedule of docs/model.md §3."""
     assert as_table(attnres.Schedule.layers(block_size)) == spec_table(93, block_size)
 
 

@@ -1,7 +1,7 @@
 """Our KDA Triton kernels (``k3verify.kda.kernels``) against the fp64 oracle.
 
 Where no CUDA device is visible these run under Triton's interpreter in fp32, the one operand
-dtype it computes faithfully (SPEC §5); the bf16 tests need a CUDA device and are skipped
+dtype it computes faithfully (docs/model.md §5); the bf16 tests need a CUDA device and are skipped
 with that reason otherwise. Rules used:
 
 - ``baseline``: error vs the fp64 recurrence <= 2 x the same-dtype naive baseline's + noise
@@ -13,7 +13,7 @@ with that reason otherwise. Rules used:
   the same operations on operand blocks of the same shape holding the same numbers (masked
   rows load as 0 in both), in one process; only the grid and the base offsets differ.
 - ``frontier``: the kernel's output is finite exactly where the tiled form's analytic
-  prediction says (SPEC §1.6), for every anchor.
+  prediction says (docs/model.md §1.6), for every anchor.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def test_state_pool_matches_plain_state_fp32() -> None:
 @needs_fp32
 def test_prefill_then_decode_equals_longer_prefill() -> None:
     """Rule: baseline for both paths against the oracle of T + k tokens (prefill(T) then k
-    decode steps is the same math as prefill(T + k), SPEC §1.8)."""
+    decode steps is the same math as prefill(T + k), docs/model.md §1.8)."""
     T, k = 70, 3
     p = make_problem(2, T + k, 2, 16, 16, seed=7)
     head = KDAProblem(2, T, 2, 16, 16, p.g_min, p.seed, p.kind, {n: (t[:, :T] if n != "initial_state" else t)

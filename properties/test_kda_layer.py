@@ -1,7 +1,7 @@
 """The whole KDA layer: TP-local shapes, the packed projection, the conv cache, and the
 prefill/decode handoff.
 
-Rules: shapes are structural (derived from the config, compared to SPEC's stated numbers);
+Rules: shapes are structural (derived from the config, compared to the numbers of docs/model.md §1.1);
 the handoff uses fp64-agreement (prefill(T) + k decode steps vs prefill(T + k)).
 """
 
@@ -26,8 +26,8 @@ def test_tp8_shapes_match_the_seed() -> None:
     assert s.heads == h
     assert s.packed_columns == 4 * h * cfg.head_dim + cfg.gate_rank + h
     assert s.padded_columns % cfg.pad_to == 0 and s.padded_columns - s.packed_columns < cfg.pad_to
-    assert (s.packed_columns, s.padded_columns) == (6284, 6288)  # SPEC §1.1
-    assert s.conv_cache == (4608, 3)  # SPEC §1.2
+    assert (s.packed_columns, s.padded_columns) == (6284, 6288)  # docs/model.md §1.1
+    assert s.conv_cache == (4608, 3)  # docs/model.md §1.2
     full = local_shapes(cfg, tp=1)
     assert full.padded_columns == 49376 and full.conv_cache == (36864, 3)
 

@@ -1,6 +1,6 @@
 """The tiled low-precision form against the fp64 oracle, inside and outside its frontier.
 
-Where the analytic frontier (SPEC §1.6, evaluated on the actual inputs) says finite, the
+Where the analytic frontier (docs/model.md §1.6, evaluated on the actual inputs) says finite, the
 output must be finite and pass the ``baseline`` rule against the naive chunkwise form in the
 same dtype; where it says overflow, the output must be non-finite and ``explain_overflow``
 must name a diagonal-tile operand. Known results from public kernels are pinned.
@@ -90,7 +90,7 @@ def test_bound_prediction_is_conservative(p: KDAProblem, dtype: str, tile: int, 
 
 
 def test_spec_frontier_numbers() -> None:
-    """SPEC §1.6: BC=16 at g_min=-5 spans 80 < ln(max bf16) = 88.72; BC=32 spans 160."""
+    """docs/model.md §1.6: BC=16 at g_min=-5 spans 80 < ln(max bf16) = 88.72; BC=32 spans 160."""
     assert max_log_factor(-5.0, tile=16, anchor="tile_start") == 80.0
     assert predicted_finite(-5.0, tile=16, operand_dtype="bf16", anchor="tile_start")
     assert not predicted_finite(-5.0, tile=32, operand_dtype="bf16", anchor="tile_start")

@@ -1,4 +1,4 @@
-"""Every fp64 form of Gated MLA computes the definition (SPEC §2.3–2.4).
+"""Every fp64 form of Gated MLA computes the definition (docs/model.md §2.3–2.4).
 
 The absorbed decode (``recurrent``), the chunked expanded prefill (``chunkwise``), the tiled
 latent kernel (``tiled`` with fp64 operands, with and without split-KV) and an independent

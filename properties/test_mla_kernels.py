@@ -2,7 +2,7 @@
 fp64 oracle.
 
 Where no CUDA device is visible it runs under Triton's interpreter in fp32 and fp16, which the
-interpreter computes faithfully for this kernel (SPEC §5: fp32 and fp16 products are exact
+interpreter computes faithfully for this kernel (docs/model.md §5: fp32 and fp16 products are exact
 there, and its fp16 conversions round to nearest even); bf16 and the fp8 cache need a CUDA
 device and are skipped with that reason otherwise. Rules used:
 

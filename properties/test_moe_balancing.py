@@ -1,4 +1,4 @@
-"""Quantile Balancing (SPEC §4): what the update guarantees on its own batch, that it balances
+"""Quantile Balancing (docs/model.md §4): what the update guarantees on its own batch, that it balances
 the next batch of skewed scores, and its invariance to a constant added to the bias.
 
 Synthetic scores ``s = σ(r + skew_j)`` with ``r ~ N(0, 1)`` and ``skew_j`` spread linearly over

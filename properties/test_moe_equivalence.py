@@ -1,4 +1,4 @@
-"""Every fp64 form of Stable LatentMoE computes the definition (SPEC §4), and what must not
+"""Every fp64 form of Stable LatentMoE computes the definition (docs/model.md §4), and what must not
 change it: token order, the tiling, the load (idle experts), ρ while the latent is not tiny.
 
 Agreement between forms is the ``fp64-agreement`` rule (normwise relative error <= 1e-10). An

@@ -67,7 +67,7 @@ def test_finiteness_follows_the_prediction(p: MoEProblem, log2_scale: float, set
     x = x * 2.0**log2_scale
     routing = moe.routing_for(x, w, cfg, None, torch.float64)
     # A token whose k selected scores all underflow (every logit below about −709 in fp64) gets
-    # 0/0 weights under SPEC's renormalisation (renorm_eps = 0): a documented non-finite routing.
+    # 0/0 weights under the renormalisation of docs/model.md §4 (renorm_eps = 0): a documented non-finite routing.
     assume(bool(torch.isfinite(routing.weights).all()))
     q = moe.overflow_quantities(x, w, cfg, routing=routing)
     prediction = moe.predict(q, operand_dtype=dtype, fp8_scaling=scaling)

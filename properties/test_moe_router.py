@@ -1,4 +1,4 @@
-"""The router (SPEC §4): tie rule, the bias acts on the selection only, invariance to b + c,
+"""The router (docs/model.md §4): tie rule, the bias acts on the selection only, invariance to b + c,
 and what bf16 logits change.
 
 Structural statements are checked exactly (equal selections, bit-equal weights), each where the

@@ -1,4 +1,4 @@
-"""SiTU, the bounded GLU of Stable LatentMoE (SPEC §4): bound, special values, zero, padding.
+"""SiTU, the bounded GLU of Stable LatentMoE (docs/model.md §4): bound, special values, zero, padding.
 
 These are structural statements with exact answers (a bound, a value, bit equality), checked
 without tolerance except where a test names the policy rule it uses.
@@ -54,7 +54,7 @@ def test_situ_is_bounded_by_100(case: tuple[float, float, torch.dtype]) -> None:
 
 
 def test_situ_gate_minimum() -> None:
-    """Structural: the gate factor's range is about (−0.27, 4) (SPEC), minimum −0.2698 near g = −1.22."""
+    """Structural: the gate factor's range is about (−0.27, 4) (docs/model.md §4), minimum −0.2698 near g = −1.22."""
     g = torch.linspace(-40, 40, 800_001, dtype=torch.float64)
     gate = moe.situ_gate(g)
     assert -0.2699 < float(gate.min()) < -0.2697
@@ -91,7 +91,7 @@ def test_situ_of_zero_is_zero(x: float) -> None:
 
 
 def test_situ_computes_in_fp32_at_least() -> None:
-    """Structural: bf16/fp16 inputs are computed in fp32 (SPEC: "computed in FP32"), fp64 stays fp64."""
+    """Structural: bf16/fp16 inputs are computed in fp32 (docs/model.md §4: computed in fp32), fp64 stays fp64."""
     for dtype, expected in ((torch.bfloat16, torch.float32), (torch.float16, torch.float32),
                             (torch.float32, torch.float32), (torch.float64, torch.float64)):
         assert moe.situ(torch.ones(2, dtype=dtype), torch.ones(2, dtype=dtype)).dtype == expected

@@ -4,7 +4,7 @@ What it computes, read from its 0.1.12 sources (``ops/phase_1.py``, ``kernels/ph
 ``kernels/phase_2.py``) and checked on the GPU against the fp64 oracle:
 
 - logits ``ℓ = (q · v) · rsqrt(mean(v²) + eps)`` in fp32, with a *plain* RMSNorm: there is no
-  key gain ``γ``. SPEC's ``wᵀ RMSNorm_γ(v)`` equals that with ``q = w ⊙ γ``, which this adapter
+  key gain ``γ``. The logit ``wᵀ RMSNorm_γ(v)`` of docs/model.md §3 equals that with ``q = w ⊙ γ``, which this adapter
   passes (in fp32).
 - ``eps`` is an argument of every op (its own default elsewhere is fp32's machine epsilon,
   1.19e-7); the adapter passes K3's 1e-5.
@@ -60,7 +60,7 @@ def _ops() -> Any:
 
 
 def _queries(w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
-    """``w ⊙ γ`` in fp32: its plain RMSNorm with these queries is SPEC's ``RMSNorm_γ`` logit."""
+    """``w ⊙ γ`` in fp32: its plain RMSNorm with these queries is the ``RMSNorm_γ`` logit of docs/model.md §3."""
     return (w.float() * gamma.float()).contiguous()
 
 

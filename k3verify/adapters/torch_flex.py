@@ -1,4 +1,4 @@
-"""torch's ``flex_attention`` behind k3verify's Gated MLA signature: absorbed decode (SPEC §2.4).
+"""torch's ``flex_attention`` behind k3verify's Gated MLA signature: absorbed decode (docs/model.md §2.4).
 
 What the adapter hands it: the absorbed queries ``[W_UK,hᵀ q^n_h ; q^p_h]`` (fp32 product, then
 the operand dtype) for every head, and one shared key/value head (``enable_gqa``): keys the

@@ -1,5 +1,5 @@
 """torch's ``scaled_dot_product_attention`` behind k3verify's Gated MLA signature: the expanded
-chunked prefill (SPEC §2.3) on one of its CUDA backends.
+chunked prefill (docs/model.md §2.3) on one of its CUDA backends.
 
 The adapter reads the same operands as our prefill kernel
 (:func:`k3verify.mla.kernels.expanded_operands`: the cached latents up-projected per head in

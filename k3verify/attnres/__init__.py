@@ -1,4 +1,4 @@
-"""Block AttnRes: every form of SPEC §3 at two levels, in one signature per level.
+"""Block AttnRes: every form of docs/model.md §3 at two levels, in one signature per level.
 
 ``from k3verify.attnres import recurrent, chunkwise, tiled`` gives the depth walk by definition
 (explicit source lists, one-shot softmax), with two-phase computation per block, and with a tiled

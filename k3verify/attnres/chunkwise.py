@@ -1,4 +1,4 @@
-"""Block AttnRes chunkwise form — two-phase computation per block (SPEC §3).
+"""Block AttnRes chunkwise form — two-phase computation per block (docs/model.md §3).
 
 The pseudo-queries are parameters, not functions of the hidden state, so every query of a
 block is known before the block runs. With the stored blocks ``b_0 … b_k`` fixed for the whole

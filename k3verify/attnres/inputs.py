@@ -22,7 +22,7 @@ Precision model (the same in every form):
   output are stored in (default: the inputs' dtype). Values are rounded to it and held in the
   compute dtype (:func:`k3verify.numerics.rounder`), so a bf16 stream is emulated exactly.
 - compute dtype: fp64 for an fp64 stream, fp32 otherwise — keys, logits, softmax statistics
-  and accumulators (SPEC: "softmax in FP32"). fp64 input stays fp64 in every form.
+  and accumulators (docs/model.md §3: softmax in fp32). fp64 input stays fp64 in every form.
 - ``logit_dtype``: the dtype the logits ``ℓ`` (and, in ``tiled``, the exponentials ``P``) are
   stored in; default the compute dtype. ``"bf16"`` is the known-bad variant.
 - ``tile`` (sources per tile) and ``subtract_max`` (online softmax with a running maximum; the

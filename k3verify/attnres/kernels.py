@@ -2,7 +2,7 @@
 
 AttnRes is memory-bound: every call reads its stored blocks ``[n, T, d]``. The kernels read
 the stream in its own dtype (bf16 in production, fp32 under the interpreter), compute RMSNorm,
-logits and the softmax in fp32 and write the statistics in fp32 (SPEC §3):
+logits and the softmax in fp32 and write the statistics in fp32 (docs/model.md §3):
 
 - :func:`phase1`, once per block for the block's ``Q`` queries (24 for K3), in two launches:
   *logits*, one program per token tile for all stored blocks, reads each block once and

@@ -1,4 +1,4 @@
-"""The Block AttnRes depth walk: 2L sublayer calls and the output call over the schedule (SPEC §0, §3).
+"""The Block AttnRes depth walk: 2L sublayer calls and the output call over the schedule (docs/model.md §0, §3).
 
 For every call ``s`` of :meth:`Schedule.calls` (attention of layer ``l`` at ``2l``, its MLP at
 ``2l + 1``, the output call last):

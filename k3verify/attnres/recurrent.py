@@ -1,4 +1,4 @@
-"""Block AttnRes recurrent form — the definition, call by call over explicit source lists (SPEC §3).
+"""Block AttnRes recurrent form — the definition, call by call over explicit source lists (docs/model.md §3).
 
 One aggregation over sources ``v_0 … v_{N-1}`` (``[N, T, d]``, current partial sum last)::
 
@@ -81,8 +81,8 @@ def naive_baseline(
     """The definition as a plain implementation storing every tensor in ``dtype``.
 
     Sources, parameters, the keys and the output are rounded to ``dtype``; each operation
-    computes in fp32 (fp64 for ``dtype=fp64``). Logits and the softmax stay in fp32, which SPEC
-    pins ("softmax in FP32"), so a form that stores its logits in bf16 does worse than this
+    computes in fp32 (fp64 for ``dtype=fp64``). Logits and the softmax stay in fp32, as docs/model.md §3
+    states, so a form that stores its logits in bf16 does worse than this
     baseline. Returns fp32 holding ``dtype`` values.
     """
     v, _ = check_sources(sources, w, gamma)

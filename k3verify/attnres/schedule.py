@@ -1,4 +1,4 @@
-"""The Block AttnRes depth schedule: which sources every AttnRes call mixes, in which order (SPEC §3).
+"""The Block AttnRes depth schedule: which sources every AttnRes call mixes, in which order (docs/model.md §3).
 
 A model of ``L`` layers makes ``2L`` sublayer calls (attention of layer ``l`` is call ``2l``, its
 MLP call ``2l + 1``) and one final output call (``2L``). Every call first mixes its depth sources

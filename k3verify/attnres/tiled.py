@@ -1,4 +1,4 @@
-"""Block AttnRes tiled form — online softmax over source tiles, as a fused kernel runs it (SPEC §3).
+"""Block AttnRes tiled form — online softmax over source tiles, as a fused kernel runs it (docs/model.md §3).
 
 Sources are read in the stream dtype (BF16 in production) ``tile`` at a time; keys and logits
 are formed in the compute dtype (fp32) from them, logits are stored in ``logit_dtype``, and the
@@ -17,7 +17,7 @@ Known-bad variants, both selectable:
 
 - ``logit_dtype="bf16"``: a logit rounded to BF16 moves by up to half a spacing, an absolute
   error that grows with the logit magnitude (0.25 for ``|ℓ|`` in [64, 128): a 28 % change of a
-  weight), while a plain implementation that keeps SPEC's FP32 softmax loses only the rounding
+  weight), while a plain implementation that keeps the fp32 softmax of docs/model.md §3 loses only the rounding
   of the sources and keys.
 - ``subtract_max=False``: ``P_i = e^{ℓ_i}`` with no running maximum. ``|ℓ| ≤ ‖w⊙γ‖·sqrt(d)``
   makes it look safe, but it overflows once ``ℓ`` passes ``ln(max)`` of the dtype ``P`` is stored

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention: every form of SPEC §1 with the fla-core argument layout, and its
+"""Kimi Delta Attention: every form of docs/model.md §1 with the fla-core argument layout, and its
 overflow model (``overflow_quantities``, ``predict``, ``explain_overflow``: the names every
 module package gives them)."""
 

@@ -1,4 +1,4 @@
-"""KDA chunkwise form — the parallel WY/UT matrix form (SPEC §1.5).
+"""KDA chunkwise form — the parallel WY/UT matrix form (docs/model.md §1.5).
 
 Inside each chunk of ``C`` tokens, with inclusive chunk-local prefix ``G_r = sum_{s<=r} g_s``:
 
@@ -156,7 +156,7 @@ def decayed_products(
     ``xs[name], k, G: [..., C, D]`` with ``C`` a multiple of ``tile``; returns ``[..., C, C]``
     lower-triangular matrices under the same names (diagonal kept; mask it for ``c < r``).
 
-    Two-level split (SPEC §1.6): for a key tile ``J`` before the query tile ``I`` the decay is
+    Two-level split (docs/model.md §1.6): for a key tile ``J`` before the query tile ``I`` the decay is
     ``exp(G_r - a_I) * exp(a_I - G_c)`` with ``a_I`` the prefix at the start of tile ``I``, so
     both factors are ``<= 1`` and the block is one matrix product. Diagonal tiles are formed
     pair by pair (exact, never overflowing) unless ``diagonal_anchor:[..., C/tile, D]`` is

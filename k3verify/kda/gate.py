@@ -1,4 +1,4 @@
-"""KDA gates and normalisations (SPEC §1.2–1.3).
+"""KDA gates and normalisations (docs/model.md §1.2–1.3).
 
 All functions keep the dtype they are given (fp64 stays fp64) and work on any leading shape.
 """

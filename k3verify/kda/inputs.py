@@ -89,7 +89,7 @@ def check_inputs(
         )
     outside = (beta < 0) | (beta > 1)
     if T and bool(outside.any()):
-        # K3's write strength is sigmoid(beta_raw) (SPEC 1.3); fla-core's 2*sigmoid variant for
+        # K3's write strength is sigmoid(beta_raw) (docs/model.md §1.3); fla-core's 2*sigmoid variant for
         # negative eigenvalues is not K3's and is not modelled here.
         raise ValueError(
             f"beta is a write strength in [0, 1]; {int(outside.sum())} value(s) outside, first "

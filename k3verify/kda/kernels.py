@@ -1,6 +1,6 @@
 """KDA GPU kernels in Triton: chunkwise prefill and fused recurrent decode.
 
-``chunk`` runs the chunkwise form of SPEC §1.5 with the two-level tiling of §1.6 in five
+``chunk`` runs the chunkwise form of docs/model.md §1.5 with the two-level tiling of §1.6 in five
 launches:
 
 1. *prefix* (one program per chunk, head and key block): the chunk-local log-decay prefix
@@ -36,7 +36,7 @@ Sequences of different lengths go in one call through ``cu_seqlens`` (fla-core's
 
 Where no CUDA device is visible the kernels run under Triton's interpreter
 (``TRITON_INTERPRET=1``, set on import by :mod:`k3verify.triton_support` if unset). It is faithful for fp32 operands
-only: it rounds fp32 -> bf16 by truncation and its bf16 ``tl.dot`` is wrong (SPEC §5), so
+only: it rounds fp32 -> bf16 by truncation and its bf16 ``tl.dot`` is wrong (docs/model.md §5), so
 :func:`unavailable_reason` refuses the other dtypes there.
 """
 

@@ -1,4 +1,4 @@
-"""The whole KDA layer (SPEC §1.1–1.8): packed projection, short convolution with its cache,
+"""The whole KDA layer (docs/model.md §1.1–1.8): packed projection, short convolution with its cache,
 gates, the KDA core, per-head RMSNorm, sigmoid output gate and output projection.
 
 Prefill runs the chunkwise form over the new tokens; decode runs one recurrent step. Both

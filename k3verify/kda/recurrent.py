@@ -1,4 +1,4 @@
-"""KDA recurrent form — the definition, one token at a time (SPEC §1.4).
+"""KDA recurrent form — the definition, one token at a time (docs/model.md §1.4).
 
     S' = Diag(exp(g_t)) S_{t-1}
     S_t = S' + beta_t k_t (v_t - S'^T k_t)^T

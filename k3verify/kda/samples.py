@@ -1,5 +1,5 @@
 """KDA's verification inputs: fp64 tensors drawn as the layer produces them, the worst case of
-SPEC §1.6, and the named cases a run, the goldens and the overflow map use.
+docs/model.md §1.6, and the named cases a run, the goldens and the overflow map use.
 
 A case is ``(inputs, params)``: ``inputs`` the form arguments by name (``q, k, v, g, beta,
 initial_state``), ``params`` what generated them (JSON-ready). Nothing here knows the harness.
@@ -56,7 +56,7 @@ def random_inputs(
 def saturated_inputs(
     B: int, T: int, H: int, K: int, V: int, *, g_min: float = G_MIN, seed: int = 0, one_hot: bool = True
 ) -> dict[str, torch.Tensor | None]:
-    """SPEC §1.6's worst case: every gate exactly ``g_min``.
+    """docs/model.md §1.6's worst case: every gate exactly ``g_min``.
 
     With ``one_hot`` the q/k rows are unit basis vectors, so an operand's largest entry is
     exactly its decay factor and the frontier is sharp; otherwise l2-normalised random rows.

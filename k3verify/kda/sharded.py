@@ -1,4 +1,4 @@
-"""KDA sharded over tensor-parallel ranks, as vLLM shards it (SPEC §0: 96 heads, 12 per rank at
+"""KDA sharded over tensor-parallel ranks, as vLLM shards it (docs/model.md §0: 96 heads, 12 per rank at
 TP = 8).
 
 :func:`shard` cuts the unsharded layer's weights into rank ``r``'s: its heads' columns of each

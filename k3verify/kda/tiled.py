@@ -1,4 +1,4 @@
-"""KDA tiled low-precision form — what a tensor-core kernel computes (SPEC §1.6).
+"""KDA tiled low-precision form — what a tensor-core kernel computes (docs/model.md §1.6).
 
 The chunkwise algebra of :mod:`k3verify.kda.chunkwise`, with each chunk of ``C`` tokens
 split into sub-tiles of ``BC`` rows and every matrix-product operand rounded to
@@ -251,7 +251,7 @@ def diagonal_anchor(Gt: torch.Tensor, anchor: str, shift: float = DEFAULT_ROW0_S
 
 
 def max_log_factor(g_min: float, *, tile: int, anchor: str, anchor_shift: float = DEFAULT_ROW0_SHIFT) -> float:
-    """Largest ``ln`` of a diagonal-tile factor when every gate equals ``g_min`` (SPEC §1.6).
+    """Largest ``ln`` of a diagonal-tile factor when every gate equals ``g_min`` (docs/model.md §1.6).
 
     ``tile_start``: ``BC |g_min|``; ``tile_middle``: ``max(m, BC - 1 - m) |g_min|`` with
     ``m = BC // 2``; ``row0_shift``: ``max(d, (BC - 1) |g_min| - d)``, ``d = shift (BC - 1) / 2``.
@@ -278,7 +278,7 @@ def predicted_finite(
     anchor_shift: float = DEFAULT_ROW0_SHIFT,
     diagonal: str = "matmul",
 ) -> bool:
-    """SPEC §1.6's frontier for unit-magnitude ``q``/``k`` entries and gates at ``g_min``.
+    """docs/model.md §1.6's frontier for unit-magnitude ``q``/``k`` entries and gates at ``g_min``.
 
     True when no diagonal factor can overflow the fp32 exponential or the operand dtype.
     The ``fp32`` diagonal path never splits, so it is always finite.
@@ -343,7 +343,7 @@ class OverflowQuantities:
 @dataclass(frozen=True)
 class OverflowPrediction(_Prediction):
     """The frontier on the realized gates, with the largest diagonal exponent and ln|operand| it
-    met, and SPEC §1.6's bound evaluated at the smallest gate (``bound_finite``)."""
+    met, and docs/model.md §1.6's bound evaluated at the smallest gate (``bound_finite``)."""
 
     max_exponent: float = 0.0
     max_log_operand: float = 0.0

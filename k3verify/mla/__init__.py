@@ -1,4 +1,4 @@
-"""Gated MLA: every form of SPEC §2 over one paged latent cache, in one common signature.
+"""Gated MLA: every form of docs/model.md §2 over one paged latent cache, in one common signature.
 
 ``from k3verify.mla import recurrent, chunkwise, tiled`` gives the absorbed decode, the
 expanded chunked prefill and the FlashMLA-style tiled kernel; ``expanded`` is the definition

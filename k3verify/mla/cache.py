@@ -1,4 +1,4 @@
-"""The paged latent cache of Gated MLA (SPEC §2.1, §2.3).
+"""The paged latent cache of Gated MLA (docs/model.md §2.1, §2.3).
 
 Per layer and token, MLA caches one entry of ``W = R + Dr`` numbers in the released layout
 

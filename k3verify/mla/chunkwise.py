@@ -1,4 +1,4 @@
-"""Gated MLA chunkwise form — expanded chunked prefill merged by log-sum-exp (SPEC §2.3).
+"""Gated MLA chunkwise form — expanded chunked prefill merged by log-sum-exp (docs/model.md §2.3).
 
 The ``T`` new query tokens are processed in chunks of ``C``. For the chunk starting at absolute
 position ``a_b`` of request ``b`` the keys fall in two disjoint parts:

@@ -1,5 +1,5 @@
-"""Gated MLA GPU kernels in Triton: absorbed decode over the paged latent cache (SPEC §2.4) and
-the expanded chunked prefill (SPEC §2.3).
+"""Gated MLA GPU kernels in Triton: absorbed decode over the paged latent cache (docs/model.md §2.4) and
+the expanded chunked prefill (docs/model.md §2.3).
 
 ``decode(q_nope, q_pe, cache, w_uk, w_uv, *, scale=None, num_splits=1)`` takes the common MLA
 signature (:mod:`k3verify.mla.inputs`) and returns ``o:[B, T, H, Dv]``; query ``t`` of request
@@ -18,7 +18,7 @@ of the last ``T`` tokens, causal, works the same way):
    product), written in the operand dtype.
 
 ``prefill(q_nope, q_pe, cache, w_uk, w_uv, *, scale=None)`` is the expanded form of the same
-attention (SPEC §2.3), for chunks of many new tokens:
+attention (docs/model.md §2.3), for chunks of many new tokens:
 
 1. host: the cached latents of every position the queries see are read through
    ``block_table`` (dead slots selected away, an fp8 cache dequantised in fp32) and
@@ -227,7 +227,7 @@ def _prefill_kernel(
     """A block of ``BM`` queries of one (request, head): one fp32 online softmax over the prefix
     (the ``starts[b]`` positions before the chunk, every one visible) and then the chunk's own
     tokens (key ``start + i`` visible to query ``t`` when ``i <= t``) — the two parts' log-sum-exp
-    merge of SPEC §2.3, done as the softmax goes. Writes ``o:[B, T, H, Dv]`` in its dtype."""
+    merge of docs/model.md §2.3, done as the softmax goes. Writes ``o:[B, T, H, Dv]`` in its dtype."""
     # Launch order: GROUP heads at a time, each group's query blocks longest (last, causal) first,
     # the group's heads side by side: the programs running together share their heads' keys and
     # values in L2, and the short blocks fill the tail of the launch (measured on an H200 at 96

@@ -1,4 +1,4 @@
-"""The Gated MLA layer — projections, paged-cache write, attention, output gate (SPEC §2).
+"""The Gated MLA layer — projections, paged-cache write, attention, output gate (docs/model.md §2).
 
 With ``x:[T, d]`` the layer input (after AttnRes and the input RMSNorm):
 

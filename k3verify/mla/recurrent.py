@@ -1,4 +1,4 @@
-"""Gated MLA recurrent form — absorbed decode over the paged latent cache (SPEC §2.4).
+"""Gated MLA recurrent form — absorbed decode over the paged latent cache (docs/model.md §2.4).
 
 One query token at a time, exactly as a decode step runs it; no per-head key or value is ever
 formed. With ``W_UK_T`` and ``W_UV`` the per-head up-projections prepared for absorption

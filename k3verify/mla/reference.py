@@ -1,4 +1,4 @@
-"""Gated MLA attention by definition — expanded K/V, one causal softmax (SPEC §2.3).
+"""Gated MLA attention by definition — expanded K/V, one causal softmax (docs/model.md §2.3).
 
 For query ``t`` of request ``b`` at absolute position ``p = seq_lens[b] − T + t`` and every
 cached key ``j <= p``, with the entry ``[ĉ_j ; k^p_j]`` read from the paged cache:

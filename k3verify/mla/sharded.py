@@ -1,4 +1,4 @@
-"""Gated MLA sharded over tensor-parallel ranks, as vLLM shards it (SPEC §0: 96 heads, 12 per
+"""Gated MLA sharded over tensor-parallel ranks, as vLLM shards it (docs/model.md §0: 96 heads, 12 per
 rank at TP = 8).
 
 Each rank holds its heads' slices of ``W_UQ``, ``W_UK``, ``W_UV``, ``W_G`` and ``W_O``

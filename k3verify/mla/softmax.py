@@ -1,4 +1,4 @@
-"""Softmax over part of the keys, and the log-sum-exp merge of such parts (SPEC §2.3).
+"""Softmax over part of the keys, and the log-sum-exp merge of such parts (docs/model.md §2.3).
 
 Attention over a key set split into parts ``a`` and ``b`` is recovered from each part's
 normalised output and log-sum-exp:

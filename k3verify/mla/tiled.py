@@ -1,4 +1,4 @@
-"""Gated MLA tiled low-precision form — a FlashMLA-style kernel on the latent cache (SPEC §2.4).
+"""Gated MLA tiled low-precision form — a FlashMLA-style kernel on the latent cache (docs/model.md §2.4).
 
 The absorbed computation of :mod:`k3verify.mla.recurrent` as a tensor-core kernel runs it:
 latent MQA over the ``R + Dr`` cache entries with an online softmax over key tiles of

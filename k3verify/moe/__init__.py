@@ -1,4 +1,4 @@
-"""Stable LatentMoE: every form of SPEC §4 in one common signature, and its overflow model.
+"""Stable LatentMoE: every form of docs/model.md §4 in one common signature, and its overflow model.
 
 ``from k3verify.moe import recurrent, chunkwise, tiled`` gives the per-token definition (the
 fp64 oracle), the expert-sorted dispatch with grouped matmuls, and the grouped-GEMM kernel with

@@ -1,4 +1,4 @@
-"""Quantile Balancing: the bias update that trains ``e_score_correction_bias`` (SPEC §4).
+"""Quantile Balancing: the bias update that trains ``e_score_correction_bias`` (docs/model.md §4).
 
 On one batch of router scores ``s:[T, n]`` with the current bias ``b``:
 

@@ -9,7 +9,7 @@ Every form is called as
   :func:`k3verify.moe.layer.forward` flattens leading axes.
 - ``weights``: a :class:`MoEWeights` (``x @ W`` layout: input dim first).
 - ``config``: a :class:`MoEConfig` (sizes, ρ, SiTU's β, tie rule, activation, router dtype).
-- ``routing``: ``None`` (route with the router of SPEC §4) or a :class:`Routing` whose expert
+- ``routing``: ``None`` (route with the router of docs/model.md §4) or a :class:`Routing` whose expert
   choices and mixture weights are used as given — this separates the discontinuous selection
   from the arithmetic of the experts when two runs must be compared token for token.
 - returns ``y:[T, d]``, the routed plus the shared path.
@@ -62,14 +62,14 @@ def _require_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """One Stable LatentMoE layer; defaults are K3's (SPEC §4), [assumed] items are fields.
+    """One Stable LatentMoE layer; defaults are K3's (docs/model.md §4), [assumed] items are fields.
 
     ``routed_scaling_factor`` (ρ) is [assumed]: vLLM's default 1.0 (a public test uses 2.827).
     ``tie_break`` [assumed]: among equal biased scores the lower (or higher) expert index wins.
-    ``renorm_eps`` [assumed]: added to ``Σ_{i∈I} s_i``; 0 is SPEC's formula (a token whose
+    ``renorm_eps`` [assumed]: added to ``Σ_{i∈I} s_i``; 0 is the formula of docs/model.md §4 (a token whose
     selected scores all underflow to 0 then gets 0/0 = NaN weights, visibly).
     ``logits_dtype``: ``None`` keeps the logits in the router's compute dtype (fp32, fp64 for
-    fp64 inputs: SPEC's FP32 is the minimum); ``"bf16"`` rounds them, as a router GEMM writing
+    fp64 inputs: fp32 is the minimum, docs/model.md §4); ``"bf16"`` rounds them, as a router GEMM writing
     bf16 would (for measuring how many expert choices that changes).
     ``activation``: ``"situ"`` (K3) or ``"swiglu"`` (the β → ∞ limit, for comparisons).
     """

@@ -1,4 +1,4 @@
-"""Stable LatentMoE GPU kernels in Triton: the router and the routed experts (SPEC §4).
+"""Stable LatentMoE GPU kernels in Triton: the router and the routed experts (docs/model.md §4).
 
 ``route(x, w_router, bias, config) -> Routing`` in two launches:
 
@@ -11,7 +11,7 @@
   reference's stable sort does;
 - the weights ``ρ s_I / (Σ s_I + renorm_eps)`` from the unbiased scores of the selected experts.
 
-Inputs are fp32 (SPEC's FP32 router); under Triton's interpreter the kernel is faithful
+Inputs are fp32 (the fp32 router of docs/model.md §4); under Triton's interpreter the kernel is faithful
 (:mod:`k3verify.triton_support`).
 
 ``grouped(x, weights, config, *, routing=None) -> y`` is the layer with its routed experts in
@@ -178,7 +178,7 @@ def _tanh(y):
 @triton.jit
 def _activation(g, u, beta1, beta2, SWIGLU: tl.constexpr):
     """SiTU ``β1 tanh(g/β1) σ(g) · β2 tanh(u/β2)`` (or SwiGLU ``g σ(g) u``) of fp32 sums, in fp32
-    (SPEC: computed in FP32)."""
+    (docs/model.md §4: computed in fp32)."""
     sig = tl.sigmoid(g)
     if SWIGLU:
         return g * sig * u

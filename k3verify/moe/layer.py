@@ -1,4 +1,4 @@
-"""The Stable LatentMoE layer — weights, sizes, the shared pieces of the math (SPEC §4).
+"""The Stable LatentMoE layer — weights, sizes, the shared pieces of the math (docs/model.md §4).
 
 With ``x:[T, d]`` the layer input:
 

@@ -67,7 +67,7 @@ def naive_baseline(
     quantiser as :func:`k3verify.moe.tiled` — and every other stored result (the pre-activations
     ``g, u`` of an unfused GLU, each expert's output, ``p_j E_j``, the latent sum ``u``, ``γ``,
     ``y_r``, ``y_s``, ``y``) to the output dtype (``dtype``; bf16 for fp8). Each operation computes
-    in fp32, as torch does for bf16/fp16 tensors. The router is the FP32 one of SPEC §4 on ``x``
+    in fp32, as torch does for bf16/fp16 tensors. The router is the FP32 one of docs/model.md §4 on ``x``
     as given, so this baseline routes exactly like ``tiled``. Returns fp32 (fp64 for ``dtype=fp64``).
     """
     dims = check_inputs(x, weights, config, routing)

@@ -1,4 +1,4 @@
-"""The router of Stable LatentMoE (SPEC §4): logits, selection with a bias, mixture weights.
+"""The router of Stable LatentMoE (docs/model.md §4): logits, selection with a bias, mixture weights.
 
     r = x W_r            (FP32 at least: fp64 inputs stay fp64; ``logits_dtype`` may round it)
     s = σ(r)
@@ -89,7 +89,7 @@ def routing_for(
     x: torch.Tensor, weights: MoEWeights, config: MoEConfig, routing: Routing | None, dtype: torch.dtype
 ) -> Routing:
     """``routing`` with its weights in ``dtype`` when given, else the router run in ``dtype``
-    on ``x`` as given (a form's operand rounding never reaches the router: SPEC's FP32 logits)."""
+    on ``x`` as given (a form's operand rounding never reaches the router: the fp32 logits of docs/model.md §4)."""
     if routing is not None:
         return routing.to(dtype)
     return route(x.to(dtype), weights.w_router.to(dtype), weights.bias.to(dtype), config)

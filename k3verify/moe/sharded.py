@@ -1,4 +1,4 @@
-"""Stable LatentMoE sharded over tensor-parallel ranks, as vLLM shards it (SPEC §0: TP = 8).
+"""Stable LatentMoE sharded over tensor-parallel ranks, as vLLM shards it (docs/model.md §0: TP = 8).
 
 Every routed expert's hidden dimension is split across the ranks (3072 -> 384 at TP = 8):
 rank ``r`` holds columns ``r H/N .. (r+1) H/N`` of ``W1, W3`` and the same rows of ``W2``; the

@@ -1,4 +1,4 @@
-"""SiTU, the bounded GLU of Stable LatentMoE's experts, and SwiGLU for comparison (SPEC §4).
+"""SiTU, the bounded GLU of Stable LatentMoE's experts, and SwiGLU for comparison (docs/model.md §4).
 
     SiTU(g, u) = [β1 tanh(g / β1) σ(g)] ⊙ [β2 tanh(u / β2)],   β1 = 4, β2 = 25
 
@@ -14,7 +14,7 @@ Non-finite inputs (documented behaviour, tested):
 - NaN in ``g`` or ``u`` gives NaN (never hidden, even where the other factor is 0).
 SwiGLU returns ``inf`` for ``g = +inf`` and NaN for ``g = −inf`` (``−inf · 0``).
 
-Both compute in fp32 at least (SPEC: "computed in FP32"); fp64 stays fp64.
+Both compute in fp32 at least (docs/model.md §4: computed in fp32); fp64 stays fp64.
 """
 
 from __future__ import annotations

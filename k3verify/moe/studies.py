@@ -1,7 +1,7 @@
 """Stable LatentMoE studies: curves beside the overflow map, as plain JSON-ready dicts.
 
 ``routing_flips`` (written as ``moe_routing_flips.json``): how many expert choices the
-production-size router changes when its logits are bf16 instead of SPEC's fp32 (and, on a CUDA
+production-size router changes when its logits are bf16 instead of fp32 (docs/model.md §4) (and, on a CUDA
 device, with our Triton router), each against fp64, at every input scale of the overflow map,
 and the error in ``y`` those choices cause. The map itself routes every cell with the fp64
 oracle's choices (its error is the arithmetic's); this is the part that routing adds.

@@ -13,7 +13,7 @@ then each token's ``k`` rows are summed in fp32 (``moe_sum``) and stored, normal
 Tensors a kernel stores are rounded (:class:`~k3verify.moe.quantize.Caster`): GEMM operands to
 ``operand_dtype`` (fp8 with the scales of ``fp8_scaling``), results to the output dtype (the
 operand dtype; bf16 for fp8). ``G``, ``U``, the routing weights and every sum stay fp32.
-The router is the FP32 one of SPEC §4 on ``x`` as given; operand rounding never reaches it.
+The router is the FP32 one of docs/model.md §4 on ``x`` as given; operand rounding never reaches it.
 
 Overflow is visible: an operand past its dtype's range becomes inf/NaN (``overflow="nonfinite"``)
 and :func:`explain_overflow` names it (:func:`overflow_events` gives the events themselves). One

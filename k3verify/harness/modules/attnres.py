@@ -111,7 +111,7 @@ def oracle(case: Case) -> Outputs:
 
 def baseline(case: Case, dtype: str, family: str = "recurrent") -> Outputs:
     """The plain definition with every stored tensor in ``dtype`` (logits and softmax in fp32, as
-    SPEC pins them; a walk's blocks are its sums rounded after every addition); one family."""
+    docs/model.md §3 pins them; a walk's blocks are its sums rounded after every addition); one family."""
     if family != "recurrent":
         raise ValueError(f"Block AttnRes has a single baseline family 'recurrent' (the definition), got {family!r}")
     key = f"baseline:{dtype}"
@@ -172,7 +172,7 @@ def _kernel_run(case: Case, dtype: str, walk: Callable, aggregate: Callable) -> 
 
 def _kernel(dtype: str, cases: tuple[str, ...]) -> Implementation:
     """Our kernels: fp32 wherever Triton runs (the interpreter is faithful there), bf16 on a CUDA
-    device only (SPEC §5). Held to the plain definition storing ``dtype``, like every form; in the
+    device only (docs/model.md §5). Held to the plain definition storing ``dtype``, like every form; in the
     precision map, predicted as the tiled form with fp32 logits and max subtraction."""
     return Implementation(
         module="attnres", implementation="k3verify", form="kernel:two_phase", dtype=dtype, params={},

@@ -157,7 +157,7 @@ FLA_PEERS = {"kernel:chunk": Peer("fla-core", "kernel:chunk_kda", {"safe_gate": 
 
 def _kernel_implementations() -> list[Implementation]:
     """Our Triton kernels: fp32 wherever Triton runs (the interpreter is faithful there), the
-    operand dtypes of production on a CUDA device only (SPEC §5); the bf16 chunk kernels also
+    operand dtypes of production on a CUDA device only (docs/model.md §5); the bf16 chunk kernels also
     sweep the overflow map, predicted by the tiled form's frontier at their anchor."""
 
     def make(form: str, fn: Callable, dtype: str, cases: tuple[str, ...], family: str, **kw: Any) -> Implementation:

@@ -3,7 +3,7 @@
 study, declared; inputs come from :mod:`k3verify.moe.samples`.
 
 Routing is discontinuous: a form that picks another expert for a near-tied token is off by O(1)
-on that token. Every form routes with SPEC's FP32 router on the layer input as given (operand
+on that token. Every form routes with the fp32 router of docs/model.md §4 on the layer input as given (operand
 rounding never reaches it), so a low-precision row can differ from the fp64 oracle's choices
 only where fp32 rounding of the logits crosses a top-k boundary; each case records the smallest
 top-k gap of its biased scores and whether fp32 and fp64 choose alike (they do on every built-in
@@ -60,7 +60,7 @@ def call(fn: Callable[..., Any], case: Case, dtype: torch.dtype, *, router_dtype
     """``fn(x, weights, config, *, routing, **options)`` on the case's inputs cast to ``dtype``:
     ``{"y": [T, d], "experts": [T, k] int64}``.
 
-    The routing is made first, by SPEC's router in ``router_dtype`` (default: the forms' rule,
+    The routing is made first, by the router of docs/model.md §4 in ``router_dtype`` (default: the forms' rule,
     fp64 for fp64 operands and fp32 otherwise, the operands being ``options["operand_dtype"]``
     when given, else ``dtype``), and passed in, so ``experts`` are the choices ``y`` was computed
     with. A function that returns its own ``experts`` (``(y, experts)`` or a dict) reports those.

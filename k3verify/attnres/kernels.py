@@ -136,8 +136,8 @@ def _logits_kernel(v, sb, st, wg, g3, ell, ess, T, D, n, BT: tl.constexpr, BD: t
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     # Unnormalised: the fp64 division and square root go to the accumulate launch (bf16: the
-    # same bits; 2.027-2.029 ms against 2.033-2.034 for the phase at K3's shape, one H200
-    # process; fp32 streams on a GPU: the fp64 sums' order is the compiler's, docs/gpu.md).
+    # same bits and a faster phase; fp32 streams on a GPU: the fp64 sums' order is the
+    # compiler's; docs/gpu.md, "AttnRes, MLA and MoE launch settings").
     cell = t.to(tl.int64) * n + src
     tl.store(ell + cell[:, None] * QP + q[None, :], acc, mask=ok[:, None])
     tl.store(ess + cell, ss, mask=ok)
@@ -156,12 +156,12 @@ def _accumulate_kernel(v, sb, st, ell, ess, m_out, z_out, n_out, T, D, n, Q, eps
     once into three bf16 parts, each times the bf16 tile (``NP >= 16`` rows, padding zero):
     exact products, the weights to 24 bits, the tile never converted; 2 (fp16) tf32x3. ``PDL``:
     launched as a programmatic dependent of the logits launch, whose end it waits for here.
-    ``N`` is stored streaming (``.cs``): it is read by a later launch, not this one (2.048 ms
-    against 2.071 for the whole phase at K3's shape on an H200)."""
+    ``N`` is stored streaming (``.cs``): it is read by a later launch, not this one (faster on
+    an H200: docs/gpu.md, "AttnRes, MLA and MoE launch settings")."""
     # A token's tiles run in one program: the weights are formed once, the tile loads are
     # pipelined ahead of the products and the stores, and a token's rows are read and its
-    # outputs written as long runs (measured on an H200: 1.74 ms against 2.03 ms for one
-    # program per tile, whose every program waits for its own loads).
+    # outputs written as long runs (faster on an H200 than one program per tile, whose every
+    # program waits for its own loads: docs/gpu.md).
     t = (tl.program_id(0) // SPLIT).to(tl.int64)
     qq = tl.arange(0, QP)
     src = tl.arange(0, NP)
@@ -215,7 +215,7 @@ def _write_token(v, sb, st, L, m_out, z_out, n_out, t, part, T, D, n, Q, SPLIT: 
 def _parts_kernel(w, gamma, g3, D, Q, QP: tl.constexpr, BD: tl.constexpr):
     """``g3[j, c, q]``, ``j < 3``: the bf16 parts of ``w[q, c] · γ[q, c]`` (fp32 operands; zero
     columns past ``Q``), a ``BD``-wide slice of the width per program: :func:`_split_bf16` of
-    :func:`_queries` in one launch (the torch operations took 0.03 ms of the phase on an H200)."""
+    :func:`_queries` in one launch (cheaper than the torch operations on an H200: docs/gpu.md)."""
     c = tl.program_id(0) * BD + tl.arange(0, BD)
     q = tl.arange(0, QP)
     ok = (c < D)[:, None] & (q < Q)[None, :]

@@ -149,9 +149,8 @@ def _unit_lower_inverse(N, BC: tl.constexpr):
 
     ``N`` is nilpotent (``N^BC = 0``), so the inverse is the finite series ``sum_k (-N)^k =
     (I - N)(I + N^2)(I + N^4)(I + N^8)`` at ``BC = 16``: six fp32 products whose chain is three
-    squarings deep, where forward substitution makes 15 dependent row steps (measured on an
-    H200 at T = 8192, H = 96: 3.04 ms a prefill call against 3.08 at 2 warps, 3.26 against 3.79
-    at 4)."""
+    squarings deep, where forward substitution makes 15 dependent row steps (faster on an H200:
+    docs/gpu.md, "KDA launch settings")."""
     tl.static_assert(BC == 16, "the product is written out for 16-row sub-tiles")
     rows = tl.arange(0, BC)
     eye = (rows[:, None] == rows[None, :]).to(tl.float32)
@@ -177,8 +176,8 @@ def _chunk_head(INNER: tl.constexpr, H):
     """``(n, h, i)``: chunk, head and inner block of this program in a 1-D grid of ``NC · H ·
     INNER`` programs ordered inner block fastest, then head, then chunk. Programs that run
     together then cover whole ``[tokens, H, D]`` rows of a few chunks rather than one head's
-    slice of many chunks (measured on an H200 at T=8192, H=96: prefix 0.538 ms against 0.594,
-    block launches 1.316 against 1.410, output 0.278 against 0.289)."""
+    slice of many chunks (faster for every launch that uses it: docs/gpu.md, "KDA launch
+    settings")."""
     pid = tl.program_id(0)
     return (pid // INNER // H).to(tl.int64), (pid // INNER) % H, pid % INNER
 
@@ -658,16 +657,14 @@ def chunk(
         cu_dev, start, end, seq_chunks = (t.to(dev) for t in (cu, *chunk_table(cu, C)))
     NS, NC = len(cu) - 1, len(start)
     if block_v is None:
-        # Measured on an H200 (state pass alone, profiler): 64 when the pass fills the device
-        # (H=96: 0.560 ms vs 0.763 at 32), else 16, more programs in the sequential pass (H=12,
-        # T=32768: 1.083 ms vs 1.173 at 32 and 1.463 at 64; T=8192: 0.272 vs 0.295).
+        # 64 when the state pass fills the device, else 16: more programs for the sequential
+        # pass (measured on an H200: docs/gpu.md, "KDA launch settings").
         block_v = 64 if NS * H * triton.cdiv(V, 64) >= multiprocessors(dev) else 16
     BK, BV_full, BV = _block(K), _block(V), min(block_v, _block(V))
     BV_out = min(output_block_v, BV_full)
     BKP = min(prefix_block_k, BK)
     if num_stages is None:
-        # Measured the same way: 3 stages at block_v 16 (1.083 vs 1.263 ms at 2) and 32 (1.157
-        # vs 1.282), 2 at 64.
+        # 3 stages at block_v 16 and 32, 2 at 64: the fastest measured (same section).
         num_stages = 3 if BV <= 32 else 2
     ieee = op == torch.float32
     o = torch.empty(B * T, H, V, dtype=op, device=dev)
@@ -682,11 +679,8 @@ def chunk(
         Aqk, Tb = (torch.empty(B * T, H, C, dtype=op, device=dev) for _ in range(2))
         Hs = torch.empty(NC, H, K, V, dtype=op, device=dev)
         offset = anchor_shift * (SUB_TILE - 1) / 2
-        # Launch defaults measured on an H200 at T=8192, H=96 (ms a call, A_qk beside the state
-        # pass; docs/gpu.md): 2.43 as here but solve columns of 32, 2.29 at 64; 32-wide prefix
-        # key blocks 2.28 (but 0.47 against 0.37 at T=8192, H=12), 2.50 on 8 prefix warps, 2.73
-        # on 2 warps for A_qk or 4 for A_kk, 2.86 at key slices of 32, 2.50 on 8 output warps,
-        # 2.33 on 2.
+        # The launch defaults are the fastest measured on an H200 (docs/gpu.md, "KDA launch
+        # settings", with the alternatives tried).
         _prefix_kernel[(NC * H * triton.cdiv(K, BKP),)](
             flat[1], g32, G, W, KE, GL, start, end, H=H, K=K, BK=BKP, C=C, IEEE=ieee,
             num_warps=prefix_warps,
@@ -707,8 +701,7 @@ def chunk(
         )  # fmt: skip
         # The state pass is a chain over chunks that leaves most of the device idle, and A_qk
         # (with e^G q) is needed only by the output launch: launched after the state pass on a
-        # second stream, it runs beside it (on an H200 at T=8192, H=96: 2.43 ms a call
-        # against 2.51 in order).
+        # second stream, it runs beside it (faster than in order: docs/gpu.md).
         with beside(dev, kk_done):
             blocks(flat[0], True, qk_warps)
             qk_done = mark(dev) if kk_done is not None else None
@@ -774,7 +767,7 @@ def fused_recurrent(
     ``b`` reads and updates in place at slot ``state_indices[b]``; ``-1`` marks a padding
     request (output 0, pool untouched); the pool is returned as the final state.
     ``o`` comes back in ``operand_dtype``; ``validate`` as in :func:`chunk`. ``block_v = 64``
-    measured best on an H200 (B=256, H=12: 0.109 ms, 86% of copy bandwidth; 0.112 ms at 32).
+    measured best on an H200 (docs/gpu.md, "KDA launch settings").
     """
     op = _check_operand_dtype(operand_dtype)
     if block_v not in (16, 32, 64, 128):

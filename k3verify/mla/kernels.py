@@ -70,8 +70,7 @@ PREFILL_FP32_QUERIES = 64
 PREFILL_FP32_KEYS = 32
 PREFILL_FP32_STAGES = 2
 # Decode launch shape (latent_attention): 64-key tiles on 4 warps, 2 stages, the fastest timed on
-# an H200 (B = 64, context 32768: 12 heads as fast as 32-key tiles with 3 stages, 96 heads 17%
-# faster).
+# an H200 (docs/gpu.md, "AttnRes, MLA and MoE launch settings").
 DECODE_WARPS = 4
 DECODE_STAGES = 2
 
@@ -118,8 +117,8 @@ def _decode_kernel(
     OP = q_lat.dtype.element_ty
     # The latent width in up to four chunks, each with its own score product and accumulator:
     # with 16 head rows per tile, one product over all 512 columns is a chain of dependent
-    # tensor-core steps whose latency the pass waits on; four chains run side by side
-    # (measured on an H200: 68% -> 95% of the copy bandwidth at B = 64, context 32768).
+    # tensor-core steps whose latency the pass waits on; four chains run side by side (what
+    # this buys on an H200: docs/gpu.md).
     q_at = q_lat + rows * R + rc[None, :]
     ql0 = tl.load(q_at, mask=hm[:, None] & (rc < R)[None, :], other=0.0)
     acc0 = tl.zeros([BH, BC], dtype=tl.float32)
@@ -230,8 +229,8 @@ def _prefill_kernel(
     merge of docs/model.md §2.3, done as the softmax goes. Writes ``o:[B, T, H, Dv]`` in its dtype."""
     # Launch order: GROUP heads at a time, each group's query blocks longest (last, causal) first,
     # the group's heads side by side: the programs running together share their heads' keys and
-    # values in L2, and the short blocks fill the tail of the launch (measured on an H200 at 96
-    # heads: 4.31 ms for groups of 2 against 4.77 ms for every head's longest block first).
+    # values in L2, and the short blocks fill the tail of the launch (faster on an H200 than
+    # every head's longest block first: docs/gpu.md).
     blocks = tl.cdiv(T, BM)
     pid = tl.program_id(0)
     within = pid % (blocks * GROUP)

@@ -58,8 +58,8 @@ LOGIT_TOKENS = 64
 LOGIT_EXPERTS = 64
 SELECT_TOKENS = 4
 # Grouped expert launches: rows x columns x depth per program and step (16 under the
-# interpreter, where size is time), 4 warps. Timed on an H200 at 1.07-1.75x torch._grouped_mm
-# + SiTU (benchmarks/moe_gpu.py); chosen from an sm_90 compile that took the pointers as
+# interpreter, where size is time), 4 warps, timed against torch._grouped_mm + SiTU on an H200
+# (benchmarks/moe_gpu.py; docs/gpu.md); chosen from an sm_90 compile that took the pointers as
 # unaligned, so larger tiles may now fit (benchmarks/kernel_compile.py --module moe).
 EXPERT_ROWS = 64
 EXPERT_UP_COLS = 64

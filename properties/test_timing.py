@@ -152,7 +152,7 @@ def _ratio(doc: dict[str, Any]) -> float:
     return _row(doc, "sleepy decode", "kernel", "fp32")["time"]["ratio"]
 
 
-def test_a_run_without_time_has_no_times(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_run_without_time_has_no_times(monkeypatch: pytest.MonkeyPatch) -> None:
     without_kernels(monkeypatch, "mla")
     rows = list(runner.run([registry.get("mla")], names={"k3verify"}))
     assert rows and not [r for r in rows if "time" in r]

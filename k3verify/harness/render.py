@@ -497,6 +497,11 @@ def _module_section(module: str, rows: list[dict[str, Any]], extras: Extras, rep
     return "\n".join(p for p in parts if p)
 
 
+def _committed_baseline(folder: Path | None) -> bool:
+    """Whether maps or studies come from a committed baseline folder (``reports/baseline/...``)."""
+    return folder is not None and "baseline" in folder.resolve().parts
+
+
 def _map_provenance(module: str, extras: Extras, report_commit: str | None) -> str:
     """Where a module's maps come from, and whether they describe the code this report ran: a
     warning for committed baseline maps or maps made from another commit."""
@@ -504,7 +509,7 @@ def _map_provenance(module: str, extras: Extras, report_commit: str | None) -> s
     where = html_text(folder)
     commit = extras.map_commits.get(module)
     redo = f"<code>k3verify overflow-map --module {html_text(module)}</code> maps the code under test"
-    if folder is not None and "baseline" in folder.resolve().parts:
+    if _committed_baseline(folder):
         return (f"<p class='warn'>Committed baseline maps from {where}, not made by this run: they show the "
                 f"code of commit {html_text(str(commit or 'unknown')[:10])}. {redo}.</p>")
     if commit and report_commit and commit != report_commit:
@@ -516,9 +521,8 @@ def _map_provenance(module: str, extras: Extras, report_commit: str | None) -> s
 
 def _curve_section(name: str, title: str, doc: Any, maps_dir: Path | None) -> str:
     where = html_text((maps_dir or Path()) / name)
-    baseline = maps_dir is not None and "baseline" in maps_dir.resolve().parts
     parts = [f"<h2>{html_text(title)}</h2>" + (
-        f"<p class='warn'>Committed baseline study {where}, not made by this run.</p>" if baseline
+        f"<p class='warn'>Committed baseline study {where}, not made by this run.</p>" if _committed_baseline(maps_dir)
         else f"<p class='muted'>{where}</p>")]
     fig = None
     if isinstance(doc, dict):

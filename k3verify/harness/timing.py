@@ -34,7 +34,7 @@ import torch
 from .guard import case_for
 from .registry import Case, Implementation, Peer
 
-# CPU clock: at least this many timed calls, more while the budget lasts (after one warm-up call).
+# CPU clock: at least this many timed calls, more while the budget lasts.
 MIN_REPEATS, MAX_REPEATS, CPU_BUDGET_S = 3, 50, 1.0
 # do_bench's warm-up and measuring windows (ms), as benchmarks/gpu_timing.py uses them.
 CUDA_WARMUP_MS, CUDA_REP_MS = 25, 100
@@ -56,8 +56,7 @@ def named_peers(impls: list[Implementation]) -> list[tuple[str, str, tuple[str, 
 def is_peer(row: dict[str, Any], peers: list[tuple[str, str, tuple[str, ...], dict[str, Any]]]) -> bool:
     """Whether some timed implementation names ``row`` (a row header) as its peer, on the row's
     module, dtype and case: it is timed too, whatever its form."""
-    return any((module, dtype) == (row["module"], row["dtype"]) and row["case"] in cases and _matches(row, peer)
-               for module, dtype, cases, peer in peers)
+    return any(_is_peer_row(row, *named) for named in peers)
 
 
 def _plain(peer: Peer) -> dict[str, Any]:
@@ -125,6 +124,12 @@ def first_line(text: Any, limit: int = 200) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+def _is_peer_row(row: dict[str, Any], module: str, dtype: str, cases: tuple[str, ...], peer: dict[str, Any]) -> bool:
+    """``row`` is the ``peer`` that a timed row of ``module`` in ``dtype`` on one of ``cases``
+    names: the same module, dtype and case, and :func:`_matches`."""
+    return (row["module"], row["dtype"]) == (module, dtype) and row["case"] in cases and _matches(row, peer)
+
+
 def _matches(row: dict[str, Any], peer: dict[str, Any]) -> bool:
     """``row`` is the peer's: its implementation is the peer's name (any version after it) and its
     form and the peer's parameters agree."""
@@ -144,8 +149,7 @@ def with_peer_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         spec = (row.get("time") or {}).pop("peer_of", None)
         if spec is None:
             continue
-        same = [r for r in rows if r is not row and r["module"] == row["module"] and r["case"] == row["case"]
-                and r["dtype"] == row["dtype"] and _matches(r, spec)]
+        same = [r for r in rows if r is not row and _is_peer_row(r, row["module"], row["dtype"], (row["case"],), spec)]
         peer = next((r for r in same if (r.get("time") or {}).get("median_s")), None)
         if peer is None:
             why = "not timed" if same else "not in this run"

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..numerics import named_tensors
-from .registry import BUILTIN_SOURCE, Case, Implementation
+from .contract import BUILTIN_SOURCE, Case, Implementation
 
 
 def sealed(case: Case) -> Case:

@@ -45,11 +45,9 @@ from typing import Any
 
 import torch
 
-from .guard import case_for, restore, run_isolated, torch_state
-from .registry import (
-    BASELINE_RULE,
+from ..numerics.policy import BASELINE_RULE, RULES
+from .contract import (
     PLUGIN_GROUP,
-    RULES,
     Case,
     Implementation,
     Outputs,
@@ -57,6 +55,7 @@ from .registry import (
     Prediction,
     as_outputs,
 )
+from .guard import case_for, restore, run_isolated, torch_state
 from .text import terminal_text
 
 DEFAULT_TIMEOUT_S = 900.0
@@ -178,14 +177,13 @@ class Worker:
         j = msg["index"]
         if j >= len(impls) or describe(impls[j], "") != msg["expect"]:
             raise PluginError(f"plugin {name!r} registered other implementations when loaded again")
-        return self.call(impls[j], msg["method"], msg["arg"])
+        return self.call(impls[j], msg["method"], msg["arg"], tuple(msg.get("outputs", ())))
 
     @staticmethod
-    def call(impl: Implementation, method: str, arg: Any) -> Any:
+    def call(impl: Implementation, method: str, arg: Any, outputs: tuple[str, ...] = ()) -> Any:
         if method == "run":
-            from . import registry
-
-            out = as_outputs(run_isolated(impl, arg), registry.get(impl.module).outputs, impl.label)
+            # The harness names the module's outputs: the worker never loads the registry.
+            out = as_outputs(run_isolated(impl, arg), outputs, impl.label)
             return {n: _plain_tensor(t, f"{impl.label} output {n!r}") for n, t in out.items()}
         if method == "predict":
             p = impl.predict(arg)
@@ -351,13 +349,14 @@ def stop() -> None:
 atexit.register(stop)
 
 
-def load(entry_points: list[importlib.metadata.EntryPoint], known: Callable[[str], bool],
+def load(entry_points: list[importlib.metadata.EntryPoint], outputs_of: Callable[[str], tuple[str, ...] | None],
          source_of: Callable[[importlib.metadata.EntryPoint], str],
          placeholder: Callable[..., Implementation]) -> list[Implementation]:
     """Proxies of every implementation the ``entry_points`` register, loaded in the worker;
     ``placeholder(name, source, reason)`` stands in for whatever cannot be used (a plugin that
     fails, exits or hangs while loading, an object that is not an Implementation, a description
-    the harness cannot use); a module ``known`` rejects makes an unavailable proxy."""
+    the harness cannot use). ``outputs_of(module)`` names a registered module's outputs (``None``
+    for a module that is not registered: its proxy is unavailable)."""
     global _HOST
     stop()
     specs = [(ep.name, ep.value) for ep in entry_points]
@@ -375,7 +374,7 @@ def load(entry_points: list[importlib.metadata.EntryPoint], known: Callable[[str
             if problem:
                 out.append(placeholder(ep.name, source, f"plugin {ep.name!r} ({ep.value}): {problem}"))
                 continue
-            out.append(_proxy(host, k, j, d, source, known))
+            out.append(_proxy(host, k, j, d, source, outputs_of(d["module"])))
     return out
 
 
@@ -405,8 +404,10 @@ def _invalid(d: Any) -> str | None:
     return None
 
 
-def _proxy(host: Host, k: int, j: int, d: dict[str, Any], source: str, known: Callable[[str], bool]) -> Implementation:
-    """An Implementation whose calls are requests to the worker."""
+def _proxy(host: Host, k: int, j: int, d: dict[str, Any], source: str,
+           output_names: tuple[str, ...] | None) -> Implementation:
+    """An Implementation whose calls are requests to the worker; ``output_names``: its module's output
+    names (``None``: an unregistered module)."""
     label = f"{d['module']}/{d['implementation']}:{d['form']}[{d['dtype']}]"
 
     def request(method: str) -> Callable[[Any], Any]:
@@ -414,7 +415,7 @@ def _proxy(host: Host, k: int, j: int, d: dict[str, Any], source: str, known: Ca
             if isinstance(arg, Case):  # copies of what the implementation may see; never the cache
                 arg = Case(arg.name, arg.inputs, arg.params)
             return host.request({"op": "call", "ep": k, "spec": host.specs[k], "index": j, "expect": d,
-                                 "method": method, "arg": arg}, f"{method} of {label}")
+                                 "method": method, "arg": arg, "outputs": output_names or ()}, f"{method} of {label}")
 
         return send
 
@@ -435,7 +436,7 @@ def _proxy(host: Host, k: int, j: int, d: dict[str, Any], source: str, known: Ca
         return Prediction(p["finite"], str(p.get("explanation", "")))
 
     reason = d.get("reason")
-    if not known(d["module"]):
+    if output_names is None:
         reason = f"names module {d['module']!r}, which is not registered"
     return Implementation(
         module=d["module"], implementation=d["implementation"], form=d["form"], dtype=d["dtype"],

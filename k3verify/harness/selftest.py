@@ -356,28 +356,33 @@ def mutant(module: str, name: str) -> Mutant:
     return found[name]
 
 
-def _judge(fn: Callable[..., Any], module: str, dtype: str, case: str, baseline: str) -> tuple[bool, str]:
-    """Whether the testing API fails ``fn`` on ``case`` at ``dtype``, and its first reason line."""
-    from ..testing import assert_matches_oracle
+# What judges a function as users' tests do: ``k3verify.testing.assert_matches_oracle``, passed in
+# by the caller (the testing API stands above the harness).
+Check = Callable[..., None]
 
+
+def _judge(check: Check, fn: Callable[..., Any], module: str, dtype: str, case: str,
+           baseline: str) -> tuple[bool, str]:
+    """Whether ``check`` fails ``fn`` on ``case`` at ``dtype``, and its first reason line."""
     try:
-        assert_matches_oracle(fn, module, dtype, cases=[case], baseline=baseline, timeout=None)
+        check(fn, module, dtype, cases=[case], baseline=baseline, timeout=None)
     except AssertionError as exc:
         lines = str(exc).splitlines()
         return True, lines[1] if len(lines) > 1 else lines[0]
     return False, ""
 
 
-def run(modules: list[str] | None = None) -> Iterator[Outcome]:
-    """The controls, then every mutant, at every dtype of :data:`DTYPES`."""
+def run(check: Check, modules: list[str] | None = None) -> Iterator[Outcome]:
+    """The controls, then every mutant, at every dtype of :data:`DTYPES`, each judged by ``check``
+    (``k3verify.testing.assert_matches_oracle``)."""
     for module, (fn, case, baseline) in CONTROLS.items():
         if modules is None or module in modules:
             for dtype in DTYPES:
-                caught, by = _judge(fn, module, dtype, case, baseline)
+                caught, by = _judge(check, fn, module, dtype, case, baseline)
                 yield Outcome(f"{module} correct form", module, dtype, caught, by, expected=False, control=True)
     for m in mutants(modules):
         for dtype in DTYPES:
-            caught, by = _judge(m.fn, m.module, dtype, m.case, m.baseline)
+            caught, by = _judge(check, m.fn, m.module, dtype, m.case, m.baseline)
             yield Outcome(m.name, m.module, dtype, caught, by, expected=dtype not in m.hidden,
                           hidden=m.hidden.get(dtype, ""))
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from .contract import Case, Implementation, Peer
 from .guard import case_for
-from .registry import Case, Implementation, Peer
 
 # CPU clock: at least this many timed calls, more while the budget lasts.
 MIN_REPEATS, MAX_REPEATS, CPU_BUDGET_S = 3, 50, 1.0

@@ -8,6 +8,7 @@ fp64 forms against the module's oracle (``numerics.policy``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -57,6 +58,32 @@ def test_the_oracle_names_its_outputs_in_fp64(module: str, made: dict) -> None:
     for name, t in out.items():
         if t.is_floating_point():
             assert t.dtype == torch.float64, f"the {module} oracle's {name} is {t.dtype}: fp64 must stay fp64"
+
+
+def test_the_entry_computes_each_oracle_and_baseline_once_per_case() -> None:
+    """Structural: the memo is the entry's, for any module's functions (none writes its own)."""
+    calls: list[tuple] = []
+
+    def oracle(case: registry.Case) -> dict:
+        calls.append(("oracle",))
+        return {"out": torch.zeros(1, dtype=torch.float64)}
+
+    def baseline(case: registry.Case, dtype: str, family: str = "recurrent") -> dict:
+        calls.append(("baseline", dtype, family))
+        return {"out": torch.zeros(1)}
+
+    entry = registry.ModuleEntry(name="memo-probe", title="", make_cases=lambda seed: {}, oracle=oracle,
+                                 baseline=baseline, own_implementations=list)
+    case, other = registry.Case("a", {}), registry.Case("b", {})
+    assert entry.oracle(case) is entry.oracle(case)
+    entry.baseline(case, "bf16", "recurrent"), entry.baseline(case, "bf16", "recurrent")
+    entry.baseline(case, "fp16", "recurrent"), entry.baseline(case, "bf16", "chunkwise")
+    entry.oracle(other)
+    assert calls == [("oracle",), ("baseline", "bf16", "recurrent"), ("baseline", "fp16", "recurrent"),
+                     ("baseline", "bf16", "chunkwise"), ("oracle",)]
+    # A copy of the entry (dataclasses.replace) keeps one memo, not two layers of it.
+    again = dataclasses.replace(entry, title="again")
+    assert again.oracle is entry.oracle
 
 
 @pytest.mark.parametrize("module", MODULES)

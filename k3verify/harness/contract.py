@@ -9,6 +9,7 @@ timer) reads them here, and the registry (:mod:`k3verify.harness.registry`) buil
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -246,3 +247,22 @@ def unique_identities(impls: list[Implementation]) -> list[Implementation]:
         out.append(dataclasses.replace(impl, implementation=f"{impl.implementation} (registered again, #{seen[key]})",
                                        run=refuse, is_available=_available, predict=None, explain=None))
     return out
+
+
+def memoized_on_case(kind: str, fn: Callable[..., Outputs]) -> Callable[..., Outputs]:
+    """``fn(case, *args)`` computed once per case and arguments, and kept in ``case.cache`` under
+    ``kind`` and the arguments (``"oracle"``, ``"baseline:chunkwise:bf16"``): a module's oracle and
+    baselines are asked for by every row of a case, by maps and by goldens, and each is costly.
+    The cache lives on the harness's case only; an implementation gets a copy without it."""
+    if getattr(fn, "memoized_on_case", False):
+        return fn
+
+    @functools.wraps(fn)
+    def memo(case: Case, *args: Any, **kwargs: Any) -> Outputs:
+        key = ":".join([kind, *map(str, args), *(f"{k}={v}" for k, v in sorted(kwargs.items()))])
+        if key not in case.cache:
+            case.cache[key] = fn(case, *args, **kwargs)
+        return case.cache[key]
+
+    memo.memoized_on_case = True  # type: ignore[attr-defined]
+    return memo

@@ -45,6 +45,7 @@ from .contract import (  # noqa: F401
     default_error_samples,
     golden_case_kind,
     identity,
+    memoized_on_case,
     placeholder,
     unavailable_as,
     unique_identities,
@@ -89,7 +90,8 @@ def implementation(
 class ModuleEntry:
     """Everything the harness needs to verify one module.
 
-    ``oracle(case)`` and ``baseline(case, dtype, family)`` return named outputs; ``outputs``
+    ``oracle(case)`` and ``baseline(case, dtype, family)`` return named outputs, each computed
+    once per case (the entry memoizes them in ``case.cache``: entries write no memo); ``outputs``
     lists the names, the primary one first (the one overflow predictions, positions and ULP
     histograms refer to). ``call(fn, case, dtype, **options)`` runs a function with the module
     forms' signature on a case's inputs cast to ``dtype`` and returns its named outputs: what
@@ -137,6 +139,11 @@ class ModuleEntry:
     # Whether a run without ``--modules`` (and every module-wide command) includes it; an opt-in
     # entry (a whole layer) runs when named.
     default: bool = True
+
+    def __post_init__(self) -> None:
+        # The memo of the oracle and baselines is the harness's, not each entry's.
+        object.__setattr__(self, "oracle", memoized_on_case("oracle", self.oracle))
+        object.__setattr__(self, "baseline", memoized_on_case("baseline", self.baseline))
 
     def baseline_family(self, impl: Implementation) -> str:
         """The baseline family that judges ``impl`` (its ``baseline``, refined by ``baseline_for``)."""

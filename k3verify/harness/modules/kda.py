@@ -51,10 +51,8 @@ def call(fn: Callable, case: Case, dtype: torch.dtype, **options: Any) -> Output
 
 
 def oracle(case: Case) -> Outputs:
-    """The recurrent definition in fp64 (cached on the case)."""
-    if "oracle" not in case.cache:
-        case.cache["oracle"] = call(kda.recurrent, case, torch.float64)
-    return case.cache["oracle"]
+    """The recurrent definition in fp64."""
+    return call(kda.recurrent, case, torch.float64)
 
 
 FAMILIES = ("recurrent", "chunkwise")
@@ -72,11 +70,8 @@ def _baseline_form(family: str) -> Callable[..., Any]:
 
 
 def baseline(case: Case, dtype: str, family: str = "recurrent") -> Outputs:
-    """The ``family`` form with every stored tensor in ``dtype`` (cached per dtype and family)."""
-    key = f"baseline:{family}:{dtype}"
-    if key not in case.cache:
-        case.cache[key] = call(partial(_baseline_form(family), dtype=dtype), case, torch.float64)
-    return case.cache[key]
+    """The ``family`` form with every stored tensor in ``dtype``."""
+    return call(partial(_baseline_form(family), dtype=dtype), case, torch.float64)
 
 
 def baseline_for(family: str, params: Mapping[str, Any]) -> str:

@@ -55,27 +55,22 @@ def call(fn: Callable, case: Case, dtype: torch.dtype | str, **options: Any) -> 
 
 
 def oracle(case: Case) -> Outputs:
-    """The layer with the recurrent definition in fp64 (cached on the case)."""
-    if "oracle" not in case.cache:
-        case.cache["oracle"] = call(partial(layer, core=kda.recurrent), case, torch.float64)
-    return case.cache["oracle"]
+    """The layer with the recurrent definition in fp64."""
+    return call(partial(layer, core=kda.recurrent), case, torch.float64)
 
 
 def baseline(case: Case, dtype: str, family: str = "recurrent") -> Outputs:
     """The layer with every stored tensor in ``dtype`` (each torch operation computes in fp32 and
     stores in ``dtype``) around KDA's naive ``family`` form (``recurrent`` or ``chunkwise``) in
-    ``dtype``; cached per dtype and family."""
-    key = f"baseline:{family}:{dtype}"
-    if key not in case.cache:
-        naive = _baseline_form(family)
+    ``dtype``."""
+    naive = _baseline_form(family)
 
-        def core(q, k, v, g, beta, **kw):  # the naive form reads fp64 and rounds what it stores
-            out, state = naive(*(t.double() for t in (q, k, v, g, beta)), dtype=dtype,
-                               **{n: t.double() if isinstance(t, torch.Tensor) else t for n, t in kw.items()})
-            return out.to(q.dtype), state.to(q.dtype)
+    def core(q, k, v, g, beta, **kw):  # the naive form reads fp64 and rounds what it stores
+        out, state = naive(*(t.double() for t in (q, k, v, g, beta)), dtype=dtype,
+                           **{n: t.double() if isinstance(t, torch.Tensor) else t for n, t in kw.items()})
+        return out.to(q.dtype), state.to(q.dtype)
 
-        case.cache[key] = call(partial(layer, core=core), case, dtype)
-    return case.cache[key]
+    return call(partial(layer, core=core), case, dtype)
 
 
 def _case(name: str, lengths: list[int], *, packed: bool, history: int, seed: int) -> Case:

@@ -93,15 +93,13 @@ def call(fn: Callable[..., Any], case: Case, dtype: torch.dtype, *, router_dtype
 
 
 def oracle(case: Case) -> Outputs:
-    """The recurrent definition in fp64, routed in fp64 (cached on the case)."""
-    if "oracle" not in case.cache:
-        case.cache["oracle"] = call(moe.recurrent, case, torch.float64)
-    return case.cache["oracle"]
+    """The recurrent definition in fp64, routed in fp64."""
+    return call(moe.recurrent, case, torch.float64)
 
 
 def baseline(case: Case, dtype: str, family: str = "recurrent") -> Outputs:
     """The definition with every stored tensor in ``dtype``, routed by its own FP32 router (fp64
-    for ``dtype=fp64``); cached per dtype and family.
+    for ``dtype=fp64``).
 
     ``family`` is ``"recurrent"`` or, for fp8 rows, ``"recurrent/<fp8_scaling>"``: the baseline
     quantises its fp8 operands exactly as the row's kernel does (the same quantiser).
@@ -109,11 +107,8 @@ def baseline(case: Case, dtype: str, family: str = "recurrent") -> Outputs:
     form, _, scaling = family.partition("/")
     if form != "recurrent":
         raise ValueError(f"MoE baselines are the recurrent definition, got family {family!r}")
-    key = f"baseline:{family}:{dtype}"
-    if key not in case.cache:
-        naive = partial(moe.naive_baseline, dtype=dtype, fp8_scaling=scaling or "per_row")
-        case.cache[key] = call(naive, case, torch.float64, router_dtype=compute_dtype(resolve_dtype(dtype)))
-    return case.cache[key]
+    naive = partial(moe.naive_baseline, dtype=dtype, fp8_scaling=scaling or "per_row")
+    return call(naive, case, torch.float64, router_dtype=compute_dtype(resolve_dtype(dtype)))
 
 
 def _inputs(case: Case) -> list[Any]:

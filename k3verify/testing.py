@@ -37,7 +37,7 @@ import torch
 
 from .harness import registry, report, runner
 from .harness.registry import BASELINE_RULE, Case, Implementation, as_outputs
-from .numerics import FAIL, compare, dtype_name, resolve_dtype, rule_for, where_text, worst_element
+from .numerics import FAIL, POLICY, compare, dtype_name, resolve_dtype, rule_for, where_text, worst_element
 
 __all__ = ["assert_matches_oracle", "cases", "strategy"]
 
@@ -180,12 +180,13 @@ def _other_families(entry: Any, impl: Implementation, case: Case, output: str, j
     if got.shape != ref.shape or not ref.is_floating_point():
         return ""
     metrics = compare(got, ref, ulp_dtype=impl.dtype)
+    samples = entry.samples_of(output, ref.shape, case.params)
     said = []
     for f in others:
         family = entry.baseline_family(dataclasses.replace(impl, baseline=f))
         base = as_outputs(entry.baseline(case, impl.dtype, family), entry.outputs, "the baseline")[output]
-        _, v = runner.baseline_verdict(metrics, base, ref, impl.dtype, got.dtype,
-                                       entry.samples_of(output, ref.shape, case.params))
+        v = POLICY[BASELINE_RULE].judge(got, ref, dtype=impl.dtype, baseline=base, metrics=metrics, rms_n=samples.rms,
+                                        bias_n=samples.bias).verdict
         said.append(f"against baseline={f!r} it would {'pass' if v.passed else 'fail'} ({v.reason})")
     return "; " + "; ".join(said)
 

@@ -77,7 +77,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from ..numerics import FAIL, FP64_AGREEMENT_REL, Verdict, fp64_agreement, mismatch_rule
+from ..numerics import FAIL, FP64_AGREEMENT_REL, POLICY, Verdict
 from . import registry, runner
 from .environment import math_platform, one_thread
 from .files import (
@@ -91,7 +91,6 @@ from .files import (
     staged_folder,
 )
 from .registry import FP64_RULE, Case, Implementation, ModuleEntry, Outputs, as_outputs
-from .runner import mismatch_fraction
 
 # Bump when what a golden file holds changes (case generation, key scheme, oracle choice).
 GENERATOR_VERSION = 2  # 2: the oracle's named outputs (oracle.<name>) instead of one "oracle"
@@ -762,7 +761,7 @@ def _inputs_agree(fresh: torch.Tensor, stored: torch.Tensor | None) -> tuple[boo
     finite = torch.isfinite(x)
     if not torch.equal(finite, torch.isfinite(y)) or not torch.equal(x[~finite].nan_to_num(), y[~finite].nan_to_num()):
         return False, "non-finite entries moved or changed"
-    verdict = fp64_agreement(torch.where(finite, x, 0.0), torch.where(finite, y, 0.0))
+    verdict = POLICY[FP64_RULE].judge(torch.where(finite, x, 0.0), torch.where(finite, y, 0.0)).verdict
     return verdict.passed, verdict.reason
 
 
@@ -890,9 +889,9 @@ def _agree(name: str, today: torch.Tensor | None, stored: torch.Tensor | None) -
     if stored is None:
         return Verdict(FAIL, FP64_RULE, "rel_max", math.inf, 0.0, -math.inf, f"the golden file has no {name!r}")
     today = today.detach().cpu()
-    if not stored.is_floating_point():
-        return mismatch_rule(mismatch_fraction(today, stored), None)
-    return fp64_agreement(today.to(torch.float64), stored)
+    if today.is_floating_point():
+        today = today.to(torch.float64)
+    return POLICY[FP64_RULE].judge(today, stored).verdict
 
 
 def _unstored_row(impl: Implementation, case: str, reason: str) -> dict[str, Any]:

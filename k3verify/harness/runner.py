@@ -20,24 +20,17 @@ import torch
 from ..numerics import (
     EXPECTED_NONFINITE,
     FAIL,
+    POLICY,
     UNAVAILABLE,
-    Metrics,
-    Verdict,
-    baseline_rule,
     compare,
     expected_nonfinite,
-    fp64_agreement,
-    mismatch_rule,
-    noise_floor,
     spacing,
     worst_element,
 )
 from . import timing, tp_rows
 from .guard import run_isolated
 from .registry import (
-    FP64_RULE,
     Case,
-    ErrorSamples,
     Implementation,
     ModuleEntry,
     Outputs,
@@ -263,75 +256,35 @@ def _judge_output(entry: ModuleEntry, impl: Implementation, case: Case, name: st
 
 def _judge(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out: torch.Tensor, ref: torch.Tensor,
            prediction: Any, primary: bool) -> dict[str, Any]:
-    """One output's verdict: the frontier where overflow is predicted, else the row's rule."""
+    """One output's verdict: the frontier where overflow is predicted, else the row's rule
+    (``POLICY[impl.rule]``), given the same-dtype baseline's output where the rule uses one."""
     out = out.detach().cpu()
-    if not ref.is_floating_point():
-        return _judge_discrete(entry, impl, case, name, out, ref)
-    metrics = compare(out, ref, ulp_dtype=impl.dtype)
-    judged: dict[str, Any] = {"metrics": metrics.as_dict(),
-                              "worst": worst_element(out, ref, tuple(entry.output_axes.get(name, ())))}
-    verdict = None
-    if prediction is not None:
-        verdict = expected_nonfinite(metrics, predicted_finite=prediction.finite, explanation=prediction.explanation)
+    rule = POLICY[impl.rule]
+    judged: dict[str, Any] = {}
+    metrics = None
+    if ref.is_floating_point():
+        metrics = compare(out, ref, ulp_dtype=impl.dtype)
+        judged["worst"] = worst_element(out, ref, tuple(entry.output_axes.get(name, ())))
+        verdict = None if prediction is None else expected_nonfinite(
+            metrics, predicted_finite=prediction.finite, explanation=prediction.explanation)
         # The frontier speaks of the primary output; another output that stays finite where the
         # primary is predicted to overflow is held to the precision rule instead.
-        if verdict is not None and not primary and metrics.nonfinite == 0:
-            verdict = None
-    if verdict is None:
-        if impl.rule == FP64_RULE:
-            verdict = fp64_agreement(_as_fp64(out, impl, name), ref)
-        else:
-            base_out = _baseline(entry, case, impl)[name].detach().cpu()
-            base, verdict = baseline_verdict(metrics, base_out, ref, impl.dtype, out.dtype,
-                                             entry.samples_of(name, ref.shape, case.params))
-            judged.update(baseline_metrics=base.as_dict(), baseline_out=base_out)
-    return judged | {"status": verdict.status, "verdict": verdict.as_dict(), "margin": verdict.margin}
-
-
-def baseline_verdict(metrics: Metrics, base_out: torch.Tensor, ref: torch.Tensor, dtype: str,
-                     out_dtype: torch.dtype, samples: ErrorSamples) -> tuple[Metrics, Verdict]:
-    """The baseline rule for an output whose ``metrics`` against ``ref`` are known, judged
-    against ``base_out``: the baseline's metrics (ULPs in ``dtype``) and the verdict. The floor
-    is what storing the oracle in the output's own dtype costs (an fp8 run that writes bf16 is
-    floored at bf16, not fp8). ``samples``: the output's independent errors
-    (``ModuleEntry.samples_of``) for the RMS and bias terms."""
-    base = compare(base_out, ref, ulp_dtype=dtype)
-    return base, baseline_rule(metrics, base, noise_floor(ref, out_dtype), rms_n=samples.rms, bias_n=samples.bias)
-
-
-def _judge_discrete(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out: torch.Tensor,
-                    ref: torch.Tensor) -> dict[str, Any]:
-    """An integer output (MoE's expert sets): the fraction of rows that differ from the oracle's,
-    exactly 0 under fp64-agreement, else at most k times the same-dtype baseline's."""
-    err = mismatch_fraction(out, ref)
-    base_err = None
-    if impl.rule != FP64_RULE:
-        base_err = mismatch_fraction(_baseline(entry, case, impl)[name].detach().cpu(), ref)
-    verdict = mismatch_rule(err, base_err)
-    metrics = {"mismatch": err, "n": int(ref.shape[0]) if ref.dim() else 1, "nonfinite": 0}
-    return {"metrics": metrics, "status": verdict.status, "verdict": verdict.as_dict(), "margin": verdict.margin}
+        if verdict is not None and (primary or metrics.nonfinite):
+            return judged | {"metrics": metrics.as_dict(), "status": verdict.status, "verdict": verdict.as_dict(),
+                             "margin": verdict.margin}
+    base_out = _baseline(entry, case, impl)[name].detach().cpu() if rule.uses_baseline else None
+    samples = entry.samples_of(name, ref.shape, case.params)
+    j = rule.judge(out, ref, dtype=impl.dtype, baseline=base_out, metrics=metrics, rms_n=samples.rms,
+                   bias_n=samples.bias)
+    judged["metrics"] = j.metrics
+    if j.baseline_metrics is not None:
+        judged.update(baseline_metrics=j.baseline_metrics, baseline_out=base_out)
+    return judged | {"status": j.verdict.status, "verdict": j.verdict.as_dict(), "margin": j.verdict.margin}
 
 
 def _baseline(entry: ModuleEntry, case: Case, impl: Implementation) -> Outputs:
     family = entry.baseline_family(impl)
     return as_outputs(entry.baseline(case, impl.dtype, family), entry.outputs, f"the {entry.name} baseline")
-
-
-def mismatch_fraction(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Fraction of rows (first axis) whose entries differ from ``ref``'s; 1 for a shape mismatch."""
-    if out.shape != ref.shape:
-        return 1.0
-    if ref.numel() == 0:
-        return 0.0
-    rows = (out != ref).reshape(ref.shape[0], -1).any(-1) if ref.dim() else (out != ref).reshape(1)
-    return float(rows.double().mean())
-
-
-def _as_fp64(out: torch.Tensor, impl: Implementation, name: str) -> torch.Tensor:
-    if out.dtype != torch.float64:
-        raise TypeError(f"{impl.label} is judged by fp64-agreement but returned {name} in {out.dtype}; "
-                        "fp64 must stay fp64")
-    return out
 
 
 # ULP bands of the histogram: [0, 1/8), [1/8, 1/4), ..., [2^19, 2^20), [2^20, inf).

@@ -6,7 +6,7 @@ Modules and the harness use these and never re-implement them.
 from .collective import all_reduce
 from .dtypes import DTypeFacts, compute_dtype, dtype_name, facts, is_float8, resolve_dtype, supported_dtypes
 from .frontier import exp_fits, headroom, ln_max
-from .metrics import Metrics, compare, relative_max_error, where_text, worst_element
+from .metrics import Metrics, compare, mismatch_fraction, relative_max_error, where_text, worst_element
 from .policy import (
     BASELINE_K,
     BASELINE_RULE,
@@ -16,10 +16,14 @@ from .policy import (
     FP64_RULE,
     FRONTIER_RULE,
     PASS,
+    POLICY,
     RULES,
     STATUSES,
     UNAVAILABLE,
     VERDICT_STATUSES,
+    Judgement,
+    Rule,
+    Status,
     Verdict,
     baseline_rule,
     expected_nonfinite,
@@ -41,12 +45,16 @@ __all__ = [
     "FRONTIER_RULE",
     "OVERFLOW_MODES",
     "PASS",
+    "POLICY",
     "RULES",
     "STATUSES",
     "UNAVAILABLE",
     "VERDICT_STATUSES",
     "DTypeFacts",
+    "Judgement",
     "Metrics",
+    "Rule",
+    "Status",
     "Verdict",
     "all_reduce",
     "baseline_rule",
@@ -62,6 +70,7 @@ __all__ = [
     "is_float8",
     "ln_max",
     "map_tensors",
+    "mismatch_fraction",
     "mismatch_rule",
     "named_tensors",
     "noise_floor",

@@ -123,3 +123,14 @@ def where_text(index: list[int], axes: list[str]) -> str:
     if axes and len(axes) == len(index):
         return "[" + ", ".join(f"{a}={i}" for a, i in zip(axes, index)) + "]"
     return "[" + ", ".join(str(i) for i in index) + "]"
+
+
+def mismatch_fraction(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Fraction of rows (first axis) whose entries differ from ``ref``'s (a discrete output: which
+    experts a token chose); 1 for a shape mismatch."""
+    if out.shape != ref.shape:
+        return 1.0
+    if ref.numel() == 0:
+        return 0.0
+    rows = (out != ref).reshape(ref.shape[0], -1).any(-1) if ref.dim() else (out != ref).reshape(1)
+    return float(rows.double().mean())

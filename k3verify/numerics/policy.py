@@ -38,20 +38,27 @@ Two rules, and every test or report row names the one it uses:
     correct kernel may round a scalar once in its fp32 accumulator (a folded constant, a row's
     normaliser), which scales a whole row coherently.
 
+The rules are values: :data:`POLICY` maps each name to an object whose ``judge`` turns one output
+into a :class:`Judgement` (the runner, goldens and the testing API all judge through it);
+:func:`rule_for` names the rule of a dtype.
+
 The margin is the fraction of the allowance left: ``1 - err / limit``; 1 when exact, 0 at
 the limit, negative when failing.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
+from types import MappingProxyType
+from typing import Any, ClassVar, Protocol
 
 import torch
 
-from .metrics import Metrics, compare, relative_max_error
+from .metrics import Metrics, compare, mismatch_fraction, relative_max_error
 from .rounding import round_to
 
 FP64_AGREEMENT_REL = 1e-10
@@ -65,26 +72,37 @@ SMALL_OUTPUT_ALPHA = 1e-6
 # on an H100 (docs/sensitivity.md); the floor is k such roundings.
 ACCUMULATOR_ROUNDOFF = 2.0**-24
 
-# Statuses, once for the whole project: a judged output is one of VERDICT_STATUSES; a row is one
-# of STATUSES (``unavailable``: it could not run here, so nothing was judged).
-PASS = "pass"
-FAIL = "fail"
-EXPECTED_NONFINITE = "expected-nonfinite"
-UNAVAILABLE = "unavailable"
-VERDICT_STATUSES = (PASS, FAIL, EXPECTED_NONFINITE)
-STATUSES = (*VERDICT_STATUSES, UNAVAILABLE)
 
-# Rules, once: a row is held to FP64_RULE or BASELINE_RULE (rule_for); FRONTIER_RULE judges an
-# output where overflow was predicted.
+
+class Status(str, enum.Enum):
+    """Every status of the project, once: a judged output is one of :data:`VERDICT_STATUSES`; a
+    row is one of :data:`STATUSES` (``unavailable``: it could not run here, so nothing was judged).
+    A status is its string (``Status.PASS == "pass"``), in JSON and in every text."""
+
+    PASS = "pass"
+    FAIL = "fail"
+    EXPECTED_NONFINITE = "expected-nonfinite"
+    UNAVAILABLE = "unavailable"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+PASS, FAIL, EXPECTED_NONFINITE, UNAVAILABLE = Status
+VERDICT_STATUSES = (PASS, FAIL, EXPECTED_NONFINITE)
+STATUSES = tuple(Status)
+
+# Rule names, once: a row is held to FP64_RULE or BASELINE_RULE (rule_for; the rules themselves are
+# the table POLICY, at the end); FRONTIER_RULE judges an output where overflow was predicted.
 FP64_RULE = "fp64-agreement"
 BASELINE_RULE = "baseline"
 FRONTIER_RULE = "frontier"
-RULES = (FP64_RULE, BASELINE_RULE)
 
 
 def rule_for(dtype: str) -> str:
-    """The rule a row computed in ``dtype`` (a dtype name: ``fp64``, ``bf16``, ...) is held to:
-    fp64-agreement for fp64, the baseline rule for every lower precision."""
+    """The name of the rule a row computed in ``dtype`` (a dtype name: ``fp64``, ``bf16``, ...) is
+    held to: fp64-agreement for fp64, the baseline rule for every lower precision (``POLICY[name]``
+    is the rule)."""
     return FP64_RULE if dtype == "fp64" else BASELINE_RULE
 
 
@@ -92,7 +110,7 @@ def rule_for(dtype: str) -> str:
 class Verdict:
     """Outcome of one comparison under one rule."""
 
-    status: str  # PASS, FAIL or EXPECTED_NONFINITE
+    status: Status  # PASS, FAIL or EXPECTED_NONFINITE
     rule: str
     metric: str
     err: float
@@ -312,3 +330,90 @@ def mismatch_rule(err: float, baseline_err: float | None, *, k: float = BASELINE
     ok = err <= limit
     return Verdict(PASS if ok else FAIL, BASELINE_RULE, "mismatch", err, limit, _margin(err, limit),
                    f"mismatch {err:.3g} {'<=' if ok else '>'} {k:g}x{baseline_err:.3g}", baseline_err, 0.0, k)
+
+
+
+# --- the policy as a value -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """One output judged by a rule: its verdict, its metrics and, under the baseline rule, the
+    baseline's metrics (as a report stores them)."""
+
+    verdict: Verdict
+    metrics: dict[str, Any]
+    baseline_metrics: dict[str, Any] | None = None
+
+
+class Rule(Protocol):
+    """A rule judges one output against its fp64 oracle and returns a :class:`Judgement`.
+
+    ``out`` and ``ref`` have one shape (``ref`` fp64 for floating outputs, integers for a discrete
+    output such as MoE's expert sets); ``dtype`` names the precision the output was computed in
+    (ULPs and the noise floor are taken there); ``baseline`` is the same-dtype baseline's output
+    where the rule ``uses_baseline``; ``metrics`` may pass ``compare(out, ref)`` already computed;
+    ``rms_n`` and ``bias_n`` count the output's independent errors (:func:`baseline_rule`)."""
+
+    name: str
+    uses_baseline: bool
+
+    def judge(self, out: torch.Tensor, ref: torch.Tensor, *, dtype: str, baseline: torch.Tensor | None = None,
+              metrics: Metrics | None = None, rms_n: int | None = None, bias_n: int | None = None) -> Judgement:
+        ...
+
+
+def _discrete_metrics(err: float, ref: torch.Tensor) -> dict[str, Any]:
+    return {"mismatch": err, "n": int(ref.shape[0]) if ref.dim() else 1, "nonfinite": 0}
+
+
+@dataclass(frozen=True)
+class Fp64Agreement:
+    """``fp64-agreement``: an fp64 output within ``rel`` (normwise relative max error) of the
+    oracle; a discrete output equal to it on every row. A lower-precision output is refused:
+    fp64 must stay fp64."""
+
+    rel: float = FP64_AGREEMENT_REL
+    name: ClassVar[str] = FP64_RULE
+    uses_baseline: ClassVar[bool] = False
+
+    def judge(self, out: torch.Tensor, ref: torch.Tensor, *, dtype: str = "fp64", baseline: torch.Tensor | None = None,
+              metrics: Metrics | None = None, rms_n: int | None = None, bias_n: int | None = None) -> Judgement:
+        if not ref.is_floating_point():
+            err = mismatch_fraction(out, ref)
+            return Judgement(mismatch_rule(err, None), _discrete_metrics(err, ref))
+        if out.dtype != torch.float64:
+            raise TypeError(f"judged by {self.name} but computed in {out.dtype}; fp64 must stay fp64")
+        m = compare(out, ref, ulp_dtype=dtype) if metrics is None else metrics
+        return Judgement(fp64_agreement(out, ref, rel=self.rel), m.as_dict())
+
+
+@dataclass(frozen=True)
+class SameDtypeBaseline:
+    """``baseline``: an output's error against the oracle within ``k`` times the same-dtype
+    baseline's plus the noise floor, its bias within the baseline's (:func:`baseline_rule`); a
+    discrete output's mismatched rows within ``k`` times the baseline's (:func:`mismatch_rule`)."""
+
+    k: float = BASELINE_K
+    name: ClassVar[str] = BASELINE_RULE
+    uses_baseline: ClassVar[bool] = True
+
+    def judge(self, out: torch.Tensor, ref: torch.Tensor, *, dtype: str, baseline: torch.Tensor | None = None,
+              metrics: Metrics | None = None, rms_n: int | None = None, bias_n: int | None = None) -> Judgement:
+        if baseline is None:
+            raise ValueError(f"the {self.name} rule needs the same-dtype baseline's output")
+        if not ref.is_floating_point():
+            err = mismatch_fraction(out, ref)
+            verdict = mismatch_rule(err, mismatch_fraction(baseline, ref), k=self.k)
+            return Judgement(verdict, _discrete_metrics(err, ref))
+        m = compare(out, ref, ulp_dtype=dtype) if metrics is None else metrics
+        base = compare(baseline, ref, ulp_dtype=dtype)
+        # The floor is what storing the oracle in the output's own dtype costs (an fp8 run that
+        # writes bf16 is floored at bf16, not fp8).
+        verdict = baseline_rule(m, base, noise_floor(ref, out.dtype), k=self.k, rms_n=rms_n, bias_n=bias_n)
+        return Judgement(verdict, m.as_dict(), base.as_dict())
+
+
+# The policy: every rule a row can name, by name. Rows store the name; judging goes through here.
+POLICY: Mapping[str, Rule] = MappingProxyType({rule.name: rule for rule in (Fp64Agreement(), SameDtypeBaseline())})
+RULES = tuple(POLICY)

@@ -1,7 +1,10 @@
 """What every module's registry entry must satisfy, checked the same way for each module.
 
-``passing_rows``: the runner's verdicts on the built-in cases: no row fails, and every row
-under the ``fp64-agreement`` rule is within its bound (``numerics.policy``).
+``passing_rows``: the runner's verdicts on the built-in cases: no row fails, every row under the
+``fp64-agreement`` rule is within its bound (``numerics.policy``), and every row is a
+:class:`~k3verify.harness.rows.Row` with no undeclared key (the writer's side of the schema).
+``ROW_FACTS``: what a module's rows show beyond that (its forms, its expected overflows), checked
+by the contract test after ``passing_rows``; a module without an entry gets the generic checks.
 ``quick_map``: the quick overflow map through the one sweep engine: progress reaches the last
 point, every cell carries the required keys and its map axes, and prediction and observation
 never disagree away from the frontier.
@@ -9,16 +12,25 @@ never disagree away from the frontier.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from k3verify.attnres import samples as attnres_samples
 from k3verify.harness import registry, runner
+from k3verify.harness.environment import one_thread
+from k3verify.harness.files import json_safe
 from k3verify.harness.overflow_map import REQUIRED_CELL_KEYS, MapOptions, MapResult, sweep_map
-from k3verify.numerics import FAIL, FP64_AGREEMENT_REL
+from k3verify.harness.rows import Row
+from k3verify.numerics import EXPECTED_NONFINITE, FAIL, FP64_AGREEMENT_REL
 
 
 def passing_rows(module: str) -> list[dict[str, Any]]:
-    """Run ``module``'s registry rows; assert none fails and fp64 rows agree to 1e-10."""
-    rows = list(runner.run([registry.get(module)]))
+    """Run ``module``'s registry rows; assert none fails, fp64 rows agree to 1e-10 and every row
+    is a declared :class:`Row` (strict: a key the runner writes must be declared there)."""
+    with one_thread():  # the cases are small: a second intra-op thread only spins on a busy box
+        rows = list(runner.run([registry.get(module)]))
+    for r in rows:
+        Row.from_json(json_safe(r), where=f"{module} row {r['form']} {r['dtype']} on {r['case']}", strict=True)
     failed = [f"{r['form']} {r['dtype']} {r['params']} on {r['case']}: {r.get('reason') or r['verdict']['reason']}"
               for r in rows if r["status"] == FAIL]  # fmt: skip
     assert not failed, failed
@@ -41,3 +53,51 @@ def quick_map(module: str) -> MapResult:
     counts = result.meta["agreement"]["all"]
     assert counts["cells"] == len(result.cells) and counts["disagree_away"] == 0, counts
     return result
+
+
+def _mla_rows(rows: list[dict[str, Any]]) -> None:
+    """The known-bad softmax (no max subtracted) is an expected overflow on the hot case and a
+    pass on the default case; every correct form passes on ``hot``."""
+    assert {r["form"] for r in rows} >= {"recurrent", "chunkwise", "tiled", "tiled:split-kv"}
+    no_max = {r["case"]: r["status"] for r in rows if r["params"].get("subtract_max") is False}
+    assert no_max == {"default": "pass", "hot": EXPECTED_NONFINITE}
+    assert all(r["status"] == "pass" for r in rows
+               if r["case"] == "hot" and r["params"].get("subtract_max", True) and r["status"] != "unavailable")
+
+
+def _attnres_rows(rows: list[dict[str, Any]]) -> None:
+    """Every form runs on an aggregation and on a walk, and every named output of the case is
+    judged (aggregations: ``h``; walks: ``h`` and ``blocks``); the no-max softmax is an expected
+    overflow on ``hot`` and a pass elsewhere."""
+    for form in ("recurrent", "chunkwise", "tiled"):
+        assert {"sources", "walk"} <= {r["case"] for r in rows if r["form"] == form}, form
+    for r in (r for r in rows if r["status"] != "unavailable"):
+        walk = r["case"] in (*attnres_samples.WALK_CASES, attnres_samples.K3_WALK)
+        assert set(r["outputs"]) == ({"h", "blocks"} if walk else {"h"}), (r["case"], set(r["outputs"]))
+    no_max = {r["case"]: r["status"] for r in rows if r["params"].get("subtract_max") is False}
+    assert no_max == {"sources": "pass", "hot": EXPECTED_NONFINITE, "walk": "pass"}
+    assert all(r["status"] == "pass" for r in rows
+               if r["case"] == "hot" and r["params"].get("subtract_max", True) and r["status"] != "unavailable")
+
+
+def _moe_rows(rows: list[dict[str, Any]]) -> None:
+    """Recurrent, chunkwise, tiled, router and grouped-expert kernel rows exist; exactly the two
+    predicted overflows (SwiGLU in fp16 at 2^8, a static fp8 scale at 2^8) are expected-nonfinite;
+    every case routes alike in fp32 and fp64, so every row's ``experts`` (judged by the mismatch
+    rule) match the oracle's on every token."""
+    rows = [r for r in rows if r["status"] != "unavailable"]  # bf16 kernels need a GPU
+    assert {r["form"] for r in rows} == {"recurrent", "chunkwise", "tiled", "kernel:router", "kernel:grouped"}
+    for r in rows:
+        assert r["case_params"]["fp32_routing_equals_fp64"], r["case"]
+        assert set(r["outputs"]) == {"y", "experts"}, r["outputs"].keys()
+        assert r["outputs"]["experts"]["metrics"]["mismatch"] == 0.0, (r["form"], r["dtype"], r["case"])
+    expected = {(r["dtype"], r["params"].get("fp8_scaling"), r["case"]) for r in rows
+                if r["status"] == EXPECTED_NONFINITE}
+    assert expected == {("fp16", None, "scaled_swiglu"), ("fp8_e4m3", "static", "scaled")}
+    skewed = next(r for r in rows if r["case"] == "skewed")
+    assert skewed["case_params"]["idle_experts"] > 0
+
+
+ROW_FACTS: dict[str, Callable[[list[dict[str, Any]]], None]] = {
+    "mla": _mla_rows, "attnres": _attnres_rows, "moe": _moe_rows,
+}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from registry_contract import ROW_FACTS, passing_rows
 
 from k3verify.harness import registry, runner
 from k3verify.harness.registry import as_outputs
@@ -58,6 +59,17 @@ def test_the_oracle_names_its_outputs_in_fp64(module: str, made: dict) -> None:
     for name, t in out.items():
         if t.is_floating_point():
             assert t.dtype == torch.float64, f"the {module} oracle's {name} is {t.dtype}: fp64 must stay fp64"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_every_registered_row_passes(module: str) -> None:
+    """Runner verdicts on the module's built-in cases under each row's rule (``fp64-agreement``
+    or ``baseline``; a predicted overflow is ``expected-nonfinite``): no row fails, fp64 rows
+    within 1e-10, every row a declared ``Row``; then what the module's rows show
+    (``registry_contract.ROW_FACTS``, when it has an entry)."""
+    rows = passing_rows(module)
+    assert rows, f"{module} registers no row"
+    ROW_FACTS.get(module, lambda rows: None)(rows)
 
 
 def test_the_entry_computes_each_oracle_and_baseline_once_per_case() -> None:

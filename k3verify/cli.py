@@ -324,13 +324,14 @@ def _print_table(out: Console, rows: list[dict]) -> None:
     if out.width < _natural_width(report.TABLE_HEADER, cells_by_row):
         _say(out, f"{'status':<18} {'err':>9} {'limit':>9} {'margin':>6}  row [output] rule")
         for cells, row in zip(cells_by_row, rows):
-            err, limit, margin, status = cells[-4:]
-            line = f"{status:<18} {err:>9} {limit:>9} {margin:>6}  {report.row_heading(row)} [{cells[6]}] {cells[7]}"
+            c = dict(zip(report.TABLE_HEADER, cells))
+            line = (f"{c['status']:<18} {c['err']:>9} {c['limit']:>9} {c['margin']:>6}  {report.row_heading(row)} "
+                    f"[{c['output']}] {c['rule']}")
             _say(out, line, style=STATUS_STYLE.get(row["status"], ""))
         return
     table = Table(*report.TABLE_HEADER, title="k3verify verdicts", show_lines=False)
     for i, column in enumerate(table.columns):
-        if column.header in NUMERIC_COLUMNS:  # never cut nor split a number
+        if column.header in NUMERIC_COLUMNS:  # never cut nor split a number (or a status)
             column.no_wrap = True
             column.min_width = max([len(column.header), *(len(cells[i]) for cells in cells_by_row)])
         else:  # names fold onto more lines
@@ -739,7 +740,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 FORMATS = ("table", "md", "json")
-NUMERIC_COLUMNS = ("err", "limit", "margin", "status")
+NUMERIC_COLUMNS = tuple(c.header for c in report.TABLE_COLUMNS if c.numeric)
 
 
 def _output_options(p: argparse.ArgumentParser) -> None:

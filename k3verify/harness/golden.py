@@ -91,6 +91,7 @@ from .files import (
     staged_folder,
 )
 from .registry import FP64_RULE, Case, Implementation, ModuleEntry, Outputs, as_outputs
+from .rows import Row, VerdictRecord
 
 # Bump when what a golden file holds changes (case generation, key scheme, oracle choice).
 GENERATOR_VERSION = 2  # 2: the oracle's named outputs (oracle.<name>) instead of one "oracle"
@@ -867,20 +868,9 @@ def _oracle_row(entry: ModuleEntry, case: Case, stored: Outputs, rel: str) -> di
     names = [n for n in entry.outputs if n in today or n in stored]
     verdicts = [_agree(name, today.get(name), stored.get(name)) for name in names]
     verdict = max(verdicts, key=lambda v: (v.status == FAIL, v.err))
-    return {
-        "module": entry.name,
-        "implementation": "oracle",
-        "form": "definition",
-        "dtype": "fp64",
-        "params": {},
-        "case": case.name,
-        "case_params": dict(case.params),
-        "rule": FP64_RULE,
-        "golden": rel,
-        "status": verdict.status,
-        "verdict": verdict.as_dict(),
-        "margin": verdict.margin,
-    }
+    return Row(module=entry.name, implementation="oracle", form="definition", dtype="fp64", case=case.name,
+               status=verdict.status, rule=FP64_RULE, case_params=dict(case.params), golden=rel,
+               verdict=VerdictRecord(**verdict.as_dict()), margin=verdict.margin).to_json()
 
 
 def _agree(name: str, today: torch.Tensor | None, stored: torch.Tensor | None) -> Verdict:
@@ -904,13 +894,5 @@ def _missing(reason: str) -> dict[str, Any]:
 
 
 def _missing_row(module: str, case: str, reason: str) -> dict[str, Any]:
-    return {
-        "module": module,
-        "implementation": "-",
-        "form": "-",
-        "dtype": "-",
-        "params": {},
-        "case": case,
-        "rule": "-",
-        **_missing(reason),
-    }
+    return Row(module=module, implementation="-", form="-", dtype="-", case=case, rule="-",
+               **_missing(reason)).to_json()

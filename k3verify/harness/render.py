@@ -42,18 +42,19 @@ from .map_files import (
     maps_entries,
 )
 from .report import (
+    COLUMNS,
     REPORT_FILES,
     REPORT_HTML,
     REPORT_JSON,
     REPORT_MD,
     SPEED_HEADER,
     STATUSES,
+    Column,
     failure_lines,
     fmt,
     load,
     markdown,
     notes,
-    params_text,
     speed_note,
     speed_rows,
     unavailable_groups,
@@ -387,6 +388,16 @@ def _not_shown(items: list[str]) -> str:
            f"<ul>{lis}</ul></div>"
 
 
+def _verdict_cell(column: Column, row: dict[str, Any]) -> str:
+    """One cell of the page's verdict table: the margin as a bar, numbers right-aligned, short
+    names on one line, the reason in a wrapping column."""
+    if column.header == "margin":
+        return _margin_cell(row.get("margin"))
+    css = ("status" if column.header == "status" else "num" if column.numeric else "reason"
+           if column.header == "reason" else "nw" if column.nowrap else "")
+    return f"<td{f' class={css!r}' if css else ''}>{html_text(column.cell(row))}</td>"
+
+
 def _margin_cell(margin: Any) -> str:
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or (isinstance(margin, float)
                                                                              and math.isnan(margin)):
@@ -441,26 +452,13 @@ def _unavailable(rows: list[dict[str, Any]]) -> str:
 def _verdicts(rows: list[dict[str, Any]]) -> str:
     """The verdict table, failed rows first (each row keeps its anchor ``row-<i>`` from the
     report's order), with the verdict's reason (or why the row did not run) and its source."""
-    header = ["module", "implementation", "form", "dtype", "params", "case", "output", "rule", "err", "limit",
-              "margin", "status", "reason", "source"]
     body = []
     order = sorted(range(len(rows)), key=lambda i: rows[i].get("status") != FAIL)
     for i in order:
         r = rows[i]
-        v = r.get("verdict") or {}
-        cells = [r["module"], r["implementation"], r["form"], r["dtype"], params_text(r), r["case"],
-                 r.get("output", "-"), r["rule"]]
-        # module, dtype, output and rule never wrap; the free-text columns may
-        tds = "".join(
-            f"<td{' class=nw' if j in (0, 3, 6, 7) else ''}>{html_text(c)}</td>" for j, c in enumerate(cells)
-        )
-        tds += "".join(f"<td class='num'>{html_text(fmt(v.get(k)))}</td>" for k in ("err", "limit"))
-        tds += _margin_cell(r.get("margin"))
-        tds += f"<td class='status'>{html_text(r['status'])}</td>"
-        tds += f"<td class='reason'>{html_text(r.get('reason') or v.get('reason') or '')}</td>"
-        tds += f"<td>{html_text(r.get('source') or '')}</td>"
+        tds = "".join(_verdict_cell(c, r) for c in COLUMNS)
         body.append(f"<tr id='row-{i}' class='{r['status'] if r['status'] in STATUSES else 'unknown'}'>{tds}</tr>")
-    head = "".join(f"<th>{h}</th>" for h in header)
+    head = "".join(f"<th>{html_text(c.header)}</th>" for c in COLUMNS)
     return f"<div class='wide'><table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
 
 

@@ -11,6 +11,8 @@
                "baseline_error_by_position"?, "golden"?, "source", "output", "outputs": {name: {"status",
                "verdict", "margin", "metrics", "baseline_metrics"?}}}, ...]}
 
+Every key a row may hold, with its type, is declared once in :mod:`k3verify.harness.rows`
+(:class:`~k3verify.harness.rows.Row`), which :func:`load` checks each row against.
 Non-finite floats are written as ``null``; ``metrics.nonfinite`` says when outputs overflowed.
 Keys marked ``?`` appear only where they apply; readers ignore keys they do not know, and
 ``schema_version`` changes only when a key they rely on changes meaning or disappears.
@@ -28,12 +30,14 @@ from __future__ import annotations
 import datetime as _dt
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..numerics import FAIL, PASS, STATUSES, UNAVAILABLE, VERDICT_STATUSES, where_text
 from .files import UsageError, read_json, require_keys
+from .rows import Row, RowError
 from .text import md_text
 
 # 2: named outputs (``outputs``, ``output``) per row; readers still take 1 (one unnamed output).
@@ -66,61 +70,14 @@ REPORT_JSON, REPORT_MD, REPORT_HTML = "report.json", "report.md", "report.html"
 REPORT_FILES = (REPORT_JSON, REPORT_MD, REPORT_HTML)
 
 
-# What a row must hold for any reader (compare, render) to use it, and the types of the keys
-# readers look into when present (``None`` is always allowed: JSON's spelling of non-finite).
-ROW_KEYS: dict[str, type | tuple[type, ...]] = {
-    "module": str, "implementation": str, "form": str, "dtype": str, "case": str, "status": str, "rule": str,
-}
-_NUMBER = (int, float)
-OPTIONAL_ROW_KEYS: dict[str, type | tuple[type, ...]] = {
-    "params": dict, "case_params": dict, "verdict": dict, "metrics": dict, "baseline_metrics": dict,
-    "prediction": dict, "margin": _NUMBER, "reason": str, "overflow": list, "explanation": list, "wall_s": _NUMBER,
-    "ulp_histogram": dict, "error_by_position": list, "baseline_error_by_position": list, "golden": str,
-    "outputs": dict, "output": str, "source": str, "time": dict,
-}
-NESTED_KEYS: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "verdict": {"err": _NUMBER, "limit": _NUMBER, "margin": _NUMBER, "baseline_err": _NUMBER, "floor": _NUMBER,
-                "k": _NUMBER, "metric": str, "reason": str, "rule": str, "status": str, "bias": _NUMBER,
-                "bias_limit": _NUMBER},
-    "metrics": {"nonfinite": int, "rms_ratio": _NUMBER, "max_abs": _NUMBER, "n": int, "bias": _NUMBER},
-    "baseline_metrics": {"nonfinite": int, "rms_ratio": _NUMBER},
-    "prediction": {"finite": bool, "explanation": str},
-    "ulp_histogram": {"edges": list, "counts": list, "dtype": str},
-    "time": {"median_s": _NUMBER, "repeats": int, "clock": str, "ratio": _NUMBER, "peer": str, "peer_note": str,
-             "error": str},
-}
-LIST_ITEMS: dict[str, type | tuple[type, ...]] = {
-    "overflow": str, "explanation": str, "error_by_position": _NUMBER, "baseline_error_by_position": _NUMBER,
-}
-
-
 def _check_row(row: Any, i: int, path: Path) -> None:
-    """``UsageError`` naming the row and key unless ``row`` has the keys and types readers use
-    and its verdicts agree with each other (:func:`_check_verdicts`)."""
-    require_keys(row, ROW_KEYS, path, f"row {i}")
-    if row["status"] not in STATUSES:
-        raise UsageError(f"{path}: row {i} has status {str(row['status'])[:40]!r}; known: {', '.join(STATUSES)}")
-    if "params" in row and not isinstance(row["params"], dict):
-        raise UsageError(f"{path}: row {i}'s 'params' is not an object")
-    for key, kind in OPTIONAL_ROW_KEYS.items():
-        value = row.get(key)
-        if not _typed(value, kind):
-            raise UsageError(f"{path}: row {i}'s {key!r} is a {type(value).__name__}")
-        for sub, sub_kind in NESTED_KEYS.get(key, {}).items():
-            item = value.get(sub) if isinstance(value, dict) else None
-            if not _typed(item, sub_kind):
-                raise UsageError(f"{path}: row {i}'s {key}.{sub} is a {type(item).__name__}")
-        if key in LIST_ITEMS and value is not None and not all(_typed(x, LIST_ITEMS[key]) for x in value):
-            raise UsageError(f"{path}: row {i}'s {key!r} holds an entry that is not a {LIST_ITEMS[key]}")
-    for name, judged in (row.get("outputs") or {}).items():
-        if not isinstance(judged, dict) or not _typed(judged.get("margin"), _NUMBER) \
-                or judged.get("status") not in OUTPUT_STATUSES:
-            raise UsageError(f"{path}: row {i}'s output {str(name)[:40]!r} is not a judged output")
-        for key in ("verdict", "metrics", "baseline_metrics"):
-            value = judged.get(key)
-            if not _typed(value, dict) or any(not _typed((value or {}).get(sub), kind)
-                                              for sub, kind in NESTED_KEYS[key].items()):
-                raise UsageError(f"{path}: row {i}'s output {str(name)[:40]!r} has a malformed {key!r}")
+    """``UsageError`` naming the row and key unless ``row`` has the keys and types of
+    :class:`~k3verify.harness.rows.Row` and its verdicts agree with each other
+    (:func:`_check_verdicts`)."""
+    try:
+        Row.from_json(row, where=f"row {i}")
+    except RowError as exc:
+        raise UsageError(f"{path}: {exc}") from None
     problem = _check_verdicts(row)
     if problem:
         raise UsageError(f"{path}: row {i} ({row_heading(row)[:120]!r}) {problem}")
@@ -187,7 +144,7 @@ def _verdict_problem(status: str, verdict: dict[str, Any] | None, margin: Any, m
     if verdict.get("margin", margin) != margin:
         return "a margin that is not its verdict's"
     err, limit = verdict.get("err"), verdict.get("limit")
-    numeric = isinstance(err, _NUMBER) and isinstance(limit, _NUMBER)
+    numeric = isinstance(err, (int, float)) and isinstance(limit, (int, float))
     if status == PASS:
         if not numeric:
             return "a pass verdict without a numeric err and limit"
@@ -200,15 +157,6 @@ def _verdict_problem(status: str, verdict: dict[str, Any] | None, margin: Any, m
         if abs(margin - expected) > MARGIN_RTOL * max(1.0, abs(expected)):
             return f"margin {margin!r} where err and limit give {expected!r}"
     return None
-
-
-def _typed(value: Any, kind: type | tuple[type, ...]) -> bool:
-    """``value`` is ``None`` or of ``kind`` (a bool counts as a bool only, never as a number)."""
-    if value is None:
-        return True
-    if isinstance(value, bool):
-        return kind is bool or (isinstance(kind, tuple) and bool in kind)
-    return isinstance(value, kind)
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -268,44 +216,48 @@ def params_text(row: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in params.items()) if isinstance(params, dict) else ""
 
 
+@dataclass(frozen=True)
+class Column:
+    """One column of the verdict table: its header, its cell as plain text (each sink escapes it),
+    and how sinks lay it out. ``numeric``: a number or status, never cut nor split in the terminal
+    and right-aligned on the page; ``nowrap``: a short name the page keeps on one line;
+    ``page_only``: free text only the page's wider table shows."""
+
+    header: str
+    cell: Callable[[dict[str, Any]], str]
+    numeric: bool = False
+    nowrap: bool = False
+    page_only: bool = False
+
+
+def _verdict_field(name: str) -> Callable[[dict[str, Any]], str]:
+    return lambda r: fmt((r.get("verdict") or {}).get(name))
+
+
+# The verdict table's columns, once for Markdown, the page and the terminal.
+COLUMNS = (
+    Column("module", lambda r: r["module"], nowrap=True),
+    Column("implementation", lambda r: r["implementation"]),
+    Column("form", lambda r: r["form"]),
+    Column("dtype", lambda r: r["dtype"], nowrap=True),
+    Column("params", lambda r: params_text(r)),
+    Column("case", lambda r: r["case"]),
+    Column("output", lambda r: r.get("output", "-"), nowrap=True),
+    Column("rule", lambda r: r["rule"], nowrap=True),
+    Column("err", _verdict_field("err"), numeric=True),
+    Column("limit", _verdict_field("limit"), numeric=True),
+    Column("margin", lambda r: fmt(r.get("margin"), ".2f"), numeric=True),
+    Column("status", lambda r: str(r["status"]), numeric=True),
+    Column("reason", lambda r: r.get("reason") or (r.get("verdict") or {}).get("reason") or "", page_only=True),
+    Column("source", lambda r: r.get("source") or "", page_only=True),
+)
+TABLE_COLUMNS = tuple(c for c in COLUMNS if not c.page_only)
+TABLE_HEADER = [c.header for c in TABLE_COLUMNS]
+
+
 def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
-    """Cells of the summary table shared by the terminal and Markdown views."""
-    out = []
-    for r in rows:
-        v = r.get("verdict") or {}
-        out.append(
-            [
-                r["module"],
-                r["implementation"],
-                r["form"],
-                r["dtype"],
-                params_text(r),
-                r["case"],
-                r.get("output", "-"),
-                r["rule"],
-                fmt(v.get("err")),
-                fmt(v.get("limit")),
-                fmt(r.get("margin"), ".2f"),
-                r["status"],
-            ]
-        )
-    return out
-
-
-TABLE_HEADER = [
-    "module",
-    "implementation",
-    "form",
-    "dtype",
-    "params",
-    "case",
-    "output",
-    "rule",
-    "err",
-    "limit",
-    "margin",
-    "status",
-]
+    """Cells of the summary table shared by the terminal and Markdown views (:data:`TABLE_COLUMNS`)."""
+    return [[c.cell(r) for c in TABLE_COLUMNS] for r in rows]
 
 
 def markdown(doc: dict[str, Any], *, nightly: dict[str, Any] | None = None, not_shown: Sequence[str] = ()) -> str:

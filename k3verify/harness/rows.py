@@ -1,0 +1,270 @@
+"""A report row as a type: every key a row of ``report.json`` may hold, declared once.
+
+:class:`Row` is one verified configuration; :class:`JudgedOutput` one of its named outputs under
+its rule. A row's JSON form (what the runner yields, what ``report.json`` stores, what readers
+index) is :meth:`Row.to_json`; :meth:`Row.from_json` reads and checks one, naming the row and
+the key that is wrong. The schema that ``report.load`` enforces is derived from these classes
+(:func:`schema`), so a key added here is known to every check, and a key a writer adds without
+declaring it here fails the writer's own check (``strict``).
+
+Every optional value may be ``None``: JSON's spelling of a non-finite number. A nested record
+(verdict, metrics, timing, ...) holds only what its writer knew: each of its fields is optional.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from ..numerics.metrics import Metrics
+from ..numerics.policy import STATUSES, VERDICT_STATUSES, Verdict
+
+
+class RowError(ValueError):
+    """A row (or one of its records) that does not have the declared keys and types."""
+
+
+# --- records nested in a row ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VerdictRecord:
+    """A :class:`~k3verify.numerics.policy.Verdict` as stored (its fields, each optional)."""
+
+    status: str | None = None
+    rule: str | None = None
+    metric: str | None = None
+    err: float | None = None
+    limit: float | None = None
+    margin: float | None = None
+    reason: str | None = None
+    baseline_err: float | None = None
+    floor: float | None = None
+    k: float | None = None
+    bias: float | None = None
+    bias_limit: float | None = None
+
+
+@dataclass(frozen=True)
+class MetricsRecord:
+    """:class:`~k3verify.numerics.metrics.Metrics` as stored, or a discrete output's
+    ``mismatch`` (the fraction of rows that differ), ``n`` and ``nonfinite``."""
+
+    n: int | None = None
+    max_abs: float | None = None
+    rms_ratio: float | None = None
+    one_minus_cos: float | None = None
+    sqnr_db: float | None = None
+    ulp_max: float | None = None
+    ulp_mean: float | None = None
+    ulp_p99: float | None = None
+    nonfinite: int | None = None
+    ulp_dtype: str | None = None
+    bias: float | None = None
+    mismatch: float | None = None
+
+
+@dataclass(frozen=True)
+class WorstRecord:
+    """Where an output's error is largest (``numerics.worst_element``)."""
+
+    index: list[int] | None = None
+    axes: list[str] | None = None
+    got: float | None = None
+    expected: float | None = None
+    abs_diff: float | None = None
+
+
+@dataclass(frozen=True)
+class PredictionRecord:
+    """The analytic frontier's prediction for the row's case."""
+
+    finite: bool | None = None
+    explanation: str | None = None
+
+
+@dataclass(frozen=True)
+class UlpHistogram:
+    """Counts of the primary output's errors per ULP band (``runner.ulp_histogram``)."""
+
+    dtype: str | None = None
+    edges: list[float | None] | None = None  # the last edge is inf: null
+    counts: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class TimingRecord:
+    """What ``run --time`` measured (:mod:`k3verify.harness.timing`), or why it could not."""
+
+    median_s: float | None = None
+    repeats: int | None = None
+    clock: str | None = None
+    ratio: float | None = None
+    peer: str | None = None
+    peer_note: str | None = None
+    error: str | None = None
+
+
+# --- the row ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JudgedOutput:
+    """One named output under its rule: a verdict's status, margin, the verdict and the metrics
+    (the baseline's too under the baseline rule), and where its worst element is."""
+
+    status: str
+    margin: float | None = None
+    verdict: VerdictRecord | None = None
+    metrics: MetricsRecord | None = None
+    baseline_metrics: MetricsRecord | None = None
+    worst: WorstRecord | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One verified configuration: what identifies it, its status and, when it was judged, the
+    binding output's verdict repeated at the top level (``output`` names it) beside every
+    output's own (``outputs``)."""
+
+    module: str
+    implementation: str
+    form: str
+    dtype: str
+    case: str
+    status: str
+    rule: str
+    params: dict[str, Any] = field(default_factory=dict)
+    case_params: dict[str, Any] | None = None
+    source: str | None = None
+    output: str | None = None
+    outputs: dict[str, JudgedOutput] | None = None
+    verdict: VerdictRecord | None = None
+    margin: float | None = None
+    metrics: MetricsRecord | None = None
+    baseline_metrics: MetricsRecord | None = None
+    baseline_form: str | None = None
+    prediction: PredictionRecord | None = None
+    overflow: list[str] | None = None
+    explanation: list[str] | None = None
+    reason: str | None = None
+    traceback: str | None = None
+    wall_s: float | None = None
+    ulp_histogram: UlpHistogram | None = None
+    error_by_position: list[float | None] | None = None
+    baseline_error_by_position: list[float | None] | None = None
+    golden: str | None = None
+    time: TimingRecord | None = None
+
+    @classmethod
+    def from_json(cls, value: Any, *, where: str = "row", strict: bool = False) -> Row:
+        """The row of a JSON object; :class:`RowError` naming ``where`` and the key that is
+        missing or of the wrong type, or holds an unknown status. Keys this version does not
+        know are ignored (a newer writer's), unless ``strict`` (a writer checking itself)."""
+        row = _record(cls, value, where, strict)
+        if row.status not in STATUSES:
+            raise RowError(f"{where} has status {str(row.status)[:40]!r}; known: {', '.join(STATUSES)}")
+        for name, judged in (row.outputs or {}).items():
+            if judged.status not in VERDICT_STATUSES:
+                raise RowError(f"{where}'s output {str(name)[:40]!r} has status {str(judged.status)[:40]!r}; "
+                               f"known: {', '.join(VERDICT_STATUSES)}")
+        return row
+
+    def to_json(self) -> dict[str, Any]:
+        """The row as ``report.json`` stores it: every key whose value is not ``None``."""
+        return _plain(self)
+
+
+# --- reading and writing ----------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """A record's JSON form, ``None`` fields dropped, recursively."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(v) for f in dataclasses.fields(value) if (v := getattr(value, f.name)) is not None}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _record(cls: type, value: Any, where: str, strict: bool) -> Any:
+    """An instance of dataclass ``cls`` from JSON object ``value``, each field checked."""
+    if not isinstance(value, dict):
+        raise RowError(f"{where} is a {type(value).__name__}, not an object")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if strict:
+        unknown = sorted(str(k) for k in value if k not in fields)
+        if unknown:
+            raise RowError(f"{where} has keys no reader knows: {', '.join(unknown)[:200]} (declare them in "
+                           f"k3verify/harness/rows.py)")
+    kwargs = {}
+    for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if name not in value:
+            if required:
+                raise RowError(f"{where} has no {name!r}")
+            continue
+        kwargs[name] = _typed(value[name], _hints(cls)[name], f"{where}'s {name}" if cls is Row else f"{where}.{name}",
+                              strict)
+        if required and kwargs[name] is None:
+            raise RowError(f"{where} has a null {name!r}")
+    return cls(**kwargs)
+
+
+def _typed(value: Any, hint: Any, where: str, strict: bool) -> Any:
+    """``value`` checked against type ``hint`` (a scalar, ``list[X]``, ``dict[str, X]``, a record,
+    ``X | None``); ``None`` passes wherever the hint allows it. A bool is never a number."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _typed(value, inner, where, strict)
+    if dataclasses.is_dataclass(hint):
+        return _record(hint, value, where, strict)
+    if origin is list:
+        if not isinstance(value, list):
+            raise RowError(f"{where} is a {type(value).__name__}, not a list")
+        return [_typed(v, args[0], f"{where}[{i}]", strict) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise RowError(f"{where} is a {type(value).__name__}, not an object")
+        return {k: _typed(v, args[1], f"{where}[{str(k)[:40]!r}]", strict) for k, v in value.items()}
+    if hint is Any:
+        return value
+    kinds = (int, float) if hint is float else (hint,)
+    if (isinstance(value, bool) and hint is not bool) or not isinstance(value, kinds):
+        raise RowError(f"{where} is a {type(value).__name__}, not a {'number' if hint is float else hint.__name__}")
+    return value
+
+
+def schema(cls: type = Row) -> dict[str, Any]:
+    """The keys of ``cls`` and their types as text (records nested), derived from the classes:
+    what docs/report.md and ``report.load`` rely on."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        hint = _hints(cls)[f.name]
+        inner = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        target = inner[0]
+        if dataclasses.is_dataclass(target):
+            out[f.name] = schema(target)
+        elif typing.get_origin(target) is dict and dataclasses.is_dataclass(typing.get_args(target)[1]):
+            out[f.name] = {"<name>": schema(typing.get_args(target)[1])}
+        else:
+            out[f.name] = str(hint).replace("typing.", "")
+    return out
+
+
+# The records mirror the numerics' own dataclasses: the same field names (a test holds them).
+MIRRORS = ((VerdictRecord, Verdict), (MetricsRecord, Metrics))

@@ -20,9 +20,14 @@ nox.options.default_venv_backend = "venv"
 CONSTRAINTS = ("-c", "constraints.txt")
 BASELINE = "reports/baseline/cpu"
 TP_BASELINE = "reports/baseline/cpu-tp8"
-GPU_ATTNRES_BASELINE = "reports/baseline/gpu-h200-attnres/run"
-GPU_MLA_BASELINE = "reports/baseline/gpu-h200-mla/run"
-GPU_MOE_BASELINE = "reports/baseline/gpu-h200-moe/run"
+# Every module's GPU session, from one table: its kernel tests and the committed H200 report its
+# run is compared with (``nox -s gpu`` runs them all, ``nox -s gpu-<module>`` one).
+GPU_MODULES: dict[str, tuple[tuple[str, ...], str]] = {
+    "kda": (("properties/test_kda_kernels.py", "properties/test_kda_gpu.py"), "reports/baseline/gpu-h200"),
+    "mla": (("properties/test_mla_kernels.py", "properties/test_mla_adapters.py"), "reports/baseline/gpu-h200-mla/run"),
+    "attnres": (("properties/test_attnres_kernels.py",), "reports/baseline/gpu-h200-attnres/run"),
+    "moe": (("properties/test_moe_kernels.py", "properties/test_moe_adapters.py"), "reports/baseline/gpu-h200-moe/run"),
+}
 LATEST = "reports/latest"
 
 
@@ -151,56 +156,37 @@ def _gpu_out(session: nox.Session) -> str:
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
     """On a CUDA machine, in the Python already there (GPU machines have no network, so nothing
-    is installed; fla-core comes as a wheel on PYTHONPATH): the KDA GPU property tests, the KDA
-    overflow map with the kernel cells (ours and fla-core's) and ``k3verify run --modules kda``
-    drawing it. Output under ``reports/latest/gpu`` or the folder given as posarg."""
-    out = _gpu_out(session)
-    tests = ("properties/test_kda_kernels.py", "properties/test_kda_gpu.py")
-    _gpu_module(session, "kda", tests, out, f"{out}/maps")
+    is installed; fla-core and flash-attn-res come as wheels on PYTHONPATH): every module's GPU
+    session of :data:`GPU_MODULES` in turn (:func:`_gpu_module`). Output under
+    ``reports/latest/gpu/<module>`` or ``<posarg>/<module>``."""
+    for module in GPU_MODULES:
+        _gpu_module(session, module, f"{_gpu_out(session)}/{module}")
 
 
-@nox.session(name="gpu-attnres", venv_backend="none")
-def gpu_attnres(session: nox.Session) -> None:
-    """On a CUDA machine (flash-attn-res as a wheel on PYTHONPATH): the AttnRes GPU property
-    tests, the AttnRes overflow map with kernel cells and every kernel's depth-drift curve, and
-    ``k3verify run --modules attnres`` drawing them, compared against the committed H200 report.
-    Output under ``reports/latest/gpu/attnres`` or the posarg."""
-    out = session.posargs[0] if session.posargs else f"{_gpu_out(session)}/attnres"
-    # flash-attn-res's row at K3's width fails (it cannot compile d = 7168): a result the
-    # committed GPU report holds, so the compare decides, as the CPU session's does.
-    _gpu_module(session, "attnres", ("properties/test_attnres_kernels.py",), out, f"{out}/maps", success_codes=[0, 1])
-    session.run(sys.executable, "-m", "k3verify", "report", "compare", GPU_ATTNRES_BASELINE, out)
+def _gpu_session(module: str) -> None:
+    """Register ``gpu-<module>``: that module's part of ``nox -s gpu`` alone."""
+
+    @nox.session(name=f"gpu-{module}", venv_backend="none")
+    def one(session: nox.Session) -> None:
+        _gpu_module(session, module, f"{_gpu_out(session)}/{module}")
+
+    one.__doc__ = f"On a CUDA machine: the {module} part of ``nox -s gpu`` alone."
 
 
-@nox.session(name="gpu-mla", venv_backend="none")
-def gpu_mla(session: nox.Session) -> None:
-    """On a CUDA machine: the MLA kernel and adapter tests, the MLA overflow map with the decode
-    kernel's cells, and ``k3verify run --modules mla`` (our kernels, SDPA and flex_attention
-    rows) drawing it, compared against the committed H200 report. Output under
-    ``reports/latest/gpu/mla`` or the posarg."""
-    out = session.posargs[0] if session.posargs else f"{_gpu_out(session)}/mla"
-    tests = ("properties/test_mla_kernels.py", "properties/test_mla_adapters.py")
-    _gpu_module(session, "mla", tests, out, f"{out}/maps")
-    session.run(sys.executable, "-m", "k3verify", "report", "compare", GPU_MLA_BASELINE, out)
+for _module in GPU_MODULES:
+    _gpu_session(_module)
 
 
-@nox.session(name="gpu-moe", venv_backend="none")
-def gpu_moe(session: nox.Session) -> None:
-    """On a CUDA machine: the MoE kernel and adapter tests, the MoE overflow map (with the routing
-    flips of our router kernel) and ``k3verify run --modules moe`` drawing it, compared against
-    the committed H200 report. Output under ``reports/latest/gpu/moe`` or the posarg."""
-    out = session.posargs[0] if session.posargs else f"{_gpu_out(session)}/moe"
-    tests = ("properties/test_moe_kernels.py", "properties/test_moe_adapters.py")
-    _gpu_module(session, "moe", tests, out, f"{out}/maps")
-    session.run(sys.executable, "-m", "k3verify", "report", "compare", GPU_MOE_BASELINE, out)
-
-
-def _gpu_module(session: nox.Session, module: str, tests: tuple[str, ...], out: str, maps: str,
-                **run_options: object) -> None:  # fmt: skip
+def _gpu_module(session: nox.Session, module: str, out: str) -> None:
     """A module's GPU tests (profile ``gpu``, or ``gpu-explore`` for a nightly search; a line per
-    test as it ends, since on a fresh device the run is long), its quick overflow map and its
-    rows, the report drawing that map."""
+    test as it ends, since on a fresh device the run is long), its quick overflow map with the
+    kernel cells, ``k3verify run --modules <module>`` drawing that map, and the compare of that
+    run against the module's committed H200 report, which decides: a row that fails there
+    (flash-attn-res cannot compile K3's width d = 7168) is a result the baseline holds, so the
+    run's own exit status of 1 is not the session's verdict."""
+    tests, baseline = GPU_MODULES[module]
     python = sys.executable
+    maps = f"{out}/maps"
     # Autotuned peers (fla-core) keep their choices on disk (Triton's cache): the map and the
     # run, each a new process, reuse what the tests tuned instead of tuning the same shapes again.
     env = {"TRITON_CACHE_AUTOTUNING": "1"}
@@ -209,7 +195,8 @@ def _gpu_module(session: nox.Session, module: str, tests: tuple[str, ...], out: 
                 env=env | {"HYPOTHESIS_PROFILE": profile})  # fmt: skip
     session.run(python, "-m", "k3verify", "overflow-map", "--module", module, "--quick", "--out", maps, env=env)
     session.run(python, "-m", "k3verify", "run", "--modules", module, "--out", out, "--maps", maps, env=env,
-                **run_options)  # fmt: skip
+                success_codes=[0, 1])  # fmt: skip
+    session.run(python, "-m", "k3verify", "report", "compare", baseline, out)
 
 
 def _gpu_workers(session: nox.Session) -> tuple[str, ...]:

@@ -1,0 +1,31 @@
+"""The GPU sessions' table (``GPU_MODULES`` in ``noxfile.py``): every default module has a GPU
+session, whose test files exist and whose committed H200 report loads. Rule: structural (the
+sessions themselves need a CUDA device; docs/gpu.md records their runs).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from k3verify.harness import registry, report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gpu_modules() -> dict[str, tuple[tuple[str, ...], str]]:
+    """The table as written in noxfile.py (read, not imported: nox need not be installed here)."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "GPU_MODULES":
+            return ast.literal_eval(node.value)
+    raise AssertionError("noxfile.py defines no GPU_MODULES table")
+
+
+def test_every_module_has_a_gpu_session() -> None:
+    table = _gpu_modules()
+    assert set(table) == set(registry.module_names()), "a default module without a GPU session, or one too many"
+    for module, (tests, baseline) in table.items():
+        assert tests and all((ROOT / t).is_file() for t in tests), (module, tests)
+        doc = report.load(ROOT / baseline)
+        assert doc["config"]["modules"] == [module], (module, baseline, doc["config"]["modules"])

@@ -1,6 +1,7 @@
 """The contract every registered module meets, checked over each one (the built-in four, the
 opt-in layers, and any entry registered before collection: ``properties/data/toy_module.py``
-shows a new module getting these tests with no edit here).
+shows a new module getting these tests with no edit here). Every module's rows through the
+runner are the contract's other half, in ``test_module_rows.py``.
 
 Rules: structural (names, dtypes, rules, determinism on one host), and fp64-agreement for the
 fp64 forms against the module's oracle (``numerics.policy``).
@@ -16,13 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from registry_contract import ROW_FACTS, passing_rows
 
 from k3verify.harness import registry, runner
 from k3verify.harness.registry import as_outputs
 from k3verify.numerics import PASS, named_tensors, rule_for
 
 ROOT = Path(__file__).resolve().parents[1]
+# The contract's other half: every module's rows, in a file of its own (it runs each module whole).
+ROWS = Path(__file__).with_name("test_module_rows.py")
 MODULES = registry.module_names(opt_in=True)
 
 
@@ -59,17 +61,6 @@ def test_the_oracle_names_its_outputs_in_fp64(module: str, made: dict) -> None:
     for name, t in out.items():
         if t.is_floating_point():
             assert t.dtype == torch.float64, f"the {module} oracle's {name} is {t.dtype}: fp64 must stay fp64"
-
-
-@pytest.mark.parametrize("module", MODULES)
-def test_every_registered_row_passes(module: str) -> None:
-    """Runner verdicts on the module's built-in cases under each row's rule (``fp64-agreement``
-    or ``baseline``; a predicted overflow is ``expected-nonfinite``): no row fails, fp64 rows
-    within 1e-10, every row a declared ``Row``; then what the module's rows show
-    (``registry_contract.ROW_FACTS``, when it has an entry)."""
-    rows = passing_rows(module)
-    assert rows, f"{module} registers no row"
-    ROW_FACTS.get(module, lambda rows: None)(rows)
 
 
 def test_the_entry_computes_each_oracle_and_baseline_once_per_case() -> None:
@@ -130,8 +121,8 @@ def test_the_fp64_forms_agree_with_the_oracle(module: str, made: dict) -> None:
 
 def _contract(*env: tuple[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-p", "toy_module", "-q", "-p", "no:cacheprovider", "-k", "toy",
-         "-p", "no:xdist"],
+        [sys.executable, "-m", "pytest", __file__, str(ROWS), "-p", "toy_module", "-q", "-p", "no:cacheprovider",
+         "-k", "toy", "-p", "no:xdist"],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "properties" / "data"), str(ROOT)]), **dict(env)),
     )  # fmt: skip
@@ -144,7 +135,7 @@ def test_a_new_module_gets_the_contract_with_no_edit() -> None:
     done = _contract()
     assert done.returncode == 0, done.stdout[-2000:]
     tests = [n for n, f in globals().items() if n.startswith("test_") and "module" in f.__code__.co_varnames]
-    assert f"{len(tests)} passed" in done.stdout, done.stdout[-1000:]
+    assert f"{len(tests) + 1} passed" in done.stdout, done.stdout[-1000:]  # + the rows test of ROWS
     broken = _contract(("K3V_TOY_BROKEN", "1"))
     assert broken.returncode == 1, broken.stdout[-2000:]
     assert "the toy oracle's out is torch.float32: fp64 must stay fp64" in broken.stdout, broken.stdout[-2000:]

@@ -10,10 +10,11 @@ import dataclasses
 
 import pytest
 import torch
-from strategies.attnres import FORMS, make_aggregation, make_walk
+from strategies.attnres import FORMS
 from verdicts import assert_identical
 
 from k3verify import attnres
+from k3verify.attnres.samples import make_aggregation, make_walk
 
 
 def _aggregation() -> dict:

@@ -15,17 +15,10 @@ import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
-from strategies.attnres import (
-    FORMS,
-    MAX_SUBTRACTING,
-    STREAMS,
-    Aggregation,
-    aggregations,
-    make_aggregation,
-    one_thread,  # noqa: F401  (autouse fixture)
-)
+from strategies.attnres import FORMS, MAX_SUBTRACTING, STREAMS, one_thread  # noqa: F401  (one_thread: autouse)
 
 from k3verify import attnres
+from k3verify.attnres.samples import Aggregation, aggregations, make_aggregation
 from k3verify.numerics import facts, fp64_agreement, resolve_dtype, round_to
 
 # Mixing cores on given logits: one-shot, two-phase (stored + partial), online tiles.

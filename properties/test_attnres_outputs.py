@@ -15,10 +15,11 @@ import dataclasses
 import pytest
 import torch
 from hypothesis import example, given
-from strategies.attnres import WalkProblem, make_walk, one_thread, walks  # noqa: F401  (one_thread: autouse)
+from strategies.attnres import one_thread  # noqa: F401  (one_thread: autouse)
 from verdicts import assert_identical
 
 from k3verify import attnres
+from k3verify.attnres.samples import WalkProblem, make_walk, walks
 from k3verify.harness import registry, runner
 from k3verify.harness.registry import BASELINE_RULE, FP64_RULE, Case, Implementation
 from k3verify.numerics import FAIL, PASS, fp64_agreement, resolve_dtype

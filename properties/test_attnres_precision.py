@@ -16,16 +16,11 @@ import pytest
 import torch
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
-from strategies.attnres import (
-    Aggregation,
-    aggregations,
-    make_aggregation,
-    make_walk,
-    one_thread,  # noqa: F401  (autouse fixture)
-)
+from strategies.attnres import one_thread  # noqa: F401  (autouse fixture)
 from verdicts import assert_identical
 
 from k3verify import attnres
+from k3verify.attnres.samples import Aggregation, aggregations, make_aggregation, make_walk
 from k3verify.numerics import FAIL, baseline_rule, compare, noise_floor
 from k3verify.numerics.frontier import underflow_threshold
 

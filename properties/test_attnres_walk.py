@@ -14,17 +14,11 @@ import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
-from strategies.attnres import (
-    FORMS,
-    WalkProblem,
-    make_aggregation,
-    make_walk,
-    one_thread,  # noqa: F401  (autouse fixture)
-    walks,
-)
+from strategies.attnres import FORMS, one_thread  # noqa: F401  (one_thread: autouse)
 from verdicts import assert_identical
 
 from k3verify import attnres
+from k3verify.attnres.samples import WalkProblem, make_aggregation, make_walk, walks
 from k3verify.numerics import fp64_agreement, resolve_dtype
 from k3verify.numerics.ops import rms_norm
 

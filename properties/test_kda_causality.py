@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
-from strategies.kda import KDAProblem, kda_problems, make_problem
 
 from k3verify import kda
+from k3verify.kda.samples import KDAProblem, make_problem
+from k3verify.kda.samples import problems as kda_problems
 from k3verify.kda.tiled import diagonal_anchor
 
 

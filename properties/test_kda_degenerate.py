@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies.kda import KDAProblem, kda_problems, make_problem
 from verdicts import assert_rel_within
 
 from k3verify import kda
+from k3verify.kda.samples import KDAProblem, make_problem
+from k3verify.kda.samples import problems as kda_problems
 from k3verify.numerics import FP64_AGREEMENT_REL
 
 FORMS = {

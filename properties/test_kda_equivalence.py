@@ -10,10 +10,11 @@ from functools import partial
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
-from strategies.kda import KDAProblem, kda_problems, make_problem
 from verdicts import assert_fp64_agrees, assert_identical
 
 from k3verify import kda
+from k3verify.kda.samples import KDAProblem, make_problem
+from k3verify.kda.samples import problems as kda_problems
 
 
 @given(p=kda_problems(max_T=150), chunk=st.sampled_from([1, 3, 16, 64, 100]))

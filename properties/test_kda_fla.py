@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from strategies.kda import KDAProblem, kda_problems, make_problem
 from verdicts import assert_rel_within
 
 from k3verify import kda
 from k3verify.adapters import fla
+from k3verify.kda.samples import KDAProblem, make_problem
+from k3verify.kda.samples import problems as kda_problems
 from k3verify.numerics import relative_max_error
 
 pytestmark = [

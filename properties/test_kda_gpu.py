@@ -13,10 +13,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies.kda import KDAProblem, kda_problems, make_problem
 
 from k3verify import kda
 from k3verify.adapters import fla
+from k3verify.kda.samples import KDAProblem, make_problem
+from k3verify.kda.samples import problems as kda_problems
 from k3verify.kda.tiled import predicted_finite
 from k3verify.numerics import baseline_rule, compare, noise_floor
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from strategies.kda import make_problem
 from verdicts import assert_identical
 
 from k3verify import kda
+from k3verify.kda.samples import make_problem
 
 FORMS = [kda.recurrent, kda.chunkwise, kda.tiled]
 

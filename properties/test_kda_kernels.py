@@ -22,11 +22,11 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from strategies.kda import KDAProblem, make_problem
 from verdicts import assert_identical
 
 from k3verify import kda
 from k3verify.kda import kernels
+from k3verify.kda.samples import KDAProblem, make_problem
 from k3verify.kda.tiled import ANCHORS, predicted_finite
 from k3verify.numerics import baseline_rule, compare, dtype_name, noise_floor
 

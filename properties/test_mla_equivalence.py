@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import example, given
 from hypothesis import strategies as st
-from strategies.mla import MLAProblem, make_problem, mla_problems
 
 from k3verify import mla
+from k3verify.mla.samples import MLAProblem, make_problem
+from k3verify.mla.samples import problems as mla_problems
 from k3verify.numerics import fp64_agreement, relative_max_error
 
 

@@ -11,9 +11,9 @@ import dataclasses
 
 import pytest
 import torch
-from strategies.mla import make_problem
 
 from k3verify import mla
+from k3verify.mla.samples import make_problem
 
 FORMS = {"recurrent": mla.recurrent, "chunkwise": mla.chunkwise, "tiled": mla.tiled, "expanded": mla.expanded}
 

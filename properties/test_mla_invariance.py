@@ -15,11 +15,12 @@ from __future__ import annotations
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
-from strategies.mla import PAGE_SIZES, MLAProblem, make_problem, mla_problems
 from verdicts import assert_identical
 
 from k3verify import mla
 from k3verify.mla.cache import live_slots
+from k3verify.mla.samples import PAGE_SIZES, MLAProblem, make_problem
+from k3verify.mla.samples import problems as mla_problems
 from k3verify.numerics import fp64_agreement
 
 # (name, form, dtype of the inputs, options, fp8 cache)

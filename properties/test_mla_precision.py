@@ -16,10 +16,11 @@ import math
 import torch
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
-from strategies.mla import MLAProblem, make_problem, mla_problems
 from verdicts import assert_identical
 
 from k3verify import mla
+from k3verify.mla.samples import MLAProblem, make_problem
+from k3verify.mla.samples import problems as mla_problems
 from k3verify.numerics import baseline_rule, compare, facts, fp64_agreement, noise_floor, round_to, spacing
 from k3verify.numerics.frontier import underflow_threshold
 

@@ -13,18 +13,13 @@ import dataclasses
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
-from strategies.moe import (
-    MoEProblem,
-    fp64_score_spread,
-    make_problem,
-    moe_problems,
-    one_thread,  # noqa: F401
-    settled_choices,
-)
+from strategies.moe import fp64_score_spread, one_thread, settled_choices  # noqa: F401  (one_thread: autouse)
 from verdicts import assert_fp64_agrees, assert_identical
 
 from k3verify import moe
 from k3verify.moe import layer
+from k3verify.moe.samples import MoEProblem, make_problem
+from k3verify.moe.samples import problems as moe_problems
 
 activations = st.sampled_from(("situ", "swiglu"))
 biases = st.sampled_from((0.0, 0.1, 3.0))  # 3.0: a few experts win every token, the rest idle

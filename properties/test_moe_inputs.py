@@ -11,9 +11,10 @@ import dataclasses
 
 import pytest
 import torch
-from strategies.moe import make_problem, one_thread  # noqa: F401
+from strategies.moe import one_thread  # noqa: F401
 
 from k3verify import moe
+from k3verify.moe.samples import make_problem
 
 FORMS = {"recurrent": moe.recurrent, "chunkwise": moe.chunkwise, "tiled": moe.tiled}
 

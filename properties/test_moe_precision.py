@@ -15,12 +15,14 @@ import math
 import torch
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
-from strategies.moe import MoEProblem, make_problem, moe_problems, one_thread  # noqa: F401
+from strategies.moe import one_thread  # noqa: F401
 from verdicts import assert_identical
 
 from k3verify import moe
 from k3verify.moe.inputs import FormOptions
 from k3verify.moe.quantize import Caster
+from k3verify.moe.samples import MoEProblem, make_problem
+from k3verify.moe.samples import problems as moe_problems
 from k3verify.numerics import baseline_rule, compare, facts, noise_floor, round_to
 
 # (operand dtype, fp8 scaling)

@@ -15,16 +15,12 @@ import dataclasses
 import torch
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
-from strategies.moe import (
-    MoEProblem,
-    make_problem,
-    moe_problems,
-    one_thread,  # noqa: F401
-    settled_choices,
-)
+from strategies.moe import one_thread, settled_choices  # noqa: F401  (one_thread: autouse)
 from verdicts import assert_identical
 
 from k3verify import moe
+from k3verify.moe.samples import MoEProblem, make_problem
+from k3verify.moe.samples import problems as moe_problems
 from k3verify.numerics import facts
 
 FORMS = {"recurrent": (moe.recurrent, {}), "chunkwise": (moe.chunkwise, {}),

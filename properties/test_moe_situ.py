@@ -11,9 +11,11 @@ import math
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
-from strategies.moe import MoEProblem, make_problem, moe_problems, one_thread  # noqa: F401
+from strategies.moe import one_thread  # noqa: F401
 
 from k3verify import moe
+from k3verify.moe.samples import MoEProblem, make_problem
+from k3verify.moe.samples import problems as moe_problems
 from k3verify.moe.situ import SITU_BETA1, SITU_BETA2, bound
 from k3verify.numerics import facts, fp64_agreement
 

@@ -428,9 +428,8 @@ def test_kda_block_sizes_are_bounded_before_allocating(form: str, option: dict[s
 
 
 def test_mla_rejects_huge_splits_and_shared_pages() -> None:
-    from strategies.mla import make_problem
-
     from k3verify import mla
+    from k3verify.mla.samples import make_problem
 
     p = make_problem((3, 5), 2, page_size=2)
     with pytest.raises(ValueError, match="num_splits=1000000000 is larger than 4096"):
@@ -446,9 +445,8 @@ def test_mla_rejects_huge_splits_and_shared_pages() -> None:
 
 
 def test_moe_rejects_negative_routing_weights() -> None:
-    from strategies.moe import make_problem
-
     from k3verify import moe
+    from k3verify.moe.samples import make_problem
 
     p = make_problem()
     x, w, cfg = p.args()

@@ -34,11 +34,10 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))  # the replay command runs this file directly
 
-from strategies.kda import make_problem as kda_problem
-from strategies.mla import make_problem as mla_problem
-
 from k3verify.harness import registry, runner
 from k3verify.harness.registry import Case, Implementation, ModuleEntry
+from k3verify.kda.samples import make_problem as kda_problem
+from k3verify.mla.samples import make_problem as mla_problem
 from k3verify.numerics import EXPECTED_NONFINITE, FAIL
 
 REPLAY = "python properties/worst_case.py {module} '{params}'"

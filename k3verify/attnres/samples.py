@@ -8,6 +8,7 @@ what generated them (JSON-ready). Nothing here knows the harness.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -106,20 +107,29 @@ def walk_inputs(schedule: Schedule, *, T: int, d: int, logit_scale: float, seed:
     )
 
 
+def aggregation_params(N: int, T: int, d: int, *, logit_scale: float, seed: int = 0) -> dict[str, Any]:
+    """The params of an aggregation sample (``kind="aggregation"``)."""
+    return dict(N=N, T=T, d=d, kind="aggregation", logit_scale=logit_scale, logit_spread=LOGIT_SPREAD, seed=seed)
+
+
 def aggregation_sample(N: int, T: int, d: int, *, logit_scale: float, seed: int = 0) -> Sample:
     """:func:`controlled_sources` with the params that made them (``kind="aggregation"``)."""
     inputs = controlled_sources(N, T, d, logit_scale=logit_scale, seed=seed)
-    return inputs, dict(N=N, T=T, d=d, kind="aggregation", logit_scale=logit_scale, logit_spread=LOGIT_SPREAD,
-                        seed=seed)
+    return inputs, aggregation_params(N, T, d, logit_scale=logit_scale, seed=seed)
+
+
+def walk_params(schedule: Schedule, *, T: int, d: int, logit_scale: float, seed: int = 0,
+                hidden: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """The params of a walk sample (``kind="walk"``)."""
+    return dict(T=T, d=d, logit_scale=logit_scale, kind="walk", num_layers=schedule.num_layers,
+                **({"sublayer_hidden": hidden} if hidden else {}), block_sublayers=schedule.block_sublayers, seed=seed)
 
 
 def walk_sample(schedule: Schedule, *, T: int, d: int, logit_scale: float, seed: int = 0,
                 hidden: int | None = None) -> Sample:  # fmt: skip
     """:func:`walk_inputs` with the params that made them (``kind="walk"``)."""
     inputs = walk_inputs(schedule, T=T, d=d, logit_scale=logit_scale, seed=seed, hidden=hidden)
-    return inputs, dict(T=T, d=d, logit_scale=logit_scale, kind="walk", num_layers=schedule.num_layers,
-                        **({"sublayer_hidden": hidden} if hidden else {}),
-                        block_sublayers=schedule.block_sublayers, seed=seed)
+    return inputs, walk_params(schedule, T=T, d=d, logit_scale=logit_scale, seed=seed, hidden=hidden)
 
 
 def make_cases(seed: int = 0) -> dict[str, Sample]:
@@ -161,28 +171,133 @@ def map_grid(quick: bool) -> tuple[list[float], list[int]]:
     return list(MAP_LOGIT_SCALES), list(MAP_SOURCES)
 
 
+# --- drawn problems: the strategies Block AttnRes's tests and users draw from --------------------
+
+
+@dataclass
+class Aggregation:
+    """One drawn AttnRes call: fp64 ``sources:[N, T, d]``, ``w, gamma:[d]``."""
+
+    N: int
+    T: int
+    d: int
+    seed: int
+    logit_scale: float
+    sources: torch.Tensor = field(repr=False)
+    w: torch.Tensor = field(repr=False)
+    gamma: torch.Tensor = field(repr=False)
+
+    def __repr__(self) -> str:
+        return f"make_aggregation({self.N}, {self.T}, {self.d}, seed={self.seed}, logit_scale={self.logit_scale!r})"
+
+    @property
+    def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.sources, self.w, self.gamma
+
+    @property
+    def sample(self) -> Sample:
+        """The problem as a sample ``(inputs, params)``."""
+        inputs = dict(sources=self.sources, w=self.w, gamma=self.gamma)
+        return inputs, aggregation_params(self.N, self.T, self.d, logit_scale=self.logit_scale, seed=self.seed)
+
+
+def make_aggregation(N: int = 3, T: int = 2, d: int = 8, *, seed: int = 0, logit_scale: float = 4.0) -> Aggregation:
+    """A problem built directly (for pinned examples and plain tests): :func:`controlled_sources`,
+    whose largest logit per token equals ``logit_scale = ‖w⊙γ‖·sqrt(d)``."""
+    x = controlled_sources(N, T, d, logit_scale=logit_scale, seed=seed)
+    return Aggregation(N, T, d, seed, logit_scale, x["sources"], x["w"], x["gamma"])
+
+
+def aggregations(*, max_N: int = 12, min_T: int = 1, max_T: int = 4, widths: tuple[int, ...] = (1, 2, 3, 8, 16),
+                 logit_scale: Any = None) -> Any:
+    """A Hypothesis strategy of :class:`Aggregation` (needs ``hypothesis``): sizes drawn
+    directly, so they shrink toward one source, one token and width 1; the tensors from a drawn
+    seed, so a failing example replays from its printed :func:`make_aggregation` call; the logit
+    scale from ``logit_scale`` (a strategy; default [0.25, 40])."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def aggregations(draw: Any) -> Aggregation:
+        N = draw(st.integers(1, max_N))
+        T = draw(st.integers(min_T, max_T))
+        d = draw(st.sampled_from(widths))
+        seed = draw(st.integers(0, 2**16))
+        scale = draw(logit_scale if logit_scale is not None else st.floats(0.25, 40.0))
+        return make_aggregation(N, T, d, seed=seed, logit_scale=scale)
+
+    return aggregations()
+
+
+@dataclass
+class WalkProblem:
+    """A drawn depth walk: ``num_layers`` layers in blocks of ``block_sublayers`` sublayers."""
+
+    num_layers: int
+    block_sublayers: int
+    d: int
+    T: int
+    seed: int
+    logit_scale: float
+    inputs: dict = field(repr=False)
+
+    def __repr__(self) -> str:
+        return (f"make_walk({self.num_layers}, {self.block_sublayers}, d={self.d}, T={self.T}, seed={self.seed}, "
+                f"logit_scale={self.logit_scale!r})")
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.inputs["schedule"]
+
+    def run(self, form: str = "recurrent", **opts: Any) -> Any:
+        """The walk by ``form`` (``attnres.WALKS``) on these inputs."""
+        from . import WALKS
+
+        x = self.inputs
+        return WALKS[form](x["embedding"], x["weights"], x["sublayers"], schedule=x["schedule"], **opts)
+
+    @property
+    def sample(self) -> Sample:
+        """The problem as a sample ``(inputs, params)``."""
+        return dict(self.inputs), walk_params(self.schedule, T=self.T, d=self.d, logit_scale=self.logit_scale,
+                                              seed=self.seed)
+
+
+def make_walk(num_layers: int = 3, block_sublayers: int = 2, *, d: int = 8, T: int = 2, seed: int = 0,
+              logit_scale: float = 4.0) -> WalkProblem:
+    """A walk built directly (for pinned examples and plain tests): :func:`walk_inputs`."""
+    schedule = Schedule(num_layers, block_sublayers)
+    inputs = walk_inputs(schedule, T=T, d=d, logit_scale=logit_scale, seed=seed)
+    return WalkProblem(num_layers, block_sublayers, d, T, seed, logit_scale, inputs)
+
+
+def walks(*, max_layers: int = 8, max_block: int = 20) -> Any:
+    """A Hypothesis strategy of :class:`WalkProblem` (needs ``hypothesis``): shrinking toward one
+    layer, block size 1, width 1 and one token; logit scale in [0.25, 24]."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def walks(draw: Any) -> WalkProblem:
+        return make_walk(
+            draw(st.integers(1, max_layers)),
+            draw(st.integers(1, max_block)),
+            d=draw(st.sampled_from((1, 2, 8, 16))),
+            T=draw(st.integers(1, 3)),
+            seed=draw(st.integers(0, 2**16)),
+            logit_scale=draw(st.floats(0.25, 24.0)),
+        )
+
+    return walks()
+
+
 def strategy(kind: str | None = None) -> Any:
-    """A Hypothesis strategy of Block AttnRes samples ``(inputs, params)``: aggregations (``kind=
-    "aggregation"``), walks (``"walk"``) or either (``None``). Sizes shrink toward one source, one
-    token, width 1, one layer and block size 1; the logit scale is drawn in [0.25, 40] (for users'
-    property tests; needs ``hypothesis``)."""
+    """A Hypothesis strategy of Block AttnRes samples ``(inputs, params)``: aggregations
+    (:func:`aggregations`, ``kind="aggregation"``), walks (:func:`walks`, ``"walk"``) or either
+    (``None``), as the tests draw them (for users' property tests; needs ``hypothesis``)."""
     from hypothesis import strategies as st
 
     if kind not in (None, "aggregation", "walk"):
         raise ValueError(f"kind must be 'aggregation', 'walk' or None, got {kind!r}")
-    seeds, scales = st.integers(0, 2**16), st.floats(0.25, 40.0)
-
-    @st.composite
-    def aggregation(d: Any) -> Sample:
-        return aggregation_sample(d(st.integers(1, 12)), d(st.integers(1, 4)), d(st.sampled_from((1, 2, 3, 8, 16))),
-                                  logit_scale=d(scales), seed=d(seeds))
-
-    @st.composite
-    def walk(d: Any) -> Sample:
-        schedule = Schedule(d(st.integers(1, 8)), d(st.integers(1, 20)))
-        return walk_sample(schedule, T=d(st.integers(1, 3)), d=d(st.sampled_from((1, 2, 8, 16))),
-                           logit_scale=d(scales), seed=d(seeds))
-
+    aggregation, walk = aggregations().map(lambda p: p.sample), walks().map(lambda p: p.sample)
     if kind is None:
-        return st.one_of(aggregation(), walk())
-    return aggregation() if kind == "aggregation" else walk()
+        return st.one_of(aggregation, walk)
+    return aggregation if kind == "aggregation" else walk

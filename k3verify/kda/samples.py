@@ -7,6 +7,7 @@ initial_state``), ``params`` what generated them (JSON-ready). Nothing here know
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -116,29 +117,116 @@ def g_min_grid(quick: bool) -> list[float]:
     return [round(-0.5 - i * step, 4) for i in range(n + 1)]
 
 
+@dataclass
+class KDAProblem:
+    """One drawn problem: fp64 inputs plus how they were made (shown when a test fails)."""
+
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+    g_min: float
+    seed: int
+    kind: str
+    inputs: dict[str, torch.Tensor | None]
+
+    def __repr__(self) -> str:
+        return (
+            f"KDAProblem(B={self.B}, T={self.T}, H={self.H}, K={self.K}, V={self.V}, "
+            f"g_min={self.g_min}, seed={self.seed}, kind={self.kind!r}, "
+            f"initial_state={self.inputs['initial_state'] is not None})"
+        )
+
+    def args(self, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, ...]:
+        """``(q, k, v, g, beta)`` cast to ``dtype``."""
+        return tuple(self.inputs[n].to(dtype) for n in ("q", "k", "v", "g", "beta"))
+
+    def state(self, dtype: torch.dtype = torch.float64) -> torch.Tensor | None:
+        s = self.inputs["initial_state"]
+        return None if s is None else s.to(dtype)
+
+    @property
+    def sample(self) -> Sample:
+        """The problem as a sample ``(inputs, params)``."""
+        params = dict(B=self.B, T=self.T, H=self.H, K=self.K, V=self.V, g_min=self.g_min, seed=self.seed,
+                      gates=self.kind, initial_state=self.inputs["initial_state"] is not None)
+        return dict(self.inputs), params
+
+
+def make_problem(
+    B: int,
+    T: int,
+    H: int,
+    K: int,
+    V: int,
+    *,
+    g_min: float = -5.0,
+    seed: int = 0,
+    kind: str = "random",
+    initial_state: bool = True,
+) -> KDAProblem:
+    """A problem built directly (for pinned examples and plain tests): ``kind`` ``random``
+    (:func:`random_inputs`), ``saturated`` (every gate at ``g_min``) or ``worst`` (saturated,
+    with one-hot ``q``/``k`` rows)."""
+    if kind == "random":
+        x = random_inputs(B, T, H, K, V, g_min=g_min, seed=seed, initial_state=initial_state)
+    else:
+        x = saturated_inputs(B, T, H, K, V, g_min=g_min, seed=seed, one_hot=(kind == "worst"))
+        if initial_state:
+            x["initial_state"] = random_inputs(B, 1, H, K, V, seed=seed)["initial_state"]
+    return KDAProblem(B, T, H, K, V, g_min, seed, kind, x)
+
+
+def problems(
+    *,
+    min_T: int = 1,
+    max_T: int = 150,
+    lengths: Any = None,
+    g_min: Any = None,
+    kinds: tuple[str, ...] = ("random",),
+    K: tuple[int, ...] = (4, 8, 16),
+    V: tuple[int, ...] = (4, 6, 16),
+    initial_state: bool | None = None,
+    B: tuple[int, ...] = (1, 2),
+    H: tuple[int, ...] = (1, 2),
+) -> Any:
+    """A Hypothesis strategy of :class:`KDAProblem`, the one KDA's tests and users draw from
+    (needs ``hypothesis``). Sizes are drawn directly, so they shrink toward the smallest problem;
+    the tensors come from a drawn seed, so a failing example replays from its printed sizes and
+    seed. ``T`` is drawn from ``lengths`` (a strategy), else in ``[min_T, max_T]``, and is often
+    not a multiple of any chunk or tile size; ``g_min`` is a strategy of gate bounds (default
+    ``[-8, -0.5]``); ``initial_state`` ``None`` draws it."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def kda_problems(draw: Any) -> KDAProblem:
+        batch = draw(st.sampled_from(B))
+        T = draw(lengths if lengths is not None else st.integers(min_T, max_T))
+        heads = draw(st.sampled_from(H))
+        k = draw(st.sampled_from(K))
+        v = draw(st.sampled_from(V))
+        gm = draw(g_min if g_min is not None else st.floats(-8.0, -0.5).map(lambda x: round(x, 2)))
+        seed = draw(st.integers(0, 2**16))
+        kind = draw(st.sampled_from(kinds))
+        with_state = draw(st.booleans()) if initial_state is None else initial_state
+        return make_problem(batch, T, heads, k, v, g_min=gm, seed=seed, kind=kind, initial_state=with_state)
+
+    return kda_problems()
+
+
 # Lengths at a 64-token chunk's edges: one short of it, exactly it, one past it.
 EDGE_LENGTHS = (63, 64, 65, 127, 128, 129, 191, 192, 193)
 
 
 def strategy() -> Any:
-    """A Hypothesis strategy of KDA samples ``(inputs, params)``: lengths shorter than a chunk
-    (from one token), at a chunk's edges (``T % 64`` in {63, 0, 1}) and in between, shrinking
-    toward one token; a drawn gate bound in [-8, -0.1], random or saturated gates, with or
-    without an initial state (for users' property tests; needs ``hypothesis``). Short outputs
-    are judged with the baseline rule's small-output factor (``numerics.policy``)."""
+    """A Hypothesis strategy of KDA samples ``(inputs, params)`` (:func:`problems`): lengths
+    shorter than a chunk (from one token), at a chunk's edges (``T % 64`` in {63, 0, 1}) and in
+    between, shrinking toward one token; a drawn gate bound in [-8, -0.1], random or saturated
+    gates, with or without an initial state (for users' property tests; needs ``hypothesis``).
+    Short outputs are judged with the baseline rule's small-output factor (``numerics.policy``)."""
     from hypothesis import strategies as st
 
     lengths = st.one_of(st.integers(1, 63), st.sampled_from(EDGE_LENGTHS), st.integers(64, 160))
-
-    @st.composite
-    def draw(d: Any) -> Sample:
-        shape = dict(B=d(st.integers(1, 2)), T=d(lengths), H=d(st.integers(1, 2)),
-                     K=d(st.sampled_from((16, 32))), V=d(st.sampled_from((16, 32))))
-        g_min = d(st.floats(-8.0, -0.1).map(lambda x: round(x, 2)))
-        seed, saturated, state = d(st.integers(0, 2**31 - 1)), d(st.booleans()), d(st.booleans())
-        x = (saturated_inputs(**shape, g_min=g_min, seed=seed, one_hot=False) if saturated
-             else random_inputs(**shape, g_min=g_min, seed=seed, initial_state=state))
-        gates = {"gates": "all at g_min"} if saturated else {"gates": "random", "initial_state": state}
-        return x, dict(shape, g_min=g_min, seed=seed, **gates)
-
-    return draw()
+    return problems(lengths=lengths, g_min=st.floats(-8.0, -0.1).map(lambda x: round(x, 2)),
+                    kinds=("random", "saturated"), K=(16, 32), V=(16, 32)).map(lambda p: p.sample)

@@ -17,7 +17,7 @@ import torch
 
 from ..numerics.ops import rms_norm
 from . import layer
-from .cache import LatentCache, build
+from .cache import LatentCache, build, live_entries
 
 CONFIG = layer.MLAConfig.small()  # K3's proportions (512:64, 128:64, v = 128), 4 heads
 PAGE_SIZE = 16
@@ -151,20 +151,106 @@ def random_inputs(
 PAGE_SIZES = (1, 2, 3, 4, 8, 16)
 
 
-def strategy() -> Any:
-    """A Hypothesis strategy of MLA samples ``(inputs, params)`` from :func:`random_inputs`:
-    sizes that shrink toward one request, one token, no context, one head, ``Dr = 1`` and page
-    size 1; ragged lengths, shuffled pages, NaN in dead slots (for users' property tests;
-    needs ``hypothesis``)."""
+@dataclasses.dataclass
+class MLAProblem:
+    """One drawn problem: fp64 form inputs, the logical cache contents and how they were made."""
+
+    B: int
+    T: int
+    H: int
+    Dr: int
+    Dv: int
+    contexts: tuple[int, ...]  # earlier tokens per request; seq_lens = contexts + T
+    page_size: int
+    seed: int
+    q_scale: float
+    latent_scale: float
+    entries: torch.Tensor = dataclasses.field(repr=False)  # [B, Lmax, R + Dr] logical contents, 0 past each length
+    q_nope: torch.Tensor = dataclasses.field(repr=False)
+    q_pe: torch.Tensor = dataclasses.field(repr=False)
+    w_uk: torch.Tensor = dataclasses.field(repr=False)
+    w_uv: torch.Tensor = dataclasses.field(repr=False)
+    cache: LatentCache = dataclasses.field(repr=False)
+
+    def __repr__(self) -> str:
+        # Replayable: the make_problem call that rebuilds this problem bit for bit.
+        return (f"make_problem({self.contexts!r}, {self.T}, H={self.H}, Dr={self.Dr}, Dv={self.Dv}, "
+                f"page_size={self.page_size}, seed={self.seed}, q_scale={self.q_scale!r}, "
+                f"latent_scale={self.latent_scale!r})")
+
+    @property
+    def R(self) -> int:
+        return 8 * self.Dr
+
+    @property
+    def Dn(self) -> int:
+        return 2 * self.Dr
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(c + self.T for c in self.contexts)
+
+    def args(self, dtype: torch.dtype = torch.float64, cache: LatentCache | None = None) -> tuple:
+        """``(q_nope, q_pe, cache, w_uk, w_uv)`` with tensors in ``dtype``."""
+        c = (cache if cache is not None else self.cache).to(dtype)
+        return self.q_nope.to(dtype), self.q_pe.to(dtype), c, self.w_uk.to(dtype), self.w_uv.to(dtype)
+
+    def layout(self, page_size: int | None = None, *, page_order: str | torch.Tensor = "shuffled",
+               spare_pages: int = 1, seed: int = 0) -> LatentCache:
+        """The same tokens in another paged layout (dead slots NaN)."""
+        gen = torch.Generator().manual_seed(seed)
+        return build(self.entries, self.lengths, page_size or self.page_size, page_order=page_order,
+                     spare_pages=spare_pages, generator=gen)
+
+    @property
+    def sample(self) -> Sample:
+        """The problem as a sample ``(inputs, params)``."""
+        inputs = dict(q_nope=self.q_nope, q_pe=self.q_pe, cache=self.cache, w_uk=self.w_uk, w_uv=self.w_uv)
+        params = dict(T=self.T, H=self.H, Dr=self.Dr, Dv=self.Dv, page_size=self.page_size, seed=self.seed,
+                      contexts=list(self.contexts), lengths=list(self.lengths))
+        return inputs, params
+
+
+def make_problem(contexts: tuple[int, ...] = (3,), T: int = 2, *, H: int = 2, Dr: int = 2, Dv: int | None = None,
+                 page_size: int = 4, seed: int = 0, q_scale: float = 1.0, latent_scale: float = 1.0) -> MLAProblem:
+    """A problem built directly (for pinned examples and plain tests): :func:`random_inputs`."""
+    x = random_inputs(contexts, T, H=H, Dr=Dr, Dv=Dv, page_size=page_size, seed=seed, q_scale=q_scale,
+                      latent_scale=latent_scale)
+    return MLAProblem(
+        B=len(contexts), T=T, H=H, Dr=Dr, Dv=x["w_uv"].shape[-1], contexts=tuple(contexts), page_size=page_size,
+        seed=seed, q_scale=q_scale, latent_scale=latent_scale, entries=live_entries(x["cache"]), **x,
+    )
+
+
+def problems(*, max_B: int = 2, min_T: int = 1, max_T: int = 8, max_context: int = 20, max_H: int = 2,
+             Dr: tuple[int, ...] = (1, 2, 4), q_scale: Any = None) -> Any:
+    """A Hypothesis strategy of :class:`MLAProblem`, the one MLA's tests and users draw from
+    (needs ``hypothesis``): ragged lengths, any page size, shuffled pages, NaN in dead slots.
+    Sizes are drawn directly (they shrink toward one request, one head, one token, page size 1);
+    tensor values come from a drawn seed, so a failing example replays from its printed
+    :func:`make_problem` call. Dimensions keep K3's proportions ``R = 8 Dr``, ``Dn = 2 Dr``;
+    ``q_scale`` is a strategy of query scales (default 1)."""
     from hypothesis import strategies as st
 
     @st.composite
-    def draw(d: Any) -> Sample:
-        B, T = d(st.integers(1, 2)), d(st.integers(1, 8))
-        contexts = d(st.lists(st.integers(0, 20), min_size=B, max_size=B))
-        H, Dr = d(st.integers(1, 2)), d(st.sampled_from((1, 2, 4)))
-        shape = dict(T=T, H=H, Dr=Dr, Dv=d(st.sampled_from((2 * Dr, 3))), page_size=d(st.sampled_from(PAGE_SIZES)),
-                     seed=d(st.integers(0, 2**16)))
-        return random_inputs(contexts, **shape), dict(shape, contexts=contexts, lengths=[c + T for c in contexts])
+    def mla_problems(draw: Any) -> MLAProblem:
+        B = draw(st.integers(1, max_B))
+        T = draw(st.integers(min_T, max_T))
+        contexts = tuple(draw(st.lists(st.integers(0, max_context), min_size=B, max_size=B)))
+        H = draw(st.integers(1, max_H))
+        dr = draw(st.sampled_from(Dr))
+        Dv = draw(st.sampled_from((2 * dr, 3)))
+        page_size = draw(st.sampled_from(PAGE_SIZES))
+        seed = draw(st.integers(0, 2**16))
+        scale = draw(q_scale) if q_scale is not None else 1.0
+        return make_problem(contexts, T, H=H, Dr=dr, Dv=Dv, page_size=page_size, seed=seed, q_scale=scale)
 
-    return draw()
+    return mla_problems()
+
+
+def strategy() -> Any:
+    """A Hypothesis strategy of MLA samples ``(inputs, params)`` (:func:`problems`): sizes that
+    shrink toward one request, one token, no context, one head, ``Dr = 1`` and page size 1;
+    ragged lengths, shuffled pages, NaN in dead slots (for users' property tests; needs
+    ``hypothesis``)."""
+    return problems().map(lambda p: p.sample)

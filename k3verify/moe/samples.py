@@ -140,28 +140,109 @@ def random_inputs(cfg: MoEConfig, T: int, *, seed: int = 0, x_scale: float = 1.0
     return {"x": x, "weights": dataclasses.replace(w, bias=bias), "config": cfg}
 
 
-def strategy() -> Any:
-    """A Hypothesis strategy of MoE samples ``(inputs, params)``: sizes that shrink toward one
-    token, four experts, top-1 and width 8 (latent = d / 2, K3's ratio); SiTU or SwiGLU; ρ 1 or
-    2.827; a random bias (0.1 or 3: a few experts win every token) or one trained by Quantile
-    Balancing (for users' property tests; needs ``hypothesis``)."""
+# --- drawn problems: the strategy MoE's tests and users draw from --------------------------------
+
+
+@dataclasses.dataclass
+class MoEProblem:
+    """One drawn problem: fp64 inputs, weights and the configuration that made them."""
+
+    T: int
+    E: int
+    k: int
+    d: int
+    H: int
+    seed: int
+    x_scale: float
+    activation: str
+    rho: float
+    bias_scale: float
+    cfg: MoEConfig = dataclasses.field(repr=False)
+    weights: MoEWeights = dataclasses.field(repr=False)
+    x: torch.Tensor = dataclasses.field(repr=False)
+    balanced: bool = False  # the bias trained by Quantile Balancing instead of drawn
+
+    def __repr__(self) -> str:
+        # Replayable: the make_problem call that rebuilds this problem bit for bit.
+        return (f"make_problem({self.T}, E={self.E}, k={self.k}, d={self.d}, H={self.H}, seed={self.seed}, "
+                f"x_scale={self.x_scale!r}, activation={self.activation!r}, rho={self.rho!r}, "
+                f"bias_scale={self.bias_scale!r}{', balanced=True' if self.balanced else ''})")
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        # Hypothesis pretty-prints dataclasses field by field (tensors included); print the replay call.
+        printer.text(repr(self))
+
+    def args(self, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, MoEWeights, MoEConfig]:
+        """``(x, weights, config)`` with tensors in ``dtype``."""
+        return self.x.to(dtype), self.weights.to(dtype), self.cfg
+
+    def with_weights(self, **changes: torch.Tensor) -> MoEProblem:
+        """The same problem with some weight tensors replaced."""
+        return dataclasses.replace(self, weights=dataclasses.replace(self.weights, **changes))
+
+    def with_config(self, **changes: object) -> MoEProblem:
+        """The same problem under another configuration (same tensors)."""
+        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, **changes))
+
+    @property
+    def sample(self) -> Sample:
+        """The problem as a sample ``(inputs, params)``."""
+        bias = "quantile balancing" if self.balanced else f"random {self.bias_scale:g}"
+        params = dict(T=self.T, E=self.E, k=self.k, d=self.d, H=self.H, activation=self.activation, rho=self.rho,
+                      seed=self.seed, bias=bias)
+        return _sample(self.x, self.weights, self.cfg, params)
+
+
+def make_problem(T: int = 8, *, E: int = 8, k: int = 2, d: int = 16, H: int = 8, seed: int = 0,
+                 x_scale: float = 1.0, activation: str = "situ", rho: float = 1.0,
+                 bias_scale: float = 0.1, balanced: bool = False) -> MoEProblem:
+    """A problem built directly (for pinned examples and plain tests) by :func:`random_inputs`:
+    bias ~ N(0, bias_scale²) (with ``balanced``, trained by Quantile Balancing on 64-token
+    batches instead), x ~ N(0, x_scale²). Widths keep K3's ratio latent = d / 2."""
+    cfg = MoEConfig(hidden_size=d, num_experts=E, top_k=k, latent_size=d // 2, expert_hidden=H,
+                    routed_scaling_factor=rho, activation=activation)
+    made = random_inputs(cfg, T, seed=seed, x_scale=x_scale, bias_scale=bias_scale)
+    weights = calibrated_weights(cfg, seed=seed, tokens=64) if balanced else made["weights"]
+    return MoEProblem(T, E, k, d, H, seed, x_scale, activation, rho, bias_scale, cfg, weights, made["x"], balanced)
+
+
+def problems(*, min_T: int = 1, max_T: int = 12, experts: tuple[int, ...] = (4, 8, 16), max_k: int = 4,
+             widths: tuple[int, ...] = (8, 16, 32), hidden: tuple[int, ...] = (4, 8, 12), x_scale: Any = None,
+             activation: Any = None, rho: Any = None, bias_scale: Any = None, balanced: Any = None) -> Any:
+    """A Hypothesis strategy of :class:`MoEProblem` (needs ``hypothesis``): any token count, top-k
+    up to ``max_k`` of the experts, a random bias. Sizes are drawn directly (they shrink toward
+    one token, few experts, top-1, narrow widths); the tensors come from a drawn seed, so a
+    failing example replays from its printed :func:`make_problem` call. ``x_scale``,
+    ``activation``, ``rho``, ``bias_scale`` and ``balanced`` are strategies (defaults 1, SiTU, 1,
+    0.1 and no balancing); balancing needs an expert left over (top-k < E)."""
     from hypothesis import strategies as st
 
     @st.composite
-    def draw(d: Any) -> Sample:
-        E = d(st.sampled_from((4, 8, 16)))
-        sizes = dict(hidden_size=d(st.sampled_from((8, 16, 32))), num_experts=E, top_k=d(st.integers(1, min(4, E))),
-                     expert_hidden=d(st.sampled_from((4, 8, 12))))
-        cfg = MoEConfig(latent_size=sizes["hidden_size"] // 2, activation=d(st.sampled_from(("situ", "swiglu"))),
-                        routed_scaling_factor=d(st.sampled_from((1.0, 2.827))), **sizes)
-        T, seed = d(st.integers(1, 16)), d(st.integers(0, 2**16))
-        # Quantile Balancing needs an expert left over (top_k < E).
-        bias = d(st.sampled_from(("random 0.1", "random 3", "quantile balancing")[: 2 + (cfg.top_k < E)]))
-        x = random_inputs(cfg, T, seed=seed, bias_scale=3.0 if bias == "random 3" else 0.1)
-        if bias == "quantile balancing":
-            x["weights"] = calibrated_weights(cfg, seed=seed, tokens=64)
-        params = dict(T=T, E=E, k=cfg.top_k, d=cfg.hidden_size, H=cfg.expert_hidden, activation=cfg.activation,
-                      rho=cfg.routed_scaling_factor, seed=seed, bias=bias)
-        return _sample(x["x"], x["weights"], cfg, params)
+    def moe_problems(draw: Any) -> MoEProblem:
+        T = draw(st.integers(min_T, max_T))
+        E = draw(st.sampled_from(experts))
+        k = draw(st.integers(1, min(max_k, E)))
+        d = draw(st.sampled_from(widths))
+        H = draw(st.sampled_from(hidden))
+        seed = draw(st.integers(0, 2**16))
+        return make_problem(
+            T, E=E, k=k, d=d, H=H, seed=seed,
+            x_scale=draw(x_scale) if x_scale is not None else 1.0,
+            activation=draw(activation) if activation is not None else "situ",
+            rho=draw(rho) if rho is not None else 1.0,
+            bias_scale=draw(bias_scale) if bias_scale is not None else 0.1,
+            balanced=draw(balanced) if balanced is not None and k < E else False,
+        )
 
-    return draw()
+    return moe_problems()
+
+
+def strategy() -> Any:
+    """A Hypothesis strategy of MoE samples ``(inputs, params)`` (:func:`problems`): sizes that
+    shrink toward one token, four experts, top-1 and width 8 (latent = d / 2, K3's ratio); SiTU or
+    SwiGLU; ρ 1 or 2.827; a random bias (0.1 or 3: a few experts win every token) or one trained
+    by Quantile Balancing (for users' property tests; needs ``hypothesis``)."""
+    from hypothesis import strategies as st
+
+    return problems(max_T=16, activation=st.sampled_from(("situ", "swiglu")), rho=st.sampled_from((1.0, 2.827)),
+                    bias_scale=st.sampled_from((0.1, 3.0)), balanced=st.booleans()).map(lambda p: p.sample)

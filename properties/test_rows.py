@@ -79,3 +79,12 @@ def test_an_undeclared_key_passes_a_reader_and_fails_a_writer() -> None:
     assert Row.from_json(row).to_json() == Row.from_json(GOOD).to_json()
     with pytest.raises(RowError, match="keys no reader knows: novelty"):
         Row.from_json(row, strict=True)
+
+
+def test_docs_name_every_row_key() -> None:
+    """docs/report.md, which users read to parse report.json, names every key a row, a judged
+    output or a verdict may hold (a key added to rows.py without a word there fails here)."""
+    doc = (ROOT / "docs" / "report.md").read_text()
+    keys = schema()
+    named = {*keys, *keys["verdict"], *keys["outputs"]["<name>"]}
+    assert not sorted(k for k in named if f"`{k}`" not in doc)

@@ -29,6 +29,7 @@ from k3verify.cli import main
 from k3verify.harness import compare, golden, registry, report, runner
 from k3verify.harness.files import UsageError, json_safe, parse_json
 from k3verify.harness.registry import Case, Implementation
+from k3verify.harness.rows import Row
 from k3verify.numerics import EXPECTED_NONFINITE, FAIL, PASS
 
 FUZZ_EXAMPLES = int(os.environ.get("K3V_FUZZ_EXAMPLES", "100"))
@@ -146,7 +147,7 @@ def test_fuzzed_row_removals_never_compare_clean(data: st.DataObject) -> None:
     named = {f.subject for f in result.regressions}
     for i in gone:
         row = SMALL["rows"][i]
-        assert compare.row_subject(row) in named or row["module"] in named, (row, result.findings)
+        assert compare.row_subject(Row.from_json(row)) in named or row["module"] in named, (row, result.findings)
     assert result.rows_compared == len(kept)
 
 
@@ -170,7 +171,7 @@ def test_a_failing_row_beside_a_passing_twin_is_refused(failing_first: bool, sid
     code, _, err = _compare(*((twinned, clean) if side == "base" else (clean, twinned)), capsys)
     line = _one_line_error(err)
     row = next(r for r in SMALL["rows"] if r["status"] == PASS)
-    assert code == 2 and str(twinned) in line and repr(compare.row_subject(row)) in line, line
+    assert code == 2 and str(twinned) in line and repr(compare.row_subject(Row.from_json(row))) in line, line
 
 
 @fuzz

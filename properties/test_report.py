@@ -22,6 +22,7 @@ from k3verify.harness import compare, report, runner
 from k3verify.harness.map_files import write_map
 from k3verify.harness.overflow_map import MapResult, MapSpec
 from k3verify.harness.render import write_report
+from k3verify.harness.rows import Row
 from k3verify.harness.text import md_text
 from k3verify.numerics import EXPECTED_NONFINITE, FAIL, PASS
 
@@ -149,7 +150,7 @@ def _plant(doc: dict[str, Any], how: str) -> tuple[dict[str, Any], str]:
         _consistent(new, row)
     # Findings about one output name it: "<row> [o]".
     output = f" [{row['output']}]" if how == "error grew" else ""
-    return new, compare.row_subject(row) + output
+    return new, compare.row_subject(Row.from_json(row)) + output
 
 
 @pytest.mark.parametrize("how", ["error grew", "verdict flipped", "became non-finite", "coverage lost", "row removed"])

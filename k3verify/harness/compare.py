@@ -55,6 +55,7 @@ from .environment import platform_differences
 from .files import UsageError
 from .map_files import load_map
 from .report import load
+from .rows import JudgedOutput, Row, RowError, VerdictRecord
 from .text import md_text
 
 MAP_SUFFIX = "_overflow_map.json"
@@ -109,16 +110,31 @@ class Comparison:
         return out
 
 
-def row_key(row: dict[str, Any]) -> tuple[str, ...]:
+def row_key(row: Row) -> tuple[str, ...]:
     """What identifies a row across runs."""
-    params = json.dumps(row.get("params", {}), sort_keys=True)
-    return (row["module"], row["implementation"], row["form"], row["dtype"], params, row["case"])
+    params = json.dumps(row.params, sort_keys=True)
+    return (row.module, row.implementation, row.form, row.dtype, params, row.case)
 
 
-def row_subject(row: dict[str, Any]) -> str:
-    params = " ".join(f"{k}={v}" for k, v in row.get("params", {}).items())
-    parts = [row["module"], row["implementation"], row["form"], row["dtype"], params, f"({row['case']})"]
+def row_subject(row: Row) -> str:
+    """How findings name a row: ``module implementation form dtype params (case)``."""
+    params = " ".join(f"{k}={v}" for k, v in row.params.items())
+    parts = [row.module, row.implementation, row.form, row.dtype, params, f"({row.case})"]
     return " ".join(str(p) for p in parts if p)
+
+
+def typed_rows(doc: dict[str, Any], where: str) -> list[Row]:
+    """A report document's rows as :class:`Row` (``UsageError`` naming ``where`` and the row for
+    one that is not: ``report.load`` has refused those already)."""
+    try:
+        return [Row.from_json(r, where=f"row {i}") for i, r in enumerate(doc["rows"])]
+    except RowError as exc:
+        raise UsageError(f"{where}: {exc}") from None
+
+
+def _reason(row: Row) -> str | None:
+    """Why a row is what it is: its own reason (a crash, an unavailable package), else its verdict's."""
+    return row.reason or (row.verdict.reason if row.verdict else None)
 
 
 def rounding_noise_row(dtype: str) -> bool:
@@ -134,23 +150,23 @@ def rounding_noise_row(dtype: str) -> bool:
 MISSING = " (missing)"
 
 
-def _package_key(row: dict[str, Any]) -> tuple[str, ...]:
+def _package_key(row: Row) -> tuple[str, ...]:
     """A row's identity with its implementation's version left out (``fla-core 0.6.0`` and
     ``fla-core (missing)`` are one package's row)."""
-    implementation = row["implementation"]
+    implementation = row.implementation
     if implementation.endswith(MISSING):
         package = implementation[: -len(MISSING)]
     else:
         package = implementation.rsplit(" ", 1)[0] if " " in implementation else implementation
-    return (row["module"], package, *row_key(row)[2:])
+    return (row.module, package, *row_key(row)[2:])
 
 
-def _now_unavailable(base_rows: dict[tuple[str, ...], dict[str, Any]],
-                     new_rows: dict[tuple[str, ...], dict[str, Any]]) -> dict[tuple[str, ...], dict[str, Any]]:
+def _now_unavailable(base_rows: dict[tuple[str, ...], Row], new_rows: dict[tuple[str, ...], Row]
+                     ) -> dict[tuple[str, ...], Row]:
     """Base rows whose optional package is missing from the new run: base key -> the new row,
     ``unavailable`` and named ``<package> (missing)``, that stands for it."""
     missing = {_package_key(n): n for k, n in new_rows.items()
-               if k not in base_rows and n["status"] == UNAVAILABLE and n["implementation"].endswith(MISSING)}
+               if k not in base_rows and n.status == UNAVAILABLE and n.implementation.endswith(MISSING)}
     return {k: missing[_package_key(b)] for k, b in base_rows.items()
             if k not in new_rows and _package_key(b) in missing}
 
@@ -167,8 +183,9 @@ def compare_reports(base: dict[str, Any], new: dict[str, Any], thresholds: Thres
     two rows of one identity in either report, or a module the base has no rows of."""
     th = thresholds or Thresholds()
     out = Comparison()
-    base_rows, new_rows = rows_by_key(base["rows"], names[0]), rows_by_key(new["rows"], names[1])
-    scope = modules_in_scope({r["module"] for r in base["rows"]}, modules, names[0])
+    base_list, new_list = typed_rows(base, names[0]), typed_rows(new, names[1])
+    base_rows, new_rows = rows_by_key(base_list, names[0]), rows_by_key(new_list, names[1])
+    scope = modules_in_scope({r.module for r in base_list}, modules, names[0])
     differences = platform_differences(
         base.get("environment", {}).get("math_platform"), new.get("environment", {}).get("math_platform")
     )
@@ -181,47 +198,47 @@ def compare_reports(base: dict[str, Any], new: dict[str, Any], thresholds: Thres
             "rounding noise, are held to the two-bit rule only; narrower dtypes to every threshold"
         )
     if modules is not None:
-        left_out = sorted({r["module"] for r in (*base["rows"], *new["rows"])} - scope)
+        left_out = sorted({r.module for r in (*base_list, *new_list)} - scope)
         out.notes.append(f"compared modules {', '.join(sorted(scope))} only (--modules)"
                          + (f"; not compared: {', '.join(left_out)}" if left_out else ""))
     for key in ("torch", "device", "fla-core"):
         b, n = base.get("environment", {}).get(key), new.get("environment", {}).get(key)
         if b != n:
             out.notes.append(f"environment differs: {key} {b} -> {n}")
-    present = {r["module"] for r in new["rows"]}
+    present = {r.module for r in new_list}
     gone = _now_unavailable(base_rows, new_rows)
     for module in sorted(scope - present):
-        lost = [b for b in base_rows.values() if b["module"] == module]
+        lost = [b for b in base_rows.values() if b.module == module]
         out.findings.append(Finding("module missing", module, f"none of its {len(lost)} base rows "
                                     f"({_status_counts(lost)}) is in the new report", True))
     for key, b in base_rows.items():
-        if b["module"] not in scope or b["module"] not in present:
+        if b.module not in scope or b.module not in present:
             continue
         n = new_rows.get(key)
         if n is None and key in gone:
-            reason = gone[key].get("reason") or "no reason given"
-            out.findings.append(Finding("now unavailable", row_subject(b), f"was {b['status']}, now: {reason}",
-                                        strict_coverage and b["status"] != UNAVAILABLE))
+            reason = gone[key].reason or "no reason given"
+            out.findings.append(Finding("now unavailable", row_subject(b), f"was {b.status}, now: {reason}",
+                                        strict_coverage and b.status != UNAVAILABLE))
             continue
         if n is None:
-            out.findings.append(Finding("row removed", row_subject(b), f"was {b['status']}", True))
+            out.findings.append(Finding("row removed", row_subject(b), f"was {b.status}", True))
             continue
         out.rows_compared += 1
-        out.findings += _compare_row(b, n, th, noise_only=not same_platform and rounding_noise_row(n["dtype"]))
+        out.findings += _compare_row(b, n, th, noise_only=not same_platform and rounding_noise_row(n.dtype))
     standing_in = {id(n) for n in gone.values()}
     for key, n in new_rows.items():
-        if key not in base_rows and id(n) not in standing_in and (modules is None or n["module"] in scope):
-            regression = n["status"] == FAIL
-            reason = n.get("reason") or (n.get("verdict") or {}).get("reason")
-            detail = f"{n['status']}: {reason}" if reason and n["status"] != PASS else n["status"]
+        if key not in base_rows and id(n) not in standing_in and (modules is None or n.module in scope):
+            regression = n.status == FAIL
+            reason = _reason(n)
+            detail = f"{n.status}: {reason}" if reason and n.status != PASS else n.status
             out.findings.append(Finding("new row", row_subject(n), detail, regression))
     return out
 
 
-def rows_by_key(rows: list[dict[str, Any]], where: str) -> dict[tuple[str, ...], dict[str, Any]]:
+def rows_by_key(rows: list[Row], where: str) -> dict[tuple[str, ...], Row]:
     """``rows`` by :func:`row_key`; ``UsageError`` naming ``where`` and the identity when two rows
     share one (a passing twin would otherwise hide a failing row, in whichever order)."""
-    out: dict[tuple[str, ...], dict[str, Any]] = {}
+    out: dict[tuple[str, ...], Row] = {}
     first: dict[tuple[str, ...], int] = {}
     for i, row in enumerate(rows):
         key = row_key(row)
@@ -248,22 +265,22 @@ def modules_in_scope(present: set[str], modules: Sequence[str] | None, where: st
     return wanted
 
 
-def _status_counts(rows: list[dict[str, Any]]) -> str:
-    counts = Counter(r["status"] for r in rows)
+def _status_counts(rows: list[Row]) -> str:
+    counts = Counter(r.status for r in rows)
     return ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
 
 
-def _compare_row(b: dict[str, Any], n: dict[str, Any], th: Thresholds, *, noise_only: bool = False) -> list[Finding]:
+def _compare_row(b: Row, n: Row, th: Thresholds, *, noise_only: bool = False) -> list[Finding]:
     """Findings for one matched row; ``noise_only``: the error is rounding noise redrawn on another
     platform, so only growth beyond ``error_factor`` counts (see the module docstring)."""
     subject = row_subject(n)
-    bs, ns = b["status"], n["status"]
+    bs, ns = b.status, n.status
     if bs != ns:
         flipped_to_fail = ns == FAIL
         became_nonfinite = bs == PASS and ns == EXPECTED_NONFINITE
         lost = ns == UNAVAILABLE
         detail = f"{bs} -> {ns}"
-        reason = n.get("reason") or (n.get("verdict") or {}).get("reason")
+        reason = _reason(n)
         if reason and ns != PASS:
             detail += f": {reason}"
         kind = "verdict flipped" if flipped_to_fail else "became non-finite" if became_nonfinite else (
@@ -275,41 +292,41 @@ def _compare_row(b: dict[str, Any], n: dict[str, Any], th: Thresholds, *, noise_
         findings.append(Finding("output removed", f"{subject} [{name}]", "no longer judged", True))
     for name, nout in new_outputs.items():
         if name not in base_outputs:
-            findings.append(Finding("new output", f"{subject} [{name}]", str(nout.get("status", "")), False))
+            findings.append(Finding("new output", f"{subject} [{name}]", str(nout.status), False))
             continue
         findings += _compare_output(base_outputs[name], nout, f"{subject} [{name}]", th, noise_only)
     return findings
 
 
-def outputs_of(row: dict[str, Any], like: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def outputs_of(row: Row, like: Row) -> dict[str, JudgedOutput]:
     """A row's judged outputs: ``outputs`` (report schema 2), or for a schema-1 row its top-level
-    verdict, named after ``like``'s primary (first) output."""
-    if isinstance(row.get("outputs"), dict):
-        return {k: v for k, v in row["outputs"].items() if isinstance(v, dict)}
-    names = list(like.get("outputs") or {}) or ["-"]
-    return {names[0]: {"verdict": row.get("verdict"), "margin": row.get("margin"), "metrics": row.get("metrics")}}
+    verdict (with no status of its own), named after ``like``'s primary (first) output."""
+    if row.outputs is not None:
+        return dict(row.outputs)
+    names = list(like.outputs or {}) or ["-"]
+    return {names[0]: JudgedOutput(status=None, verdict=row.verdict, margin=row.margin,  # type: ignore[arg-type]
+                                   metrics=row.metrics)}
 
 
-def _compare_output(b: dict[str, Any], n: dict[str, Any], subject: str, th: Thresholds,
+def _compare_output(b: JudgedOutput, n: JudgedOutput, subject: str, th: Thresholds,
                     noise_only: bool) -> list[Finding]:
     findings = []
-    b_nf = (b.get("metrics") or {}).get("nonfinite") or 0
-    n_nf = (n.get("metrics") or {}).get("nonfinite") or 0
+    b_nf = (b.metrics.nonfinite if b.metrics else None) or 0
+    n_nf = (n.metrics.nonfinite if n.metrics else None) or 0
     if b_nf == 0 and n_nf > 0:
         findings.append(Finding("became non-finite", subject, f"{n_nf} non-finite outputs", True))
-    if b.get("status") not in (None, FAIL) and n.get("status") == FAIL:
-        findings.append(Finding("verdict flipped", subject, f"{b.get('status')} -> fail: "
-                                f"{(n.get('verdict') or {}).get('reason', '')}", True))
-    bv, nv = b.get("verdict") or {}, n.get("verdict") or {}
-    e_b, e_n, lim = bv.get("err"), nv.get("err"), nv.get("limit")
-    m_b, m_n = b.get("margin"), n.get("margin")
+    bv, nv = b.verdict or VerdictRecord(), n.verdict or VerdictRecord()
+    if b.status not in (None, FAIL) and n.status == FAIL:
+        findings.append(Finding("verdict flipped", subject, f"{b.status} -> fail: {nv.reason or ''}", True))
+    e_b, e_n, lim = bv.err, nv.err, nv.limit
+    m_b, m_n = b.margin, n.margin
     if not all(isinstance(x, (int, float)) for x in (e_b, e_n, lim, m_b, m_n)) or n_nf:
         return findings
-    metric = nv.get("metric", "err")
+    metric = nv.metric or "err"
     detail = f"{metric} {e_b:.3e} -> {e_n:.3e} (x{_ratio(e_n, e_b):.3g}), margin {m_b:.3f} -> {m_n:.3f}"
     if _worse(e_b, e_n, m_b, m_n, lim, th, noise_only=noise_only):
         findings.append(Finding("error grew", subject, detail, True))
-    elif _worse(e_n, e_b, m_n, m_b, bv.get("limit") or lim, th, noise_only=noise_only):
+    elif _worse(e_n, e_b, m_n, m_b, bv.limit or lim, th, noise_only=noise_only):
         findings.append(Finding(IMPROVED, subject, detail, False))
     elif e_n != e_b:
         findings.append(Finding(WITHIN, subject, detail, False))
@@ -468,7 +485,7 @@ def compare_paths(base: Path, new: Path, thresholds: Thresholds | None = None, *
     docs = (load(base), load(new)) if base_has else None
     for doc, path in zip(docs or (), (base, new)):
         _judgeable(doc, path)
-    row_modules = {r["module"] for r in docs[0]["rows"]} if docs else set()
+    row_modules = {r.module for r in typed_rows(docs[0], str(base))} if docs else set()
     wanted = None if modules is None else modules_in_scope(row_modules | set(base_maps), modules, str(base))
     out = Comparison()
     if docs and (wanted is None or wanted & row_modules):

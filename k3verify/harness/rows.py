@@ -225,6 +225,16 @@ def _record(cls: type, value: Any, where: str, strict: bool) -> Any:
 def _typed(value: Any, hint: Any, where: str, strict: bool) -> Any:
     """``value`` checked against type ``hint`` (a scalar, ``list[X]``, ``dict[str, X]``, a record,
     ``X | None``); ``None`` passes wherever the hint allows it. A bool is never a number."""
+    if hint is Any:
+        return value
+    scalar = _scalar(hint)
+    if scalar is not None:  # most fields: a number or a text, checked without unpacking the hint
+        kinds, nullable, name = scalar
+        if value is None and nullable:
+            return None
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise RowError(f"{where} is a {type(value).__name__}, not a {name}")
+        return value
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
@@ -236,6 +246,13 @@ def _typed(value: Any, hint: Any, where: str, strict: bool) -> Any:
     if origin is list:
         if not isinstance(value, list):
             raise RowError(f"{where} is a {type(value).__name__}, not a list")
+        scalar = _scalar(args[0])
+        if scalar is not None:  # a long list of numbers (errors by position): one pass, no recursion
+            kinds, nullable, name = scalar
+            for i, v in enumerate(value):
+                if not (v is None and nullable) and (isinstance(v, bool) or not isinstance(v, kinds)):
+                    raise RowError(f"{where}[{i}] is a {type(v).__name__}, not a {name}")
+            return list(value)
         return [_typed(v, args[0], f"{where}[{i}]", strict) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
@@ -247,6 +264,18 @@ def _typed(value: Any, hint: Any, where: str, strict: bool) -> Any:
     if (isinstance(value, bool) and hint is not bool) or not isinstance(value, kinds):
         raise RowError(f"{where} is a {type(value).__name__}, not a {'number' if hint is float else hint.__name__}")
     return value
+
+
+@functools.cache
+def _scalar(hint: Any) -> tuple[tuple[type, ...], bool, str] | None:
+    """``(types, nullable, name)`` for a number or text hint (``float | None``, ``int``, ``str``);
+    ``None`` for anything else."""
+    args = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+    inner = [a for a in args if a is not type(None)]
+    if len(inner) != 1 or inner[0] not in (float, int, str):
+        return None
+    kinds = (int, float) if inner[0] is float else (inner[0],)
+    return kinds, len(inner) < len(args), "number" if inner[0] is float else inner[0].__name__
 
 
 def schema(cls: type = Row) -> dict[str, Any]:

@@ -60,6 +60,8 @@ GOOD = {"module": "kda", "implementation": "k3verify", "form": "tiled", "dtype":
     (lambda r: r["verdict"].__setitem__("err", "small"), "row 0's verdict.err is a str, not a number"),
     (lambda r: r["verdict"].__setitem__("limit", True), "row 0's verdict.limit is a bool, not a number"),
     (lambda r: r.__setitem__("overflow", "one line"), "row 0's overflow is a str, not a list"),
+    (lambda r: r.__setitem__("prediction", {"finite": "yes"}), "row 0's prediction.finite is a str, not a bool"),
+    (lambda r: r.__setitem__("error_by_position", [0.1, None, "x"]), "row 0's error_by_position[2] is a str"),
     (lambda r: r["outputs"]["o"].__setitem__("status", "unavailable"), "output 'o' has status 'unavailable'"),
     (lambda r: r["outputs"]["o"]["metrics"].__setitem__("n", 8.5), "row 0's outputs['o'].metrics.n is a float"),
 ])

@@ -300,12 +300,11 @@ def _compare_row(b: Row, n: Row, th: Thresholds, *, noise_only: bool = False) ->
 
 def outputs_of(row: Row, like: Row) -> dict[str, JudgedOutput]:
     """A row's judged outputs: ``outputs`` (report schema 2), or for a schema-1 row its top-level
-    verdict (with no status of its own), named after ``like``'s primary (first) output."""
+    verdict under the row's status, named after ``like``'s primary (first) output."""
     if row.outputs is not None:
         return dict(row.outputs)
     names = list(like.outputs or {}) or ["-"]
-    return {names[0]: JudgedOutput(status=None, verdict=row.verdict, margin=row.margin,  # type: ignore[arg-type]
-                                   metrics=row.metrics)}
+    return {names[0]: JudgedOutput(status=row.status, verdict=row.verdict, margin=row.margin, metrics=row.metrics)}
 
 
 def _compare_output(b: JudgedOutput, n: JudgedOutput, subject: str, th: Thresholds,
@@ -316,7 +315,7 @@ def _compare_output(b: JudgedOutput, n: JudgedOutput, subject: str, th: Threshol
     if b_nf == 0 and n_nf > 0:
         findings.append(Finding("became non-finite", subject, f"{n_nf} non-finite outputs", True))
     bv, nv = b.verdict or VerdictRecord(), n.verdict or VerdictRecord()
-    if b.status not in (None, FAIL) and n.status == FAIL:
+    if b.status != FAIL and n.status == FAIL:
         findings.append(Finding("verdict flipped", subject, f"{b.status} -> fail: {nv.reason or ''}", True))
     e_b, e_n, lim = bv.err, nv.err, nv.limit
     m_b, m_n = b.margin, n.margin

@@ -251,7 +251,7 @@ def unique_identities(impls: list[Implementation]) -> list[Implementation]:
 
 def memoized_on_case(kind: str, fn: Callable[..., Outputs]) -> Callable[..., Outputs]:
     """``fn(case, *args)`` computed once per case and arguments, and kept in ``case.cache`` under
-    ``kind`` and the arguments (``"oracle"``, ``"baseline:chunkwise:bf16"``): a module's oracle and
+    ``kind`` and the arguments (``"oracle"``, ``"baseline:bf16:chunkwise"``): a module's oracle and
     baselines are asked for by every row of a case, by maps and by goldens, and each is costly.
     The cache lives on the harness's case only; an implementation gets a copy without it."""
     if getattr(fn, "memoized_on_case", False):

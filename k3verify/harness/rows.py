@@ -228,12 +228,9 @@ def _typed(value: Any, hint: Any, where: str, strict: bool) -> Any:
     if hint is Any:
         return value
     scalar = _scalar(hint)
-    if scalar is not None:  # most fields: a number or a text, checked without unpacking the hint
-        kinds, nullable, name = scalar
-        if value is None and nullable:
-            return None
-        if isinstance(value, bool) or not isinstance(value, kinds):
-            raise RowError(f"{where} is a {type(value).__name__}, not a {name}")
+    if scalar is not None:  # most fields: a number, a text or a flag, checked without unpacking the hint
+        if not _fits(value, scalar):
+            raise RowError(f"{where} is a {type(value).__name__}, not a {scalar[2]}")
         return value
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (Union, types.UnionType):
@@ -246,36 +243,38 @@ def _typed(value: Any, hint: Any, where: str, strict: bool) -> Any:
     if origin is list:
         if not isinstance(value, list):
             raise RowError(f"{where} is a {type(value).__name__}, not a list")
-        scalar = _scalar(args[0])
-        if scalar is not None:  # a long list of numbers (errors by position): one pass, no recursion
-            kinds, nullable, name = scalar
-            for i, v in enumerate(value):
-                if not (v is None and nullable) and (isinstance(v, bool) or not isinstance(v, kinds)):
-                    raise RowError(f"{where}[{i}] is a {type(v).__name__}, not a {name}")
+        item = _scalar(args[0])
+        if item is not None:  # a long list of numbers (errors by position): one pass, no recursion
+            bad = next((i for i, v in enumerate(value) if not _fits(v, item)), None)
+            if bad is not None:
+                raise RowError(f"{where}[{bad}] is a {type(value[bad]).__name__}, not a {item[2]}")
             return list(value)
         return [_typed(v, args[0], f"{where}[{i}]", strict) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise RowError(f"{where} is a {type(value).__name__}, not an object")
         return {k: _typed(v, args[1], f"{where}[{str(k)[:40]!r}]", strict) for k, v in value.items()}
-    if hint is Any:
-        return value
-    kinds = (int, float) if hint is float else (hint,)
-    if (isinstance(value, bool) and hint is not bool) or not isinstance(value, kinds):
-        raise RowError(f"{where} is a {type(value).__name__}, not a {'number' if hint is float else hint.__name__}")
-    return value
+    raise TypeError(f"rows.py declares {where} as {hint!r}, a type it cannot check")
 
 
 @functools.cache
 def _scalar(hint: Any) -> tuple[tuple[type, ...], bool, str] | None:
-    """``(types, nullable, name)`` for a number or text hint (``float | None``, ``int``, ``str``);
-    ``None`` for anything else."""
+    """``(types, nullable, name)`` for a number, text or flag hint (``float | None``, ``int``,
+    ``str``, ``bool | None``); ``None`` for anything else."""
     args = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
     inner = [a for a in args if a is not type(None)]
-    if len(inner) != 1 or inner[0] not in (float, int, str):
+    if len(inner) != 1 or inner[0] not in (float, int, str, bool):
         return None
     kinds = (int, float) if inner[0] is float else (inner[0],)
     return kinds, len(inner) < len(args), "number" if inner[0] is float else inner[0].__name__
+
+
+def _fits(value: Any, scalar: tuple[tuple[type, ...], bool, str]) -> bool:
+    """``value`` is of the scalar's types (``None`` where it is nullable; a bool only as a bool)."""
+    kinds, nullable, _ = scalar
+    if value is None:
+        return nullable
+    return isinstance(value, kinds) and (not isinstance(value, bool) or bool in kinds)
 
 
 def schema(cls: type = Row) -> dict[str, Any]:

@@ -10,7 +10,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
+import tempfile
+from typing import IO
 
 import nox
 
@@ -44,9 +47,36 @@ def tests(session: nox.Session) -> None:
     # One worker per core (pytest-xdist; the conftest gives each its share of torch's threads).
     session.run("pytest", "-m", "not slow and not nightly", "-n", "auto", "--dist", "loadfile", *session.posargs,
                 env={"HYPOTHESIS_PROFILE": "ci"})
-    session.run("k3verify", "golden", "verify")
-    _run_and_compare(session)
-    _run_and_compare(session, TP_BASELINE, f"{LATEST}/tp8", "--tp", "8", "--tp-backend", "gloo", "--quiet")
+    # ``golden verify`` and the runs each keep about one core busy (small tensors, Python-bound):
+    # on CI's two cores they run side by side, the verify's output printed when it ends.
+    golden = _beside(session, "k3verify", "golden", "verify")
+    try:
+        _run_and_compare(session)
+        _run_and_compare(session, TP_BASELINE, f"{LATEST}/tp8", "--tp", "8", "--tp-backend", "gloo", "--quiet")
+    finally:
+        _joined(session, *golden)
+
+
+def _beside(session: nox.Session, command: str, *args: str) -> tuple[subprocess.Popen, IO[bytes], str]:
+    """Start ``command`` (an executable of the session's environment) in the background, its
+    output kept in a temporary file; :func:`_joined` waits for it."""
+    label = " ".join((command, *args))
+    session.log(f"{label} (in the background; its output follows when it ends)")
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([os.path.join(session.bin, command), *args], stdout=log, stderr=subprocess.STDOUT)
+    return proc, log, label
+
+
+def _joined(session: nox.Session, proc: subprocess.Popen, log: IO[bytes], label: str) -> None:
+    """Wait for a :func:`_beside` command, print its output and fail the session if it failed."""
+    code = proc.wait()
+    log.seek(0)
+    session.log(f"{label} ended (exit {code}):")
+    sys.stdout.write(log.read().decode(errors="replace"))
+    sys.stdout.flush()
+    log.close()
+    if code != 0:
+        session.error(f"{label} failed (exit {code})")
 
 
 def _run_and_compare(session: nox.Session, baseline: str = BASELINE, out: str = LATEST, *args: str) -> None:

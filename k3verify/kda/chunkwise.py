@@ -11,6 +11,11 @@ Inside each chunk of ``C`` tokens, with inclusive chunk-local prefix ``G_r = sum
 The pairwise decays ``exp(G_r - G_c)`` with ``c <= r`` are all ``<= 1``, so this form cannot
 overflow for any gate; it is the exact reference for the tiled form. Everything except the
 chunk-to-chunk state pass is vectorised over batch, heads and chunks.
+
+``chunkwise_backward`` is its backward written by hand, the way production kernels compute it
+(docs/model.md §1.7): recompute the WY quantities and the state entering each chunk, carry the
+state gradient backward over the chunks, then form the intra-chunk gradients; the gate's
+gradient is the reverse cumulative sum, over the chunk, of the gradient of its prefix ``G``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,16 @@ import torch
 
 from ..numerics import rounder, storage_for
 from ..numerics.validate import require_block
-from .inputs import check_inputs, from_chunks, initial, to_chunks, working_dtype
+from .gate import InKernelGate, lower_bound_gate_backward
+from .inputs import (
+    Dims,
+    check_backward,
+    check_inputs,
+    from_chunks,
+    initial,
+    to_chunks,
+    working_dtype,
+)
 
 # Sub-tile of the exact two-level split. Measured at T=4096, H=4, K=V=128, C=64 on two
 # cores: 16 beats 8 (0.86 s vs 1.0 s) and 4 (2.7 s); the pairwise diagonal work dominates.
@@ -221,3 +235,151 @@ def wy_inverse(A_kk: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     C = A_kk.shape[-1]
     eye = torch.eye(C, dtype=A_kk.dtype, device=A_kk.device)
     return torch.linalg.solve_triangular(eye + A_kk, torch.diag_embed(beta), upper=False, unitriangular=True)
+
+
+GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta")
+
+
+def chunkwise_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    do: torch.Tensor,
+    dht: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+    gate: InKernelGate | None = None,
+) -> dict[str, torch.Tensor]:
+    """Gradients of ``L = sum(o * do) + sum(S_T * dht)`` for :func:`chunkwise`, by hand.
+
+    Arguments and returns as :func:`k3verify.kda.recurrent.autograd_backward` (``cu_seqlens``
+    packs sequences along ``T`` with ``B = 1``; every chunk starts at its sequence's start). The
+    arithmetic runs in the working dtype: fp64 for fp64 inputs, fp32 otherwise.
+    """
+    dtype = working_dtype(q)
+    z = g
+    if gate is not None:
+        g = gate(z.to(dtype))
+    _, scale, bounds = check_backward(q, k, v, g, beta, initial_state, scale, do, dht, cu_seqlens)
+    C = require_block("chunk_size", chunk_size)
+    packed = cu_seqlens is not None
+    parts = []
+    for i, (a, b) in enumerate(bounds):
+        s0 = initial_state[i : i + 1] if packed and initial_state is not None else initial_state
+        ht = dht[i : i + 1] if packed and dht is not None else dht
+        x = (t[:, a:b].to(dtype) for t in (q, k, v, g, beta, do))
+        parts.append(_sequence_backward(*x, s0, ht, scale, C))
+    grads = {n: torch.cat([p[n] for p in parts], 1) for n in GRADIENTS}
+    if initial_state is not None:
+        grads["dh0"] = torch.cat([p["dh0"] for p in parts], 0)
+    if gate is not None:
+        grads["dg"], grads["dA_log"], grads["ddt_bias"] = lower_bound_gate_backward(grads["dg"], z, gate)
+    return grads
+
+
+def _sequence_backward(q, k, v, g, beta, do, initial_state, dht, scale: float, C: int) -> dict[str, torch.Tensor]:
+    """:func:`chunkwise_backward` of one run of sequences from their states (``[B, T, ...]``, all
+    in the working dtype); ``dh0`` is always returned."""
+    B, T, H, K = q.shape
+    S0 = initial(initial_state, Dims(B, T, H, K, v.shape[-1]), q.dtype, q.device)
+    dS = torch.zeros_like(S0) if dht is None else dht.to(q.dtype).clone()
+    if T == 0:
+        empty = {n: t.new_zeros(t.shape) for n, t in (("dq", q), ("dk", k), ("dv", v), ("dg", g), ("dbeta", beta))}
+        return empty | {"dh0": dS}
+    qc, kc, vc, gc, doc = (to_chunks(t, C) for t in (q, k, v, g, do))
+    bc = to_chunks(beta[..., None], C)[..., 0]
+    G = gc.cumsum(-2)
+    f = _forward_quantities(qc, kc, vc, bc, G, S0, scale)
+    N = G.shape[2]
+    # The state gradient runs backward over the chunks; what each chunk needs of it is kept.
+    dvt, dW, dqd, dkend, dlam = (torch.empty_like(t) for t in (f["vt"], f["W"], f["qd"], f["kend"], f["lam"]))
+    for n in reversed(range(N)):
+        S, vt_n = f["states"][n], f["vt"][:, :, n]
+        dvt_n = f["A_qk"][:, :, n].transpose(-1, -2) @ doc[:, :, n] + f["kend"][:, :, n] @ dS
+        dqd[:, :, n] = doc[:, :, n] @ S.transpose(-1, -2)
+        dkend[:, :, n] = vt_n @ dS.transpose(-1, -2)
+        dlam[:, :, n] = (S * dS).sum(-1)
+        dW[:, :, n] = -dvt_n @ S.transpose(-1, -2)
+        dvt[:, :, n] = dvt_n
+        dS = (f["qd"][:, :, n].transpose(-1, -2) @ doc[:, :, n] + f["lam"][:, :, n, :, None] * dS
+              - f["W"][:, :, n].transpose(-1, -2) @ dvt_n)
+    # Through U = M V and W = M (exp(G) * K), then M = (I + A_kk)^-1 Diag(beta).
+    M, Linv = f["M"], f["Linv"]
+    dM = dvt @ vc.transpose(-1, -2) + dW @ f["kg"].transpose(-1, -2)
+    dv = M.transpose(-1, -2) @ dvt
+    dkg = M.transpose(-1, -2) @ dW
+    dbeta = (Linv * dM).sum(-2)
+    dA_kk = -(Linv.transpose(-1, -2) @ dM @ M.transpose(-1, -2)).tril(-1)
+    dbeta = dbeta + (dA_kk * f["P"]).sum(-1)
+    dA_qk = (doc @ f["vt"].transpose(-1, -2)).tril()
+    # Through the decayed products A_qk = scale * A_q and A_kk = Diag(beta) A_k.
+    dq_A, dk_Aq, dG_q = _decayed_product_backward(qc, kc, G, scale * dA_qk)
+    dk_x, dk_key, dG_k = _decayed_product_backward(kc, kc, G, dA_kk * bc[..., :, None])
+    gam = torch.exp(G)
+    to_end = torch.exp(G[..., -1:, :] - G)
+    dq = scale * gam * dqd + dq_A
+    dk = gam * dkg + to_end * dkend + dk_Aq + dk_x + dk_key
+    # k * exp(G_C - G_r) moves G_C up and G_r down; the last row's own factor is exp(0) and
+    # moves neither, so it is left out of both.
+    to_end_grad = f["kend"] * dkend
+    dG = f["qd"] * dqd + f["kg"] * dkg + dG_q + dG_k
+    dG[..., :-1, :] -= to_end_grad[..., :-1, :]
+    dG[..., -1, :] += to_end_grad[..., :-1, :].sum(-2) + f["lam"] * dlam
+    dg = dG.flip(-2).cumsum(-2).flip(-2)  # G = cumsum(g) over the chunk: its gradient sums from the end
+    out = {"dq": dq, "dk": dk, "dv": dv, "dg": dg}
+    grads = {n: from_chunks(t, T) for n, t in out.items()}
+    grads["dbeta"] = from_chunks(dbeta[..., None], T)[..., 0]
+    return grads | {"dh0": dS}
+
+
+def _forward_quantities(qc, kc, vc, bc, G, S0, scale: float) -> dict:
+    """What the backward recomputes of the forward (all ``[B,H,N,...]``): the decayed products
+    ``P = A_k`` (strict) and ``A_qk``, ``Linv = (I + A_kk)^-1``, ``M``, ``W``, the decayed
+    operands ``qd = scale exp(G) q``, ``kg = exp(G) k``, ``kend = k exp(G_C - G)``, ``lam = exp(G_C)``,
+    the state entering each chunk (``states``, a list) and the pseudo-values ``vt``."""
+    C = G.shape[-2]
+    A = decayed_products({"q": qc, "k": kc}, kc, G, tile=_exact_tile(C))
+    P = A["k"].tril(-1)
+    eye = torch.eye(C, dtype=G.dtype, device=G.device)
+    Linv = torch.linalg.solve_triangular(eye + P * bc[..., :, None], eye.expand_as(P), upper=False,
+                                         unitriangular=True)
+    M = Linv * bc[..., None, :]
+    gam = torch.exp(G)
+    f = dict(P=P, A_qk=A["q"] * scale, Linv=Linv, M=M, qd=scale * gam * qc, kg=gam * kc,
+             kend=kc * torch.exp(G[..., -1:, :] - G), lam=torch.exp(G[..., -1, :]))
+    f["W"] = M @ f["kg"]
+    U = M @ vc
+    vt = torch.empty_like(U)
+    states, S = [], S0
+    for n in range(G.shape[2]):
+        states.append(S)
+        vt[:, :, n] = U[:, :, n] - f["W"][:, :, n] @ S
+        S = f["lam"][:, :, n, :, None] * S + f["kend"][:, :, n].transpose(-1, -2) @ vt[:, :, n]
+    return f | {"states": states, "vt": vt}
+
+
+def _decayed_product_backward(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor, D: torch.Tensor):
+    """Gradients of ``A[r,c] = sum_d x_r[d] k_c[d] exp(G_r[d] - G_c[d])`` (``c <= r``) for the
+    cotangent ``D:[..., C, C]`` (zero above the diagonal): ``(dx, dk, dG)``, each ``[..., C, D]``.
+
+    The pairwise decays are formed one chunk at a time, each ``<= 1``: exact for any gate. A
+    diagonal term has no decay, so it reaches ``dx`` and ``dk`` but not ``dG``: it is left out of
+    ``dG`` rather than added and subtracted (a gradient that is exactly zero stays zero).
+    """
+    C = G.shape[-2]
+    not_before = torch.ones(C, C, dtype=torch.bool, device=G.device).triu()[..., None]  # c >= r
+    dx, dk = torch.empty_like(x), torch.empty_like(k)
+    for n in range(G.shape[2]):
+        Gn = G[:, :, n]
+        E = torch.exp((Gn[..., :, None, :] - Gn[..., None, :, :]).masked_fill(not_before, float("-inf")))
+        DE = D[:, :, n][..., None] * E  # [B, H, r, c, D], strictly lower
+        dx[:, :, n] = torch.einsum("...rcd,...cd->...rd", DE, k[:, :, n])
+        dk[:, :, n] = torch.einsum("...rcd,...rd->...cd", DE, x[:, :, n])
+    dG = x * dx - k * dk
+    diag = D.diagonal(dim1=-2, dim2=-1)[..., None]
+    return dx + diag * k, dk + diag * x, dG

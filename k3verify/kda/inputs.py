@@ -6,6 +6,7 @@ Every form takes the fla-core layout: ``q, k:[B,T,H,K]``, ``v:[B,T,H,V]``, ``g:[
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -133,3 +134,58 @@ def initial(initial_state: torch.Tensor | None, dims: Dims, dtype: torch.dtype, 
     if initial_state is None:
         return torch.zeros(dims.B, dims.H, dims.K, dims.V, dtype=dtype, device=device)
     return initial_state.to(dtype).clone()
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """``cu_seqlens:[N+1]`` integer offsets from 0 to ``total``, non-decreasing; returned as int64 CPU."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
+        raise TypeError("cu_seqlens must be a 1-D integer tensor of cumulative sequence offsets")
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total:
+        raise ValueError(f"cu_seqlens must start at 0 and end at the token count {total}; got {cu.tolist()}")
+    if bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must be non-decreasing; got {cu.tolist()}")
+    return cu
+
+
+def sequence_bounds(cu_seqlens: torch.Tensor | None, B: int, T: int) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of each packed sequence (``cu_seqlens`` checked; ``B`` must then be 1),
+    or of the whole axis when there is none."""
+    if cu_seqlens is None:
+        return [(0, T)]
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the batch dimension must be 1 (sequences packed along T); got B={B}")
+    cu = check_cu_seqlens(cu_seqlens, T).tolist()
+    return list(itertools.pairwise(cu))
+
+
+def check_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    scale: float | None,
+    do: torch.Tensor,
+    dht: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[Dims, float, list[tuple[int, int]]]:
+    """Validate a backward call: the forward's arguments (:func:`check_inputs`), the packed
+    sequences, and the upstream gradients ``do`` (like ``o``, ``[B,T,H,V]``) and ``dht`` (like the
+    final states). With ``cu_seqlens:[N+1]``, ``initial_state`` and ``dht`` are ``[N,H,K,V]``.
+    Returns the sizes, the effective scale and :func:`sequence_bounds`."""
+    dims, scale = check_inputs(q, k, v, g, beta, None if cu_seqlens is not None else initial_state, scale)
+    bounds = sequence_bounds(cu_seqlens, dims.B, dims.T)
+    states = len(bounds) if cu_seqlens is not None else dims.B
+    named = [("do", do, (dims.B, dims.T, dims.H, dims.V), "B,T,H,V")]
+    named += [(n, t, (states, dims.H, dims.K, dims.V), "N,H,K,V" if cu_seqlens is not None else "B,H,K,V")
+              for n, t in (("initial_state", initial_state if cu_seqlens is not None else None), ("dht", dht))
+              if t is not None]
+    for name, t, shape, axes in named:
+        require_tensor(name, t)
+        require_float(name, t)
+        require_on_device(name, t)
+        require_shape(name, t, shape, axes)
+        require_finite(name, t)
+    return dims, scale, bounds

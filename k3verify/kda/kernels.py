@@ -51,7 +51,7 @@ from ..numerics.validate import require_block, require_finite, require_float, re
 from ..triton_support import beside, device_for, dot, interpreted, mark, multiprocessors, tl, triton, wait
 from ..triton_support import block as _block
 from ..triton_support import unavailable_reason as _unavailable
-from .inputs import check_inputs
+from .inputs import check_cu_seqlens, check_inputs
 from .tiled import ANCHORS, DEFAULT_ROW0_SHIFT
 
 SUB_TILE = 16
@@ -534,18 +534,6 @@ def _check_operand_dtype(operand_dtype: torch.dtype | str) -> torch.dtype:
     if reason is not None:
         raise RuntimeError(reason)
     return dt
-
-
-def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """``cu_seqlens:[N+1]`` integer offsets from 0 to ``total``, non-decreasing; returned as int64 CPU."""
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
-        raise TypeError("cu_seqlens must be a 1-D integer tensor of cumulative sequence offsets")
-    cu = cu_seqlens.detach().to("cpu", torch.int64)
-    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total:
-        raise ValueError(f"cu_seqlens must start at 0 and end at the token count {total}; got {cu.tolist()}")
-    if bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"cu_seqlens must be non-decreasing; got {cu.tolist()}")
-    return cu
 
 
 def chunk_table(cu: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

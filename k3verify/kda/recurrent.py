@@ -6,6 +6,8 @@
 
 This is the oracle when run in fp64. ``naive_baseline`` is the same recurrence with every
 stored tensor rounded to a narrow dtype: the "same-dtype baseline" of the tolerance policy.
+``recurrent_backward`` differentiates the recurrence through torch.autograd: in fp64, the
+gradient oracle (``numerics.gradients``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ from collections.abc import Callable
 import torch
 
 from ..numerics import rounder, storage_for
-from .inputs import check_inputs, initial, working_dtype
+from ..numerics.gradients import vjp
+from .gate import InKernelGate
+from .inputs import check_backward, check_inputs, initial, working_dtype
+
+Form = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def recurrent(
@@ -94,3 +100,70 @@ def _recurrence(
         S = keep(S + k_t[..., :, None] * delta[..., None, :])
         o[:, t] = keep(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
     return o.to(out_dtype), (S if output_final_state else None)
+
+
+def recurrent_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    do: torch.Tensor,
+    dht: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    gate: InKernelGate | None = None,
+) -> dict[str, torch.Tensor]:
+    """The gradients of the recurrence by autograd: :func:`autograd_backward` of :func:`recurrent`.
+    On fp64 inputs this is the gradient oracle."""
+    return autograd_backward(recurrent, q, k, v, g, beta, do=do, dht=dht, scale=scale, initial_state=initial_state,
+                             cu_seqlens=cu_seqlens, gate=gate)
+
+
+def autograd_backward(
+    form: Form,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    do: torch.Tensor,
+    dht: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    gate: InKernelGate | None = None,
+    **options: object,
+) -> dict[str, torch.Tensor]:
+    """Gradients of ``L = sum(o * do) + sum(S_T * dht)`` through a differentiable KDA ``form``.
+
+    Inputs as in :mod:`k3verify.kda.inputs`; with ``cu_seqlens:[N+1]`` (``B = 1``) each packed
+    sequence runs alone from its own state (``initial_state, dht: [N,H,K,V]``). With ``gate`` the
+    ``g`` argument is the decay logit and the gate runs inside the differentiated function.
+    Returns ``dq, dk, dv, dg, dbeta`` like their inputs, ``dh0`` when there is an initial state,
+    and ``dA_log, ddt_bias`` with ``gate``; each in its input's dtype (fp64 stays fp64).
+    """
+    _, scale, bounds = check_backward(q, k, v, g if gate is None else gate(g.detach()), beta, initial_state, scale,
+                                      do, dht, cu_seqlens)
+    packed = cu_seqlens is not None
+
+    def forward(q, k, v, g, beta, h0=None, A_log=None, dt_bias=None):
+        if gate is not None:
+            g = InKernelGate(A_log, dt_bias, gate.g_min)(g)
+        outs, finals = [], []
+        for i, (a, b) in enumerate(bounds):
+            s0 = h0[i : i + 1] if packed and h0 is not None else h0
+            o, s = form(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale=scale, initial_state=s0,
+                        output_final_state=True, **options)
+            outs.append(o)
+            finals.append(s)
+        return {"o": torch.cat(outs, 1), "final_state": torch.cat(finals, 0)}
+
+    inputs = dict(q=q, k=k, v=v, g=g, beta=beta, h0=initial_state)
+    if gate is not None:
+        inputs |= dict(A_log=gate.a_log, dt_bias=gate.dt_bias)
+    cotangents = {"o": do} | ({} if dht is None else {"final_state": dht})
+    return vjp(forward, inputs, cotangents)

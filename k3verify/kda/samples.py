@@ -71,6 +71,16 @@ def saturated_inputs(
     return x
 
 
+def cotangents(B: int, T: int, H: int, K: int, V: int, *, seed: int = 0, states: int | None = None
+               ) -> dict[str, torch.Tensor]:
+    """The backward's upstream gradients, drawn standard normal in fp64: ``do:[B,T,H,V]`` and
+    ``dht`` like the final state(s), ``[states or B, H, K, V]`` (the loss
+    ``sum(o * do) + sum(S_T * dht)``, numerics.gradients)."""
+    gen = torch.Generator().manual_seed(10_007 + seed)
+    return {"do": torch.randn(B, T, H, V, generator=gen, dtype=torch.float64),
+            "dht": torch.randn(states or B, H, K, V, generator=gen, dtype=torch.float64)}
+
+
 def make_cases(seed: int = 0) -> dict[str, Sample]:
     """``default`` (random, bounded gates, initial state), ``saturated`` (gates at g_min),
     ``small`` (the chunk kernel under Triton's interpreter: a full and a partial chunk) and
@@ -145,6 +155,10 @@ class KDAProblem:
     def state(self, dtype: torch.dtype = torch.float64) -> torch.Tensor | None:
         s = self.inputs["initial_state"]
         return None if s is None else s.to(dtype)
+
+    def cotangents(self) -> dict[str, torch.Tensor]:
+        """``do`` and ``dht`` drawn from the problem's seed (:func:`cotangents`)."""
+        return cotangents(self.B, self.T, self.H, self.K, self.V, seed=self.seed)
 
     @property
     def sample(self) -> Sample:

@@ -48,22 +48,28 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", "-m", "not slow and not nightly", "-n", "auto", "--dist", "loadfile", *session.posargs,
                 env={"HYPOTHESIS_PROFILE": "ci"})
     # ``golden verify`` and the runs each keep about one core busy (small tensors, Python-bound):
-    # on CI's two cores they run side by side, the verify's output printed when it ends.
-    golden = _beside(session, "k3verify", "golden", "verify")
+    # on CI's two cores they run side by side, one intra-op thread each (two each oversubscribe
+    # the cores: measured 96 s one after the other, 68 s side by side with one thread each), the
+    # verify's output printed when it ends.
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    golden = _beside(session, one_thread, "k3verify", "golden", "verify")
     try:
-        _run_and_compare(session)
-        _run_and_compare(session, TP_BASELINE, f"{LATEST}/tp8", "--tp", "8", "--tp-backend", "gloo", "--quiet")
+        _run_and_compare(session, env=one_thread)
+        _run_and_compare(session, TP_BASELINE, f"{LATEST}/tp8", "--tp", "8", "--tp-backend", "gloo", "--quiet",
+                         env=one_thread)
     finally:
         _joined(session, *golden)
 
 
-def _beside(session: nox.Session, command: str, *args: str) -> tuple[subprocess.Popen, IO[bytes], str]:
-    """Start ``command`` (an executable of the session's environment) in the background, its
-    output kept in a temporary file; :func:`_joined` waits for it."""
+def _beside(session: nox.Session, env: dict[str, str], command: str, *args: str
+            ) -> tuple[subprocess.Popen, IO[bytes], str]:
+    """Start ``command`` (an executable of the session's environment) in the background with
+    ``env`` added, its output kept in a temporary file; :func:`_joined` waits for it."""
     label = " ".join((command, *args))
     session.log(f"{label} (in the background; its output follows when it ends)")
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([os.path.join(session.bin, command), *args], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([os.path.join(session.bin, command), *args], stdout=log, stderr=subprocess.STDOUT,
+                            env=os.environ | env)
     return proc, log, label
 
 
@@ -79,13 +85,14 @@ def _joined(session: nox.Session, proc: subprocess.Popen, log: IO[bytes], label:
         session.error(f"{label} failed (exit {code})")
 
 
-def _run_and_compare(session: nox.Session, baseline: str = BASELINE, out: str = LATEST, *args: str) -> None:
+def _run_and_compare(session: nox.Session, baseline: str = BASELINE, out: str = LATEST, *args: str,
+                     env: dict[str, str] | None = None) -> None:
     # A failed verdict also shows as a flipped row in the compare, which prints what got worse
     # and decides the exit status, so the run itself may exit 1 here; a run that could not
     # complete exits 3, which stops the session. The folder goes first: the compare can only
     # read the report this run wrote, never one a reused checkout kept from an earlier run.
     _fresh(out)
-    session.run("k3verify", "run", "--out", out, *args, success_codes=[0, 1])
+    session.run("k3verify", "run", "--out", out, *args, success_codes=[0, 1], env=env)
     session.run("k3verify", "report", "compare", baseline, out)
 
 

@@ -197,7 +197,7 @@ def _writes(option: str, what: str) -> Callable[[Command], Command]:
 @_writes("out", "--out")
 def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Verify every registered implementation of the selected modules; write the report."""
-    entries = registry.select(_module_list(args.modules))
+    entries = _in_direction(registry.select(_module_list(args.modules)), args.direction)
     maps_dir = _maps_dir(args.maps)
     tp = _tp_options(args)
     sandbox.set_timeout(args.timeout)
@@ -235,6 +235,16 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
     if tp is not None:
         config["tp"] = dataclasses.asdict(tp)
     return _finish(rows, config, Path(args.out), maps_dir, out, args, err=err)
+
+
+def _in_direction(entries: list[registry.ModuleEntry], direction: str) -> list[registry.ModuleEntry]:
+    """The entries of ``direction`` (``both``: all); a usage error naming what was selected when
+    none is left."""
+    kept = [e for e in entries if direction in ("both", e.direction)]
+    if not kept:
+        names = ", ".join(e.name for e in entries)
+        raise UsageError(f"--direction {direction}: none of the selected modules ({names}) has a {direction} pass")
+    return kept
 
 
 # Where `run` looks for the goldens its oracle is checked against when --goldens is not given.
@@ -653,6 +663,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="reports/latest", help="report folder (default: reports/latest)")
     r.add_argument("--seed", type=_seed, default=0, help="seed of the generated cases (default: 0)")
     r.add_argument("--maps", help=MAPS_HELP)
+    r.add_argument("--direction", choices=("forward", "backward", "both"), default="both",
+                   help="the forward outputs, the gradients of the backward pass (kda_backward), or both (default)")
     r.add_argument("--tp", type=_world_size, metavar="N",
                    help="instead of the usual rows: every module's layer sharded over N ranks (fp64, and bf16 "
                         "with the all-reduce in fp32 and in bf16) against the unsharded layer")

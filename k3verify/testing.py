@@ -90,6 +90,19 @@ def _as_cases(module: str, given: Iterable[Case | str | tuple] | None, seed: int
     return out
 
 
+def _directed(module: str, direction: str) -> str:
+    """The registry name of ``module``'s ``direction`` pass (``kda`` backward: ``kda_backward``)."""
+    if direction == "forward":
+        return module
+    if direction != "backward":
+        raise ValueError(f"direction is 'forward' or 'backward', not {direction!r}")
+    name = module if module.endswith("_backward") else f"{module}_backward"
+    if name not in registry.module_names(opt_in=True):
+        raise ValueError(f"module {module!r} has no backward pass registered (modules with one: "
+                         f"{', '.join(n for n in registry.module_names(opt_in=True) if n.endswith('_backward'))})")
+    return name
+
+
 def assert_matches_oracle(
     fn: Callable[..., Any],
     module: str,
@@ -99,10 +112,15 @@ def assert_matches_oracle(
     baseline: str = "recurrent",
     seed: int = 0,
     timeout: float | None = DEFAULT_TIMEOUT_S,
+    direction: str = "forward",
     **options: Any,
 ) -> list[dict[str, Any]]:
     """Run ``fn`` on each case with inputs in ``dtype`` and judge every named output against the
     fp64 oracle; raise ``AssertionError`` describing every failing output, else return the rows.
+
+    ``direction="backward"`` judges a backward instead: ``fn`` takes the forward's arguments and
+    the cotangents (``do``, ``dht`` for KDA) and returns the gradients by name (``dq``, ``dk``,
+    ...), judged against autograd through the fp64 definition (module ``<module>_backward``).
 
     ``baseline`` names the algorithm family of the same-dtype baseline (``"chunkwise"`` holds a
     chunked kernel to what a plain chunked implementation achieves); ``options`` go to ``fn``.
@@ -114,6 +132,7 @@ def assert_matches_oracle(
     case. An empty ``cases`` is a ``ValueError``: nothing would be judged.
     """
     __tracebackhide__ = True  # pytest shows the caller's line, not this function's source
+    module = _directed(module, direction)
     entry = registry.get(module)
     if entry.call is None:
         raise NotImplementedError(f"module {module!r} has no calling convention for user functions")

@@ -19,6 +19,7 @@ from k3verify import mla
 from k3verify.cli import main
 from k3verify.harness import golden, registry
 from k3verify.harness.environment import platform_differences
+from k3verify.harness.files import UsageError
 from k3verify.numerics import FAIL, PASS, fp64_agreement
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -204,6 +205,24 @@ def test_regeneration_removes_stale_files_in_module_folders_only(tmp_path: Path)
         path.write_bytes(b"x")
     golden.generate(tmp_path, modules=["mla"])
     assert not stale.exists() and elsewhere.exists()
+
+
+def test_partial_regeneration_on_another_platform_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest records one platform, which the bitwise check trusts: regenerating one module
+    where the kept ones were made on another platform would stamp today's platform on them. It
+    is refused, naming the difference, and the set is left as it was; on the same platform the
+    partial regeneration goes through."""
+    golden.generate(tmp_path, modules=["mla"])
+    golden.generate(tmp_path, modules=["mla", "moe"])
+    golden.generate(tmp_path, modules=["moe"])  # same platform: kept mla files are fine
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    elsewhere = golden.platform_record() | {"cpu": "another CPU"}
+    monkeypatch.setattr(golden, "platform_record", lambda: elsewhere)
+    with pytest.raises(UsageError, match=r"made on another platform.*cpu.*regenerate every module"):
+        golden.generate(tmp_path, modules=["moe"])
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    golden.generate(tmp_path)  # every module: one platform again
+    assert golden.read_manifest(tmp_path)["platform"] == elsewhere
 
 
 @pytest.mark.parametrize("drift", [0.0, 1e-9], ids=["as committed", "oracle drifted by 1e-9"])

@@ -22,9 +22,16 @@ def _gpu_modules() -> dict[str, tuple[tuple[str, ...], str]]:
     raise AssertionError("noxfile.py defines no GPU_MODULES table")
 
 
+def _with_kernels() -> set[str]:
+    """The default modules that register a kernel row (a form ``kernel:...``): what a GPU runs."""
+    return {name for name in registry.module_names()
+            if any(impl.form.startswith("kernel:") for impl in registry.get(name).implementations())}
+
+
 def test_every_module_has_a_gpu_session() -> None:
+    """Every default module with kernel rows has a GPU session (kda_backward has none yet)."""
     table = _gpu_modules()
-    assert set(table) == set(registry.module_names()), "a default module without a GPU session, or one too many"
+    assert set(table) == _with_kernels(), "a module with kernels but no GPU session, or a session too many"
     for module, (tests, baseline) in table.items():
         assert tests and all((ROOT / t).is_file() for t in tests), (module, tests)
         doc = report.load(ROOT / baseline)

@@ -239,3 +239,19 @@ def test_the_oracle_is_not_the_form_under_test() -> None:
         got = _grads(p, chunkwise_backward, chunk_size=16)
     assert sorted(got) == ["dbeta", "dg", "dh0", "dk", "dq", "dv"]
     assert all(not t.requires_grad for t in got.values())
+
+
+def test_a_rounding_under_autograd_stores_the_value_and_its_gradient_rounded() -> None:
+    """The same-dtype baseline of a backward is autograd through the naive forms: a rounding
+    there passes the value rounded (bitwise as without autograd) and the gradient rounded too,
+    not rounding's zero derivative (rule: bitwise, one host)."""
+    from k3verify.numerics import round_to, rounder
+
+    rnd = rounder("bf16")
+    x = torch.randn(64, dtype=torch.float32, generator=torch.Generator().manual_seed(1))
+    cot = torch.randn(64, dtype=torch.float32, generator=torch.Generator().manual_seed(2))
+    leaf = x.clone().requires_grad_()
+    y = rnd(leaf)
+    y.backward(cot)
+    assert torch.equal(y.detach(), rnd(x)) and torch.equal(rnd(x), round_to(x, "bf16"))
+    assert torch.equal(leaf.grad, round_to(cot, "bf16")) and not torch.equal(leaf.grad, cot)

@@ -70,3 +70,35 @@ def test_padding_keeps_fla_naive_chunk_exact(T: int) -> None:
     o_rec, _ = fla.naive_recurrent(*p.args(), initial_state=p.state())
     assert o_pad.shape == o_rec.shape
     assert_rel_within(o_pad, o_rec, FLA_REL)
+
+
+@pytest.mark.parametrize(("g_min", "finite"), [(-5.0, False), (-1.0, True)])
+def test_naive_chunk_kda_backward_is_nan_past_the_masked_decay_frontier(g_min: float, finite: bool) -> None:
+    """A finding, pinned: autograd through fla-core's ``naive_chunk_kda`` exponentiates every pair
+    of a chunk before masking the pairs above the diagonal; at K3's bound -5 those reach
+    ``exp(> 88.7)``, ``inf`` in fp32, and the backward's ``0 * inf`` gives NaN gradients while the
+    forward stays finite. At -1 a 64-token chunk spans at most e^63 and the gradients are finite
+    and within fp32 agreement of the fp64 oracle (rule: relative max error <= 1e-5, as above).
+    The row's prediction (``masked_decay_prediction``) says which side of that line a case is."""
+    from k3verify.harness.modules.kda_backward import masked_decay_prediction
+    from k3verify.harness.registry import Case
+    from k3verify.kda.recurrent import autograd_backward, recurrent_backward
+    from k3verify.kda.samples import cotangents, random_inputs
+
+    x = random_inputs(1, 128, 2, 16, 8, g_min=g_min, seed=3)
+    c = cotangents(1, 128, 2, 16, 8, seed=3)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    kw = dict(do=c["do"], dht=c["dht"], initial_state=x["initial_state"])
+    got = autograd_backward(fla.naive_chunk, *(t.float() for t in args), **{n: t.float() for n, t in kw.items()})
+    o, _ = fla.naive_chunk(*(t.float() for t in args), initial_state=kw["initial_state"].float())
+    assert torch.isfinite(o).all()  # the forward hides the overflow
+    prediction = masked_decay_prediction(Case("pinned", x, {}))
+    assert prediction.finite is finite, prediction.explanation
+    # The gradients that pass through the pairwise decays; dv and dh0 do not (the class of the
+    # Ascend chunk_kda_bwd report: NaN in dq, dk, dg and dbeta while dv stayed finite).
+    nonfinite = {n for n, t in got.items() if not torch.isfinite(t).all()}
+    assert nonfinite == (set() if finite else {"dq", "dk", "dg", "dbeta"}), (nonfinite, prediction.explanation)
+    if finite:
+        ref = recurrent_backward(*args, **kw)
+        for name, t in ref.items():
+            assert_rel_within(got[name].double(), t, FLA_REL, name)

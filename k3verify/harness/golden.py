@@ -79,7 +79,7 @@ from safetensors.torch import save as save_tensors
 
 from ..numerics import FAIL, FP64_AGREEMENT_REL, POLICY, Verdict
 from . import registry, runner
-from .environment import math_platform, one_thread
+from .environment import math_platform, one_thread, platform_differences
 from .files import (
     StagingError,
     UsageError,
@@ -276,6 +276,13 @@ def generate(
             raise UsageError(f"cannot keep the other modules' goldens: {exc}; regenerate every module") from None
         kept_files = {k: v for k, v in previous["files"].items() if v["module"] not in names}
         kept_skipped = {k: v for k, v in previous["skipped"].items() if v["module"] not in names}
+        differences = platform_differences(previous["platform"], platform_record())
+        if kept_files and differences:
+            # One manifest records one platform, which the bitwise check trusts: files kept from
+            # another platform beside files made here would claim bits they were not made with.
+            raise UsageError("the goldens kept beside --modules were made on another platform ("
+                             + "; ".join(differences)[:300] + "); a manifest records one platform: regenerate "
+                             "every module (`k3verify golden generate` without --modules)")
     elif (out_dir / MANIFEST).exists():
         replaced |= _listed_modules(out_dir)
     files: dict[str, Any] = {}
@@ -817,9 +824,9 @@ def verify_rows(
                 matching = [(rel, c, o) for rel, c, o in cases if registry.golden_case_kind(c.name) == wanted]
                 too_large = skipped.get(f"{entry.name}/{wanted}")
                 if too_large:
-                    rows.append(_unstored_row(impl, wanted, too_large["reason"]))
+                    rows.append(_unstored_row(impl, wanted, too_large["reason"], entry.direction))
                 elif not matching:
-                    rows.append(runner.row_header(impl, Case(wanted, {})) | _missing(
+                    rows.append(runner.row_header(impl, Case(wanted, {}), entry.direction) | _missing(
                         f"{impl.label}: no golden case for {wanted!r}"))
                 for rel, case, stored in matching:
                     if progress:
@@ -870,7 +877,8 @@ def _oracle_row(entry: ModuleEntry, case: Case, stored: Outputs, rel: str) -> di
     verdict = max(verdicts, key=lambda v: (v.status == FAIL, v.err))
     return Row(module=entry.name, implementation="oracle", form="definition", dtype="fp64", case=case.name,
                status=verdict.status, rule=FP64_RULE, case_params=dict(case.params), golden=rel,
-               verdict=VerdictRecord(**verdict.as_dict()), margin=verdict.margin).to_json()
+               verdict=VerdictRecord(**verdict.as_dict()), margin=verdict.margin,
+               direction=None if entry.direction == "forward" else entry.direction).to_json()
 
 
 def _agree(name: str, today: torch.Tensor | None, stored: torch.Tensor | None) -> Verdict:
@@ -884,9 +892,9 @@ def _agree(name: str, today: torch.Tensor | None, stored: torch.Tensor | None) -
     return POLICY[FP64_RULE].judge(today, stored).verdict
 
 
-def _unstored_row(impl: Implementation, case: str, reason: str) -> dict[str, Any]:
-    return runner.row_header(impl, Case(case, {})) | {"status": runner.UNAVAILABLE,
-                                                       "reason": f"golden case not stored: {reason}"}
+def _unstored_row(impl: Implementation, case: str, reason: str, direction: str = "forward") -> dict[str, Any]:
+    return runner.row_header(impl, Case(case, {}), direction) | {"status": runner.UNAVAILABLE,
+                                                                  "reason": f"golden case not stored: {reason}"}
 
 
 def _missing(reason: str) -> dict[str, Any]:

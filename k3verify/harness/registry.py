@@ -139,6 +139,9 @@ class ModuleEntry:
     # Whether a run without ``--modules`` (and every module-wide command) includes it; an opt-in
     # entry (a whole layer) runs when named.
     default: bool = True
+    # ``forward``, or ``backward`` for an entry whose outputs are gradients (its rows say so;
+    # ``k3verify run --direction`` chooses).
+    direction: str = "forward"
 
     def __post_init__(self) -> None:
         # The memo of the oracle and baselines is the harness's, not each entry's.

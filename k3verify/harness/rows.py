@@ -159,6 +159,7 @@ class Row:
     baseline_error_by_position: list[float | None] | None = None
     golden: str | None = None
     time: TimingRecord | None = None
+    direction: str | None = None  # "backward" for a row of gradients; absent: forward
 
     @classmethod
     def from_json(cls, value: Any, *, where: str = "row", strict: bool = False) -> Row:

@@ -83,13 +83,13 @@ def run(entries: list[ModuleEntry], *, seed: int = 0, progress: Progress | None 
             progress(f"{impl.label} on {case_name}")
         reason = impl.unavailable()
         if reason:
-            yield row_header(impl, Case(case_name, {})) | {"status": UNAVAILABLE, "reason": reason}
+            yield row_header(impl, Case(case_name, {}), entry.direction) | {"status": UNAVAILABLE, "reason": reason}
             continue
         if id(entry) not in cases:  # by identity: a --tp run's entries share their module's name
             cases[id(entry)] = entry.make_cases(seed)
         made = cases[id(entry)]
         if case_name not in made:
-            yield row_header(impl, Case(case_name, {})) | {
+            yield row_header(impl, Case(case_name, {}), entry.direction) | {
                 "status": FAIL, "reason": f"{impl.label} asks for case {case_name!r}, which {entry.name} does not "
                                           f"make (its cases: {', '.join(made)})"}
             continue
@@ -109,9 +109,11 @@ def _timed(impl: Implementation, case: Case) -> dict[str, Any]:
         return {"error": timing.first_line(f"{type(exc).__name__}: {exc}", 300)}
 
 
-def row_header(impl: Implementation, case: Case) -> dict[str, Any]:
-    """What identifies a row: the implementation's module, name, form, dtype, params, rule and source, and the case."""
-    return {
+def row_header(impl: Implementation, case: Case, direction: str = "forward") -> dict[str, Any]:
+    """What identifies a row: the implementation's module, name, form, dtype, params, rule and
+    source, and the case; ``direction`` for a row of gradients (a forward row has none, as
+    before there were backward rows)."""
+    header = {
         "module": impl.module,
         "implementation": impl.implementation,
         "form": impl.form,
@@ -122,6 +124,7 @@ def row_header(impl: Implementation, case: Case) -> dict[str, Any]:
         "rule": impl.rule,
         "source": impl.source,
     }
+    return header if direction == "forward" else header | {"direction": direction}
 
 
 def _param_value(value: Any) -> Any:
@@ -157,7 +160,7 @@ def verify(entry: ModuleEntry, impl: Implementation, case: Case, *, oracle: Outp
     with the least margin. Overflow predictions, positions and ULP histograms are the primary
     output's.
     """
-    row = row_header(impl, case)
+    row = row_header(impl, case, entry.direction)
     reason = impl.unavailable()
     if reason:
         return row | {"status": UNAVAILABLE, "reason": reason}

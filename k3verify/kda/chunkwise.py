@@ -13,7 +13,7 @@ overflow for any gate; it is the exact reference for the tiled form. Everything 
 chunk-to-chunk state pass is vectorised over batch, heads and chunks.
 
 ``chunkwise_backward`` is its backward written by hand, the way production kernels compute it
-(docs/model.md §1.7): recompute the WY quantities and the state entering each chunk, carry the
+(docs/model.md §1.9): recompute the WY quantities and the state entering each chunk, carry the
 state gradient backward over the chunks, then form the intra-chunk gradients; the gate's
 gradient is the reverse cumulative sum, over the chunk, of the gradient of its prefix ``G``.
 """

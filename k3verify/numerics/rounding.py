@@ -64,11 +64,32 @@ def rounder(dtype: torch.dtype | str, *, overflow: Overflow = "nonfinite") -> Ca
     """
     target, storage = resolve_dtype(dtype), storage_for(dtype)
 
-    def rnd(x: torch.Tensor) -> torch.Tensor:
+    def plain(x: torch.Tensor) -> torch.Tensor:
         wide = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float64)
         return round_to(wide, target, overflow=overflow).to(storage)
 
+    def rnd(x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad and torch.is_grad_enabled():
+            return _StoredInDtype.apply(x, plain)
+        return plain(x)
+
     return rnd
+
+
+class _StoredInDtype(torch.autograd.Function):
+    """A rounding under autograd as a plain implementation in the narrow dtype differentiates it:
+    the value is stored rounded, and so is the gradient that flows back through it (a bf16
+    tensor's gradient is a bf16 tensor). Rounding's own derivative, zero almost everywhere, is
+    not what such an implementation computes."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, plain: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        ctx.plain, ctx.dtype = plain, x.dtype
+        return plain(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.plain(grad).to(ctx.dtype), None
 
 
 def round_to_reference(

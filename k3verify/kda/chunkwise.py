@@ -367,19 +367,32 @@ def _decayed_product_backward(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor,
     """Gradients of ``A[r,c] = sum_d x_r[d] k_c[d] exp(G_r[d] - G_c[d])`` (``c <= r``) for the
     cotangent ``D:[..., C, C]`` (zero above the diagonal): ``(dx, dk, dG)``, each ``[..., C, D]``.
 
-    The pairwise decays are formed one chunk at a time, each ``<= 1``: exact for any gate. A
-    diagonal term has no decay, so it reaches ``dx`` and ``dk`` but not ``dG``: it is left out of
-    ``dG`` rather than added and subtracted (a gradient that is exactly zero stays zero).
+    The two-level split of :func:`decayed_products`, transposed: for a key tile ``J`` before the
+    query tile ``I`` both factors ``exp(G_r - a_I)`` and ``exp(a_I - G_c)`` are ``<= 1`` and the
+    block is a matrix product; diagonal tiles are formed pair by pair. Exact for any gate. A
+    diagonal pair ``r = c`` has no decay, so it reaches ``dx`` and ``dk`` but not ``dG``: it is
+    left out of ``dG`` rather than added and subtracted (a gradient that is exactly zero stays
+    zero).
     """
-    C = G.shape[-2]
-    not_before = torch.ones(C, C, dtype=torch.bool, device=G.device).triu()[..., None]  # c >= r
-    dx, dk = torch.empty_like(x), torch.empty_like(k)
-    for n in range(G.shape[2]):
-        Gn = G[:, :, n]
-        E = torch.exp((Gn[..., :, None, :] - Gn[..., None, :, :]).masked_fill(not_before, float("-inf")))
-        DE = D[:, :, n][..., None] * E  # [B, H, r, c, D], strictly lower
-        dx[:, :, n] = torch.einsum("...rcd,...cd->...rd", DE, k[:, :, n])
-        dk[:, :, n] = torch.einsum("...rcd,...rd->...cd", DE, x[:, :, n])
+    C, Dd = G.shape[-2:]
+    tile = _exact_tile(C)
+    nT = C // tile
+    lead = G.shape[:-2]
+    Gt, xt, kt = (t.reshape(*lead, nT, tile, Dd) for t in (G, x, k))
+    start = tile_start_prefix(Gt)  # a_I: [..., nT, Dd]
+    blocks = D.reshape(*lead, nT, tile, nT, tile)  # [..., I, r, J, c]
+    earlier = torch.ones(nT, nT, dtype=torch.bool, device=G.device).tril(-1)  # [I, J]: J < I
+    key_exp = (start[..., :, None, None, :] - Gt[..., None, :, :, :]).masked_fill(~earlier[:, :, None, None],
+                                                                                 float("-inf"))
+    key_f = torch.exp(key_exp)  # [..., I, J, c, Dd], 0 unless J < I
+    query_f = torch.exp(Gt - start[..., None, :])  # [..., I, r, Dd]
+    dx = query_f * torch.einsum("...irjc,...ijcd->...ird", blocks, kt[..., None, :, :, :] * key_f)
+    dk = (torch.einsum("...irjc,...ird->...ijcd", blocks, xt * query_f) * key_f).sum(-4)
+    strict = torch.ones(tile, tile, dtype=torch.bool, device=G.device).tril(-1)  # c < r
+    pairs = torch.exp((Gt[..., :, None, :] - Gt[..., None, :, :]).masked_fill(~strict[..., None], float("-inf")))
+    weighted = blocks.diagonal(dim1=-4, dim2=-2).movedim(-1, -3)[..., None] * pairs  # [..., nT, r, c, Dd]
+    dx = (dx + torch.einsum("...nrcd,...ncd->...nrd", weighted, kt)).reshape(*lead, C, Dd)
+    dk = (dk + torch.einsum("...nrcd,...nrd->...ncd", weighted, xt)).reshape(*lead, C, Dd)
     dG = x * dx - k * dk
     diag = D.diagonal(dim1=-2, dim2=-1)[..., None]
     return dx + diag * k, dk + diag * x, dG

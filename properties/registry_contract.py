@@ -98,6 +98,23 @@ def _moe_rows(rows: list[dict[str, Any]]) -> None:
     assert skewed["case_params"]["idle_experts"] > 0
 
 
+def _kda_backward_rows(rows: list[dict[str, Any]]) -> None:
+    """Every row says it is a backward; each of our forms ran on the four cases, the gate's
+    parameters judged on the gate case only; fla-core's chunk reference is the predicted NaN
+    (in dq, dk, dg, dbeta; dv finite) wherever it ran."""
+    assert {r.get("direction") for r in rows} == {"backward"}
+    ours = [r for r in rows if r["implementation"] == "k3verify"]
+    assert {r["case"] for r in ours} == {"default", "saturated", "packed", "gate"}
+    for r in ours:
+        assert ({"dA_log", "ddt_bias"} <= set(r["outputs"])) == (r["case"] == "gate"), (r["case"], sorted(r["outputs"]))
+    fla_chunk = [r for r in rows if r["implementation"].startswith("fla-core") and r["form"].startswith("chunkwise")]
+    for r in fla_chunk:
+        if r["status"] == "unavailable":
+            continue
+        assert r["status"] == EXPECTED_NONFINITE and not r["prediction"]["finite"], r
+        assert r["outputs"]["dv"]["status"] == "pass" and r["outputs"]["dq"]["status"] == EXPECTED_NONFINITE
+
+
 ROW_FACTS: dict[str, Callable[[list[dict[str, Any]]], None]] = {
-    "mla": _mla_rows, "attnres": _attnres_rows, "moe": _moe_rows,
+    "mla": _mla_rows, "attnres": _attnres_rows, "moe": _moe_rows, "kda_backward": _kda_backward_rows,
 }

@@ -265,7 +265,8 @@ def chunkwise_backward(
     z = g
     if gate is not None:
         g = gate(z.to(dtype))
-    _, scale, bounds = check_backward(q, k, v, g, beta, initial_state, scale, do, dht, cu_seqlens)
+    _, scale, bounds = check_backward(q, k, v, g, beta, initial_state, scale, do, dht, cu_seqlens,
+                                      fp32_gates=gate is not None)
     C = require_block("chunk_size", chunk_size)
     packed = cu_seqlens is not None
     parts = []

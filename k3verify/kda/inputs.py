@@ -170,12 +170,16 @@ def check_backward(
     do: torch.Tensor,
     dht: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
+    *,
+    fp32_gates: bool = False,
 ) -> tuple[Dims, float, list[tuple[int, int]]]:
     """Validate a backward call: the forward's arguments (:func:`check_inputs`), the packed
     sequences, and the upstream gradients ``do`` (like ``o``, ``[B,T,H,V]``) and ``dht`` (like the
     final states). With ``cu_seqlens:[N+1]``, ``initial_state`` and ``dht`` are ``[N,H,K,V]``.
-    Returns the sizes, the effective scale and :func:`sequence_bounds`."""
-    dims, scale = check_inputs(q, k, v, g, beta, None if cu_seqlens is not None else initial_state, scale)
+    Returns the sizes, the effective scale and :func:`sequence_bounds`; ``fp32_gates`` as in
+    :func:`check_inputs` (a gate computed in the kernel is in the working dtype)."""
+    dims, scale = check_inputs(q, k, v, g, beta, None if cu_seqlens is not None else initial_state, scale,
+                               fp32_gates=fp32_gates)
     bounds = sequence_bounds(cu_seqlens, dims.B, dims.T)
     states = len(bounds) if cu_seqlens is not None else dims.B
     named = [("do", do, (dims.B, dims.T, dims.H, dims.V), "B,T,H,V")]

@@ -7,6 +7,7 @@ initial_state``), ``params`` what generated them (JSON-ready). Nothing here know
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,37 @@ def cotangents(B: int, T: int, H: int, K: int, V: int, *, seed: int = 0, states:
     gen = torch.Generator().manual_seed(10_007 + seed)
     return {"do": torch.randn(B, T, H, V, generator=gen, dtype=torch.float64),
             "dht": torch.randn(states or B, H, K, V, generator=gen, dtype=torch.float64)}
+
+
+# The backward's packed batch: a chunk and more, one token, an empty sequence, and a short one, in
+# one call along T (fla-core's cu_seqlens layout); and its case with the gate in the kernel. Small
+# heads: these cases are about structure, and their goldens stay near 200 kB.
+PACKED_LENGTHS = (70, 1, 0, 9)
+PACKED_SHAPE = dict(H=2, K=16, V=16)
+
+
+def packed_inputs(lengths: tuple[int, ...] = PACKED_LENGTHS, *, H: int, K: int, V: int, g_min: float = G_MIN,
+                  seed: int = 0) -> dict[str, torch.Tensor | None]:
+    """Sequences of ``lengths`` packed along ``T`` (``B = 1``): the inputs of
+    :func:`random_inputs`, an initial state per sequence ``[N,H,K,V]`` and ``cu_seqlens`` (int64)."""
+    T, N = sum(lengths), len(lengths)
+    x = random_inputs(1, T, H, K, V, g_min=g_min, seed=seed, initial_state=False)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x["initial_state"] = 0.1 * torch.randn(N, H, K, V, generator=gen, dtype=torch.float64)
+    x["cu_seqlens"] = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
+    return x
+
+
+def gated_inputs(B: int, T: int, H: int, K: int, V: int, *, seed: int = 0) -> dict[str, torch.Tensor | None]:
+    """The inputs of :func:`random_inputs` with ``g`` replaced by decay logits (standard normal,
+    scaled by 3 so that some of the gate's sigmoids saturate) and the gate's parameters
+    ``A_log:[H]`` and ``dt_bias:[H*K]`` beside them, for a kernel that computes the gate itself."""
+    x = random_inputs(B, T, H, K, V, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 2)
+    x["g"] = 3 * torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)
+    x["A_log"] = torch.randn(H, generator=gen, dtype=torch.float64)
+    x["dt_bias"] = torch.randn(H * K, generator=gen, dtype=torch.float64)
+    return x
 
 
 def make_cases(seed: int = 0) -> dict[str, Sample]:

@@ -15,6 +15,8 @@ import torch
 from ...adapters import fla as fla_adapter
 from ...kda import samples
 from ...kda.chunkwise import chunkwise_backward
+from ...kda.gate import InKernelGate
+from ...kda.inputs import sequence_bounds
 from ...kda.recurrent import autograd_backward, recurrent_backward
 from ...kda.samples import CHUNK
 from ...numerics import ln_max, resolve_dtype, rule_for
@@ -22,22 +24,29 @@ from ..guard import checked_call
 from ..registry import Case, Implementation, ModuleEntry, Outputs, Prediction, cases_from, register, unavailable_as
 from .kda import _baseline_form, baseline_for
 
-OUTPUTS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+OUTPUTS = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
 ARGS = ("q", "k", "v", "g", "beta")
-CASES = ("default", "saturated")
+# K3's head dims (default, saturated gates); packed sequences (cu_seqlens); the gate in the kernel.
+CASES = ("default", "saturated", "packed", "gate")
 
 
 def with_cotangents(sample: samples.Sample) -> samples.Sample:
     """A forward sample with its backward's cotangents ``do`` and ``dht`` among the inputs, drawn
-    from its seed (:func:`k3verify.kda.samples.cotangents`)."""
+    from its seed (:func:`k3verify.kda.samples.cotangents`; ``dht`` per packed sequence)."""
     inputs, params = sample
     B, T, H, K = inputs["q"].shape
-    drawn = samples.cotangents(B, T, H, K, inputs["v"].shape[-1], seed=params.get("seed", 0))
+    states = None if inputs.get("cu_seqlens") is None else len(inputs["cu_seqlens"]) - 1
+    drawn = samples.cotangents(B, T, H, K, inputs["v"].shape[-1], seed=params.get("seed", 0), states=states)
     return dict(inputs) | drawn, dict(params, loss="sum(o*do) + sum(S_T*dht)")
 
 
 def _cases(seed: int) -> dict[str, samples.Sample]:
     made = samples.make_cases(seed)
+    shape = dict(samples.PACKED_SHAPE)
+    made["packed"] = (samples.packed_inputs(**shape, seed=seed + 3),
+                      dict(shape, lengths=list(samples.PACKED_LENGTHS), g_min=samples.G_MIN, seed=seed + 3))
+    made["gate"] = (samples.gated_inputs(1, 80, **shape, seed=seed + 4),
+                    dict(shape, B=1, T=80, g_min=samples.G_MIN, seed=seed + 4, gate="in the kernel"))
     return {name: with_cotangents(made[name]) for name in CASES}
 
 
@@ -48,9 +57,14 @@ def _golden_cases(seed: int) -> dict[str, samples.Sample]:
 def call(fn: Callable, case: Case, dtype: torch.dtype, **options: Any) -> Outputs:
     """``fn`` with the backward forms' signature (``fn(q, k, v, g, beta, *, do, dht,
     initial_state, ...) -> {dq, dk, ...}``) on the case's inputs cast to ``dtype``."""
-    x = {n: (t.to(dtype) if t is not None else None) for n, t in case.inputs.items()}
+    x = {n: (t.to(dtype) if t is not None and t.is_floating_point() else t) for n, t in case.inputs.items()}
+    extra = {}
+    if x.get("cu_seqlens") is not None:
+        extra["cu_seqlens"] = x["cu_seqlens"]
+    if x.get("A_log") is not None:
+        extra["gate"] = InKernelGate(x["A_log"], x["dt_bias"], case.params.get("g_min", samples.G_MIN))
     result = checked_call(fn, [x[n] for n in ARGS], ARGS,
-                          dict(do=x["do"], dht=x["dht"], initial_state=x["initial_state"], **options))
+                          dict(do=x["do"], dht=x["dht"], initial_state=x["initial_state"], **extra, **options))
     if not isinstance(result, Mapping):
         raise TypeError(f"a KDA backward returns its gradients by name ({', '.join(OUTPUTS)}); "
                         f"this one returned a {type(result).__name__}")
@@ -117,23 +131,30 @@ def masked_decay_prediction(case: Case, chunk_size: int = fla_adapter.NAIVE_CHUN
     range they are ``inf``, the forward masks them away, and the backward multiplies the mask's
     zero gradient by them: ``0 * inf = NaN``. Finite iff the largest prefix spread of a chunk,
     ``-sum(g)`` over its tokens after the first, stays below ``ln(max fp32)``."""
-    g = case.inputs["g"].to(torch.float64)
-    T = g.shape[1]
-    pad = -T % chunk_size
-    g = torch.cat([g, g.new_zeros(g.shape[0], pad, *g.shape[2:])], 1) if pad else g
-    chunks = g.reshape(g.shape[0], -1, chunk_size, *g.shape[2:])
-    spread = -chunks[:, :, 1:].sum(2)  # [B, N, H, K]
-    worst = float(spread.max()) if spread.numel() else 0.0
-    n = int(spread.amax(dim=(0, 2, 3)).argmax()) if spread.numel() else 0
+    x = case.inputs
+    g = x["g"].to(torch.float64)
+    if x.get("A_log") is not None:  # the case holds the gate's logits
+        g = InKernelGate(x["A_log"], x["dt_bias"], case.params.get("g_min", samples.G_MIN))(g)
+    worst, where = 0.0, "no chunk"
+    for i, (a, b) in enumerate(sequence_bounds(x.get("cu_seqlens"), g.shape[0], g.shape[1])):
+        part = g[:, a:b]
+        pad = -part.shape[1] % chunk_size
+        part = torch.cat([part, part.new_zeros(part.shape[0], pad, *part.shape[2:])], 1) if pad else part
+        spread = -part.reshape(part.shape[0], -1, chunk_size, *part.shape[2:])[:, :, 1:].sum(2)  # [B, N, H, K]
+        if spread.numel() and float(spread.max()) > worst:
+            worst = float(spread.max())
+            n = int(spread.amax(dim=(0, 2, 3)).argmax())
+            where = f"chunk {n}" + (f" of sequence {i}" if x.get("cu_seqlens") is not None else "")
     limit = ln_max("fp32")
     finite = worst < limit
-    return Prediction(finite, f"the masked pairs of chunk {n} reach exp({worst:.1f}), "
+    return Prediction(finite, f"the masked pairs of {where} reach exp({worst:.1f}), "
                               f"{'within' if finite else 'past'} fp32's ln max {limit:.2f}"
                               + ("" if finite else ": the backward's 0 * inf is NaN"))
 
 
 GRADIENT_AXES = {"dq": ("b", "t", "h", "k"), "dk": ("b", "t", "h", "k"), "dg": ("b", "t", "h", "k"),
-                 "dv": ("b", "t", "h", "v"), "dbeta": ("b", "t", "h"), "dh0": ("b", "h", "k", "v")}
+                 "dv": ("b", "t", "h", "v"), "dbeta": ("b", "t", "h"), "dh0": ("b", "h", "k", "v"),
+                 "dA_log": ("h",), "ddt_bias": ("hk",)}
 
 register(
     ModuleEntry(

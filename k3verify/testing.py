@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -90,6 +91,14 @@ def _as_cases(module: str, given: Iterable[Case | str | tuple] | None, seed: int
     return out
 
 
+def _takes_cotangents(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is a backward (it takes ``do``), not a forward to differentiate."""
+    try:
+        return "do" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: take it as a backward, as called
+        return True
+
+
 def _directed(module: str, direction: str) -> str:
     """The registry name of ``module``'s ``direction`` pass (``kda`` backward: ``kda_backward``)."""
     if direction == "forward":
@@ -118,9 +127,11 @@ def assert_matches_oracle(
     """Run ``fn`` on each case with inputs in ``dtype`` and judge every named output against the
     fp64 oracle; raise ``AssertionError`` describing every failing output, else return the rows.
 
-    ``direction="backward"`` judges a backward instead: ``fn`` takes the forward's arguments and
-    the cotangents (``do``, ``dht`` for KDA) and returns the gradients by name (``dq``, ``dk``,
-    ...), judged against autograd through the fp64 definition (module ``<module>_backward``).
+    ``direction="backward"`` judges a backward instead (module ``<module>_backward``), against
+    autograd through the fp64 definition: either ``fn`` takes the forward's arguments and the
+    cotangents as keywords (``do``, ``dht`` for KDA) and returns the gradients by name (``dq``,
+    ``dk``, ...), or, when it takes no ``do``, it is a differentiable forward (the forward
+    module's signature and outputs) whose gradients autograd computes.
 
     ``baseline`` names the algorithm family of the same-dtype baseline (``"chunkwise"`` holds a
     chunked kernel to what a plain chunked implementation achieves); ``options`` go to ``fn``.
@@ -134,6 +145,8 @@ def assert_matches_oracle(
     __tracebackhide__ = True  # pytest shows the caller's line, not this function's source
     module = _directed(module, direction)
     entry = registry.get(module)
+    if entry.from_forward is not None and not _takes_cotangents(fn):
+        fn = entry.from_forward(fn)
     if entry.call is None:
         raise NotImplementedError(f"module {module!r} has no calling convention for user functions")
     if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):

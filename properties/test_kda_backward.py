@@ -255,3 +255,34 @@ def test_a_rounding_under_autograd_stores_the_value_and_its_gradient_rounded() -
     y.backward(cot)
     assert torch.equal(y.detach(), rnd(x)) and torch.equal(rnd(x), round_to(x, "bf16"))
     assert torch.equal(leaf.grad, round_to(cot, "bf16")) and not torch.equal(leaf.grad, cot)
+
+
+class _ValueGradientOff(torch.autograd.Function):
+    """The identity forward; its backward hands back 1.01 x the gradient (a kernel whose forward
+    is right and whose dv is 1 % off)."""
+
+    @staticmethod
+    def forward(ctx, v: torch.Tensor) -> torch.Tensor:
+        return v.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return 1.01 * grad
+
+
+def test_the_testing_api_differentiates_a_forward_and_names_the_gradient_it_gets_wrong() -> None:
+    """``assert_matches_oracle(..., direction="backward")`` on a differentiable forward (no ``do``
+    argument) judges autograd's gradients through it: the chunkwise forward passes; a forward
+    that is right but whose dv is 1 % off passes the forward check and fails the backward one
+    naming ``dv`` (rule: baseline, bf16, the chunkwise family)."""
+    from k3verify.testing import assert_matches_oracle
+
+    def off(q, k, v, g, beta, **kw):
+        return kda.chunkwise(q, k, _ValueGradientOff.apply(v), g, beta, **kw)
+
+    assert_matches_oracle(kda.chunkwise, "kda", torch.bfloat16, direction="backward", baseline="chunkwise")
+    assert_matches_oracle(off, "kda", torch.bfloat16, baseline="chunkwise")
+    with pytest.raises(AssertionError, match="output 'dv'"):
+        assert_matches_oracle(off, "kda", torch.bfloat16, direction="backward", baseline="chunkwise")
+    with pytest.raises(ValueError, match="no backward pass registered"):
+        assert_matches_oracle(off, "mla", torch.bfloat16, direction="backward")

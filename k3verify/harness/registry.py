@@ -142,6 +142,9 @@ class ModuleEntry:
     # ``forward``, or ``backward`` for an entry whose outputs are gradients (its rows say so;
     # ``k3verify run --direction`` chooses).
     direction: str = "forward"
+    # A backward entry: how a differentiable forward function (the forward module's signature)
+    # becomes a function of this entry's signature, by autograd through it (the testing API).
+    from_forward: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
 
     def __post_init__(self) -> None:
         # The memo of the oracle and baselines is the harness's, not each entry's.

@@ -172,5 +172,6 @@ register(
         call=call,
         golden_cases=lambda seed: cases_from(_golden_cases(seed)),
         position_axis=1,  # dq: [B, T, H, K]
+        from_forward=lambda forward: partial(autograd_backward, forward),
     )
 )

@@ -8,6 +8,8 @@ relative max error <= 1e-10) per gradient.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from hypothesis import example, given
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 from verdicts import assert_fp64_agrees
 
 from k3verify import kda
+from k3verify.harness import selftest
 from k3verify.kda.chunkwise import chunkwise_backward
 from k3verify.kda.gate import InKernelGate
 from k3verify.kda.recurrent import recurrent_backward
@@ -128,8 +131,10 @@ def test_packing_does_not_change_the_gradients(packed, chunk: int) -> None:
         alone.append(recurrent_backward(*args, do=c["do"][:, a:b], dht=c["dht"][i : i + 1],
                                         initial_state=p.state()[i : i + 1], gate=gate))
     for name, t in ref.items():
-        joined = torch.cat([g[name] for g in alone], 0 if name == "dh0" else 1) if name in ("dq", "dk", "dv", "dg",
-            "dbeta", "dh0") else sum(g[name] for g in alone)  # fmt: skip
+        if name in ("dA_log", "ddt_bias"):  # the gate's parameters are shared by every sequence
+            joined = sum(g[name] for g in alone)
+        else:
+            joined = torch.cat([g[name] for g in alone], 0 if name == "dh0" else 1)
         assert_fp64_agrees(joined, t, f"{name} packed vs alone")
 
 
@@ -174,61 +179,38 @@ def test_a_saturated_gate_sigmoid_gives_finite_gradients() -> None:
 
 # --- planted bugs: each fails fp64-agreement on exactly the gradients it touches -----------------
 
-CHUNK = 32
 # A mild gate bound: the state gradient carried over a chunk then still reaches dh0 by more than
-# fp64 agreement's 1e-10 (at K3's -5 it is attenuated by up to exp(-160) over 32 tokens).
+# fp64 agreement's 1e-10 (at K3's -5 it is attenuated by up to exp(-320) over 64 tokens). T = 100
+# spans the first chunk boundary of selftest's mutants (chunk 64).
 P = make_problem(2, 100, 2, 16, 8, g_min=-0.5, seed=11)
-
-
-def _correct() -> dict[str, torch.Tensor]:
-    return _grads(P, chunkwise_backward, chunk_size=CHUNK)
-
-
-def _prefix_gradient_kept() -> dict[str, torch.Tensor]:
-    """dg without the reverse cumulative sum: the gradient of the prefix ``G`` returned as ``dg``."""
-    grads = _correct()
-    dg = grads["dg"]
-    nxt = torch.cat([dg[:, 1:], torch.zeros_like(dg[:, :1])], 1)
-    last_of_chunk = (torch.arange(P.T) % CHUNK == CHUNK - 1)[None, :, None, None]
-    return grads | {"dg": torch.where(last_of_chunk, dg, dg - nxt)}
-
-
-def _carry_dropped() -> dict[str, torch.Tensor]:
-    """The state gradient not carried back across the first chunk boundary."""
-    c = P.cotangents()
-    q, k, v, g, beta = P.args()
-    _, S = kda.chunkwise(q[:, :CHUNK], k[:, :CHUNK], v[:, :CHUNK], g[:, :CHUNK], beta[:, :CHUNK],
-                         initial_state=P.state(), output_final_state=True, chunk_size=CHUNK)
-    late = chunkwise_backward(*(t[:, CHUNK:] for t in P.args()), do=c["do"][:, CHUNK:], dht=c["dht"],
-                              initial_state=S, chunk_size=CHUNK)
-    early = chunkwise_backward(*(t[:, :CHUNK] for t in P.args()), do=c["do"][:, :CHUNK], initial_state=P.state(),
-                               chunk_size=CHUNK)
-    return {n: torch.cat([early[n], late[n]], 1) for n in ("dq", "dk", "dv", "dg", "dbeta")} | {"dh0": early["dh0"]}
-
-
-MUTANTS = {
-    "dg without the reverse cumulative sum": (_prefix_gradient_kept, {"dg"}),
-    "dh0 dropped": (lambda: _correct() | {"dh0": torch.zeros_like(P.state())}, {"dh0"}),
-    "dbeta with the wrong sign": (lambda: (g := _correct()) | {"dbeta": -g["dbeta"]}, {"dbeta"}),
+TOUCHED = {
+    "dg without the reverse cumulative sum": {"dg"},
+    "dh0 dropped": {"dh0"},
+    "dbeta with the wrong sign": {"dbeta"},
     # dq reads only do and the forward: a lost state gradient cannot reach it.
-    "state gradient not carried across one chunk boundary": (_carry_dropped, {"dk", "dv", "dg", "dbeta", "dh0"}),
-    "1 % error in dv only": (lambda: (g := _correct()) | {"dv": 1.01 * g["dv"]}, {"dv"}),
+    "state gradient not carried across a chunk boundary": {"dk", "dv", "dg", "dbeta", "dh0"},
+    "1 % error in dv only": {"dv"},
 }
 
 
-def _failing(grads: dict[str, torch.Tensor]) -> set[str]:
-    ref = _grads(P, recurrent_backward)
+def _failing(fn) -> set[str]:
+    """The gradients of ``fn`` on ``P`` that fail fp64-agreement with the oracle."""
+    grads, ref = _grads(P, fn), _grads(P, recurrent_backward)
     return {name for name in ref if not fp64_agreement(grads[name], ref[name]).passed}
 
 
 def test_the_correct_backward_fails_no_gradient() -> None:
-    assert _failing(_correct()) == set()
+    assert _failing(partial(chunkwise_backward, chunk_size=selftest.BACKWARD_CHUNK)) == set()
 
 
-@pytest.mark.parametrize("name", list(MUTANTS))
+@pytest.mark.parametrize("name", list(TOUCHED))
 def test_a_planted_backward_bug_fails_and_names_its_gradient(name: str) -> None:
-    mutant, touched = MUTANTS[name]
-    assert _failing(mutant()) == touched
+    """selftest's backward mutants, in fp64: each fails exactly the gradients it touches."""
+    assert _failing(selftest.mutant("kda_backward", name).fn) == TOUCHED[name]
+
+
+def test_every_backward_mutant_is_pinned_here() -> None:
+    assert {m.name for m in selftest.mutants(["kda_backward"])} == set(TOUCHED)
 
 
 def test_the_oracle_is_not_the_form_under_test() -> None:

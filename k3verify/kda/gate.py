@@ -82,7 +82,6 @@ def lower_bound_gate_backward(
     a = gate.a_log.to(dtype).reshape(H, 1).exp()
     x = a * (z.to(dtype) + gate.dt_bias.to(dtype).reshape(H, K))
     dx = dg * gate.g_min * torch.sigmoid(x) * torch.sigmoid(-x)
-    lead = tuple(range(dx.dim() - 2))
-    d_bias = (dx * a).sum(lead) if lead else dx * a
-    d_alog = (dx * x).sum(lead).sum(-1) if lead else (dx * x).sum(-1)
+    d_bias = (dx * a).reshape(-1, H, K).sum(0)
+    d_alog = (dx * x).reshape(-1, H, K).sum((0, 2))
     return dx * a, d_alog.reshape(gate.a_log.shape), d_bias.reshape(gate.dt_bias.shape)

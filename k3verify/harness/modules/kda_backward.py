@@ -16,7 +16,7 @@ from ...adapters import fla as fla_adapter
 from ...kda import samples
 from ...kda.chunkwise import chunkwise_backward
 from ...kda.gate import InKernelGate
-from ...kda.inputs import sequence_bounds
+from ...kda.inputs import sequence_bounds, to_chunks
 from ...kda.recurrent import autograd_backward, recurrent_backward
 from ...kda.samples import CHUNK
 from ...numerics import ln_max, resolve_dtype, rule_for
@@ -137,13 +137,10 @@ def masked_decay_prediction(case: Case, chunk_size: int = fla_adapter.NAIVE_CHUN
         g = InKernelGate(x["A_log"], x["dt_bias"], case.params.get("g_min", samples.G_MIN))(g)
     worst, where = 0.0, "no chunk"
     for i, (a, b) in enumerate(sequence_bounds(x.get("cu_seqlens"), g.shape[0], g.shape[1])):
-        part = g[:, a:b]
-        pad = -part.shape[1] % chunk_size
-        part = torch.cat([part, part.new_zeros(part.shape[0], pad, *part.shape[2:])], 1) if pad else part
-        spread = -part.reshape(part.shape[0], -1, chunk_size, *part.shape[2:])[:, :, 1:].sum(2)  # [B, N, H, K]
+        spread = -to_chunks(g[:, a:b], chunk_size)[..., 1:, :].sum(-2)  # [B, H, N, K]; padding adds 0
         if spread.numel() and float(spread.max()) > worst:
             worst = float(spread.max())
-            n = int(spread.amax(dim=(0, 2, 3)).argmax())
+            n = int(spread.amax(dim=(0, 1, 3)).argmax())
             where = f"chunk {n}" + (f" of sequence {i}" if x.get("cu_seqlens") is not None else "")
     limit = ln_max("fp32")
     finite = worst < limit

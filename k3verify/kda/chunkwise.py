@@ -21,6 +21,7 @@ gradient is the reverse cumulative sum, over the chunk, of the gradient of its p
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -240,6 +241,35 @@ def wy_inverse(A_kk: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
 GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta")
 
 
+def _cumsum(gc: torch.Tensor) -> torch.Tensor:
+    return gc.cumsum(-2)
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """How the backward rounds (the tiled form's choices; the defaults are the exact backward).
+
+    ``cast(name, t)`` sees every matrix-product operand and every stored input; ``split(name, t)``
+    the operands of the backward's split diagonal products; ``accumulate(name, t)`` what stays in
+    the accumulator but can leave its range (the products' cotangents, the split products multiplied
+    back up: the tiled form traces their overflow there); ``tile`` is the sub-tile of the two-level split (``None``:
+    the exact :data:`EXACT_SUB_TILE`); ``anchor(Gt:[..., nT, BC, D]) -> [..., nT, D]`` splits the
+    diagonal tiles (``None``: pair by pair, exact); ``prefix(g_chunks)`` sums the chunk-local
+    prefixes along the rows; ``outputs(name, t)`` stores each gradient.
+    """
+
+    cast: Cast = _keep
+    split: Cast = _keep
+    accumulate: Cast = _keep
+    tile: int | None = None
+    anchor: Callable[[torch.Tensor], torch.Tensor] | None = None
+    prefix: Callable[[torch.Tensor], torch.Tensor] = _cumsum
+    outputs: Cast = _keep
+
+
+EXACT = Emulation()
+
+
 def chunkwise_backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -261,7 +291,15 @@ def chunkwise_backward(
     packs sequences along ``T`` with ``B = 1``; every chunk starts at its sequence's start). The
     arithmetic runs in the working dtype: fp64 for fp64 inputs, fp32 otherwise.
     """
-    dtype = working_dtype(q)
+    return backward(q, k, v, g, beta, do=do, dht=dht, scale=scale, initial_state=initial_state,
+                    chunk_size=chunk_size, cu_seqlens=cu_seqlens, gate=gate, dtype=working_dtype(q))
+
+
+def backward(q, k, v, g, beta, *, do, dht, scale, initial_state, chunk_size: int, cu_seqlens, gate,
+             dtype: torch.dtype, emulation: Emulation = EXACT, record: dict | None = None) -> dict[str, torch.Tensor]:
+    """:func:`chunkwise_backward` in ``dtype`` with ``emulation``'s rounding (the tiled backward
+    passes its own). ``record``, when given, receives per sequence the cotangents of the decayed
+    products (``"D_q"``, ``"D_k"``: lists of ``[B,H,N,C,C]``) that the overflow model reads."""
     z = g
     if gate is not None:
         g = gate(z.to(dtype))
@@ -274,7 +312,7 @@ def chunkwise_backward(
         s0 = initial_state[i : i + 1] if packed and initial_state is not None else initial_state
         ht = dht[i : i + 1] if packed and dht is not None else dht
         x = (t[:, a:b].to(dtype) for t in (q, k, v, g, beta, do))
-        parts.append(_sequence_backward(*x, s0, ht, scale, C))
+        parts.append(_sequence_backward(*x, s0, ht, scale, C, emulation, record))
     grads = {n: torch.cat([p[n] for p in parts], 1) for n in GRADIENTS}
     if initial_state is not None:
         grads["dh0"] = torch.cat([p["dh0"] for p in parts], 0)
@@ -283,7 +321,8 @@ def chunkwise_backward(
     return grads
 
 
-def _sequence_backward(q, k, v, g, beta, do, initial_state, dht, scale: float, C: int) -> dict[str, torch.Tensor]:
+def _sequence_backward(q, k, v, g, beta, do, initial_state, dht, scale: float, C: int, em: Emulation = EXACT,
+                       record: dict | None = None) -> dict[str, torch.Tensor]:
     """:func:`chunkwise_backward` of one run of sequences from their states (``[B, T, ...]``, all
     in the working dtype); ``dh0`` is always returned."""
     B, T, H, K = q.shape
@@ -292,18 +331,20 @@ def _sequence_backward(q, k, v, g, beta, do, initial_state, dht, scale: float, C
     if T == 0:
         empty = {n: t.new_zeros(t.shape) for n, t in (("dq", q), ("dk", k), ("dv", v), ("dg", g), ("dbeta", beta))}
         return empty | {"dh0": dS}
-    qc, kc, vc, gc, doc = (to_chunks(t, C) for t in (q, k, v, g, do))
-    bc = to_chunks(beta[..., None], C)[..., 0]
-    G = gc.cumsum(-2)
-    f = _forward_quantities(qc, kc, vc, bc, G, S0, scale)
+    cast = em.cast
+    qc, kc, vc, doc = (to_chunks(cast(f"input {n}", t), C) for n, t in (("q", q), ("k", k), ("v", v), ("do", do)))
+    bc = to_chunks(cast("input beta", beta)[..., None], C)[..., 0]
+    G = em.prefix(to_chunks(g, C))
+    f = _forward_quantities(qc, kc, vc, bc, G, S0, scale, em)
     N = G.shape[2]
     # The state gradient runs backward over the chunks; what each chunk needs of it is kept.
     dvt, dW, dqd, dkend, dlam = (torch.empty_like(t) for t in (f["vt"], f["W"], f["qd"], f["kend"], f["lam"]))
     for n in reversed(range(N)):
-        S, vt_n = f["states"][n], f["vt"][:, :, n]
-        dvt_n = f["A_qk"][:, :, n].transpose(-1, -2) @ doc[:, :, n] + f["kend"][:, :, n] @ dS
+        S, vt_n, dS_op = f["states"][n], f["vt"][:, :, n], cast("state gradient", dS)
+        dvt_n = cast("pseudo-value gradient", f["A_qk"][:, :, n].transpose(-1, -2) @ doc[:, :, n]
+                     + f["kend"][:, :, n] @ dS_op)
         dqd[:, :, n] = doc[:, :, n] @ S.transpose(-1, -2)
-        dkend[:, :, n] = vt_n @ dS.transpose(-1, -2)
+        dkend[:, :, n] = vt_n @ dS_op.transpose(-1, -2)
         dlam[:, :, n] = (S * dS).sum(-1)
         dW[:, :, n] = -dvt_n @ S.transpose(-1, -2)
         dvt[:, :, n] = dvt_n
@@ -311,16 +352,22 @@ def _sequence_backward(q, k, v, g, beta, do, initial_state, dht, scale: float, C
               - f["W"][:, :, n].transpose(-1, -2) @ dvt_n)
     # Through U = M V and W = M (exp(G) * K), then M = (I + A_kk)^-1 Diag(beta).
     M, Linv = f["M"], f["Linv"]
+    dW = cast("W gradient", dW)
     dM = dvt @ vc.transpose(-1, -2) + dW @ f["kg"].transpose(-1, -2)
     dv = M.transpose(-1, -2) @ dvt
     dkg = M.transpose(-1, -2) @ dW
     dbeta = (Linv * dM).sum(-2)
-    dA_kk = -(Linv.transpose(-1, -2) @ dM @ M.transpose(-1, -2)).tril(-1)
+    solved = cast("M gradient, solved", f["Linv_op"].transpose(-1, -2) @ cast("M gradient", dM))
+    dA_kk = -(solved @ M.transpose(-1, -2)).tril(-1)
     dbeta = dbeta + (dA_kk * f["P"]).sum(-1)
     dA_qk = (doc @ f["vt"].transpose(-1, -2)).tril()
     # Through the decayed products A_qk = scale * A_q and A_kk = Diag(beta) A_k.
-    dq_A, dk_Aq, dG_q = _decayed_product_backward(qc, kc, G, scale * dA_qk)
-    dk_x, dk_key, dG_k = _decayed_product_backward(kc, kc, G, dA_kk * bc[..., :, None])
+    D_q, D_k = scale * dA_qk, dA_kk * bc[..., :, None]
+    if record is not None:
+        record.setdefault("D_q", []).append(D_q)
+        record.setdefault("D_k", []).append(D_k)
+    dq_A, dk_Aq, dG_q = _decayed_product_backward(qc, kc, G, D_q, em, "q")
+    dk_x, dk_key, dG_k = _decayed_product_backward(kc, kc, G, D_k, em, "k")
     gam = torch.exp(G)
     to_end = torch.exp(G[..., -1:, :] - G)
     dq = scale * gam * dqd + dq_A
@@ -333,53 +380,70 @@ def _sequence_backward(q, k, v, g, beta, do, initial_state, dht, scale: float, C
     dG[..., -1, :] += to_end_grad[..., :-1, :].sum(-2) + f["lam"] * dlam
     dg = dG.flip(-2).cumsum(-2).flip(-2)  # G = cumsum(g) over the chunk: its gradient sums from the end
     out = {"dq": dq, "dk": dk, "dv": dv, "dg": dg}
-    grads = {n: from_chunks(t, T) for n, t in out.items()}
-    grads["dbeta"] = from_chunks(dbeta[..., None], T)[..., 0]
+    grads = {n: em.outputs(n, from_chunks(t, T)) for n, t in out.items()}
+    grads["dbeta"] = em.outputs("dbeta", from_chunks(dbeta[..., None], T)[..., 0])
     return grads | {"dh0": dS}
 
 
-def _forward_quantities(qc, kc, vc, bc, G, S0, scale: float) -> dict:
-    """What the backward recomputes of the forward (all ``[B,H,N,...]``): the decayed products
-    ``P = A_k`` (strict) and ``A_qk``, ``Linv = (I + A_kk)^-1``, ``M``, ``W``, the decayed
-    operands ``qd = scale exp(G) q``, ``kg = exp(G) k``, ``kend = k exp(G_C - G)``, ``lam = exp(G_C)``,
-    the state entering each chunk (``states``, a list) and the pseudo-values ``vt``."""
-    C = G.shape[-2]
-    A = decayed_products({"q": qc, "k": kc}, kc, G, tile=_exact_tile(C))
+def _forward_quantities(qc, kc, vc, bc, G, S0, scale: float, em: Emulation = EXACT) -> dict:
+    """What the backward recomputes of the forward (all ``[B,H,N,...]``), rounded as ``em`` says
+    (as the forward stores it): the decayed products ``P = A_k`` (strict) and ``A_qk``, ``Linv =
+    (I + A_kk)^-1`` (and ``Linv_op``, its product operand), ``M``, ``W``, the decayed operands
+    ``qd = scale exp(G) q``, ``kg = exp(G) k``, ``kend = k exp(G_C - G)``, ``lam = exp(G_C)``, the
+    state entering each chunk (``states``, a list) and the pseudo-values ``vt``."""
+    C, cast = G.shape[-2], em.cast
+    tile = em.tile or _exact_tile(C)
+    A = decayed_products({"q": qc, "k": kc}, kc, G, tile=tile, cast=cast, diagonal_anchor=_anchor_of(G, tile, em))
     P = A["k"].tril(-1)
     eye = torch.eye(C, dtype=G.dtype, device=G.device)
     Linv = torch.linalg.solve_triangular(eye + P * bc[..., :, None], eye.expand_as(P), upper=False,
                                          unitriangular=True)
-    M = Linv * bc[..., None, :]
+    M = cast("M = (I + A_kk)^-1 Diag(beta)", Linv * bc[..., None, :])
     gam = torch.exp(G)
-    f = dict(P=P, A_qk=A["q"] * scale, Linv=Linv, M=M, qd=scale * gam * qc, kg=gam * kc,
-             kend=kc * torch.exp(G[..., -1:, :] - G), lam=torch.exp(G[..., -1, :]))
-    f["W"] = M @ f["kg"]
-    U = M @ vc
+    f = dict(P=P, A_qk=cast("A_qk", A["q"] * scale), Linv=Linv, Linv_op=cast("(I + A_kk)^-1", Linv), M=M,
+             qd=scale * cast("exp(G) * q", gam * qc), kg=cast("exp(G) * k", gam * kc),
+             kend=cast("k * exp(G_C - G)", kc * torch.exp(G[..., -1:, :] - G)), lam=torch.exp(G[..., -1, :]))
+    f["W"] = cast("W", M @ f["kg"])
+    U = cast("U", M @ vc)
     vt = torch.empty_like(U)
     states, S = [], S0
     for n in range(G.shape[2]):
-        states.append(S)
-        vt[:, :, n] = U[:, :, n] - f["W"][:, :, n] @ S
+        S_op = cast("state", S)
+        states.append(S_op)
+        vt[:, :, n] = cast("pseudo-values V~", U[:, :, n] - f["W"][:, :, n] @ S_op)
         S = f["lam"][:, :, n, :, None] * S + f["kend"][:, :, n].transpose(-1, -2) @ vt[:, :, n]
     return f | {"states": states, "vt": vt}
 
 
-def _decayed_product_backward(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor, D: torch.Tensor):
+def _anchor_of(G: torch.Tensor, tile: int, em: Emulation) -> torch.Tensor | None:
+    """The diagonal tiles' anchors ``[..., C/tile, D]`` of ``em``, or ``None`` (pair by pair)."""
+    if em.anchor is None:
+        return None
+    C, D = G.shape[-2:]
+    return em.anchor(G.reshape(*G.shape[:-2], C // tile, tile, D))
+
+
+def _decayed_product_backward(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor, D: torch.Tensor,
+                              em: Emulation = EXACT, name: str = "x"):
     """Gradients of ``A[r,c] = sum_d x_r[d] k_c[d] exp(G_r[d] - G_c[d])`` (``c <= r``) for the
     cotangent ``D:[..., C, C]`` (zero above the diagonal): ``(dx, dk, dG)``, each ``[..., C, D]``.
 
     The two-level split of :func:`decayed_products`, transposed: for a key tile ``J`` before the
     query tile ``I`` both factors ``exp(G_r - a_I)`` and ``exp(a_I - G_c)`` are ``<= 1`` and the
-    block is a matrix product; diagonal tiles are formed pair by pair. Exact for any gate. A
-    diagonal pair ``r = c`` has no decay, so it reaches ``dx`` and ``dk`` but not ``dG``: it is
-    left out of ``dG`` rather than added and subtracted (a gradient that is exactly zero stays
-    zero).
+    block is a matrix product. Diagonal tiles are formed pair by pair (exact for any gate), or,
+    with ``em.anchor``, as products split at the anchor ``a`` the way a kernel forms them:
+    ``dx = (D (k e^(a-G))) e^(G-a)`` and ``dk = (D^T (x e^(G-a))) e^(a-G)`` (fla-core 0.6.0,
+    ``chunk_kda_bwd_kernel_intra`` with ``safe_gate``): the same operands as the forward's, then a
+    factor as large as the forward's key factor applied to an fp32 accumulator. In the exact form
+    a diagonal pair ``r = c`` has no decay, so it reaches ``dx`` and ``dk`` but not ``dG``: it is
+    left out of ``dG`` rather than added and subtracted (a gradient that is exactly zero stays zero).
     """
     C, Dd = G.shape[-2:]
-    tile = _exact_tile(C)
+    tile = em.tile or _exact_tile(C)
     nT = C // tile
     lead = G.shape[:-2]
     Gt, xt, kt = (t.reshape(*lead, nT, tile, Dd) for t in (G, x, k))
+    D = em.accumulate(f"A_{name}k gradient", D)  # kernels keep it in fp32 (fla-core 0.6.0: float buffers)
     start = tile_start_prefix(Gt)  # a_I: [..., nT, Dd]
     blocks = D.reshape(*lead, nT, tile, nT, tile)  # [..., I, r, J, c]
     earlier = torch.ones(nT, nT, dtype=torch.bool, device=G.device).tril(-1)  # [I, J]: J < I
@@ -387,11 +451,25 @@ def _decayed_product_backward(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor,
                                                                                  float("-inf"))
     key_f = torch.exp(key_exp)  # [..., I, J, c, Dd], 0 unless J < I
     query_f = torch.exp(Gt - start[..., None, :])  # [..., I, r, Dd]
-    dx = query_f * torch.einsum("...irjc,...ijcd->...ird", blocks, kt[..., None, :, :, :] * key_f)
-    dk = (torch.einsum("...irjc,...ird->...ijcd", blocks, xt * query_f) * key_f).sum(-4)
+    key_op = em.cast("off-diagonal key operand", kt[..., None, :, :, :] * key_f)
+    dx = query_f * torch.einsum("...irjc,...ijcd->...ird", blocks, key_op)
+    x_op = em.cast(f"off-diagonal {name} operand", xt * query_f)
+    dk = (torch.einsum("...irjc,...ird->...ijcd", blocks, x_op) * key_f).sum(-4)
+    diagonal_blocks = blocks.diagonal(dim1=-4, dim2=-2).movedim(-1, -3)  # [..., nT, r, c]
+    anchor = _anchor_of(G, tile, em)
+    if anchor is not None:
+        a = anchor[..., None, :]
+        Dt = diagonal_blocks.tril()
+        k_diag = em.split("diagonal key operand, backward", kt * torch.exp(a - Gt))
+        x_diag = em.split(f"diagonal {name} operand, backward", xt * torch.exp(Gt - a))
+        dx = dx + em.accumulate(f"diagonal d{name} (D k e^(a-G)) e^(G-a)", (Dt @ k_diag) * torch.exp(Gt - a))
+        dk = dk + em.accumulate(f"diagonal dk from A_{name}k (D^T {name} e^(G-a)) e^(a-G)",
+                                (Dt.transpose(-1, -2) @ x_diag) * torch.exp(a - Gt))
+        dx, dk = dx.reshape(*lead, C, Dd), dk.reshape(*lead, C, Dd)
+        return dx, dk, x * dx - k * dk
     strict = torch.ones(tile, tile, dtype=torch.bool, device=G.device).tril(-1)  # c < r
     pairs = torch.exp((Gt[..., :, None, :] - Gt[..., None, :, :]).masked_fill(~strict[..., None], float("-inf")))
-    weighted = blocks.diagonal(dim1=-4, dim2=-2).movedim(-1, -3)[..., None] * pairs  # [..., nT, r, c, Dd]
+    weighted = diagonal_blocks[..., None] * pairs  # [..., nT, r, c, Dd]
     dx = (dx + torch.einsum("...nrcd,...ncd->...nrd", weighted, kt)).reshape(*lead, C, Dd)
     dk = (dk + torch.einsum("...nrcd,...nrd->...ncd", weighted, xt)).reshape(*lead, C, Dd)
     dG = x * dx - k * dk

@@ -33,20 +33,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from ..numerics import dtype_name, exp_fits, is_float8, ln_max, resolve_dtype
 from ..numerics.frontier import OverflowPrediction as _Prediction
+from ..numerics.frontier import ln_abs_max
 from ..numerics.ops import prefix_sum, require_prefix_order
 from ..numerics.rounding import OVERFLOW_MODES
 from ..numerics.trace import OverflowEvent, TracingRounder
 from ..numerics.validate import require_block
-from .chunkwise import decayed_products, tile_start_prefix, wy_pipeline
-from .inputs import Dims, check_inputs, from_chunks, initial, to_chunks
+from .chunkwise import Emulation, backward, decayed_products, tile_start_prefix, wy_pipeline
+from .gate import InKernelGate
+from .inputs import Dims, check_inputs, from_chunks, initial, sequence_bounds, to_chunks
 
 ANCHORS = ("tile_start", "tile_middle", "row0_shift")
 DIAGONALS = ("matmul", "fp32")
+# How the backward's split diagonal products round their operands: "bf16x3" to fp32's precision
+# (three bf16 products; fla-core 0.6.0, chunk_kda_bwd_kernel_intra with safe_gate, passes
+# input_precision="bf16x3" there), "operand" to the operand dtype like the forward's diagonal.
+BACKWARD_DIAGONALS = ("bf16x3", "operand")
 # fla-core 0.6.0 chunk_kda does not pass lower_bound to its intra kernel, which then shifts
 # by 2 natural-log units per row (fla/ops/kda/chunk_intra.py, chunk_kda_fwd_intra).
 DEFAULT_ROW0_SHIFT = 2.0
@@ -64,6 +71,7 @@ class TileConfig:
     diagonal: str = "matmul"
     overflow: str = "nonfinite"
     prefix: str = "rounded"
+    backward_diagonal: str = "bf16x3"
 
     def __post_init__(self) -> None:
         require_block("chunk_size", self.chunk_size)
@@ -78,6 +86,9 @@ class TileConfig:
         if self.overflow not in OVERFLOW_MODES:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {self.overflow!r}")
         require_prefix_order(self.prefix)
+        if self.backward_diagonal not in BACKWARD_DIAGONALS:
+            raise ValueError(f"unknown backward_diagonal {self.backward_diagonal!r}; "
+                             f"choose one of {', '.join(BACKWARD_DIAGONALS)}")
         if not math.isfinite(self.anchor_shift) or self.anchor_shift < 0:
             raise ValueError(f"anchor_shift must be finite and >= 0, got {self.anchor_shift}")
 
@@ -96,15 +107,15 @@ def _axes(name: str) -> tuple[str, ...]:
     """Index axes of each traced operand (see where they are cast in this module and chunkwise)."""
     if "diagonal" in name:
         return ("batch", "head", "chunk", "tile")
-    if name.startswith("input"):
+    if name.startswith(("input", "output")):
         return ("batch", "token", "head")
-    if name in ("state", "pseudo-values V~"):
+    if name in ("state", "pseudo-values V~", "state gradient", "pseudo-value gradient"):
         return ("batch", "head")  # cast per chunk inside the state pass
     return ("batch", "head", "chunk", "row")
 
 
-def _caster(cfg: TileConfig, *, trace: bool = False) -> TracingRounder:
-    return TracingRounder(cfg.operand_dtype, overflow=cfg.overflow, trace=trace, axes=_axes)
+def _caster(cfg: TileConfig, *, trace: bool = False, underflow: bool = True) -> TracingRounder:
+    return TracingRounder(cfg.operand_dtype, overflow=cfg.overflow, trace=trace, axes=_axes, underflow=underflow)
 
 
 def tiled(
@@ -328,6 +339,81 @@ def predicted_finite_for(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, **ti
     return exp_fits(exponent, torch.float32) and exp_fits(log_operand, cfg.operand_dtype)
 
 
+# --- the backward (docs/model.md §1.9) -------------------------------------------------------
+
+
+def tiled_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    do: torch.Tensor,
+    dht: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    gate: InKernelGate | None = None,
+    **tiling: object,
+) -> dict[str, torch.Tensor]:
+    """The chunkwise backward as a tensor-core kernel computes it: :func:`chunkwise_backward`'s
+    algebra with every matrix-product operand (and the inputs and cotangents) rounded to the
+    operand dtype, fp32 accumulation, and the diagonal tiles split at the forward's anchor.
+
+    Arguments as :func:`chunkwise_backward`; ``tiling`` takes :class:`TileConfig`'s. Returns the
+    gradients by name: ``dq, dk, dv, dbeta`` stored in :attr:`TileConfig.output_dtype`, ``dg,
+    dh0`` (and the gate's ``dA_log, ddt_bias``) in the accumulator dtype, as kernels write them.
+    """
+    return _backward_run(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, gate, tiling, trace=False)[0]
+
+
+def tiled_backward_traced(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, **kwargs: object
+) -> tuple[dict[str, torch.Tensor], list[OverflowEvent]]:
+    """:func:`tiled_backward`'s gradients with every operand or split product that overflowed,
+    in computing order (the forward's recomputed operands first)."""
+    known = ("do", "dht", "scale", "initial_state", "cu_seqlens", "gate")
+    a = {n: kwargs.pop(n, None) for n in known}
+    grads, caster = _backward_run(q, k, v, g, beta, *a.values(), kwargs, trace=True)
+    return grads, caster.events
+
+
+def _backward_run(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, gate, tiling: dict[str, object],
+                  *, trace: bool) -> tuple[dict[str, torch.Tensor], TracingRounder]:
+    cfg = TileConfig(**tiling)  # type: ignore[arg-type]
+    if do is None:
+        raise TypeError("tiled_backward needs the output's cotangent do")
+    cast = _caster(cfg, trace=trace, underflow=False)  # the backward explains overflows only
+    grads = backward(q, k, v, g, beta, do=do, dht=dht, scale=scale, initial_state=initial_state,
+                     chunk_size=cfg.chunk_size, cu_seqlens=cu_seqlens, gate=gate, dtype=cfg.accumulator,
+                     emulation=backward_emulation(cfg, cast))
+    return grads, cast
+
+
+def backward_emulation(cfg: TileConfig, cast: TracingRounder) -> Emulation:
+    """The rounding of :func:`tiled_backward` under ``cfg``: operands through ``cast``, the split
+    diagonal products' operands at ``cfg.backward_diagonal``'s precision and their results checked
+    in the accumulator, the prefixes summed in ``cfg.prefix`` order."""
+    acc = cfg.accumulator
+    stored = set(STORED_IN_OUTPUT_DTYPE)
+    split_dtype = cfg.operand_dtype if cfg.backward_diagonal == "operand" else acc
+    return Emulation(
+        cast=cast,
+        split=lambda name, t: cast(name, t, split_dtype),
+        accumulate=lambda name, t: cast(name, t, acc),
+        tile=cfg.tile,
+        anchor=None if cfg.diagonal == "fp32" else partial(diagonal_anchor, anchor=cfg.anchor,
+                                                              shift=cfg.anchor_shift),
+        prefix=partial(prefix_sum, dim=-2, order=cfg.prefix),
+        outputs=lambda name, t: cast(f"output {name}", t, cfg.output_dtype) if name in stored else t,
+    )
+
+
+# Gradients a kernel writes in its input dtype; dg and dh0 stay in the accumulator dtype.
+STORED_IN_OUTPUT_DTYPE = ("dq", "dk", "dv", "dbeta")
+
+
 # --- the overflow model (the same three names in every module package) -----------------------
 
 
@@ -376,3 +462,105 @@ def predict(quantities: OverflowQuantities, **tiling: object) -> OverflowPredict
     what, value, limit = min(checks, key=lambda c: c[2] - c[1])
     return OverflowPrediction(not failing, failing, what, limit - value, max_exponent=exponent,
                               max_log_operand=log_operand, bound_finite=bound)
+
+
+# --- the backward's overflow model (docs/model.md §1.9) ------------------------------------------
+
+
+@dataclass(frozen=True)
+class BackwardOverflowQuantities:
+    """What the backward's frontier reads, per sequence, in fp64: ``q, k`` and the log-decays
+    ``g`` (``[B, T, H, K]``), the cotangents ``D_q = scale dA_qk`` and ``D_k = Diag(beta) dA_kk``
+    of the decayed products (``[B, H, N, C, C]`` at ``chunk_size``), and the largest ln|do|, ln|dht|."""
+
+    sequences: tuple[tuple[torch.Tensor, ...], ...]
+    chunk_size: int
+    ln_upstream: float
+
+
+@dataclass(frozen=True)
+class BackwardOverflowPrediction(_Prediction):
+    """The backward's checks on the realized inputs: the forward's (its operands are recomputed),
+    the upstream gradients and the products' cotangents in the operand dtype, and the diagonal
+    tiles' split products in the fp32 accumulator (``max_log_product``)."""
+
+    max_exponent: float = 0.0
+    max_log_operand: float = 0.0
+    max_log_product: float = 0.0
+
+
+def backward_overflow_quantities(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                 beta: torch.Tensor, *, do: torch.Tensor, dht: torch.Tensor | None = None,
+                                 scale: float | None = None, initial_state: torch.Tensor | None = None,
+                                 cu_seqlens: torch.Tensor | None = None, gate: InKernelGate | None = None,
+                                 chunk_size: int = 64, **_: object) -> BackwardOverflowQuantities:
+    """The quantities of :class:`BackwardOverflowQuantities`, from the exact fp64 backward."""
+    f64 = [t.to(torch.float64) for t in (q, k, v, g, beta)]
+    record: dict[str, list[torch.Tensor]] = {}
+    backward(*f64, do=do.to(torch.float64), dht=None if dht is None else dht.to(torch.float64), scale=scale,
+             initial_state=None if initial_state is None else initial_state.to(torch.float64),
+             chunk_size=chunk_size, cu_seqlens=cu_seqlens, gate=gate, dtype=torch.float64, record=record)
+    gates = gate(f64[3]) if gate is not None else f64[3]
+    bounds = sequence_bounds(cu_seqlens, q.shape[0], q.shape[1])
+    kept = [b for b in bounds if b[1] > b[0]]  # an empty sequence records nothing
+    sequences = tuple((f64[0][:, a:b], f64[1][:, a:b], gates[:, a:b], D_q, D_k)
+                      for (a, b), D_q, D_k in zip(kept, record.get("D_q", []), record.get("D_k", [])))
+    upstream = max(ln_abs_max(do.to(torch.float64)), -math.inf if dht is None else ln_abs_max(dht.to(torch.float64)))
+    return BackwardOverflowQuantities(sequences, chunk_size, upstream)
+
+
+def predict_backward(quantities: BackwardOverflowQuantities, **tiling: object) -> BackwardOverflowPrediction:
+    """Finite iff, on these inputs:
+
+    1. the forward's checks hold (:func:`predict`; the backward recomputes its operands);
+    2. the upstream gradients fit the operand dtype, and the products' cotangents (kept in fp32) fp32;
+    3. each split diagonal-tile product of the backward, ``sum_c |D[r,c]| |k_c| e^(a-G_c)`` and
+       ``sum_r |D[r,c]| |x_r| e^(G_r-a)``, fits the fp32 accumulator. A large upstream gradient
+       overflows there before any operand does (fla-core's ``test_gdn2_overflow.py`` class).
+
+    The fp32 diagonal path forms the tiles pair by pair: only 2 applies.
+    """
+    cfg = TileConfig(**{k: v for k, v in tiling.items() if k in TileConfig.__dataclass_fields__})  # type: ignore[arg-type]
+    if cfg.chunk_size != quantities.chunk_size:
+        raise ValueError(f"the quantities were made at chunk {quantities.chunk_size}, the tiling has {cfg.chunk_size}")
+    dt = dtype_name(cfg.operand_dtype)
+    exponent = log_operand = log_product = log_cotangent = -math.inf
+    for q, k, g, D_q, D_k in quantities.sequences:
+        log_cotangent = max(log_cotangent, ln_abs_max(D_q), ln_abs_max(D_k))
+        if cfg.diagonal == "fp32":
+            continue
+        e, o = realized_log_magnitudes(q, k, g, chunk_size=cfg.chunk_size, tile=cfg.tile, anchor=cfg.anchor,
+                                       anchor_shift=cfg.anchor_shift)
+        exponent, log_operand = max(exponent, e), max(log_operand, o)
+        log_product = max(log_product, _log_split_products(q, k, g, D_q, D_k, cfg))
+    checks = [(f"largest ln|upstream gradient| vs ln(max {dt})", quantities.ln_upstream, ln_max(cfg.operand_dtype)),
+              ("largest ln|A gradient| vs ln(max fp32)", log_cotangent, ln_max("fp32"))]
+    if cfg.diagonal != "fp32":
+        checks += [("largest diagonal exponent vs ln(max fp32)", exponent, ln_max("fp32")),
+                   (f"largest ln|operand| vs ln(max {dt})", log_operand, ln_max(cfg.operand_dtype)),
+                   ("largest ln|split diagonal product| vs ln(max fp32)", log_product, ln_max("fp32"))]
+    failing = tuple(f"{what}: {value:.2f} >= {limit:.2f}" for what, value, limit in checks if value >= limit)
+    what, value, limit = min(checks, key=lambda c: c[2] - c[1])
+    return BackwardOverflowPrediction(not failing, failing, what, limit - value, max_exponent=exponent,
+                                      max_log_operand=log_operand, max_log_product=log_product)
+
+
+def _log_split_products(q, k, g, D_q, D_k, cfg: TileConfig) -> float:
+    """``ln`` of the largest accumulator magnitude of the backward's split diagonal products
+    (:func:`k3verify.kda.chunkwise._decayed_product_backward` with an anchor), bounded by the sum of
+    absolute terms, in log space (the factors themselves may pass fp64's range)."""
+    C, BC = cfg.chunk_size, cfg.tile
+    G = to_chunks(g, C).cumsum(-2)
+    lead, D = G.shape[:-2], G.shape[-1]
+    Gt = G.reshape(*lead, C // BC, BC, D)
+    a = diagonal_anchor(Gt, cfg.anchor, cfg.anchor_shift)[..., None, :]
+    worst = -math.inf
+    for x, cot in ((q, D_q), (k, D_k)):
+        blocks = cot.reshape(*lead, C // BC, BC, C // BC, BC).diagonal(dim1=-4, dim2=-2).movedim(-1, -3).tril()
+        log_d = torch.log(blocks.abs())  # [..., nT, r, c]
+        log_key = torch.log(to_chunks(k, C).reshape(Gt.shape).abs()) + (a - Gt)  # [..., nT, c, D]
+        log_x = torch.log(to_chunks(x, C).reshape(Gt.shape).abs()) + (Gt - a)  # [..., nT, r, D]
+        rows = torch.logsumexp(log_d[..., :, :, None] + log_key[..., None, :, :], dim=-2)  # sum over c
+        cols = torch.logsumexp(log_d[..., :, :, None] + log_x[..., :, None, :], dim=-3)  # sum over r
+        worst = max(worst, float(rows.max()), float(cols.max()))
+    return worst

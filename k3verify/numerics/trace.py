@@ -86,13 +86,15 @@ class TracingRounder:
 
     The result keeps ``t``'s storage (fp32 or fp64; narrower tensors are widened to fp32 first,
     so the rounding happens once). With ``trace=True`` the first :data:`MAX_EVENTS` overflows
-    are recorded in ``events``; ``axes(name)`` names the leading index axes of a tensor.
+    are recorded in ``events`` (and, unless ``underflow=False``, the operands that fell into the
+    subnormal range in ``underflows``); ``axes(name)`` names the leading index axes of a tensor.
     """
 
     dtype: torch.dtype | str
     overflow: Overflow = "nonfinite"
     trace: bool = False
     axes: Callable[[str], tuple[str, ...]] = lambda name: ()
+    underflow: bool = True
     events: list[OverflowEvent] = field(default_factory=list)
     underflows: dict[str, UnderflowEvent] = field(default_factory=dict)
 
@@ -105,7 +107,7 @@ class TracingRounder:
         y = round_to(wide, target, overflow=self.overflow)
         if self.trace and len(self.events) < MAX_EVENTS:
             self._record(name, wide, y, target)
-        if self.trace:
+        if self.trace and self.underflow:
             self._record_underflow(name, wide, target)
         return y
 

@@ -6,7 +6,10 @@ gradients are rounded to the dtype."""
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -18,10 +21,21 @@ from ...kda.chunkwise import chunkwise_backward
 from ...kda.gate import InKernelGate
 from ...kda.inputs import sequence_bounds, to_chunks
 from ...kda.recurrent import autograd_backward, recurrent_backward
-from ...kda.samples import CHUNK
+from ...kda.samples import CHUNK, TILE
+from ...kda.tiled import (
+    ANCHORS,
+    BackwardOverflowQuantities,
+    backward_overflow_quantities,
+    predict_backward,
+    predicted_finite,
+    tiled_backward,
+    tiled_backward_traced,
+)
 from ...numerics import ln_max, resolve_dtype, rule_for
 from ..guard import checked_call
+from ..overflow_map import MapDefinition, MapOptions, SweptForm, agreement
 from ..registry import Case, Implementation, ModuleEntry, Outputs, Prediction, cases_from, register, unavailable_as
+from . import kda as kda_entry
 from .kda import _baseline_form, baseline_for
 
 OUTPUTS = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
@@ -54,17 +68,23 @@ def _golden_cases(seed: int) -> dict[str, samples.Sample]:
     return {name: with_cotangents(s) for name, s in samples.golden_cases(seed).items() if name.endswith(".small")}
 
 
-def call(fn: Callable, case: Case, dtype: torch.dtype, **options: Any) -> Outputs:
-    """``fn`` with the backward forms' signature (``fn(q, k, v, g, beta, *, do, dht,
-    initial_state, ...) -> {dq, dk, ...}``) on the case's inputs cast to ``dtype``."""
+def arguments(case: Case, dtype: torch.dtype) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """The case's inputs cast to ``dtype`` as the backward forms take them: the positional
+    ``q, k, v, g, beta`` and the keywords ``do, dht, initial_state`` (``cu_seqlens``, ``gate``)."""
     x = {n: (t.to(dtype) if t is not None and t.is_floating_point() else t) for n, t in case.inputs.items()}
     extra = {}
     if x.get("cu_seqlens") is not None:
         extra["cu_seqlens"] = x["cu_seqlens"]
     if x.get("A_log") is not None:
         extra["gate"] = InKernelGate(x["A_log"], x["dt_bias"], case.params.get("g_min", samples.G_MIN))
-    result = checked_call(fn, [x[n] for n in ARGS], ARGS,
-                          dict(do=x["do"], dht=x["dht"], initial_state=x["initial_state"], **extra, **options))
+    return [x[n] for n in ARGS], dict(do=x["do"], dht=x["dht"], initial_state=x["initial_state"], **extra)
+
+
+def call(fn: Callable, case: Case, dtype: torch.dtype, **options: Any) -> Outputs:
+    """``fn`` with the backward forms' signature (``fn(q, k, v, g, beta, *, do, dht,
+    initial_state, ...) -> {dq, dk, ...}``) on the case's inputs cast to ``dtype``."""
+    args, kwargs = arguments(case, dtype)
+    result = checked_call(fn, args, ARGS, kwargs | options)
     if not isinstance(result, Mapping):
         raise TypeError(f"a KDA backward returns its gradients by name ({', '.join(OUTPUTS)}); "
                         f"this one returned a {type(result).__name__}")
@@ -86,23 +106,56 @@ def _own(form: str, fn: Callable, dtype: str, **options: Any) -> Implementation:
     return Implementation(
         module="kda_backward", implementation="k3verify", form=form, dtype=dtype, params=options,
         rule=rule_for(dtype), run=partial(call, fn, dtype=resolve_dtype(dtype), **options), cases=CASES,
-        baseline="chunkwise" if form == "chunkwise" else "recurrent",
+        baseline="recurrent" if form.startswith("recurrent") else "chunkwise",
     )
+
+
+def _tiled(dtype: str, **tiling: Any) -> Implementation:
+    """The tiled backward at K3's chunk and sub-tile, predicted by the backward's frontier; its
+    overflows explained operand by operand."""
+    tiling = dict(chunk_size=CHUNK, tile=TILE, **tiling)
+    own = _own("tiled", tiled_backward, "fp64", operand_dtype=dtype, **tiling)
+    return replace(own, dtype=dtype, params=tiling, rule=rule_for(dtype),
+                   predict=partial(_predict, operand_dtype=dtype, **tiling),
+                   explain=partial(_explain, operand_dtype=dtype, **tiling))
 
 
 def own_implementations() -> list[Implementation]:
     """What ``k3verify run`` verifies of KDA's backward: the hand-written chunkwise backward in
-    fp64 (two chunk sizes), fp32 and on bf16 inputs; autograd through the recurrence on fp32 and
-    bf16 inputs; fla-core's pure-torch references under autograd."""
+    fp64 (two chunk sizes), fp32 and on bf16 inputs; the tiled backward in bf16 at each anchor and
+    in fp16 (past its frontier at K3's bound, and with fp32 diagonal tiles); autograd through the
+    recurrence on fp32 and bf16 inputs; fla-core's pure-torch references under autograd."""
     impls = [
         _own("chunkwise", chunkwise_backward, "fp64", chunk_size=CHUNK),
         _own("chunkwise", chunkwise_backward, "fp64", chunk_size=16),
         _own("chunkwise", chunkwise_backward, "fp32", chunk_size=CHUNK),
         _own("chunkwise", chunkwise_backward, "bf16", chunk_size=CHUNK),
+        *(_tiled("bf16", anchor=a) for a in ANCHORS),
+        _tiled("fp16", anchor="tile_start"),  # K3's bound is far past fp16's frontier: must overflow
+        _tiled("fp16", anchor="tile_start", diagonal="fp32"),
         _own("recurrent (autograd)", recurrent_backward, "fp32"),
         _own("recurrent (autograd)", recurrent_backward, "bf16"),
     ]
     return impls + _fla_implementations()
+
+
+def overflow_quantities(case: Case, chunk_size: int = CHUNK) -> BackwardOverflowQuantities:
+    """The case's :class:`~k3verify.kda.tiled.BackwardOverflowQuantities` (made once per case)."""
+    key = f"backward overflow quantities/{chunk_size}"
+    if key not in case.cache:
+        args, kwargs = arguments(case, torch.float64)
+        case.cache[key] = backward_overflow_quantities(*args, **kwargs, chunk_size=chunk_size)
+    return case.cache[key]
+
+
+def _predict(case: Case, **tiling: Any) -> Prediction:
+    return Prediction.of(predict_backward(overflow_quantities(case, tiling.get("chunk_size", CHUNK)), **tiling))
+
+
+def _explain(case: Case, **tiling: Any) -> list[str]:
+    """The first three operands or split products that overflowed (computed in fp32)."""
+    args, kwargs = arguments(case, torch.float32)
+    return [e.describe() for e in tiled_backward_traced(*args, **kwargs, **tiling)[1][:3]]
 
 
 def _fla_implementations() -> list[Implementation]:
@@ -149,6 +202,105 @@ def masked_decay_prediction(case: Case, chunk_size: int = fla_adapter.NAIVE_CHUN
                               + ("" if finite else ": the backward's 0 * inf is NaN"))
 
 
+# --- overflow map -----------------------------------------------------------------------
+
+# The map's inputs: the forward map's two, and the worst one under a large upstream gradient
+# (fla-core's tests/ops/test_gdn2_overflow.py scales the upstream gradient up to find its overflow).
+MAP_INPUTS = ("worst", "random", "loud")
+LOUD_SCALE = 2.0**40
+# Every gradient of a map cell, flattened into one vector (the cell's finiteness and error).
+MAP_GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta")
+
+
+def _map_points(options: MapOptions) -> list[dict[str, Any]]:
+    grid = list(options.x_values) if options.x_values is not None else samples.g_min_grid(options.quick)
+    return [{"input": kind, "g_min": g} for g in grid for kind in MAP_INPUTS]
+
+
+def _map_case(point: dict[str, Any], seed: int) -> Case:
+    kind = point["input"]
+    inputs, params = samples.map_inputs("worst" if kind == "loud" else kind, point["g_min"], seed)
+    shape = samples.MAP_SHAPE
+    upstream = LOUD_SCALE if kind == "loud" else 1.0
+    drawn = samples.cotangents(shape["B"], shape["T"], shape["H"], shape["K"], shape["V"], seed=seed)
+    inputs |= {n: t * upstream for n, t in drawn.items()}
+    return Case(kind, inputs, dict(params, input=kind, upstream_scale=upstream))
+
+
+def _flat(grads: Outputs) -> torch.Tensor:
+    return torch.cat([grads[n].reshape(-1) for n in MAP_GRADIENTS])
+
+
+def _map_reference(case: Case) -> torch.Tensor:
+    """The gradients of the exact chunkwise backward in fp64 (it agrees with the oracle to 1e-10)."""
+    return _flat(call(chunkwise_backward, case, torch.float64, chunk_size=CHUNK))
+
+
+def _map_run(case: Case, **tiling: Any) -> tuple[torch.Tensor, list[str]]:
+    args, kwargs = arguments(case, torch.float32)
+    grads, events = tiled_backward_traced(*args, **kwargs, **tiling)
+    return _flat(grads), [e.describe() for e in events[:1]]
+
+
+def _map_forms(options: MapOptions) -> list[SweptForm]:
+    tiles = (4, 16, 32, 64) if options.quick else kda_entry.MAP_TILES
+    forms = []
+    for dtype, anchor, tile in itertools.product(kda_entry.MAP_DTYPES, ANCHORS, tiles):
+        tiling = dict(chunk_size=CHUNK, tile=tile, operand_dtype=dtype, anchor=anchor)
+        forms.append(SweptForm("k3verify tiled backward", {"dtype": dtype, "anchor": anchor, "tile": tile}, dtype,
+                               run=partial(_map_run, **tiling),
+                               predict=lambda case, t=tiling: predict_backward(overflow_quantities(case), **t)))
+    return forms
+
+
+def forward_frontier(dtype: str, anchor: str, tile: int, grid: list[float]) -> float | None:
+    """The first ``g_min`` of ``grid`` (from -0.5 down) past the forward's analytic frontier
+    (docs/model.md §1.6, unit-magnitude operands), or ``None`` if the whole grid is finite."""
+    return next((g for g in grid if not predicted_finite(g, tile=tile, operand_dtype=dtype, anchor=anchor)), None)
+
+
+def _map_meta(cells: list[dict[str, Any]], options: MapOptions) -> dict[str, Any]:
+    grid = sorted({c["g_min"] for c in cells}, reverse=True)
+    frontier: dict[str, Any] = {}
+    for c in cells:
+        where = frontier.setdefault(c["dtype"], {}).setdefault(c["anchor"], {}).setdefault(str(c["tile"]), {
+            "forward": forward_frontier(c["dtype"], c["anchor"], c["tile"], grid)})
+        if not c["predicted_finite"]:
+            where[c["input"]] = max(where.get(c["input"], -math.inf), c["g_min"])
+    return {
+        "shape": samples.MAP_SHAPE,
+        "chunk_size": CHUNK,
+        "g_min": grid,
+        "tiles": sorted({c["tile"] for c in cells}),
+        "dtypes": list(kda_entry.MAP_DTYPES),
+        "anchors": list(ANCHORS),
+        "gradients": list(MAP_GRADIENTS),
+        "inputs": {
+            "worst": "every gate = g_min, q/k rows one-hot; do, dht standard normal",
+            "random": "g = g_min * sigmoid(z + dt_bias), l2-normalised random q/k; do, dht standard normal",
+            "loud": f"the worst input with do, dht scaled by 2^{math.log2(LOUD_SCALE):g}",
+        },
+        "prediction": "finite iff the forward's checks hold, the upstream gradient fits the operand dtype and "
+                      "every split diagonal-tile product of the backward fits fp32 (kda.tiled.predict_backward)",
+        "frontier": frontier,
+        "agreement": {kind: agreement(cells, only=lambda c, k=kind: c["input"] == k) for kind in MAP_INPUTS},
+    }
+
+
+MAP = MapDefinition(
+    points=_map_points,
+    make_case=_map_case,
+    reference=_map_reference,
+    forms=_map_forms,
+    spec=replace(kda_entry.MAP.spec, title="KDA tiled backward: overflow and error of the gradients vs the "
+                                           "fp64 oracle (chunk 64)"),
+    frontier_axes=kda_entry.MAP.frontier_axes,
+    fixed=kda_entry.MAP.fixed,
+    meta=_map_meta,
+    registered_on=lambda point: point["input"] == "worst",
+)
+
+
 GRADIENT_AXES = {"dq": ("b", "t", "h", "k"), "dk": ("b", "t", "h", "k"), "dg": ("b", "t", "h", "k"),
                  "dv": ("b", "t", "h", "v"), "dbeta": ("b", "t", "h"), "dh0": ("b", "h", "k", "v"),
                  "dA_log": ("h",), "ddt_bias": ("hk",)}
@@ -170,5 +322,6 @@ register(
         golden_cases=lambda seed: cases_from(_golden_cases(seed)),
         position_axis=1,  # dq: [B, T, H, K]
         from_forward=lambda forward: partial(autograd_backward, forward),
+        overflow_map=MAP,
     )
 )

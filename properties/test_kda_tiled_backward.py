@@ -12,6 +12,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
 from verdicts import assert_fp64_agrees
 
 from k3verify.harness import registry
@@ -22,6 +24,7 @@ from k3verify.kda import samples
 from k3verify.kda.chunkwise import chunkwise_backward
 from k3verify.kda.recurrent import recurrent_backward
 from k3verify.kda.samples import make_problem
+from k3verify.kda.samples import problems as kda_problems
 from k3verify.kda.tiled import (
     ANCHORS,
     backward_overflow_quantities,
@@ -50,6 +53,26 @@ def test_tiled_backward_in_fp64_matches_the_oracle(anchor: str, diagonal: str) -
     assert sorted(got) == sorted(ref)
     for name in ref:
         assert_fp64_agrees(got[name], ref[name], name)
+
+
+@given(p=kda_problems(max_T=130, kinds=("random", "saturated"), g_min=st.floats(-20.0, -0.5)),
+       dtype=st.sampled_from(["bf16", "fp16", "fp8_e4m3"]), anchor=st.sampled_from(ANCHORS),
+       tile=st.sampled_from([4, 8, 16, 32]), upstream=st.sampled_from([1.0, 2.0**20, 2.0**40]))
+@example(p=make_problem(1, 70, 2, 8, 4, g_min=-5.0, seed=3, kind="saturated"), dtype="bf16", anchor="tile_start",
+         tile=16, upstream=2.0**40)  # past the accumulator's frontier only: must be predicted non-finite
+def test_predicted_finite_means_finite_gradients(p, dtype: str, anchor: str, tile: int, upstream: float) -> None:
+    """Wherever the backward's model predicts finite (the oracle's gradients are finite for every
+    drawn problem), every gradient of the tiled backward is finite, at any gate bound, dtype,
+    anchor, sub-tile and upstream scale (rule: structural)."""
+    args, kw = _arguments(p)
+    kw["do"], kw["dht"] = kw["do"] * upstream, kw["dht"] * upstream
+    tiling = dict(chunk_size=32, tile=tile, operand_dtype=dtype, anchor=anchor)
+    prediction = predict_backward(backward_overflow_quantities(*args, **kw, chunk_size=32), **tiling)
+    grads = tiled_backward(*[t.float() for t in args], **{n: None if t is None else t.float() for n, t in kw.items()},
+                           **tiling)
+    finite = all(bool(t.isfinite().all()) for t in grads.values())
+    assert finite or not prediction.finite, (prediction.explanation(), {n: int((~t.isfinite()).sum())
+                                                                        for n, t in grads.items()})
 
 
 def test_tiled_backward_in_fp64_handles_packed_sequences_and_the_gate() -> None:

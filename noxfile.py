@@ -42,11 +42,13 @@ def _install(session: nox.Session, extras: str) -> None:
 def tests(session: nox.Session) -> None:
     """Property tests with the derandomised ``ci`` Hypothesis profile, fla-core installed; then
     ``k3verify golden verify``, a fresh run compared against the committed baseline, and the
-    modules sharded over 8 gloo ranks (``k3verify run --tp 8``) compared against theirs."""
+    modules sharded over 8 gloo ranks (``k3verify run --tp 8``) compared against theirs. The rows
+    of the run's modules are computed once, by that run: ``properties/test_module_rows.py`` judges
+    them on its report afterwards (and the opt-in modules' rows in the first pass)."""
     _install(session, "test,fla")
     # One worker per core (pytest-xdist; the conftest gives each its share of torch's threads).
     session.run("pytest", "-m", "not slow and not nightly", "-n", "auto", "--dist", "loadfile", *session.posargs,
-                env={"HYPOTHESIS_PROFILE": "ci"})
+                env={"HYPOTHESIS_PROFILE": "ci", "K3V_MODULE_ROWS": "opt-in"})
     # ``golden verify`` and the runs each keep about one core busy (small tensors, Python-bound):
     # on CI's two cores they run side by side, one intra-op thread each (two each oversubscribe
     # the cores: measured 96 s one after the other, 68 s side by side with one thread each), the
@@ -55,6 +57,8 @@ def tests(session: nox.Session) -> None:
     golden = _beside(session, one_thread, "k3verify", "golden", "verify")
     try:
         _run_and_compare(session, env=one_thread)
+        session.run("pytest", "properties/test_module_rows.py", "-p", "no:cacheprovider", "-q", "-rs",
+                    env={"K3V_MODULE_ROWS": f"{LATEST}/report.json"})
         _run_and_compare(session, TP_BASELINE, f"{LATEST}/tp8", "--tp", "8", "--tp-backend", "gloo", "--quiet",
                          env=one_thread)
     finally:

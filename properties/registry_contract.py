@@ -12,7 +12,9 @@ never disagree away from the frontier.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from k3verify.attnres import samples as attnres_samples
@@ -24,11 +26,18 @@ from k3verify.harness.rows import Row
 from k3verify.numerics import EXPECTED_NONFINITE, FAIL, FP64_AGREEMENT_REL
 
 
-def passing_rows(module: str) -> list[dict[str, Any]]:
-    """Run ``module``'s registry rows; assert none fails, fp64 rows agree to 1e-10 and every row
+def passing_rows(module: str, report: Path | None = None) -> list[dict[str, Any]]:
+    """Run ``module``'s registry rows, or read them from a ``k3verify run`` report that verified it
+    (its golden oracle rows left out); assert none fails, fp64 rows agree to 1e-10 and every row
     is a declared :class:`Row` (strict: a key the runner writes must be declared there)."""
-    with one_thread():  # the cases are small: a second intra-op thread only spins on a busy box
-        rows = list(runner.run([registry.get(module)]))
+    if report is not None:
+        doc = json.loads(report.read_text())
+        assert module in doc["config"]["modules"], f"{report} did not verify {module}"
+        assert doc["config"].get("implementations") is None, f"{report} verified a selection of implementations"
+        rows = [r for r in doc["rows"] if r["module"] == module and "golden" not in r]
+    else:
+        with one_thread():  # the cases are small: a second intra-op thread only spins on a busy box
+            rows = list(runner.run([registry.get(module)]))
     for r in rows:
         Row.from_json(json_safe(r), where=f"{module} row {r['form']} {r['dtype']} on {r['case']}", strict=True)
     failed = [f"{r['form']} {r['dtype']} {r['params']} on {r['case']}: {r.get('reason') or r['verdict']['reason']}"

@@ -25,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS: dict[str, Callable[[Path, int], list[str]]] = {
-    "run": lambda folder, seed: ["run", "--modules", "kda", "--out", str(folder), "--maps", str(folder.parent),
+    "run": lambda folder, seed: ["run", "--modules", "moe", "--out", str(folder), "--maps", str(folder.parent),
                                  "--seed", str(seed)],
     "golden generate": lambda folder, seed: ["golden", "generate", "--dir", str(folder), "--modules", "mla",
                                              "--seed", str(seed)],

@@ -131,6 +131,17 @@ def _kda_backward_rows(rows: list[dict[str, Any]]) -> None:
         assert r["outputs"]["dv"]["status"] == "pass" and r["outputs"]["dq"]["status"] == EXPECTED_NONFINITE
 
 
+def _mla_backward_rows(rows: list[dict[str, Any]]) -> None:
+    """Every row says it is a backward and judges the five gradients; the tiled bf16 backward
+    passes on both cases with δ from the stored bf16 output and from fp32."""
+    assert {r.get("direction") for r in rows} == {"backward"}
+    for r in (r for r in rows if r["status"] != "unavailable"):
+        assert set(r["outputs"]) == {"dq_nope", "dq_pe", "dkv", "dw_uk", "dw_uv"}, sorted(r["outputs"])
+    tiled = {(r["params"]["delta"], r["case"]): r["status"] for r in rows if r["form"] == "tiled"}
+    assert tiled == {(d, c): "pass" for d in ("output", "fp32") for c in ("default", "hot")}, tiled
+
+
 ROW_FACTS: dict[str, Callable[[list[dict[str, Any]]], None]] = {
     "mla": _mla_rows, "attnres": _attnres_rows, "moe": _moe_rows, "kda_backward": _kda_backward_rows,
+    "mla_backward": _mla_backward_rows,
 }

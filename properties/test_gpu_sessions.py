@@ -29,7 +29,7 @@ def _with_kernels() -> set[str]:
 
 
 def test_every_module_has_a_gpu_session() -> None:
-    """Every default module with kernel rows has a GPU session (kda_backward has none yet)."""
+    """Every default module with kernel rows has a GPU session."""
     table = _gpu_modules()
     assert set(table) == _with_kernels(), "a module with kernels but no GPU session, or a session too many"
     for module, (tests, baseline) in table.items():

@@ -28,6 +28,11 @@ from .. import attnres, kda, mla, moe
 from ..attnres import samples as attnres_samples
 from ..kda import samples as kda_samples
 from ..kda.chunkwise import chunkwise_backward
+from ..mla.cache import gather as mla_gather
+from ..mla.chunkwise import attention_backward
+from ..mla.chunkwise import chunkwise_backward as mla_chunkwise_backward
+from ..mla.inputs import check_inputs as mla_check_inputs
+from ..mla.inputs import working_dtype as mla_working_dtype
 from ..moe.inputs import Routing
 from ..moe.router import route
 from .files import UsageError
@@ -75,6 +80,7 @@ CONTROLS: dict[str, tuple[Callable[..., Any], str, str]] = {
     "kda": (kda.chunkwise, "default", "chunkwise"),
     "kda_backward": (chunkwise_backward, "default", "chunkwise"),
     "mla": (mla.recurrent, "default", "recurrent"),
+    "mla_backward": (mla_chunkwise_backward, "default", "recurrent"),
     "attnres": (attnres.AGGREGATIONS["recurrent"], "sources", "recurrent"),
     "moe": (moe.recurrent, "default", "recurrent"),
 }
@@ -290,6 +296,35 @@ def _mla_mutants() -> list[Mutant]:
     ]
 
 
+def _mla_backward(*, output: Callable[[str, torch.Tensor], torch.Tensor] = lambda n, t: t,
+                  cast: Callable[[str, torch.Tensor], torch.Tensor] = lambda n, t: t,
+                  dims_change: Callable[[Any], Any] = lambda d: d) -> Callable[..., Any]:
+    """MLA's hand-written backward (key tile 16) with its hooks or its sizes changed."""
+
+    def fn(q_nope, q_pe, cache, w_uk, w_uv, *, do, scale=None, **kw):
+        dims, scale = mla_check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
+        dtype = mla_working_dtype(q_nope)
+        entries, _ = mla_gather(cache, dtype)
+        x = (t.to(dtype) for t in (q_nope, q_pe, entries, w_uk, w_uv, do))
+        return attention_backward(*x, scale, dims_change(dims), key_tile=16, cast=cast, output=output)
+
+    return fn
+
+
+def _mla_backward_mutants() -> list[Mutant]:
+    return [
+        Mutant("delta dropped", "mla_backward",
+               _mla_backward(output=lambda n, t: torch.zeros_like(t) if n == "output o" else t),
+               "dS = P o dP with rowsum(dO o O) left out (the softmax's own gradient lost)"),
+        Mutant("causal mask dropped in the backward", "mla_backward",
+               _mla_backward(dims_change=lambda d: dataclasses.replace(d, lengths=tuple(n + 10**6 for n in d.lengths))),
+               "the backward recomputes P over every cached key, future ones included"),
+        Mutant("value gradient kept off the latent", "mla_backward",
+               _mla_backward(cast=lambda n, t: torch.zeros_like(t) if n == "value gradient" else t),
+               "dV not carried through W_UV to the latent entries and W_UV's gradient"),
+    ]
+
+
 def _poke_then(args: list, i: int) -> list:
     args[i].mul_(1.0 + 2.0**-6)
     return args
@@ -401,7 +436,8 @@ def _moe_mutants() -> list[Mutant]:
 
 def mutants(modules: list[str] | None = None) -> list[Mutant]:
     """Every mutant of the ``modules`` (all by default)."""
-    made = [*_kda_mutants(), *_kda_backward_mutants(), *_mla_mutants(), *_attnres_mutants(), *_moe_mutants()]
+    made = [*_kda_mutants(), *_kda_backward_mutants(), *_mla_mutants(), *_mla_backward_mutants(),
+            *_attnres_mutants(), *_moe_mutants()]
     return [m for m in made if modules is None or m.module in modules]
 
 

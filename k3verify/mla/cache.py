@@ -350,3 +350,15 @@ def _write(cache: LatentCache, entries: torch.Tensor, positions: torch.Tensor, v
         pool[slots] = rows.to(cache.pool.dtype)
         new_scales = None
     return LatentCache(pool.reshape(cache.pool.shape), cache.block_table, new_lens, new_scales)
+
+
+def with_entries(cache: LatentCache, entries: torch.Tensor) -> LatentCache:
+    """``cache`` with its live entries replaced by ``entries:[B, Lmax, W]`` (same pages and slots,
+    dead slots as they were), differentiable in ``entries``: autograd reaches the latent entries
+    through any form that reads the cache. Unquantised caches only."""
+    if cache.quantized:
+        raise ValueError("with_entries needs an unquantised cache (an fp8 code has no gradient)")
+    slots, valid = token_slots(cache)
+    flat = cache.pool.reshape(-1, cache.width).to(entries.dtype)
+    flat = flat.index_put((slots[valid],), entries[valid])
+    return LatentCache(flat.reshape(cache.pool.shape), cache.block_table, cache.seq_lens)

@@ -18,10 +18,12 @@ part is never empty: a query always sees itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from .cache import LatentCache, gather
-from .inputs import FormOptions, check_inputs, heads_first, key_mask, working_dtype
+from .cache import LatentCache, gather, split_entry
+from .inputs import Dims, FormOptions, check_inputs, heads_first, key_mask, working_dtype
 from .reference import expand
 from .softmax import merge_partials, partial_attention
 
@@ -88,3 +90,89 @@ def _self_part(q, entries, start, t0: int, t1: int, w_uk, w_uv, scale: float,
     K, V = expand(own, w_uk, w_uv)
     visible = key_mask(dims, positions)[:, :, t0:t1]
     return partial_attention(scale * (q @ K.transpose(-1, -2)), visible, V)
+
+
+Cast = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def _keep(name: str, t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def chunkwise_backward(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: LatentCache,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    *,
+    do: torch.Tensor,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    tile: int = 64,
+    operand_dtype: torch.dtype | str = torch.bfloat16,
+    num_splits: int = 1,
+    subtract_max: bool = True,
+    overflow: str = "nonfinite",
+) -> dict[str, torch.Tensor]:
+    """Gradients of ``L = sum(o * do)`` for the expanded prefill, by hand: FlashAttention-2's
+    backward over key tiles of ``tile`` tokens, then through the up-projections to the latent
+    entries (docs/model.md §2.6). Arguments as :mod:`k3verify.mla.inputs` plus the cotangent
+    ``do:[B, T, H, Dv]``; returns what :func:`k3verify.mla.reference.autograd_backward` returns.
+    Computes in fp64 for fp64 inputs and in fp32 otherwise; never calls autograd.
+    """
+    FormOptions(chunk_size, tile, operand_dtype, num_splits, subtract_max, overflow)
+    dims, scale = check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
+    dtype = working_dtype(q_nope)
+    entries, _ = gather(cache, dtype)
+    x = (t.to(dtype) for t in (q_nope, q_pe, entries, w_uk, w_uv, do))
+    return attention_backward(*x, scale, dims, key_tile=tile)
+
+
+def attention_backward(q_nope, q_pe, entries, w_uk, w_uv, do, scale: float, dims: Dims, *, key_tile: int,
+                       cast: Cast = _keep, output: Cast = _keep, delta_from: str = "output") -> dict[str, torch.Tensor]:
+    """The backward's body on gathered ``entries:[B, L, R + Dr]`` (every tensor in the working dtype).
+
+    The forward's statistics are recomputed as a kernel keeps them: the row log-sum-exp ``lse``
+    and the output ``O`` (``output(name, t)`` stores it, in the output dtype for a low-precision
+    run). Per key tile: ``P = e^{S - lse}``, ``dV = Pᵀ dO``, ``dP = dO Vᵀ``,
+    ``dS = P ∘ (dP - δ)`` with ``δ = rowsum(dO ∘ O)`` (``delta_from="output"``: the stored ``O``;
+    ``"fp32"``: ``O`` as accumulated), ``dQ += τ dS K``, ``dK = τ dSᵀ Q``. ``cast(name, t)`` sees
+    every matrix-product operand. Then ``K = [ĉ W_UK ; k^p]``, ``V = ĉ W_UV`` carry ``dK, dV`` to the
+    latent entries and the up-projections.
+    """
+    if delta_from not in ("output", "fp32"):
+        raise ValueError(f"delta_from is 'output' or 'fp32', got {delta_from!r}")
+    R, Dn = w_uk.shape[1], w_uk.shape[2]
+    entries, w_uk, w_uv = cast("input entries", entries), cast("input w_uk", w_uk), cast("input w_uv", w_uv)
+    K, V = expand(entries, w_uk, w_uv)
+    K, V = cast("expanded K", K), cast("expanded V", V)  # a training kernel reads them from memory
+    q = cast("input q", torch.cat([heads_first(q_nope), heads_first(q_pe)], dim=-1))  # [B, H, T, Dn + Dr]
+    dO = cast("input do", heads_first(do))  # [B, H, T, Dv]
+    L = K.shape[2]
+    visible = key_mask(dims, torch.arange(L, device=K.device)[None, :].expand(dims.B, -1))  # [B, 1, T, L]
+    s = (scale * (q @ K.transpose(-1, -2))).masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # every query sees itself: finite
+    O = torch.softmax(s, dim=-1) @ V
+    stored = output("output o", O)
+    delta = (dO * (stored if delta_from == "output" else O)).sum(-1)  # [B, H, T]
+    dQ = torch.zeros_like(q)
+    dK, dV = torch.zeros_like(K), torch.zeros_like(V)
+    for j0 in range(0, L, key_tile):
+        j1 = min(L, j0 + key_tile)
+        P = torch.exp(s[..., j0:j1] - lse[..., None])  # masked keys: e^{-inf} = 0
+        dV[:, :, j0:j1] = cast("P", P).transpose(-1, -2) @ dO
+        dS = cast("dS", P * (dO @ V[:, :, j0:j1].transpose(-1, -2) - delta[..., None]))
+        dQ += scale * (dS @ K[:, :, j0:j1])
+        dK[:, :, j0:j1] = scale * (dS.transpose(-1, -2) @ q)
+    c_hat, _ = split_entry(entries, R)
+    dKn, dV_op = cast("key gradient", dK[..., :Dn]), cast("value gradient", dV)
+    dc = torch.einsum("bhln,hrn->blr", dKn, w_uk) + torch.einsum("bhlv,hrv->blr", dV_op, w_uv)
+    dq = dQ.transpose(1, 2)  # [B, T, H, Dn + Dr]
+    return {
+        "dq_nope": output("dq_nope", dq[..., :Dn]),
+        "dq_pe": output("dq_pe", dq[..., Dn:]),
+        "dkv": output("dkv", torch.cat([dc, dK[..., Dn:].sum(1)], dim=-1)),
+        "dw_uk": torch.einsum("blr,bhln->hrn", c_hat, dKn),
+        "dw_uv": torch.einsum("blr,bhlv->hrv", c_hat, dV_op),
+    }

@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 
 from ..numerics import rounder
-from .cache import LatentCache, gather, split_entry
+from ..numerics.gradients import vjp
+from .cache import LatentCache, gather, live_entries, split_entry, with_entries
 from .inputs import Dims, FormOptions, check_inputs, heads_first, key_mask, working_dtype
 
 
@@ -109,3 +110,40 @@ def _attention(q_nope, q_pe, entries, w_uk, w_uv, scale: float, dims: Dims,
     visible = key_mask(dims, torch.arange(K.shape[2], device=K.device)[None, :].expand(dims.B, -1))
     p = keep(torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1))
     return keep(p @ V).transpose(1, 2)  # [B, T, H, Dv]
+
+
+GRADIENTS = ("dq_nope", "dq_pe", "dkv", "dw_uk", "dw_uv")
+
+
+def autograd_backward(
+    form: Callable[..., torch.Tensor],
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: LatentCache,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    *,
+    do: torch.Tensor,
+    scale: float | None = None,
+    **options: object,
+) -> dict[str, torch.Tensor]:
+    """Gradients of ``L = sum(o * do)`` through a differentiable MLA ``form`` (docs/model.md §2.6).
+
+    Returns ``dq_nope, dq_pe`` (like the queries), ``dkv:[B, Lmax, R + Dr]`` (the live latent
+    entries' gradient in :func:`~k3verify.mla.cache.live_entries`' order, zero past each
+    request's length) and ``dw_uk, dw_uv``; fp64 inputs give fp64 gradients. Through
+    :func:`expanded` in fp64 this is the gradient oracle.
+    """
+    check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
+    entries = live_entries(cache)
+
+    def forward(q_nope, q_pe, kv, w_uk, w_uv):
+        return {"o": form(q_nope, q_pe, with_entries(cache, kv), w_uk, w_uv, scale=scale, **options)}
+
+    grads = vjp(forward, dict(q_nope=q_nope, q_pe=q_pe, kv=entries, w_uk=w_uk, w_uv=w_uv), {"o": do})
+    return {n: grads[n] for n in GRADIENTS}
+
+
+def expanded_backward(q_nope, q_pe, cache, w_uk, w_uv, *, do, scale=None, **options) -> dict[str, torch.Tensor]:
+    """The oracle's gradients: :func:`autograd_backward` through :func:`expanded`."""
+    return autograd_backward(expanded, q_nope, q_pe, cache, w_uk, w_uv, do=do, scale=scale, **options)

@@ -44,6 +44,7 @@ from ..numerics.frontier import ln_abs_max as _ln_abs_max
 from ..numerics.frontier import underflow_threshold
 from ..numerics.trace import OverflowEvent, TracingRounder
 from .cache import LatentCache, gather, split_entry
+from .chunkwise import attention_backward
 from .inputs import Dims, FormOptions, check_inputs, heads_first, key_mask
 from .recurrent import absorb_output, absorb_query
 from .softmax import NEG_INF, merge_partials
@@ -403,3 +404,50 @@ def predict(
     return OverflowPrediction(finite=not failing, reasons=failing, binding=what, headroom=room,
                               max_score=quantities.max_score, score_bound=quantities.score_bound,
                               min_row_max=quantities.min_row_max, max_lse=quantities.max_lse)
+
+
+# --- the backward (docs/model.md §2.6) --------------------------------------------------------
+
+DELTAS = ("output", "fp32")
+
+
+def tiled_backward(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: LatentCache,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    *,
+    do: torch.Tensor,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    tile: int = 64,
+    operand_dtype: torch.dtype | str = torch.bfloat16,
+    num_splits: int = 1,
+    subtract_max: bool = True,
+    overflow: str = "nonfinite",
+    delta: str = "output",
+) -> dict[str, torch.Tensor]:
+    """The expanded prefill's backward as FlashAttention-2 runs it in ``operand_dtype``: the
+    algebra of :func:`k3verify.mla.chunkwise.chunkwise_backward` over key tiles of ``tile`` with
+    every matrix-product operand (the inputs, the expanded ``K`` and ``V``, ``dO``, ``P``, ``dS``,
+    the key and value gradients) rounded to the operand dtype, fp32 statistics and accumulators,
+    and the output ``O`` stored in the output dtype. ``delta`` says what ``δ = rowsum(dO ∘ O)``
+    reads: ``"output"`` the stored ``O`` (FlashAttention-2's preprocessing kernel), ``"fp32"``
+    the accumulator's. ``dq_nope, dq_pe, dkv`` come back in the output dtype, the weights'
+    gradients in fp32.
+    """
+    cfg = TileConfig(tile, operand_dtype, num_splits, subtract_max, overflow)
+    if delta not in DELTAS:
+        raise ValueError(f"delta is one of {', '.join(DELTAS)}, got {delta!r}")
+    FormOptions(chunk_size=chunk_size)
+    dims, scale = check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
+    acc = cfg.accumulator
+    caster = _Caster.make(cfg)
+    entries, _ = gather(cache, acc)
+    x = (t.to(acc) for t in (q_nope, q_pe, entries, w_uk, w_uv, do))
+
+    def output(name: str, t: torch.Tensor) -> torch.Tensor:
+        return caster.rounder(name, t, cfg.output_dtype).to(acc)
+
+    return attention_backward(*x, scale, dims, key_tile=cfg.tile, cast=caster, output=output, delta_from=delta)

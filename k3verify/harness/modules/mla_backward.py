@@ -1,0 +1,136 @@
+"""Registry entry for Gated MLA's backward pass (rows say ``direction: backward``): the gradients
+of ``L = sum(o * do)`` with respect to the queries, the live latent entries and the
+up-projections, for a cotangent ``do`` that each case holds beside MLA's inputs, judged against
+autograd through the fp64 expanded definition; same-dtype baselines are autograd through the
+naive definition, whose stored tensors and gradients are rounded to the dtype."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+import torch
+
+from ...adapters import torch_sdpa
+from ...mla import samples
+from ...mla.chunkwise import chunkwise_backward
+from ...mla.reference import GRADIENTS, autograd_backward, expanded_backward, naive_baseline
+from ...mla.tiled import tiled_backward
+from ...numerics import resolve_dtype, rule_for
+from ..guard import checked_call
+from ..registry import Case, Implementation, ModuleEntry, Outputs, cases_from, register, unavailable_as
+from .mla import FORM_ARGS, form_args
+
+OUTPUTS = GRADIENTS
+# Chunked prefill with earlier context (every gradient reaches the cached prefix too) and the
+# near-one-hot softmax of the hot case, where dS = P (dP - rowsum(dO o O)) cancels.
+CASES = ("default", "hot")
+TILE = 16
+
+
+def cotangent(inputs: Mapping[str, Any], seed: int) -> torch.Tensor:
+    """``do:[B, T, H, Dv]`` drawn standard normal in fp64 from the case's seed."""
+    B, T, H, _ = inputs["q_nope"].shape
+    gen = torch.Generator().manual_seed(20_011 + seed)
+    return torch.randn(B, T, H, inputs["w_uv"].shape[-1], generator=gen, dtype=torch.float64)
+
+
+def with_cotangent(sample: samples.Sample) -> samples.Sample:
+    """A forward sample with its backward's cotangent ``do`` among the inputs."""
+    inputs, params = sample
+    return dict(inputs, do=cotangent(inputs, params.get("seed", 0))), dict(params, loss="sum(o*do)")
+
+
+def _cases(seed: int) -> dict[str, samples.Sample]:
+    made = samples.make_cases(seed)
+    return {name: with_cotangent(made[name]) for name in CASES}
+
+
+def _golden_cases(seed: int) -> dict[str, samples.Sample]:
+    """The run's cases: the production-width slice of the forward's goldens would add 2.6 MB (its
+    weight gradients alone are 1 MB in fp64) for widths the forward's goldens already hold."""
+    return _cases(seed)
+
+
+def call(fn: Callable, case: Case, dtype: torch.dtype, **options: Any) -> Outputs:
+    """``fn`` with the backward forms' signature (``fn(q_nope, q_pe, cache, w_uk, w_uv, *, do,
+    ...) -> {dq_nope, dq_pe, dkv, dw_uk, dw_uv}``) on the case's inputs in ``dtype``."""
+    args = form_args(case.inputs, dtype)
+    result = checked_call(fn, args, FORM_ARGS, dict(do=case.inputs["do"].to(dtype), **options))
+    if not isinstance(result, Mapping):
+        raise TypeError(f"an MLA backward returns its gradients by name ({', '.join(OUTPUTS)}); "
+                        f"this one returned a {type(result).__name__}")
+    return dict(result)
+
+
+def oracle(case: Case) -> Outputs:
+    """Autograd through the expanded definition in fp64."""
+    return call(expanded_backward, case, torch.float64)
+
+
+def baseline(case: Case, dtype: str, family: str = "recurrent") -> Outputs:
+    """Autograd through the naive definition in ``dtype`` (MLA has one baseline family)."""
+    if family != "recurrent":
+        raise ValueError(f"MLA's backward has one baseline family, 'recurrent'; got {family!r}")
+    return call(partial(autograd_backward, partial(naive_baseline, dtype=dtype)), case, torch.float64)
+
+
+def _own(form: str, fn: Callable, dtype: str, run_dtype: str | None = None, **options: Any) -> Implementation:
+    return Implementation(
+        module="mla_backward", implementation="k3verify", form=form, dtype=dtype, params=options,
+        rule=rule_for(dtype), run=partial(call, fn, dtype=resolve_dtype(run_dtype or dtype), **options), cases=CASES,
+        baseline="recurrent",
+    )
+
+
+def own_implementations() -> list[Implementation]:
+    """What ``k3verify run`` verifies of MLA's backward: the hand-written FlashAttention-2 backward
+    in fp64 (two key tiles) and fp32; the tiled bf16 backward with ``δ`` from the stored bf16
+    output and from the fp32 accumulator; autograd through the definition in fp32; torch's SDPA
+    under autograd (the math backend, in fp32)."""
+    return [
+        _own("chunkwise", chunkwise_backward, "fp64", tile=TILE),
+        _own("chunkwise", chunkwise_backward, "fp64", tile=7),
+        _own("chunkwise", chunkwise_backward, "fp32", tile=TILE),
+        _own("tiled", tiled_backward, "bf16", "fp64", tile=TILE, operand_dtype="bf16", delta="output"),
+        _own("tiled", tiled_backward, "bf16", "fp64", tile=TILE, operand_dtype="bf16", delta="fp32"),
+        _own("definition (autograd)", expanded_backward, "fp32"),
+        _sdpa("math", "fp32"),
+    ]
+
+
+def _sdpa(backend: str, dtype: str) -> Implementation:
+    """torch's SDPA under autograd (:mod:`k3verify.adapters.torch_sdpa`) on ``backend``: the math
+    backend runs anywhere (its backward is autograd's through its own ops)."""
+    return Implementation(
+        module="mla_backward", implementation="torch sdpa", form="prefill (autograd)", dtype=dtype,
+        params=dict(backend=backend), source=f"adapter: torch {torch.__version__}", rule=rule_for(dtype),
+        run=partial(call, partial(autograd_backward, partial(torch_sdpa.prefill, backend=backend)),
+                    dtype=resolve_dtype(dtype)),
+        cases=CASES, baseline="recurrent",
+        is_available=unavailable_as(partial(torch_sdpa.unavailable_reason, backend)),
+    )
+
+
+GRADIENT_AXES = {"dq_nope": ("b", "t", "h", "n"), "dq_pe": ("b", "t", "h", "r"), "dkv": ("b", "l", "w"),
+                 "dw_uk": ("h", "r", "n"), "dw_uv": ("h", "r", "v")}
+
+register(
+    ModuleEntry(
+        name="mla_backward",
+        title="Gated MLA, backward",
+        direction="backward",
+        make_cases=lambda seed: cases_from(_cases(seed)),
+        oracle=oracle,
+        baseline=baseline,
+        baseline_families=("recurrent",),
+        own_implementations=own_implementations,
+        outputs=OUTPUTS,
+        output_axes=GRADIENT_AXES,
+        call=call,
+        golden_cases=lambda seed: cases_from(_golden_cases(seed)),
+        position_axis=1,  # dq_nope: [B, T, H, Dn]
+        from_forward=lambda forward: partial(autograd_backward, forward),
+    )
+)

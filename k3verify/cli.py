@@ -664,7 +664,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=_seed, default=0, help="seed of the generated cases (default: 0)")
     r.add_argument("--maps", help=MAPS_HELP)
     r.add_argument("--direction", choices=("forward", "backward", "both"), default="both",
-                   help="the forward outputs, the gradients of the backward passes (kda_backward, mla_backward), "
+                   help="the forward outputs, the gradients of the backward passes (kda_backward, mla_backward, "
+                        "attnres_backward), "
                         "or both (default)")
     r.add_argument("--tp", type=_world_size, metavar="N",
                    help="instead of the usual rows: every module's layer sharded over N ranks (fp64, and bf16 "

@@ -91,10 +91,11 @@ def _as_cases(module: str, given: Iterable[Case | str | tuple] | None, seed: int
     return out
 
 
-def _takes_cotangents(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` is a backward (it takes ``do``), not a forward to differentiate."""
+def _takes_cotangents(fn: Callable[..., Any], cotangent: str = "do") -> bool:
+    """Whether ``fn`` is a backward (it takes the ``cotangent`` keyword, ``do`` for KDA and MLA), not
+    a forward to differentiate."""
     try:
-        return "do" in inspect.signature(fn).parameters
+        return cotangent in inspect.signature(fn).parameters
     except (TypeError, ValueError):  # no signature to read: take it as a backward, as called
         return True
 
@@ -145,7 +146,7 @@ def assert_matches_oracle(
     __tracebackhide__ = True  # pytest shows the caller's line, not this function's source
     module = _directed(module, direction)
     entry = registry.get(module)
-    if entry.from_forward is not None and not _takes_cotangents(fn):
+    if entry.from_forward is not None and not _takes_cotangents(fn, entry.cotangent):
         fn = entry.from_forward(fn)
     if entry.call is None:
         raise NotImplementedError(f"module {module!r} has no calling convention for user functions")

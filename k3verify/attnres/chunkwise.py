@@ -21,7 +21,7 @@ definition to rounding (the policy's ``fp64-agreement``: ≤ 1e-10 relative).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -147,3 +147,79 @@ def chunkwise(
     """
     opts = Options(stream_dtype, logit_dtype, tile, subtract_max, eps)
     return walk(embedding, weights, sublayers, schedule or Schedule(), opts, _ChunkwiseMixer)
+
+
+# --- the backward (docs/model.md §3.1) ----------------------------------------------------------
+
+GRADIENTS = ("dsources", "dw", "dgamma")
+DELTAS = ("weights", "output")
+
+
+def _keep(name: str, t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def aggregate_backward(
+    sources: torch.Tensor | Sequence[torch.Tensor],
+    w: torch.Tensor,
+    gamma: torch.Tensor,
+    *,
+    dh: torch.Tensor,
+    stream_dtype: torch.dtype | str | None = None,
+    logit_dtype: torch.dtype | str | None = None,
+    tile: int = 4,
+    subtract_max: bool = True,
+    eps: float = RMS_NORM_EPS,
+    delta: str = "weights",
+) -> dict[str, torch.Tensor]:
+    """Gradients of ``L = sum(h * dh)`` for one AttnRes call, by hand, through the two-phase form:
+    the row statistics are phase 1's over the stored sources merged with the partial sum's logit
+    (phase 2), ``M`` and ``Z'``; then every source's weight ``α_i = e^{ℓ_i − M} / Z'`` and
+
+        dℓ_i = α_i (dh·v_i − δ),   δ = Σ_j α_j (dh·v_j)   (``delta="weights"``)
+        dv_i = α_i dh + (g_i − v̂_i (v̂_i·g_i)/d) / r_i,   g_i = dℓ_i (w ⊙ γ)
+        dw = Σ dℓ_i k_i,   dγ = Σ dℓ_i (w ⊙ v̂_i)
+
+    with ``r_i = sqrt(mean(v_i²) + ε)``, ``v̂_i = v_i / r_i``, ``k_i = γ ⊙ v̂_i``. Arguments as
+    :mod:`k3verify.attnres.inputs` plus ``dh:[T, d]``; returns ``dsources:[N, T, d]``, ``dw:[d]``,
+    ``dgamma:[d]`` in the compute dtype (fp64 stays fp64). Never calls autograd. With a narrow
+    ``stream_dtype`` it is the backward as a kernel stores it: sources, parameters and ``dh``
+    arrive in the stream dtype, ``h`` (which ``δ`` reads) and ``dsources`` are stored in it, and
+    logits, statistics and the parameters' gradients stay in fp32.
+
+    ``delta="output"`` takes ``δ = dh·h`` instead, with ``h`` as stored, as FlashAttention-2 does with
+    ``rowsum(dO ∘ O)`` (it cannot hold every key's ``dP``): equal in exact arithmetic, but in a bf16
+    stream ``h`` is rounded, and ``dw``, ``dγ`` (sums of ``dℓ`` over every source and token) carry
+    about twice the error (docs/model.md §3.1).
+    """
+    opts = Options(stream_dtype, logit_dtype, tile, subtract_max, eps)
+    v, w, gamma, prec = prepare_sources(sources, w, gamma, opts)
+    if delta not in DELTAS:
+        raise ValueError(f"delta is one of {', '.join(DELTAS)}, got {delta!r}")
+    return two_phase_backward(v, w, gamma, dh.to(v.dtype), eps, cast=prec.store, delta=delta)
+
+
+def two_phase_backward(v: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, dh: torch.Tensor, eps: float,
+                       cast: Callable[[str, torch.Tensor], torch.Tensor] = _keep,
+                       delta: str = "weights") -> dict[str, torch.Tensor]:
+    """:func:`aggregate_backward`'s body on ``v:[N, T, d]`` in the compute dtype; ``cast(name, t)``
+    sees what a kernel stores between its steps (the tiled form rounds there)."""
+    d = v.shape[-1]
+    r = torch.sqrt(v.square().mean(-1, keepdim=True) + eps)  # [N, T, 1]
+    v_hat = v / r
+    ell = (v_hat * (gamma * w)).sum(-1)  # [N, T]
+    stats = phase1(ell[None, :-1], v[:-1])[0]  # the stored sources
+    M = torch.maximum(stats.m, ell[-1])
+    Z = torch.exp(stats.m - M) * stats.Z + torch.exp(ell[-1] - M)
+    # α from the merged maximum and sum, not e^{ℓ − lse}: with logits near 100 the fp32 rounding of
+    # lse = M + log Z' alone (ulp 7.6e-6) moves every weight by that much (docs/model.md §3.1).
+    alpha = torch.exp(ell - M) / Z  # [N, T]
+    h = cast("output h", torch.einsum("nt,ntd->td", alpha, v))
+    dh = cast("input dh", dh)
+    d_alpha = (dh * v).sum(-1)  # [N, T]
+    delta_t = (alpha * d_alpha).sum(0) if delta == "weights" else (dh * h).sum(-1)
+    d_ell = alpha * (d_alpha - delta_t)
+    g = d_ell[..., None] * (w * gamma)
+    dv = alpha[..., None] * dh + (g - v_hat * (v_hat * g).sum(-1, keepdim=True) / d) / r
+    return {"dsources": cast("dsources", dv), "dw": (d_ell[..., None] * gamma * v_hat).sum((0, 1)),
+            "dgamma": (d_ell[..., None] * w * v_hat).sum((0, 1))}

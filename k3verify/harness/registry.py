@@ -145,6 +145,8 @@ class ModuleEntry:
     # A backward entry: how a differentiable forward function (the forward module's signature)
     # becomes a function of this entry's signature, by autograd through it (the testing API).
     from_forward: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
+    # The keyword a backward takes its output's cotangent by (a function without it is a forward).
+    cotangent: str = "do"
 
     def __post_init__(self) -> None:
         # The memo of the oracle and baselines is the harness's, not each entry's.

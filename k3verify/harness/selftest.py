@@ -26,6 +26,7 @@ import torch
 
 from .. import attnres, kda, mla, moe
 from ..attnres import samples as attnres_samples
+from ..attnres.chunkwise import aggregate_backward, two_phase_backward
 from ..kda import samples as kda_samples
 from ..kda.chunkwise import chunkwise_backward
 from ..mla.cache import gather as mla_gather
@@ -35,6 +36,7 @@ from ..mla.inputs import check_inputs as mla_check_inputs
 from ..mla.inputs import working_dtype as mla_working_dtype
 from ..moe.inputs import Routing
 from ..moe.router import route
+from ..numerics import compute_dtype
 from .files import UsageError
 from .text import md_text
 
@@ -82,6 +84,7 @@ CONTROLS: dict[str, tuple[Callable[..., Any], str, str]] = {
     "mla": (mla.recurrent, "default", "recurrent"),
     "mla_backward": (mla_chunkwise_backward, "default", "recurrent"),
     "attnres": (attnres.AGGREGATIONS["recurrent"], "sources", "recurrent"),
+    "attnres_backward": (aggregate_backward, "sources", "recurrent"),
     "moe": (moe.recurrent, "default", "recurrent"),
 }
 
@@ -333,6 +336,35 @@ def _poke_then(args: list, i: int) -> list:
 # --- Block AttnRes -------------------------------------------------------------------------------
 
 
+def _attnres_backward(change: Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor],
+                                       dict[str, torch.Tensor]]) -> Callable[..., Any]:
+    """The two-phase backward with ``change(grads, v, w, gamma)`` applied to its gradients (fp64
+    or fp32 stream, as given)."""
+
+    def fn(sources, w, gamma, *, dh, **kw):
+        return change(aggregate_backward(sources, w, gamma, dh=dh, **kw), sources, w, gamma)
+
+    return fn
+
+
+def _delta_dropped(sources, w, gamma, *, dh, eps: float = 1e-5, **kw):
+    """dℓ = α ∘ dα: the two-phase backward with ``δ`` read from an ``h`` that is all zeros."""
+    dtype = compute_dtype(sources.dtype)
+    x = (t.to(dtype) for t in (sources, w, gamma, dh))
+    return two_phase_backward(*x, eps, cast=lambda n, t: torch.zeros_like(t) if n == "output h" else t,
+                              delta="output")
+
+
+def _attnres_backward_mutants() -> list[Mutant]:
+    return [
+        Mutant("delta dropped", "attnres_backward", _delta_dropped,
+               "dℓ = α ∘ dα: the softmax's own gradient without its − α δ term", case="sources"),
+        Mutant("dgamma with the wrong sign", "attnres_backward",
+               _attnres_backward(lambda d, v, w, g: d | {"dgamma": -d["dgamma"]}), "the key gain's gradient negated",
+               case="sources"),
+    ]
+
+
 def _attnres(change: Callable[[list], list] | None = None, post: Callable[[torch.Tensor], torch.Tensor] = lambda h: h,
              **options: Any) -> Callable[..., Any]:
     def fn(sources, w, gamma, **kw):
@@ -437,7 +469,7 @@ def _moe_mutants() -> list[Mutant]:
 def mutants(modules: list[str] | None = None) -> list[Mutant]:
     """Every mutant of the ``modules`` (all by default)."""
     made = [*_kda_mutants(), *_kda_backward_mutants(), *_mla_mutants(), *_mla_backward_mutants(),
-            *_attnres_mutants(), *_moe_mutants()]
+            *_attnres_mutants(), *_attnres_backward_mutants(), *_moe_mutants()]
     return [m for m in made if modules is None or m.module in modules]
 
 

@@ -40,7 +40,8 @@ def vjp(
         missing = [o for o in cotangents if o not in out]
         if missing:
             raise KeyError(f"the forward returned no {', '.join(missing)} (it returned {', '.join(out)})")
-        loss = sum((out[o] * c.to(out[o].dtype)).sum() for o, c in cotangents.items())
+        # A forward may compute on another device (an adapter's CUDA kernel): the cotangent follows it.
+        loss = sum((out[o] * c.to(out[o].device, out[o].dtype)).sum() for o, c in cotangents.items())
         grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
     return {grad_name(n): (g if g is not None else torch.zeros_like(leaves[n])).detach()
             for n, g in zip(leaves, grads)}

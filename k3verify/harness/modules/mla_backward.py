@@ -88,7 +88,8 @@ def own_implementations() -> list[Implementation]:
     """What ``k3verify run`` verifies of MLA's backward: the hand-written FlashAttention-2 backward
     in fp64 (two key tiles) and fp32; the tiled bf16 backward with ``δ`` from the stored bf16
     output and from the fp32 accumulator; autograd through the definition in fp32; torch's SDPA
-    under autograd (the math backend, in fp32)."""
+    under autograd (the math backend in fp32 anywhere; cuDNN's and the efficient backend's own
+    backward in bf16 on a CUDA device)."""
     return [
         _own("chunkwise", chunkwise_backward, "fp64", tile=TILE),
         _own("chunkwise", chunkwise_backward, "fp64", tile=7),
@@ -97,14 +98,18 @@ def own_implementations() -> list[Implementation]:
         _own("tiled", tiled_backward, "bf16", "fp64", tile=TILE, operand_dtype="bf16", delta="fp32"),
         _own("definition (autograd)", expanded_backward, "fp32"),
         _sdpa("math", "fp32"),
+        *(_sdpa(backend, "bf16") for backend in ("cudnn", "efficient")),
     ]
 
 
 def _sdpa(backend: str, dtype: str) -> Implementation:
     """torch's SDPA under autograd (:mod:`k3verify.adapters.torch_sdpa`) on ``backend``: the math
-    backend runs anywhere (its backward is autograd's through its own ops)."""
+    backend runs anywhere (autograd through its own ops); cuDNN and efficient are CUDA kernels with
+    a backward of their own (``kernel:`` rows, judged in the GPU session)."""
+    gpu = backend != "math"
     return Implementation(
-        module="mla_backward", implementation="torch sdpa", form="prefill (autograd)", dtype=dtype,
+        module="mla_backward", implementation="torch sdpa", form=f"{'kernel:' if gpu else ''}prefill (autograd)",
+        dtype=dtype,
         params=dict(backend=backend), source=f"adapter: torch {torch.__version__}", rule=rule_for(dtype),
         run=partial(call, partial(autograd_backward, partial(torch_sdpa.prefill, backend=backend)),
                     dtype=resolve_dtype(dtype)),

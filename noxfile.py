@@ -31,9 +31,12 @@ GPU_MODULES: dict[str, tuple[tuple[str, ...], str]] = {
     "attnres": (("properties/test_attnres_kernels.py",), "reports/baseline/gpu-h200-attnres/run"),
     "moe": (("properties/test_moe_kernels.py", "properties/test_moe_adapters.py"), "reports/baseline/gpu-h200-moe/run"),
     "mla_backward": (("properties/test_mla_backward.py",), "reports/baseline/gpu-h200-mla-backward/run"),
+    "kda_backward": (("properties/test_kda_backward.py", "properties/test_kda_tiled_backward.py"),
+                     "reports/baseline/gpu-h200-kda-backward/run"),
 }
-# Modules of that table with no overflow map: their session skips the map step.
-WITHOUT_MAP = ("mla_backward",)
+# Modules of that table whose session skips the map step: no map, or one without kernel cells
+# (kda_backward's is our tiled forms' only, which the CPU draws alike).
+WITHOUT_MAP = ("mla_backward", "kda_backward")
 LATEST = "reports/latest"
 
 

@@ -185,11 +185,3 @@ def test_the_tiling_is_validated_by_name() -> None:
     with pytest.raises(TypeError, match="do"):
         tiled_backward_traced(*args)
 
-
-def test_the_pytest_fixture_judges_a_backward(k3verify_oracle) -> None:
-    """The ``k3verify_oracle`` fixture passes ``direction`` on: the tiled backward in bf16 is judged
-    on the packed case's gradients (rule: baseline, the chunkwise family)."""
-    rows = k3verify_oracle.assert_matches(tiled_backward, module="kda", direction="backward", baseline="chunkwise",
-                                          cases=["packed"], timeout=None)
-    assert [r["case"] for r in rows] == ["packed"] and rows[0]["direction"] == "backward"
-    assert set(rows[0]["outputs"]) == {"dq", "dk", "dv", "dg", "dbeta", "dh0"}

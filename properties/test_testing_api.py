@@ -253,3 +253,14 @@ def test_pytest_shows_the_callers_line_not_the_librarys(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stdout[-2000:]
     assert "assert_matches_oracle(off, 'kda'" in done.stdout and "does not match the kda oracle" in done.stdout
     assert "def assert_matches_oracle(" not in done.stdout and "__tracebackhide__" not in done.stdout
+
+
+def test_the_pytest_fixture_judges_a_backward(k3verify_oracle) -> None:
+    """The ``k3verify_oracle`` fixture passes ``direction`` on: KDA's tiled backward in bf16 is
+    judged on the packed case's gradients (rule: baseline, the chunkwise family)."""
+    from k3verify.kda.tiled import tiled_backward as kda_tiled_backward
+
+    rows = k3verify_oracle.assert_matches(kda_tiled_backward, module="kda", direction="backward", baseline="chunkwise",
+                                          cases=["packed"], timeout=None)
+    assert [r["case"] for r in rows] == ["packed"] and rows[0]["direction"] == "backward"
+    assert set(rows[0]["outputs"]) == {"dq", "dk", "dv", "dg", "dbeta", "dh0"}

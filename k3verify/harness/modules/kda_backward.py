@@ -136,7 +136,7 @@ def own_implementations() -> list[Implementation]:
         _own("recurrent (autograd)", recurrent_backward, "fp32"),
         _own("recurrent (autograd)", recurrent_backward, "bf16"),
     ]
-    return impls + _fla_implementations()
+    return impls + _fla_implementations() + _fla_kernels()
 
 
 def overflow_quantities(case: Case, chunk_size: int = CHUNK) -> BackwardOverflowQuantities:
@@ -175,6 +175,27 @@ def _fla_implementations() -> list[Implementation]:
         )
         for form, fn, family, predict, cases in forms
     ]
+
+
+def _fla_kernels() -> list[Implementation]:
+    """fla-core's ``chunk_kda`` on a CUDA device, its own backward through autograd, with and without
+    safe_gate, given the lower bound the case's gates were drawn with (K3's -5)."""
+    name = f"fla-core {fla_adapter.version() or '(missing)'}"
+
+    def make(flag: bool) -> Implementation:
+        def run(case: Case) -> Outputs:
+            bound = case.params.get("g_min", samples.G_MIN)
+            forward = partial(fla_adapter.chunk_gpu, safe_gate=flag, lower_bound=bound)
+            return call(partial(autograd_backward, forward), case, torch.bfloat16)
+
+        return Implementation(
+            module="kda_backward", implementation=name, form="kernel:chunk_kda (autograd)", dtype="bf16",
+            params={"safe_gate": flag, "lower_bound": samples.G_MIN}, rule=rule_for("bf16"), run=run,
+            cases=("default", "saturated"), baseline="chunkwise", source=f"{name} (adapter)",
+            is_available=unavailable_as(partial(fla_adapter.unavailable_reason, gpu=True)),
+        )
+
+    return [make(True), make(False)]
 
 
 def masked_decay_prediction(case: Case, chunk_size: int = fla_adapter.NAIVE_CHUNK) -> Prediction:

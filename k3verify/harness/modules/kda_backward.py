@@ -34,7 +34,18 @@ from ...kda.tiled import (
 from ...numerics import ln_max, resolve_dtype, rule_for
 from ..guard import checked_call
 from ..overflow_map import MapDefinition, MapOptions, SweptForm, agreement
-from ..registry import Case, Implementation, ModuleEntry, Outputs, Prediction, cases_from, register, unavailable_as
+from ..registry import (
+    Case,
+    ErrorSamples,
+    Implementation,
+    ModuleEntry,
+    Outputs,
+    Prediction,
+    cases_from,
+    default_error_samples,
+    register,
+    unavailable_as,
+)
 from . import kda as kda_entry
 from .kda import _baseline_form, baseline_for
 
@@ -326,6 +337,18 @@ GRADIENT_AXES = {"dq": ("b", "t", "h", "k"), "dk": ("b", "t", "h", "k"), "dg": (
                  "dv": ("b", "t", "h", "v"), "dbeta": ("b", "t", "h"), "dh0": ("b", "h", "k", "v"),
                  "dA_log": ("h",), "ddt_bias": ("hk",)}
 
+def _error_samples(output: str, shape: tuple[int, ...], params: Mapping[str, Any]) -> ErrorSamples:
+    """As the forward's (:mod:`k3verify.harness.modules.kda`): a rounding reaches a gradient through
+    the state and the chunk's reverse prefix sum along every position alike, so the RMS term counts
+    the rows along the last axis and the bias only the (batch, head) pairs. The gate's parameters
+    keep the default."""
+    if output in ("dA_log", "ddt_bias"):
+        return default_error_samples(shape)
+    heads = shape[1] if output == "dh0" else shape[2]
+    rows = math.prod(shape) if output == "dbeta" else math.prod(shape[:-1])
+    return ErrorSamples(rows, shape[0] * heads)
+
+
 register(
     ModuleEntry(
         name="kda_backward",
@@ -344,5 +367,6 @@ register(
         position_axis=1,  # dq: [B, T, H, K]
         from_forward=lambda forward: partial(autograd_backward, forward),
         overflow_map=MAP,
+        error_samples=_error_samples,
     )
 )

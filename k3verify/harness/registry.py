@@ -147,6 +147,10 @@ class ModuleEntry:
     from_forward: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
     # The keyword a backward takes its output's cotangent by (a function without it is a forward).
     cotangent: str = "do"
+    # (output name, case, the oracle's outputs) -> the RMS of the terms an output is formed as a
+    # difference of, or None. Where that output's oracle is all zero (KDA's dg on one token from
+    # no state), the baseline rule allows it k roundings of such terms in the fp32 accumulator.
+    term_scale: Callable[[str, Case, Mapping[str, Any]], float | None] | None = None
 
     def __post_init__(self) -> None:
         # The memo of the oracle and baselines is the harness's, not each entry's.

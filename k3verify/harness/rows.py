@@ -65,6 +65,7 @@ class MetricsRecord:
     nonfinite: int | None = None
     ulp_dtype: str | None = None
     bias: float | None = None
+    rms: float | None = None
     mismatch: float | None = None
 
 

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from ..numerics import (
+    ACCUMULATOR_ROUNDOFF,
+    BASELINE_K,
     EXPECTED_NONFINITE,
     FAIL,
     POLICY,
@@ -205,7 +207,8 @@ def _judged(entry: ModuleEntry, impl: Implementation, case: Case, row: dict[str,
     prediction = _hook(impl, "predict", case) if impl.predict is not None else None
     if prediction is not None:
         row["prediction"] = {"finite": prediction.finite, "explanation": prediction.explanation}
-    judged = {name: _judge_output(entry, impl, case, name, out[name], ref[name], prediction, name == primary)
+    judged = {name: _judge_output(entry, impl, case, name, out[name], ref[name], prediction, name == primary,
+                                  _zero_floor(entry, case, name, ref))
               for name in ref}
     main = judged[primary]
     if main["metrics"].get("nonfinite") == 0 and out[primary].is_floating_point():
@@ -245,20 +248,31 @@ def _binding(judged: dict[str, dict[str, Any]], primary: str) -> str:
     return min(names, key=key)
 
 
+def _zero_floor(entry: ModuleEntry, case: Case, name: str, ref: Outputs) -> float:
+    """The absolute error the baseline rule allows output ``name`` where its oracle is all zero:
+    ``k`` roundings in the fp32 accumulator of the terms it is a difference of (the module's
+    ``term_scale``); 0 for any other output."""
+    r = ref[name]
+    if entry.term_scale is None or not r.is_floating_point() or r.numel() == 0 or bool(r.detach().any()):
+        return 0.0
+    scale = entry.term_scale(name, case, ref)
+    return 0.0 if scale is None else BASELINE_K * ACCUMULATOR_ROUNDOFF * scale
+
+
 def _judge_output(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out: torch.Tensor,
-                  ref: torch.Tensor, prediction: Any, primary: bool) -> dict[str, Any]:
+                  ref: torch.Tensor, prediction: Any, primary: bool, zero_floor: float = 0.0) -> dict[str, Any]:
     """:func:`_judge`, with an output the policy cannot read (a meta tensor, a wrong shape or
     dtype) named in the error."""
     try:
         if out.is_meta:
             raise ValueError("a meta tensor, which holds no values")
-        return _judge(entry, impl, case, name, out, ref, prediction, primary)
+        return _judge(entry, impl, case, name, out, ref, prediction, primary, zero_floor)
     except Exception as exc:
         raise ValueError(f"output {name!r}: {exc}") from exc
 
 
 def _judge(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out: torch.Tensor, ref: torch.Tensor,
-           prediction: Any, primary: bool) -> dict[str, Any]:
+           prediction: Any, primary: bool, zero_floor: float = 0.0) -> dict[str, Any]:
     """One output's verdict: the frontier where overflow is predicted, else the row's rule
     (``POLICY[impl.rule]``), given the same-dtype baseline's output where the rule uses one."""
     out = out.detach().cpu()
@@ -278,7 +292,7 @@ def _judge(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out:
     base_out = _baseline(entry, case, impl)[name].detach().cpu() if rule.uses_baseline else None
     samples = entry.samples_of(name, ref.shape, case.params)
     j = rule.judge(out, ref, dtype=impl.dtype, baseline=base_out, metrics=metrics, rms_n=samples.rms,
-                   bias_n=samples.bias)
+                   bias_n=samples.bias, zero_floor=zero_floor)
     judged["metrics"] = j.metrics
     if j.baseline_metrics is not None:
         judged.update(baseline_metrics=j.baseline_metrics, baseline_out=base_out)

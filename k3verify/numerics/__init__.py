@@ -8,6 +8,7 @@ from .dtypes import DTypeFacts, compute_dtype, dtype_name, facts, is_float8, res
 from .frontier import exp_fits, headroom, ln_max
 from .metrics import Metrics, compare, mismatch_fraction, relative_max_error, where_text, worst_element
 from .policy import (
+    ACCUMULATOR_ROUNDOFF,
     BASELINE_K,
     BASELINE_RULE,
     EXPECTED_NONFINITE,
@@ -36,6 +37,7 @@ from .rounding import OVERFLOW_MODES, round_to, round_to_reference, rounder, spa
 from .tensors import cast_floats, map_tensors, named_tensors
 
 __all__ = [
+    "ACCUMULATOR_ROUNDOFF",
     "BASELINE_K",
     "BASELINE_RULE",
     "EXPECTED_NONFINITE",

@@ -29,6 +29,8 @@ class Metrics:
     - ``bias``: ``<x - ref, ref> / <ref, ref>``, the error's projection on the reference: a
       scale error ``x = (1 + c) ref`` shows as ``c``; noise independent of ``ref`` gives about
       ``rms_ratio / sqrt(n)``
+    - ``rms``: ``rms(x - ref)``, the absolute RMS error (what is left to compare where the
+      reference is all zero)
     """
 
     n: int
@@ -42,6 +44,7 @@ class Metrics:
     nonfinite: int
     ulp_dtype: str
     bias: float = 0.0
+    rms: float = 0.0
 
     def as_dict(self) -> dict[str, float | int | str]:
         return asdict(self)
@@ -60,7 +63,7 @@ def compare(x: torch.Tensor, ref: torch.Tensor, *, ulp_dtype: torch.dtype | str)
     name = dtype_name(ulp_dtype)
     if nonfinite:
         inf = math.inf
-        return Metrics(n, inf, inf, inf, -inf, inf, inf, inf, nonfinite, name, math.nan)
+        return Metrics(n, inf, inf, inf, -inf, inf, inf, inf, nonfinite, name, math.nan, inf)
     diff = xd - rd
     ref_sq = float((rd * rd).sum())
     err_sq = float((diff * diff).sum())
@@ -85,6 +88,7 @@ def compare(x: torch.Tensor, ref: torch.Tensor, *, ulp_dtype: torch.dtype | str)
         nonfinite=0,
         ulp_dtype=name,
         bias=float((diff * rd).sum()) / ref_sq if ref_sq > 0 else 0.0,
+        rms=math.sqrt(err_sq / n) if n else 0.0,
     )
 
 

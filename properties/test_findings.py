@@ -3,8 +3,9 @@
 Each is one of our own forms failing the baseline rule on one drawn case, because its design
 loses precision there: not a false alarm of the rule. Each row must still fail, its
 ``explanation`` must name the mechanism (an operand of the diagonal tile's split in the subnormal
-range; logits stored in bf16), and the same form without the lossy choice must pass on that case.
-A fix of a form turns its test red, so the pin goes with the fix.
+range; logits stored in bf16; the rounding that holds a gradient's error; a peer's own
+arithmetic, measured against ours on the same inputs), and the same form without the lossy
+choice must pass on that case. A fix of a form turns its test red, so the pin goes with the fix.
 
 Rules: baseline (the row's own family, in its dtype); the explanation is the form's trace.
 """
@@ -15,6 +16,7 @@ import dataclasses
 
 import pytest
 
+from k3verify.adapters import fla as fla_adapter
 from k3verify.harness import registry, runner, selftest
 
 # finding label -> the same form without the lossy choice, which passes on the pinned case
@@ -24,6 +26,8 @@ CLEAN = {
     "kda/k3verify:tiled[fp16 chunk_size=64 tile=16 anchor=tile_start]":
         "kda/k3verify:tiled[bf16 chunk_size=64 tile=16 anchor=tile_start]",
     "attnres/k3verify:tiled[bf16 tile=4 logit_dtype=bf16]": "attnres/k3verify:tiled[bf16 tile=4]",
+    f"kda_backward/fla-core {fla_adapter.version() or '(missing)'}:chunkwise (autograd)[fp32]":
+        "kda_backward/k3verify:chunkwise[fp32 chunk_size=64]",
 }
 
 

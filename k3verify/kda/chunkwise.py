@@ -295,6 +295,40 @@ def chunkwise_backward(
                     chunk_size=chunk_size, cu_seqlens=cu_seqlens, gate=gate, dtype=working_dtype(q))
 
 
+def naive_backward_baseline(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    dtype: torch.dtype | str,
+    do: torch.Tensor,
+    dht: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+    gate: InKernelGate | None = None,
+) -> dict[str, torch.Tensor]:
+    """:func:`chunkwise_backward` as a plain implementation in ``dtype`` runs it: every tensor it
+    stores rounded to ``dtype`` (the inputs and cotangents, every product operand, the state and
+    its gradient, the gradients but the gate's), the arithmetic in fp32 (in fp64 for fp64, then
+    exact), no tiles or anchors. The gates, their prefix sums and ``dg`` stay fp32, as in the
+    naive forward baselines.
+
+    It is the chunkwise family's baseline for the backward: a chunkwise kernel computes ``dg`` as
+    the reverse prefix sum of ``q * dq - k * dk`` (and the state's term), a difference of terms
+    that can be hundreds of times larger than ``dg``, so its error follows the terms; autograd
+    through a naive forward never forms that difference (docs/modules/kda.md, "The backward's
+    baselines")."""
+    rnd = rounder(dtype)
+    exempt = ("dg", "dA_log", "ddt_bias")
+    em = Emulation(cast=lambda name, t: rnd(t), outputs=lambda name, t: t if name in exempt else rnd(t))
+    return backward(q, k, v, g, beta, do=do, dht=dht, scale=scale, initial_state=initial_state,
+                    chunk_size=chunk_size, cu_seqlens=cu_seqlens, gate=gate, dtype=storage_for(dtype), emulation=em)
+
+
 def backward(q, k, v, g, beta, *, do, dht, scale, initial_state, chunk_size: int, cu_seqlens, gate,
              dtype: torch.dtype, emulation: Emulation = EXACT, record: dict | None = None) -> dict[str, torch.Tensor]:
     """:func:`chunkwise_backward` in ``dtype`` with ``emulation``'s rounding (the tiled backward
@@ -303,8 +337,7 @@ def backward(q, k, v, g, beta, *, do, dht, scale, initial_state, chunk_size: int
     z = g
     if gate is not None:
         g = gate(z.to(dtype))
-    _, scale, bounds = check_backward(q, k, v, g, beta, initial_state, scale, do, dht, cu_seqlens,
-                                      fp32_gates=gate is not None)
+    _, scale, bounds = check_backward(q, k, v, g, beta, initial_state, scale, do, dht, cu_seqlens)
     C = require_block("chunk_size", chunk_size)
     packed = cu_seqlens is not None
     parts = []

@@ -7,7 +7,9 @@ Every form takes the fla-core layout: ``q, k:[B,T,H,K]``, ``v:[B,T,H,V]``, ``g:[
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,6 +23,24 @@ from ..numerics.validate import (
     require_shape,
     require_tensor,
 )
+
+# The inputs a KDA kernel takes in fp32 whatever its operand dtype: the log-decay and the gate's
+# parameters. Every kernel computes the gate and its cumulative sum in fp32; a gate rounded to bf16
+# puts one coherent error on every token of a saturated gate (a drawn g_min of -4.01 stored as -4.0),
+# which reaches dg and dh0 multiplied by the length of the decay product: 3 to 5x the baseline's
+# error (docs/modules/kda.md, "Gates in fp32").
+GATE_INPUTS = ("g", "A_log", "dt_bias")
+
+
+def cast_inputs(inputs: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """KDA's inputs (any of ``q, k, v, g, beta, initial_state, do, dht, A_log, dt_bias``, with
+    ``None`` or integer tensors such as ``cu_seqlens`` passed through) as a kernel in ``dtype``
+    receives them: float tensors in ``dtype``, but :data:`GATE_INPUTS` in fp32 where ``dtype`` is
+    narrower (fp64 stays fp64)."""
+    gate_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return {n: (t.to(gate_dtype if n in GATE_INPUTS else dtype)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+            for n, t in inputs.items()}
 
 
 @dataclass(frozen=True)
@@ -43,15 +63,14 @@ def check_inputs(
     initial_state: torch.Tensor | None,
     scale: float | None,
     *,
-    fp32_gates: bool = False,
     values: bool = True,
 ) -> tuple[Dims, float]:
     """Validate a KDA call; return its sizes and the effective scale (``K**-0.5`` by default).
 
     Raises ``TypeError``/``ValueError`` naming the offending argument for wrong types,
-    shapes, mixed dtypes or devices, non-finite values and positive log-decay.
-    ``fp32_gates`` lets ``g`` have its own float dtype (kernels take bf16 operands with fp32
-    gates); ``values=False`` skips the value scans (finite, ``g <= 0``), which read every
+    shapes, mixed dtypes or devices, non-finite values and positive log-decay. ``g`` may have
+    its own float dtype (kernels take bf16 operands with fp32 gates: :func:`cast_inputs`);
+    ``values=False`` skips the value scans (finite, ``g <= 0``), which read every
     element and wait for the device, for callers that time kernels.
     """
     names = ["q", "k", "v", "g", "beta"]
@@ -62,7 +81,7 @@ def check_inputs(
     for n, t in zip(names, tensors):
         require_float(n, t)
         require_on_device(n, t)
-    typed = [(n, t) for n, t in zip(names, tensors) if not (fp32_gates and n == "g")]
+    typed = [(n, t) for n, t in zip(names, tensors) if n != "g"]
     require_same([n for n, _ in typed], [t for _, t in typed], "dtype")
     require_same(names, tensors, "device")
     if q.dim() != 4:
@@ -170,16 +189,12 @@ def check_backward(
     do: torch.Tensor,
     dht: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
-    *,
-    fp32_gates: bool = False,
 ) -> tuple[Dims, float, list[tuple[int, int]]]:
     """Validate a backward call: the forward's arguments (:func:`check_inputs`), the packed
     sequences, and the upstream gradients ``do`` (like ``o``, ``[B,T,H,V]``) and ``dht`` (like the
     final states). With ``cu_seqlens:[N+1]``, ``initial_state`` and ``dht`` are ``[N,H,K,V]``.
-    Returns the sizes, the effective scale and :func:`sequence_bounds`; ``fp32_gates`` as in
-    :func:`check_inputs` (a gate computed in the kernel is in the working dtype)."""
-    dims, scale = check_inputs(q, k, v, g, beta, None if cu_seqlens is not None else initial_state, scale,
-                               fp32_gates=fp32_gates)
+    Returns the sizes, the effective scale and :func:`sequence_bounds`."""
+    dims, scale = check_inputs(q, k, v, g, beta, None if cu_seqlens is not None else initial_state, scale)
     bounds = sequence_bounds(cu_seqlens, dims.B, dims.T)
     states = len(bounds) if cu_seqlens is not None else dims.B
     named = [("do", do, (dims.B, dims.T, dims.H, dims.V), "B,T,H,V")]

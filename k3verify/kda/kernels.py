@@ -709,7 +709,7 @@ def chunk(
 def _check_layout(q, k, v, g, beta, initial_state, scale, cu_seqlens, validate=True):
     """Validate shapes, values (unless ``validate`` is off) and ``cu_seqlens``; return sizes,
     scale and sequence offsets."""
-    dims, scale = check_inputs(q, k, v, g, beta, None, scale, fp32_gates=True, values=validate)
+    dims, scale = check_inputs(q, k, v, g, beta, None, scale, values=validate)
     if cu_seqlens is None:
         _check_state(initial_state, (dims.B, dims.H, dims.K, dims.V), "B,H,K,V", validate)
         return dims, scale, _equal_offsets(dims.B, dims.T)
@@ -770,7 +770,7 @@ def fused_recurrent(
             pool = initial_state.to(dev, torch.float32).clone()
         indices = torch.arange(B, device=dev)
     else:
-        dims, scale = check_inputs(q, k, v, g, beta, None, scale, fp32_gates=True, values=validate)
+        dims, scale = check_inputs(q, k, v, g, beta, None, scale, values=validate)
         B, H, K, V = dims.B, dims.H, dims.K, dims.V
         pool, indices = _check_pool(initial_state, state_indices, dims, dev, validate)
     T = dims.T

@@ -32,12 +32,13 @@ Triton's ``tl.cumsum``, whose fp32 rounding roughly doubles an fp32 kernel's err
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from ..numerics import dtype_name, exp_fits, is_float8, ln_max, resolve_dtype
+from ..numerics import compare, dtype_name, exp_fits, is_float8, ln_max, resolve_dtype
 from ..numerics.frontier import OverflowPrediction as _Prediction
 from ..numerics.frontier import ln_abs_max
 from ..numerics.ops import prefix_sum, require_prefix_order
@@ -114,8 +115,10 @@ def _axes(name: str) -> tuple[str, ...]:
     return ("batch", "head", "chunk", "row")
 
 
-def _caster(cfg: TileConfig, *, trace: bool = False, underflow: bool = True) -> TracingRounder:
-    return TracingRounder(cfg.operand_dtype, overflow=cfg.overflow, trace=trace, axes=_axes, underflow=underflow)
+def _caster(cfg: TileConfig, *, trace: bool = False, underflow: bool = True,
+            keep: frozenset[str] = frozenset()) -> TracingRounder:
+    return TracingRounder(cfg.operand_dtype, overflow=cfg.overflow, trace=trace, axes=_axes, underflow=underflow,
+                          keep=keep)
 
 
 def tiled(
@@ -379,12 +382,59 @@ def tiled_backward_traced(
     return grads, caster.events
 
 
+def explain_backward_underflow(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, **kwargs: object
+) -> list[str]:
+    """Each operand of :func:`tiled_backward` (same arguments) some of whose non-zero values fell
+    into the operand dtype's subnormal range, by the largest share: where a finite gradient lost
+    bits it had (fp16's smallest normal is 6.1e-5, and strong decay takes the decayed keys,
+    queries and state cotangents below it)."""
+    known = ("do", "dht", "scale", "initial_state", "cu_seqlens", "gate")
+    a = {n: kwargs.pop(n, None) for n in known}
+    _, caster = _backward_run(q, k, v, g, beta, *a.values(), kwargs, trace=True, underflow=True)
+    return [e.describe() for e in sorted(caster.underflows.values(), key=lambda e: -e.fraction)]
+
+
+def attribute_backward_error(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+    reference: Mapping[str, torch.Tensor], gradients: tuple[str, ...] | None = None, share: float = 0.5,
+    **kwargs: object,
+) -> list[str]:
+    """Which rounding costs a finite gradient its precision: :func:`tiled_backward` (same
+    arguments) run once per operand it rounds below fp32, with that operand alone left unrounded;
+    a line for each operand whose rounding holds at least ``share`` of a gradient's RMS error
+    against ``reference`` (gradients by name, fp64: the exact backward), largest first. An
+    operand can cost far more than its own rounding where a gradient is a small difference of
+    large terms: ``dg`` is the reverse prefix sum of ``q * dq - k * dk``."""
+    known = ("do", "dht", "scale", "initial_state", "cu_seqlens", "gate")
+    a = {n: kwargs.pop(n, None) for n in known}
+    grads, caster = _backward_run(q, k, v, g, beta, *a.values(), dict(kwargs), trace=True)
+    names = tuple(reference if gradients is None else gradients)
+
+    def errors(out: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        return {n: compare(out[n].to(torch.float64), reference[n], ulp_dtype="fp32").rms_ratio
+                for n in names if n in out}
+
+    full = errors(grads)
+    found = []
+    for operand, dtype in caster.narrowed.items():
+        kept = errors(_backward_run(q, k, v, g, beta, *a.values(), dict(kwargs), trace=False,
+                                    keep=frozenset({operand}))[0])
+        for n, err in full.items():
+            if math.isfinite(err) and err > 0 and (err - kept[n]) >= share * err:
+                found.append((1 - kept[n] / err, f"{n}: rms error {err:.3e}, {kept[n]:.3e} with {operand} left "
+                                                 f"unrounded ({dtype_name(dtype)}): its rounding holds "
+                                                 f"{1 - kept[n] / err:.0%} of the error"))
+    return [line for _, line in sorted(found, key=lambda f: -f[0])]
+
+
 def _backward_run(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, gate, tiling: dict[str, object],
-                  *, trace: bool) -> tuple[dict[str, torch.Tensor], TracingRounder]:
+                  *, trace: bool, underflow: bool = False,
+                  keep: frozenset[str] = frozenset()) -> tuple[dict[str, torch.Tensor], TracingRounder]:
     cfg = TileConfig(**tiling)  # type: ignore[arg-type]
     if do is None:
         raise TypeError("tiled_backward needs the output's cotangent do")
-    cast = _caster(cfg, trace=trace, underflow=False)  # the backward explains overflows only
+    cast = _caster(cfg, trace=trace, underflow=underflow, keep=keep)
     grads = backward(q, k, v, g, beta, do=do, dht=dht, scale=scale, initial_state=initial_state,
                      chunk_size=cfg.chunk_size, cu_seqlens=cu_seqlens, gate=gate, dtype=cfg.accumulator,
                      emulation=backward_emulation(cfg, cast))

@@ -87,7 +87,9 @@ class TracingRounder:
     The result keeps ``t``'s storage (fp32 or fp64; narrower tensors are widened to fp32 first,
     so the rounding happens once). With ``trace=True`` the first :data:`MAX_EVENTS` overflows
     are recorded in ``events`` (and, unless ``underflow=False``, the operands that fell into the
-    subnormal range in ``underflows``); ``axes(name)`` names the leading index axes of a tensor.
+    subnormal range in ``underflows``), and every name rounded below fp32 in ``narrowed``;
+    ``axes(name)`` names the leading index axes of a tensor. The names in ``keep`` pass unrounded,
+    to measure what rounding them costs.
     """
 
     dtype: torch.dtype | str
@@ -95,8 +97,10 @@ class TracingRounder:
     trace: bool = False
     axes: Callable[[str], tuple[str, ...]] = lambda name: ()
     underflow: bool = True
+    keep: frozenset[str] = frozenset()
     events: list[OverflowEvent] = field(default_factory=list)
     underflows: dict[str, UnderflowEvent] = field(default_factory=dict)
+    narrowed: dict[str, torch.dtype] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.dtype = resolve_dtype(self.dtype)
@@ -104,6 +108,11 @@ class TracingRounder:
     def __call__(self, name: str, t: torch.Tensor, dtype: torch.dtype | str | None = None) -> torch.Tensor:
         target = self.dtype if dtype is None else resolve_dtype(dtype)
         wide = t if t.dtype in (torch.float32, torch.float64) else t.to(torch.float32)
+        if self.trace and target not in (torch.float32, torch.float64):
+            self.narrowed.setdefault(name, target)
+        if name in self.keep:
+            # Attribution (kda.tiled.attribute_backward_error): this operand is not rounded.
+            return wide
         y = round_to(wide, target, overflow=self.overflow)
         if self.trace and len(self.events) < MAX_EVENTS:
             self._record(name, wide, y, target)

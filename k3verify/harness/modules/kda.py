@@ -14,6 +14,7 @@ import torch
 from ... import kda
 from ...adapters import fla as fla_adapter
 from ...kda import kernels, samples
+from ...kda.inputs import cast_inputs
 from ...kda.samples import CHUNK, G_MIN, TILE
 from ...kda.tiled import ANCHORS, DEFAULT_ROW0_SHIFT, explain_underflow, tiled_traced
 from ...numerics import resolve_dtype, rule_for
@@ -39,8 +40,9 @@ OUTPUTS = ("o", "final_state")
 
 
 def call(fn: Callable, case: Case, dtype: torch.dtype, **options: Any) -> Outputs:
-    """``fn`` with KDA's form signature on the case's inputs cast to ``dtype``: ``{o, final_state}``."""
-    x = {n: (t.to(dtype) if t is not None else None) for n, t in case.inputs.items()}
+    """``fn`` with KDA's form signature on the case's inputs in ``dtype``, the gates in fp32 as a
+    kernel takes them (:func:`~k3verify.kda.inputs.cast_inputs`): ``{o, final_state}``."""
+    x = cast_inputs(case.inputs, dtype)
     names = ("q", "k", "v", "g", "beta")
     result = checked_call(fn, [x[n] for n in names], names,
                           dict(initial_state=x["initial_state"], output_final_state=True, **options))

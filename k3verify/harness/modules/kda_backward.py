@@ -17,21 +17,23 @@ import torch
 
 from ...adapters import fla as fla_adapter
 from ...kda import samples
-from ...kda.chunkwise import chunkwise_backward
+from ...kda.chunkwise import chunkwise as kda_chunkwise
+from ...kda.chunkwise import chunkwise_backward, naive_backward_baseline
 from ...kda.gate import InKernelGate
-from ...kda.inputs import sequence_bounds, to_chunks
+from ...kda.inputs import cast_inputs, sequence_bounds, to_chunks
 from ...kda.recurrent import autograd_backward, recurrent_backward
 from ...kda.samples import CHUNK, TILE
 from ...kda.tiled import (
     ANCHORS,
     BackwardOverflowQuantities,
+    attribute_backward_error,
     backward_overflow_quantities,
     predict_backward,
     predicted_finite,
     tiled_backward,
     tiled_backward_traced,
 )
-from ...numerics import ln_max, resolve_dtype, rule_for
+from ...numerics import compare, dtype_name, ln_max, resolve_dtype, rule_for
 from ..guard import checked_call
 from ..overflow_map import MapDefinition, MapOptions, SweptForm, agreement
 from ..registry import (
@@ -81,8 +83,9 @@ def _golden_cases(seed: int) -> dict[str, samples.Sample]:
 
 def arguments(case: Case, dtype: torch.dtype) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """The case's inputs cast to ``dtype`` as the backward forms take them: the positional
-    ``q, k, v, g, beta`` and the keywords ``do, dht, initial_state`` (``cu_seqlens``, ``gate``)."""
-    x = {n: (t.to(dtype) if t is not None and t.is_floating_point() else t) for n, t in case.inputs.items()}
+    ``q, k, v, g, beta`` and the keywords ``do, dht, initial_state`` (``cu_seqlens``, ``gate``);
+    the gate and its parameters in fp32 as a kernel takes them (:func:`~k3verify.kda.inputs.cast_inputs`)."""
+    x = cast_inputs(case.inputs, dtype)
     extra = {}
     if x.get("cu_seqlens") is not None:
         extra["cu_seqlens"] = x["cu_seqlens"]
@@ -108,9 +111,24 @@ def oracle(case: Case) -> Outputs:
 
 
 def baseline(case: Case, dtype: str, family: str = "recurrent") -> Outputs:
-    """Autograd through the ``family`` naive form in ``dtype`` (values and gradients rounded where
-    it stores them)."""
+    """The ``recurrent`` family: autograd through the naive recurrence in ``dtype`` (values and
+    gradients rounded where it stores them). The ``chunkwise`` family (``chunkwise/C``: chunk
+    ``C``): the hand-written chunkwise backward with every stored tensor in ``dtype``
+    (:func:`~k3verify.kda.chunkwise.naive_backward_baseline`), whose ``dg`` cancels as a chunkwise
+    kernel's does. The ``chunkwise-autograd`` family: autograd through the naive chunk forward."""
+    form, _, chunk = family.partition("/")
+    if form == "chunkwise" and (not chunk or chunk.isdigit()):
+        return call(partial(naive_backward_baseline, dtype=dtype, chunk_size=int(chunk) if chunk else CHUNK),
+                    case, torch.float64)
+    if form == AUTOGRAD_CHUNKWISE:
+        family = "chunkwise" + (f"/{chunk}" if chunk else "")
     return call(partial(autograd_backward, _baseline_form(family), dtype=dtype), case, torch.float64)
+
+
+# The baseline family of a chunk form differentiated by autograd (fla-core's naive_chunk_kda):
+# autograd through the naive chunk forward, which forms dg as that form does, without the
+# chunkwise backward's difference of terms.
+AUTOGRAD_CHUNKWISE = "chunkwise-autograd"
 
 
 def _own(form: str, fn: Callable, dtype: str, **options: Any) -> Implementation:
@@ -164,9 +182,15 @@ def _predict(case: Case, **tiling: Any) -> Prediction:
 
 
 def _explain(case: Case, **tiling: Any) -> list[str]:
-    """The first three operands or split products that overflowed (computed in fp32)."""
+    """The first three operands or split products that overflowed (computed in fp32); where none
+    did, the roundings that hold half or more of a gradient's error against the exact backward
+    (:func:`~k3verify.kda.tiled.attribute_backward_error`), the first three."""
     args, kwargs = arguments(case, torch.float32)
-    return [e.describe() for e in tiled_backward_traced(*args, **kwargs, **tiling)[1][:3]]
+    overflowed = [e.describe() for e in tiled_backward_traced(*args, **kwargs, **tiling)[1][:3]]
+    if overflowed:
+        return overflowed
+    exact = call(chunkwise_backward, case, torch.float64, chunk_size=tiling.get("chunk_size", CHUNK))
+    return attribute_backward_error(*args, **kwargs, reference=exact, **tiling)[:3]
 
 
 def _fla_implementations() -> list[Implementation]:
@@ -175,17 +199,34 @@ def _fla_implementations() -> list[Implementation]:
     name = f"fla-core {fla_adapter.version() or '(missing)'}"
     # The recurrence under autograd takes 2.6 s a case (a graph of T steps of small ops): the
     # default case only; the chunk form's frontier needs the saturated one too.
-    forms = (("recurrent (autograd)", fla_adapter.naive_recurrent, "recurrent", None, ("default",)),
-             ("chunkwise (autograd)", fla_adapter.naive_chunk, "chunkwise", masked_decay_prediction, CASES))
+    forms = (("recurrent (autograd)", fla_adapter.naive_recurrent, "recurrent", None, ("default",), None),
+             ("chunkwise (autograd)", fla_adapter.naive_chunk, AUTOGRAD_CHUNKWISE, masked_decay_prediction, CASES,
+              partial(own_arithmetic, fla_adapter.naive_chunk, "fla-core's naive_chunk_kda")))
     return [
         Implementation(
             module="kda_backward", implementation=name, form=form, dtype="fp32", params={},
             rule=rule_for("fp32"), run=partial(call, partial(autograd_backward, fn), dtype=torch.float32),
-            predict=predict, cases=cases, baseline=family, source=f"{name} (adapter)",
+            predict=predict, explain=explain, cases=cases, baseline=family, source=f"{name} (adapter)",
             is_available=unavailable_as(partial(fla_adapter.unavailable_reason, gpu=False)),
         )
-        for form, fn, family, predict, cases in forms
+        for form, fn, family, predict, cases, explain in forms
     ]
+
+
+def own_arithmetic(forward: Callable, what: str, case: Case, *, dtype: torch.dtype = torch.float32) -> list[str]:
+    """Whether a gradient's error is the arithmetic of a chunk ``forward`` under autograd: its
+    error against the oracle beside autograd through our chunkwise forward, the same math, on the
+    same inputs in the same ``dtype``; a line for each gradient more than twice ours."""
+    ref = oracle(case)
+    theirs = call(partial(autograd_backward, forward), case, dtype)
+    ours = call(partial(autograd_backward, kda_chunkwise), case, dtype)
+    lines = []
+    for n, r in ref.items():
+        a, b = (float(compare(x[n].to(torch.float64), r, ulp_dtype=dtype).rms_ratio) for x in (theirs, ours))
+        if a > 2 * b:
+            lines.append(f"{n}: rms error {a:.3e} through {what}, {b:.3e} through k3verify's chunkwise form in the "
+                         f"same {dtype_name(dtype)} on the same inputs: the excess is {what}'s own arithmetic")
+    return lines
 
 
 def _fla_kernels() -> list[Implementation]:
@@ -254,7 +295,8 @@ def _map_case(point: dict[str, Any], seed: int) -> Case:
     inputs, params = samples.map_inputs("worst" if kind == "loud" else kind, point["g_min"], seed)
     shape = samples.MAP_SHAPE
     upstream = LOUD_SCALE if kind == "loud" else 1.0
-    drawn = samples.cotangents(shape["B"], shape["T"], shape["H"], shape["K"], shape["V"], seed=seed)
+    # Unit-scale dht: the map measures overflow, where the louder cotangent is the harder input.
+    drawn = samples.cotangents(shape["B"], shape["T"], shape["H"], shape["K"], shape["V"], seed=seed, dht_scale=1.0)
     inputs |= {n: t * upstream for n, t in drawn.items()}
     return Case(kind, inputs, dict(params, input=kind, upstream_scale=upstream))
 
@@ -349,6 +391,22 @@ def _error_samples(output: str, shape: tuple[int, ...], params: Mapping[str, Any
     return ErrorSamples(rows, shape[0] * heads)
 
 
+# The fp32 roundings each of dg's terms q * dq and k * dk carries through a split diagonal tile:
+# the two exponentials e^(G - a) and e^(a - G) and the two products that apply them.
+TERM_ROUNDINGS = 4
+
+
+def _term_scale(output: str, case: Case, ref: Mapping[str, torch.Tensor]) -> float | None:
+    """``dg`` is the reverse prefix sum of ``q * dq - k * dk`` (and the state's term): the RMS
+    of those products, from the oracle's ``dq`` and ``dk``, times ``sqrt(2 * TERM_ROUNDINGS)``
+    (the two terms' independent roundings). None for every other gradient."""
+    if output != "dg":
+        return None
+    q, k = case.inputs["q"].to(torch.float64), case.inputs["k"].to(torch.float64)
+    terms = torch.cat([(q * ref["dq"]).reshape(-1), (k * ref["dk"]).reshape(-1)])
+    return float(terms.pow(2).mean().sqrt()) * math.sqrt(2 * TERM_ROUNDINGS) if terms.numel() else None
+
+
 register(
     ModuleEntry(
         name="kda_backward",
@@ -357,7 +415,7 @@ register(
         make_cases=lambda seed: cases_from(_cases(seed)),
         oracle=oracle,
         baseline=baseline,
-        baseline_families=("recurrent", "chunkwise"),
+        baseline_families=("recurrent", "chunkwise", AUTOGRAD_CHUNKWISE),
         baseline_for=baseline_for,
         own_implementations=own_implementations,
         outputs=OUTPUTS,
@@ -368,5 +426,7 @@ register(
         from_forward=lambda forward: partial(autograd_backward, forward),
         overflow_map=MAP,
         error_samples=_error_samples,
+        strategy=lambda: samples.strategy().map(with_cotangents),
+        term_scale=_term_scale,
     )
 )

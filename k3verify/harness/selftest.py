@@ -30,11 +30,8 @@ from ..attnres import samples as attnres_samples
 from ..attnres.chunkwise import aggregate_backward, two_phase_backward
 from ..kda import samples as kda_samples
 from ..kda.chunkwise import chunkwise_backward
-from ..mla.cache import gather as mla_gather
-from ..mla.chunkwise import attention_backward
+from ..mla.chunkwise import attention_backward, backward_operands
 from ..mla.chunkwise import chunkwise_backward as mla_chunkwise_backward
-from ..mla.inputs import check_inputs as mla_check_inputs
-from ..mla.inputs import working_dtype as mla_working_dtype
 from ..moe.inputs import Routing
 from ..moe.router import route
 from ..numerics import compute_dtype
@@ -303,10 +300,7 @@ def _mla_backward(*, output: Callable[[str, torch.Tensor], torch.Tensor] = lambd
     """MLA's hand-written backward (key tile 16) with its hooks or its sizes changed."""
 
     def fn(q_nope, q_pe, cache, w_uk, w_uv, *, do, scale=None, **kw):
-        dims, scale = mla_check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
-        dtype = mla_working_dtype(q_nope)
-        entries, _ = mla_gather(cache, dtype)
-        x = (t.to(dtype) for t in (q_nope, q_pe, entries, w_uk, w_uv, do))
+        x, scale, dims = backward_operands(q_nope, q_pe, cache, w_uk, w_uv, do, scale)
         return attention_backward(*x, scale, dims_change(dims), key_tile=16, cast=cast, output=output)
 
     return fn

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -92,6 +92,12 @@ class TileConfig:
                              f"choose one of {', '.join(BACKWARD_DIAGONALS)}")
         if not math.isfinite(self.anchor_shift) or self.anchor_shift < 0:
             raise ValueError(f"anchor_shift must be finite and >= 0, got {self.anchor_shift}")
+
+    @classmethod
+    def of(cls, tiling: Mapping[str, object]) -> TileConfig:
+        """The config named by ``tiling``'s own fields; other keys (a row's ``chunk_size`` beside
+        its label, say) are ignored, as the predictions take a row's whole tiling."""
+        return cls(**{k: v for k, v in tiling.items() if k in cls.__dataclass_fields__})  # type: ignore[arg-type]
 
     @property
     def accumulator(self) -> torch.dtype:
@@ -496,7 +502,7 @@ def predict(quantities: OverflowQuantities, **tiling: object) -> OverflowPredict
     """Finite iff every diagonal-tile exponent fits the fp32 exponential and every ln|operand|
     fits the operand dtype, on these inputs (``tiling``: the arguments of :class:`TileConfig`;
     others are ignored). The fp32 diagonal path never splits and is always finite."""
-    cfg = TileConfig(**{k: v for k, v in tiling.items() if k in TileConfig.__dataclass_fields__})  # type: ignore[arg-type]
+    cfg = TileConfig.of(tiling)
     q, k, g = quantities.q, quantities.k, quantities.g
     g_min = float(g.min()) if g.numel() else 0.0
     bound = predicted_finite(g_min, tile=cfg.tile, operand_dtype=cfg.operand_dtype, anchor=cfg.anchor,
@@ -521,11 +527,13 @@ def predict(quantities: OverflowQuantities, **tiling: object) -> OverflowPredict
 class BackwardOverflowQuantities:
     """What the backward's frontier reads, per sequence, in fp64: ``q, k`` and the log-decays
     ``g`` (``[B, T, H, K]``), the cotangents ``D_q = scale dA_qk`` and ``D_k = Diag(beta) dA_kk``
-    of the decayed products (``[B, H, N, C, C]`` at ``chunk_size``), and the largest ln|do|, ln|dht|."""
+    of the decayed products (``[B, H, N, C, C]`` at ``chunk_size``), and the largest ln|do|, ln|dht|;
+    ``gradients``, the exact fp64 backward's they were read from (a map's reference, made once)."""
 
     sequences: tuple[tuple[torch.Tensor, ...], ...]
     chunk_size: int
     ln_upstream: float
+    gradients: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -547,7 +555,7 @@ def backward_overflow_quantities(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """The quantities of :class:`BackwardOverflowQuantities`, from the exact fp64 backward."""
     f64 = [t.to(torch.float64) for t in (q, k, v, g, beta)]
     record: dict[str, list[torch.Tensor]] = {}
-    backward(*f64, do=do.to(torch.float64), dht=None if dht is None else dht.to(torch.float64), scale=scale,
+    grads = backward(*f64, do=do.to(torch.float64), dht=None if dht is None else dht.to(torch.float64), scale=scale,
              initial_state=None if initial_state is None else initial_state.to(torch.float64),
              chunk_size=chunk_size, cu_seqlens=cu_seqlens, gate=gate, dtype=torch.float64, record=record)
     gates = gate(f64[3]) if gate is not None else f64[3]
@@ -556,7 +564,7 @@ def backward_overflow_quantities(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     sequences = tuple((f64[0][:, a:b], f64[1][:, a:b], gates[:, a:b], D_q, D_k)
                       for (a, b), D_q, D_k in zip(kept, record.get("D_q", []), record.get("D_k", [])))
     upstream = max(ln_abs_max(do.to(torch.float64)), -math.inf if dht is None else ln_abs_max(dht.to(torch.float64)))
-    return BackwardOverflowQuantities(sequences, chunk_size, upstream)
+    return BackwardOverflowQuantities(sequences, chunk_size, upstream, grads)
 
 
 def predict_backward(quantities: BackwardOverflowQuantities, **tiling: object) -> BackwardOverflowPrediction:
@@ -570,7 +578,7 @@ def predict_backward(quantities: BackwardOverflowQuantities, **tiling: object) -
 
     The fp32 diagonal path forms the tiles pair by pair: only 2 applies.
     """
-    cfg = TileConfig(**{k: v for k, v in tiling.items() if k in TileConfig.__dataclass_fields__})  # type: ignore[arg-type]
+    cfg = TileConfig.of(tiling)
     if cfg.chunk_size != quantities.chunk_size:
         raise ValueError(f"the quantities were made at chunk {quantities.chunk_size}, the tiling has {cfg.chunk_size}")
     dt = dtype_name(cfg.operand_dtype)

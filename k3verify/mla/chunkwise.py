@@ -122,11 +122,21 @@ def chunkwise_backward(
     Computes in fp64 for fp64 inputs and in fp32 otherwise; never calls autograd.
     """
     FormOptions(chunk_size, tile, operand_dtype, num_splits, subtract_max, overflow)
-    dims, scale = check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
-    dtype = working_dtype(q_nope)
-    entries, _ = gather(cache, dtype)
-    x = (t.to(dtype) for t in (q_nope, q_pe, entries, w_uk, w_uv, do))
+    x, scale, dims = backward_operands(q_nope, q_pe, cache, w_uk, w_uv, do, scale)
     return attention_backward(*x, scale, dims, key_tile=tile)
+
+
+def backward_operands(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache, w_uk: torch.Tensor,
+                      w_uv: torch.Tensor, do: torch.Tensor, scale: float | None,
+                      dtype: torch.dtype | None = None) -> tuple[tuple[torch.Tensor, ...], float, Dims]:
+    """A backward call checked and laid out for :func:`attention_backward`: ``(q_nope, q_pe,
+    entries, w_uk, w_uv, do)`` with the cache's live entries gathered (``[B, L, R + Dr]``), all in
+    ``dtype`` (default: the working dtype, fp64 for fp64 inputs and fp32 otherwise), the
+    effective scale and the sizes."""
+    dims, scale = check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
+    dtype = working_dtype(q_nope) if dtype is None else dtype
+    entries, _ = gather(cache, dtype)
+    return tuple(t.to(dtype) for t in (q_nope, q_pe, entries, w_uk, w_uv, do)), scale, dims
 
 
 def attention_backward(q_nope, q_pe, entries, w_uk, w_uv, do, scale: float, dims: Dims, *, key_tile: int,

@@ -44,7 +44,7 @@ from ..numerics.frontier import ln_abs_max as _ln_abs_max
 from ..numerics.frontier import underflow_threshold
 from ..numerics.trace import OverflowEvent, TracingRounder
 from .cache import LatentCache, gather, split_entry
-from .chunkwise import attention_backward
+from .chunkwise import attention_backward, backward_operands
 from .inputs import Dims, FormOptions, check_inputs, heads_first, key_mask
 from .recurrent import absorb_output, absorb_query
 from .softmax import NEG_INF, merge_partials
@@ -441,11 +441,9 @@ def tiled_backward(
     if delta not in DELTAS:
         raise ValueError(f"delta is one of {', '.join(DELTAS)}, got {delta!r}")
     FormOptions(chunk_size=chunk_size)
-    dims, scale = check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
     acc = cfg.accumulator
     caster = _Caster.make(cfg)
-    entries, _ = gather(cache, acc)
-    x = (t.to(acc) for t in (q_nope, q_pe, entries, w_uk, w_uv, do))
+    x, scale, dims = backward_operands(q_nope, q_pe, cache, w_uk, w_uv, do, scale, acc)
 
     def output(name: str, t: torch.Tensor) -> torch.Tensor:
         return caster.rounder(name, t, cfg.output_dtype).to(acc)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from k3verify.harness import registry, runner
@@ -110,3 +111,11 @@ def test_attribution_names_the_rounding_that_holds_a_gradients_error() -> None:
     lines = attribute_backward_error(*args, **kwargs, reference=exact, **tiling)
     assert lines and lines[0].startswith("dg:") and "off-diagonal q operand left unrounded (fp16)" in lines[0], lines
     assert not any(line.startswith("dv:") for line in lines), lines
+
+
+def test_an_unknown_baseline_family_names_the_backwards_families() -> None:
+    case = ENTRY.make_cases(0)["gate"]
+    for bad in ("bogus", "recurrent/16", "chunkwise/x"):
+        with pytest.raises(ValueError, match="'recurrent', 'chunkwise', 'chunkwise-autograd'"):
+            kb.baseline(case, "bf16", bad)
+    assert set(kb.baseline(case, "bf16", "chunkwise-autograd/16")) == set(ENTRY.oracle(case))

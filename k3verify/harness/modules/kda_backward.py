@@ -117,7 +117,11 @@ def baseline(case: Case, dtype: str, family: str = "recurrent") -> Outputs:
     (:func:`~k3verify.kda.chunkwise.naive_backward_baseline`), whose ``dg`` cancels as a chunkwise
     kernel's does. The ``chunkwise-autograd`` family: autograd through the naive chunk forward."""
     form, _, chunk = family.partition("/")
-    if form == "chunkwise" and (not chunk or chunk.isdigit()):
+    if form not in ("recurrent", "chunkwise", AUTOGRAD_CHUNKWISE) or (chunk and not chunk.isdigit()) or (
+            chunk and form == "recurrent"):
+        raise ValueError(f"KDA's backward baseline families are 'recurrent', 'chunkwise', "
+                         f"'{AUTOGRAD_CHUNKWISE}' and those two with '/<chunk size>'; got {family!r}")
+    if form == "chunkwise":
         return call(partial(naive_backward_baseline, dtype=dtype, chunk_size=int(chunk) if chunk else CHUNK),
                     case, torch.float64)
     if form == AUTOGRAD_CHUNKWISE:

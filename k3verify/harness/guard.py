@@ -116,6 +116,15 @@ def checked_call(fn: Callable[..., Any], args: Sequence[Any], names: Sequence[st
     return result
 
 
+def gradients_by_name(result: Any, module: str, outputs: Sequence[str]) -> dict[str, Any]:
+    """A backward's ``result`` as the dict of gradients it must be; ``TypeError`` naming the
+    ``module`` (``"a KDA"``), its gradients and what came back otherwise."""
+    if not isinstance(result, Mapping):
+        raise TypeError(f"{module} backward returns its gradients by name ({', '.join(outputs)}); "
+                        f"this one returned a {type(result).__name__}")
+    return dict(result)
+
+
 def run_isolated(impl: Implementation, case: Case) -> Any:
     """``impl.run`` on its own copy of ``case`` (:func:`case_for`), under :func:`guarded`; then
     :class:`InputMutated` if the copy's inputs differ from the case's or the result shares their

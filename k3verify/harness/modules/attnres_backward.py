@@ -16,7 +16,7 @@ from ...attnres import aggregate, naive_baseline, samples
 from ...attnres.chunkwise import GRADIENTS, aggregate_backward
 from ...numerics import resolve_dtype, rule_for
 from ...numerics.gradients import vjp
-from ..guard import checked_call
+from ..guard import checked_call, gradients_by_name
 from ..registry import (
     Case,
     ErrorSamples,
@@ -63,10 +63,7 @@ def call(fn: Callable, case: Case, dtype: torch.dtype, **options: Any) -> Output
     """``fn(sources, w, gamma, *, dh, ...) -> {dsources, dw, dgamma}`` on the case's inputs in ``dtype``."""
     x = case.inputs
     result = checked_call(fn, [x[n].to(dtype) for n in ARGS], ARGS, dict(dh=x["dh"].to(dtype), **options))
-    if not isinstance(result, Mapping):
-        raise TypeError(f"an AttnRes backward returns its gradients by name ({', '.join(OUTPUTS)}); "
-                        f"this one returned a {type(result).__name__}")
-    return dict(result)
+    return gradients_by_name(result, "an AttnRes", OUTPUTS)
 
 
 def autograd_backward(form: Callable[..., torch.Tensor], sources: torch.Tensor, w: torch.Tensor,

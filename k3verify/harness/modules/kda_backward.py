@@ -34,7 +34,7 @@ from ...kda.tiled import (
     tiled_backward_traced,
 )
 from ...numerics import compare, dtype_name, ln_max, resolve_dtype, rule_for
-from ..guard import checked_call
+from ..guard import checked_call, gradients_by_name
 from ..overflow_map import MapDefinition, MapOptions, SweptForm, agreement
 from ..registry import (
     Case,
@@ -99,10 +99,7 @@ def call(fn: Callable, case: Case, dtype: torch.dtype, **options: Any) -> Output
     initial_state, ...) -> {dq, dk, ...}``) on the case's inputs cast to ``dtype``."""
     args, kwargs = arguments(case, dtype)
     result = checked_call(fn, args, ARGS, kwargs | options)
-    if not isinstance(result, Mapping):
-        raise TypeError(f"a KDA backward returns its gradients by name ({', '.join(OUTPUTS)}); "
-                        f"this one returned a {type(result).__name__}")
-    return dict(result)
+    return gradients_by_name(result, "a KDA", OUTPUTS)
 
 
 def oracle(case: Case) -> Outputs:

@@ -18,7 +18,7 @@ from ...mla.chunkwise import chunkwise_backward
 from ...mla.reference import GRADIENTS, autograd_backward, expanded_backward, naive_baseline
 from ...mla.tiled import tiled_backward
 from ...numerics import resolve_dtype, rule_for
-from ..guard import checked_call
+from ..guard import checked_call, gradients_by_name
 from ..registry import Case, Implementation, ModuleEntry, Outputs, cases_from, register, unavailable_as
 from .mla import FORM_ARGS, form_args
 
@@ -58,10 +58,7 @@ def call(fn: Callable, case: Case, dtype: torch.dtype, **options: Any) -> Output
     ...) -> {dq_nope, dq_pe, dkv, dw_uk, dw_uv}``) on the case's inputs in ``dtype``."""
     args = form_args(case.inputs, dtype)
     result = checked_call(fn, args, FORM_ARGS, dict(do=case.inputs["do"].to(dtype), **options))
-    if not isinstance(result, Mapping):
-        raise TypeError(f"an MLA backward returns its gradients by name ({', '.join(OUTPUTS)}); "
-                        f"this one returned a {type(result).__name__}")
-    return dict(result)
+    return gradients_by_name(result, "an MLA", OUTPUTS)
 
 
 def oracle(case: Case) -> Outputs:

@@ -119,3 +119,25 @@ def test_an_unknown_baseline_family_names_the_backwards_families() -> None:
         with pytest.raises(ValueError, match="'recurrent', 'chunkwise', 'chunkwise-autograd'"):
             kb.baseline(case, "bf16", bad)
     assert set(kb.baseline(case, "bf16", "chunkwise-autograd/16")) == set(ENTRY.oracle(case))
+
+
+
+def _tuple_kda(q, k, v, g, beta, *, do, **kw):
+    return q.clone(), k.clone()
+
+
+def _tuple_mla(q_nope, q_pe, cache, w_uk, w_uv, *, do, **kw):
+    return q_nope.clone(), q_pe.clone()
+
+
+def _tuple_attnres(sources, w, gamma, *, dh, **kw):
+    return sources.clone(), w.clone()
+
+
+@pytest.mark.parametrize("module, fn", [("kda", _tuple_kda), ("mla", _tuple_mla), ("attnres", _tuple_attnres)])
+def test_a_backward_that_returns_no_names_is_told_so(module: str, fn) -> None:
+    """Every backward entry asks for its gradients by name (``guard.gradients_by_name``)."""
+    from k3verify.testing import assert_matches_oracle
+
+    with pytest.raises(AssertionError, match="backward returns its gradients by name"):
+        assert_matches_oracle(fn, module, torch.float32, direction="backward")

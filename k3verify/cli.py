@@ -665,8 +665,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--maps", help=MAPS_HELP)
     r.add_argument("--direction", choices=("forward", "backward", "both"), default="both",
                    help="the forward outputs, the gradients of the backward passes (kda_backward, mla_backward, "
-                        "attnres_backward), "
-                        "or both (default)")
+                        "attnres_backward, moe_backward), or both (default)")
     r.add_argument("--tp", type=_world_size, metavar="N",
                    help="instead of the usual rows: every module's layer sharded over N ranks (fp64, and bf16 "
                         "with the all-reduce in fp32 and in bf16) against the unsharded layer")

@@ -165,10 +165,16 @@ class ErrorSamples:
     rule (``numerics.policy``): ``rms`` sets the small-output factor of the RMS term, ``bias`` the
     noise of the projection on the oracle. They differ where errors are carried along an axis:
     KDA's state sums many independent roundings into every position's RMS, but projects them
-    coherently, so its bias has the (batch, head) pairs only."""
+    coherently, so its bias has the (batch, head) pairs only.
+
+    ``spread``: the errors' scales differ from element to element (a weight's gradient summing a
+    few rows of very different sizes), so fewer of them count than there are: ``rms`` is capped by
+    the effective number of the same-dtype baseline's own errors
+    (:func:`k3verify.numerics.policy.effective_errors`)."""
 
     rms: int
     bias: int
+    spread: bool = False
 
 
 def default_error_samples(shape: tuple[int, ...]) -> ErrorSamples:
@@ -177,6 +183,23 @@ def default_error_samples(shape: tuple[int, ...]) -> ErrorSamples:
     normaliser), which moves it coherently (docs/sensitivity.md)."""
     n = math.prod(shape)
     return ErrorSamples(n, n // shape[-1] if shape and shape[-1] else n)
+
+
+def product_error_samples(rows: int, shape: tuple[int, ...], exact: str | None = None) -> ErrorSamples:
+    """The independent errors of a weight's gradient ``Aᵀ B`` summed over ``rows`` contributing
+    rows (``A:[rows, n]``, ``B:[rows, m]``; ``shape`` is ``[..., n, m]``, leading axes stacking
+    such products, a grouped GEMM's experts): its error ``δAᵀ B + Aᵀ δB`` is spanned by the
+    ``rows (n + m)`` roundings of the factors, so it holds at most that many independent errors
+    however many elements it has; ``exact`` (``"left"`` or ``"right"``) names a factor that is an
+    input every form reads alike (rounded alike, so no error of its own between two forms),
+    leaving ``rows m`` or ``rows n``. The bias counts at most ``rows`` (each row moves its outer
+    product coherently). The errors' scales differ from row to row (``spread``)."""
+    if exact not in (None, "left", "right"):
+        raise ValueError(f"exact is None, 'left' or 'right'; got {exact!r}")
+    default = default_error_samples(shape)
+    n, m = shape[-2], shape[-1]
+    carried = (0 if exact == "left" else n) + (0 if exact == "right" else m)
+    return ErrorSamples(min(default.rms, rows * carried), min(default.bias, rows), spread=True)
 
 
 def cases_from(samples: Mapping[str, tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Case]:

@@ -47,6 +47,7 @@ from .contract import (  # noqa: F401
     identity,
     memoized_on_case,
     placeholder,
+    product_error_samples,
     unavailable_as,
     unique_identities,
 )

@@ -25,6 +25,7 @@ from ..numerics import (
     POLICY,
     UNAVAILABLE,
     compare,
+    effective_errors,
     expected_nonfinite,
     spacing,
     worst_element,
@@ -291,8 +292,14 @@ def _judge(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out:
                              "margin": verdict.margin}
     base_out = _baseline(entry, case, impl)[name].detach().cpu() if rule.uses_baseline else None
     samples = entry.samples_of(name, ref.shape, case.params)
-    j = rule.judge(out, ref, dtype=impl.dtype, baseline=base_out, metrics=metrics, rms_n=samples.rms,
-                   bias_n=samples.bias, zero_floor=zero_floor)
+    rms_n, bias_n = samples.rms, samples.bias
+    if samples.spread and base_out is not None:
+        # Errors of unequal scales count as many as they are worth (Kish's number, both forms'
+        # pooled), for the RMS term and the bias's noise alike.
+        worth = effective_errors(ref, out, base_out)
+        rms_n, bias_n = min(rms_n, worth), min(bias_n, worth)
+    j = rule.judge(out, ref, dtype=impl.dtype, baseline=base_out, metrics=metrics, rms_n=rms_n,
+                   bias_n=bias_n, zero_floor=zero_floor)
     judged["metrics"] = j.metrics
     if j.baseline_metrics is not None:
         judged.update(baseline_metrics=j.baseline_metrics, baseline_out=base_out)

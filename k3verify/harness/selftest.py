@@ -32,8 +32,11 @@ from ..kda import samples as kda_samples
 from ..kda.chunkwise import chunkwise_backward
 from ..mla.chunkwise import attention_backward, backward_operands
 from ..mla.chunkwise import chunkwise_backward as mla_chunkwise_backward
+from ..moe.chunkwise import chunkwise_backward as moe_chunkwise_backward
 from ..moe.inputs import Routing
+from ..moe.recurrent import autograd_backward as moe_autograd_backward
 from ..moe.router import route
+from ..moe.situ import activation_backward
 from ..numerics import compute_dtype
 from .files import UsageError
 from .text import md_text
@@ -84,6 +87,7 @@ CONTROLS: dict[str, tuple[Callable[..., Any], str, str]] = {
     "attnres": (attnres.AGGREGATIONS["recurrent"], "sources", "recurrent"),
     "attnres_backward": (aggregate_backward, "sources", "recurrent"),
     "moe": (moe.recurrent, "default", "recurrent"),
+    "moe_backward": (moe_chunkwise_backward, "default", "recurrent"),
 }
 
 
@@ -458,10 +462,55 @@ def _moe_mutants() -> list[Mutant]:
     ]
 
 
+# --- Stable LatentMoE's backward ------------------------------------------------------------------
+
+
+def _moe_backward(change: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda d: d,
+                  **pieces: Callable[..., Any]) -> Callable[..., Any]:
+    """The hand-written backward with ``pieces`` of :func:`~k3verify.moe.chunkwise.backward_pass`
+    replaced and ``change`` applied to its gradients."""
+
+    def fn(x, weights, config, *, dy, indices, **kw):  # ``dy`` named: the testing API takes fn as a backward
+        return change(moe_chunkwise_backward(x, weights, config, dy=dy, indices=indices, **kw, **pieces))
+
+    return fn
+
+
+def _gate_derivative_without_sigmoid_term(g, u, dh, name, *, beta1, beta2):
+    """SiTU's gate differentiated as if ``σ(g)`` were a constant: ``a'(g) = sech²(g/β1) σ(g)``."""
+    dg, du = activation_backward(g, u, dh, name, beta1=beta1, beta2=beta2)
+    tg, sg = torch.tanh(g / beta1), torch.sigmoid(g)
+    return dg - dh * beta1 * tg * sg * (1 - sg) * (beta2 * torch.tanh(u / beta2)), du
+
+
+def _detached_mixture(x, weights, config, *, dy, indices, **kw):
+    """Autograd through the definition with the mixture weights detached from the router."""
+
+    def form(x, w, c, *, routing, **options):
+        return moe.recurrent(x, w, c, routing=Routing(routing.indices, routing.weights.detach()), **options)
+
+    return moe_autograd_backward(form, x, weights, config, dy=dy, indices=indices, **kw)
+
+
+def _moe_backward_mutants() -> list[Mutant]:
+    return [
+        Mutant("mixture weights detached from the router", "moe_backward", _detached_mixture,
+               "p = ρ s / Σ s treated as a constant: no gradient reaches the router"),
+        Mutant("SiTU gate derivative without its sigmoid term", "moe_backward",
+               _moe_backward(act_grad=_gate_derivative_without_sigmoid_term),
+               "d/dg [β1 tanh(g/β1) σ(g)] without the σ'(g) product-rule term"),
+        Mutant("RMSNorm gradient without its projection", "moe_backward",
+               _moe_backward(norm_grad=lambda n, rstd, dn: rstd * dn), "du = rstd dn: the latent's norm held constant"),
+        Mutant("expert weight gradients credited to the next expert", "moe_backward",
+               _moe_backward(lambda d: d | {n: d[n].roll(1, 0) for n in ("dw1", "dw3", "dw2")}),
+               "a grouped GEMM's group offsets shifted by one expert"),
+    ]
+
+
 def mutants(modules: list[str] | None = None) -> list[Mutant]:
     """Every mutant of the ``modules`` (all by default)."""
     made = [*_kda_mutants(), *_kda_backward_mutants(), *_mla_mutants(), *_mla_backward_mutants(),
-            *_attnres_mutants(), *_attnres_backward_mutants(), *_moe_mutants()]
+            *_attnres_mutants(), *_attnres_backward_mutants(), *_moe_mutants(), *_moe_backward_mutants()]
     return [m for m in made if modules is None or m.module in modules]
 
 

@@ -13,12 +13,22 @@ What a dispatching MoE does (vLLM's fused MoE, expert-parallel all-to-all):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from .inputs import FormOptions, MoEConfig, MoEWeights, Routing
+from ..numerics import compute_dtype
+from ..numerics.ops import rms_norm, rms_norm_backward
+from .inputs import FormOptions, MoEConfig, MoEWeights, Routing, check_backward
 from .layer import glu, layer_output, reference_setup
+from .quantize import Caster
+from .recurrent import GRADIENTS
+from .router import mixture
+from .situ import activation, activation_backward
+
+GEMM = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -78,3 +88,118 @@ def chunkwise(
     weighted = out * r.weights.reshape(-1)[d.order, None]
     u = torch.zeros(dims.T, dims.Dl, dtype=xw.dtype, device=x.device).index_add_(0, d.token, weighted)
     return layer_output(u, xw, w, config).to(x.dtype)
+
+
+def chunkwise_backward(
+    x: torch.Tensor,
+    weights: MoEWeights,
+    config: MoEConfig,
+    *,
+    dy: torch.Tensor,
+    indices: torch.Tensor,
+    tile_m: int = 16,
+    tile_k: int = 64,
+    operand_dtype: torch.dtype | str = torch.bfloat16,
+    fp8_scaling: str = "per_row",
+    fp8_static_scale: float = 1.0,
+    overflow: str = "nonfinite",
+    **pieces: Callable[..., Any],
+) -> dict[str, torch.Tensor]:
+    """The hand-written backward of ``L = sum(y * dy)`` on the forward's selection
+    ``indices:[T, k]`` (:func:`backward_pass`), exact in the compute dtype: fp64 for fp64 inputs,
+    fp32 otherwise. Returns :data:`~k3verify.moe.recurrent.GRADIENTS` by name, each of its
+    input's shape, in the compute dtype. The tiling options are validated and unused; ``pieces``
+    go to :func:`backward_pass` (``act_grad``, ``norm_grad``)."""
+    FormOptions(tile_m, tile_k, operand_dtype, fp8_scaling, fp8_static_scale, overflow)
+    check_backward(x, weights, config, dy, indices)
+    dtype = compute_dtype(x.dtype)
+    return backward_pass(x, weights, config, dy, indices, Caster.make(FormOptions(operand_dtype=dtype)), torch.matmul,
+                         **pieces)
+
+
+def backward_pass(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, dy: torch.Tensor, indices: torch.Tensor,
+                  cast: Caster, mm: GEMM, *, act_grad: Callable[..., Any] = activation_backward,
+                  norm_grad: Callable[..., torch.Tensor] = rms_norm_backward) -> dict[str, torch.Tensor]:
+    """The backward as a dispatching kernel computes it, every stored tensor through ``cast``
+    (GEMM operands in the operand dtype, results in the output dtype; exact when that is the
+    accumulator) and every GEMM through ``mm`` (``a @ b`` or a K loop).
+
+    Forward recomputation: the router (fp32, on ``x`` as the layer holds it: the operand), ``z``, each
+    expert's ``G, U`` (accumulators), hidden ``H`` (operand), output ``E_j`` (accumulator),
+    ``u`` and the RMSNorm. Backward, with ``du`` the latent's gradient:
+    ``dE = p du``, ``dp = <du, E_j>``, ``dW2_e = H_eᵀ dE_e``, ``dH = dE W2_eᵀ``,
+    ``dG, dU = act'(G, U) dH``, ``dW1_e = Z_eᵀ dG_e``, ``dW3_e = Z_eᵀ dU_e`` (grouped GEMMs with
+    transposed operands), ``dz = Σ (dG W1ᵀ + dU W3ᵀ)`` over a token's pairs, ``dW↓ = xᵀ dz``;
+    the router's ``ds_i = (ρ dp_i − Σ_j p_j dp_j) / (Σ_I s + ε)`` and ``dr = ds σ'``.
+    ``act_grad`` and ``norm_grad`` are the activation's and the RMSNorm's backward (a planted bug
+    replaces one: :mod:`k3verify.harness.selftest`). Returns the gradients in the accumulator dtype.
+    """
+    acc = cast.opts.accumulator
+    T, k, E = indices.shape[0], cfg.top_k, cfg.num_experts
+    xo = cast.operand("input x", x)
+    # The router reads the layer input as the layer holds it (xo), in the accumulator.
+    scores, p = mixture(xo, weights.w_router, indices, cfg, acc)
+    w = {n: cast.operand(f"weight {n}", t, weight=True) for n, t in weights.tensors().items()
+         if n not in ("bias", "latent_norm", "w_router")}
+    gamma = cast.output("weight latent_norm γ", weights.latent_norm)
+
+    def act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return activation(g, u, cfg.activation, beta1=cfg.beta1, beta2=cfg.beta2)
+
+    def act_backward(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return act_grad(g, u, dh, cfg.activation, beta1=cfg.beta1, beta2=cfg.beta2)
+
+    z = cast.operand("latent z = x W↓ (dispatch payload)", mm(xo, w["w_latent_down"]))
+    d = dispatch(indices, E)
+    blocks = [slice(d.offsets[e], d.offsets[e + 1]) for e in range(E)]
+    zr, pair_p = z[d.token], p.reshape(-1)[d.order]  # [P, Dl], [P]
+    g = torch.cat([mm(zr[b], w["w1"][e]) for e, b in enumerate(blocks)])
+    u = torch.cat([mm(zr[b], w["w3"][e]) for e, b in enumerate(blocks)])
+    h = cast.operand("expert hidden h = act(g, u)", act(g, u))
+    out = torch.cat([mm(h[b], w["w2"][e]) for e, b in enumerate(blocks)])  # E_j, the accumulator
+    pairs = torch.zeros(T * k, cfg.latent_size, dtype=acc, device=x.device)
+    pairs[d.order] = cast.output("weighted expert output p·E_j", out * pair_p[:, None])
+    lat = cast.output("latent u = Σ p_j E_j", pairs.reshape(T, k, -1).sum(1))
+    rstd = torch.rsqrt((lat * lat).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    n = lat * rstd
+    normed = cast.operand("normalised latent RMSNorm(u)", rms_norm(lat, gamma, eps=cfg.rms_norm_eps))
+    gs, us = mm(xo, w["shared_w1"]), mm(xo, w["shared_w3"])
+    hs = cast.operand("shared hidden", act(gs, us))
+
+    dyo = cast.operand("upstream gradient dy", dy)
+    grads = {"dw_latent_up": cast.output("gradient dW↑", mm(normed.T, dyo))}
+    dnormed = cast.operand("gradient of the normalised latent", mm(dyo, w["w_latent_up"].T))
+    grads["dlatent_norm"] = cast.output("gradient dγ", (dnormed * n).sum(0))
+    dn = dnormed * gamma
+    du = cast.operand("gradient of the latent du", norm_grad(n, rstd, dn))
+    dpair = du[d.token]
+    dp = (dpair * out).sum(-1)  # [P], in the accumulator (a kernel's epilogue)
+    de = cast.operand("gradient of an expert's output p·du", dpair * pair_p[:, None])
+    grads["dw2"] = cast.output("gradient dW2", torch.stack([mm(h[b].T, de[b]) for b in blocks]))
+    dh = torch.cat([mm(de[b], w["w2"][e].T) for e, b in enumerate(blocks)])
+    dg, du_ = act_backward(g, u, dh)
+    dg, du_ = cast.operand("gradient dG", dg), cast.operand("gradient dU", du_)
+    grads["dw1"] = cast.output("gradient dW1", torch.stack([mm(zr[b].T, dg[b]) for b in blocks]))
+    grads["dw3"] = cast.output("gradient dW3", torch.stack([mm(zr[b].T, du_[b]) for b in blocks]))
+    dzr = torch.cat([mm(dg[b], w["w1"][e].T) + mm(du_[b], w["w3"][e].T) for e, b in enumerate(blocks)])
+    dz = cast.operand("gradient dz", torch.zeros_like(z).index_add_(0, d.token, dzr))
+    grads["dw_latent_down"] = cast.output("gradient dW↓", mm(xo.T, dz))
+    dx = mm(dz, w["w_latent_down"].T)
+
+    dgs, dus = act_backward(gs, us, mm(dyo, w["shared_w2"].T))
+    dgs, dus = cast.operand("gradient of the shared G", dgs), cast.operand("gradient of the shared U", dus)
+    grads["dshared_w2"] = cast.output("gradient dS2", mm(hs.T, dyo))
+    grads["dshared_w1"] = cast.output("gradient dS1", mm(xo.T, dgs))
+    grads["dshared_w3"] = cast.output("gradient dS3", mm(xo.T, dus))
+    dx = dx + mm(dgs, w["shared_w1"].T) + mm(dus, w["shared_w3"].T)
+
+    # The router, in the accumulator (the FP32 router of docs/model.md §4).
+    dpt = torch.empty_like(pair_p)
+    dpt[d.order] = dp
+    dpt = dpt.reshape(T, k)
+    denom = torch.gather(scores, -1, indices).sum(-1, keepdim=True) + cfg.renorm_eps
+    ds = (cfg.routed_scaling_factor * dpt - (dpt * p).sum(-1, keepdim=True)) / denom
+    dr = torch.zeros_like(scores).scatter_(-1, indices, ds) * scores * (1 - scores)
+    grads["dw_router"] = xo.T @ dr
+    grads["dx"] = cast.output("gradient dx", dx + dr @ weights.w_router.to(acc).T)
+    return {name: grads[name] for name in GRADIENTS}

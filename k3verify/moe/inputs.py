@@ -278,10 +278,7 @@ def check_routing(routing: Routing, T: int, config: MoEConfig) -> None:
     """A given routing must name ``top_k`` distinct existing experts per token with finite weights."""
     if not isinstance(routing, Routing):
         raise TypeError(f"routing must be a Routing or None, got {type(routing).__name__}")
-    idx = require_tensor("routing.indices", routing.indices)
-    if idx.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"routing.indices has dtype {idx.dtype}; expected torch.int64 or torch.int32")
-    require_shape("routing.indices", idx, (T, config.top_k), "T,k")
+    check_selection(routing.indices, T, config, "routing.indices")
     wts = require_tensor("routing.weights", routing.weights)
     require_float("routing.weights", wts)
     require_shape("routing.weights", wts, (T, config.top_k), "T,k")
@@ -292,10 +289,32 @@ def check_routing(routing: Routing, T: int, config: MoEConfig) -> None:
         t, j = (int(i) for i in negative.nonzero()[0])
         raise ValueError(f"routing.weights has {int(negative.sum())} negative value(s) (first {float(wts[t, j]):.3g} "
                          f"at token {t}, slot {j}); mixture weights are rho * s / sum(s) >= 0")
+
+
+def check_selection(indices: object, T: int, config: MoEConfig, name: str = "indices") -> torch.Tensor:
+    """``indices:[T, k]`` (int64 or int32) must name ``top_k`` distinct existing experts per token."""
+    idx = require_tensor(name, indices)
+    if idx.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} has dtype {idx.dtype}; expected torch.int64 or torch.int32")
+    require_shape(name, idx, (T, config.top_k), "T,k")
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= config.num_experts):
-        raise ValueError(f"routing.indices must lie in [0, {config.num_experts}); got [{int(idx.min())}, "
-                         f"{int(idx.max())}]")
+        raise ValueError(f"{name} must lie in [0, {config.num_experts}); got [{int(idx.min())}, {int(idx.max())}]")
     if idx.numel():
         dup = (idx.sort(-1).values.diff(dim=-1) == 0).any(-1)
         if bool(dup.any()):
-            raise ValueError(f"routing.indices repeats an expert for token {int(dup.nonzero()[0])}")
+            raise ValueError(f"{name} repeats an expert for token {int(dup.nonzero()[0])}")
+    return idx
+
+
+def check_backward(x: torch.Tensor, weights: MoEWeights, config: MoEConfig, dy: object, indices: object) -> Dims:
+    """Validate a backward call: the forward's arguments (:func:`check_inputs`), the cotangent
+    ``dy:[T, d]`` (finite, ``x``'s dtype and device) and the forward's selection ``indices:[T, k]``."""
+    dims = check_inputs(x, weights, config)
+    dy = require_tensor("dy", dy)
+    require_float("dy", dy)
+    require_same(["x", "dy"], [x, dy], "dtype")
+    require_same(["x", "dy"], [x, dy], "device")
+    require_shape("dy", dy, (dims.T, dims.d), "T,d")
+    require_finite("dy", dy)
+    check_selection(indices, dims.T, config)
+    return dims

@@ -11,14 +11,25 @@ in a narrow dtype would run it: the same-dtype baseline of the tolerance policy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
+from ..numerics import compute_dtype, rounder
+from ..numerics.gradients import grad_name, vjp
 from ..numerics.ops import rms_norm
-from .inputs import FormOptions, MoEConfig, MoEWeights, Routing, check_inputs
+from .inputs import FormOptions, MoEConfig, MoEWeights, Routing, check_backward, check_inputs
 from .layer import glu, layer_output, reference_setup
 from .quantize import Caster
-from .router import routing_for
+from .router import mixture, routing_for
 from .situ import activation
+
+# What a backward differentiates: x and every weight but the bias, which only selects (the
+# selection is not differentiable).
+TRAINABLE = ("x", "w_router", "w_latent_down", "w1", "w3", "w2", "latent_norm", "w_latent_up", "shared_w1",
+             "shared_w3", "shared_w2")
+GRADIENTS = tuple(grad_name(n) for n in TRAINABLE)
 
 
 def recurrent(
@@ -48,6 +59,30 @@ def recurrent(
             j = int(r.indices[t, slot])
             u[t] += r.weights[t, slot] * glu(z[t : t + 1], w.w1[j], w.w3[j], w.w2[j], config)[0]
     return layer_output(u, xw, w, config).to(x.dtype)
+
+
+def autograd_backward(form: Callable[..., torch.Tensor], x: torch.Tensor, weights: MoEWeights, config: MoEConfig,
+                      *, dy: torch.Tensor, indices: torch.Tensor, router_dtype: torch.dtype | None = None,
+                      input_dtype: torch.dtype | str | None = None, **options: Any) -> dict[str, torch.Tensor]:
+    """Gradients of ``L = sum(y * dy)`` through ``form`` (the forms' signature) by autograd, on the
+    forward's selection ``indices:[T, k]``, with the mixture weights recomputed differentiably by
+    the router in ``router_dtype`` (default: fp64 for fp64 ``x``, fp32 otherwise) on ``x`` as the
+    layer holds it: rounded to ``input_dtype`` when given (a plain bf16 implementation's input is
+    bf16, and so is its gradient through the router), else as given. Returns ``{dx, dw_router,
+    ..., dshared_w2}`` (:data:`GRADIENTS`), each of its input's shape and dtype. The bias gets
+    none (it only selects)."""
+    check_backward(x, weights, config, dy, indices)
+    dtype = router_dtype or compute_dtype(x.dtype)
+    held = (lambda t: t) if input_dtype is None else rounder(input_dtype)
+    tensors = weights.tensors()
+
+    def forward(x: torch.Tensor, **named: torch.Tensor) -> dict[str, torch.Tensor]:
+        w = MoEWeights(**named)
+        _, p = mixture(held(x), w.w_router, indices, config, dtype)
+        return {"y": form(x, w, config, routing=Routing(indices, p), **options)}
+
+    grads = vjp(forward, dict(x=x) | tensors, {"y": dy}, wrt=TRAINABLE)
+    return {n: grads[n] for n in GRADIENTS}
 
 
 def naive_baseline(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..numerics import compute_dtype, round_to
+from ..numerics import compute_dtype, resolve_dtype, round_to
 from .inputs import MoEConfig, MoEWeights, Routing
 
 
@@ -93,3 +93,52 @@ def routing_for(
     if routing is not None:
         return routing.to(dtype)
     return route(x.to(dtype), weights.w_router.to(dtype), weights.bias.to(dtype), config)
+
+
+def mixture(x: torch.Tensor, w_router: torch.Tensor, indices: torch.Tensor, config: MoEConfig,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scores [T, E], p [T, k])`` of the router run in ``dtype`` on ``x`` as given, for the
+    selection ``indices`` (best first): differentiable in ``x`` and ``w_router``, the selection
+    held fixed (it is not differentiable; a backward follows the forward's choices)."""
+    scores = torch.sigmoid(router_logits(x.to(dtype), w_router.to(dtype), config))
+    p = mixture_weights(scores, indices, config)
+    if config.top_k == 1 and config.renorm_eps == 0:
+        # p = ρ s / s is the constant ρ: its gradient is exactly 0, where autograd of s / s
+        # leaves a rounding residue that no relative rule can judge.
+        p = p.detach()
+    return scores, p
+
+
+def score_error_bound(x: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor, config: MoEConfig,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per token ``[T]``, a bound on how far the router run in ``dtype`` on ``x`` as given can put
+    any biased score ``σ(x W_r) + b`` from its exact value (fp64 arguments).
+
+    Each logit is a dot product of ``d`` terms whose factors are cast to ``dtype`` first: it errs
+    by at most ``δ = γ_{d+2} Σ_i |x_i| |W_r[i, e]|`` (``γ_n = n u / (1 − n u)``, ``u`` the unit
+    roundoff; plus half a unit of ``logits_dtype`` when the logits are rounded). ``σ'`` falls
+    with ``|r|``, so the score moves by at most ``δ σ'(max(|r| − δ, 0))`` (``δ / 4`` near 0, far
+    less where the sigmoid saturates); ``σ`` is allowed 4 units of its result and the bias's
+    addition one unit of the biased score.
+    """
+    u = torch.finfo(dtype).eps / 2
+    n = x.shape[-1] + 2
+    xd, wd = x.to(torch.float64), w_router.to(torch.float64)
+    logits = xd @ wd
+    delta = (n * u / (1 - n * u)) * (xd.abs() @ wd.abs())
+    if config.logits_dtype is not None:
+        delta = delta + torch.finfo(resolve_dtype(config.logits_dtype)).eps / 2 * logits.abs()
+    nearest = torch.sigmoid((logits.abs() - delta).clamp(min=0))
+    score = delta * nearest * (1 - nearest) + 4 * u + u * (torch.sigmoid(logits) + bias.to(torch.float64)).abs()
+    return score.amax(-1)
+
+
+def clear_of_ties(x: torch.Tensor, weights: MoEWeights, config: MoEConfig,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Tokens ``[T]`` (bool) whose exact top-k gap exceeds twice :func:`score_error_bound`: the
+    router in ``dtype`` selects the same experts as the exact one for them, whatever its rounding
+    (each biased score moves by less than the bound, so the gap shrinks by less than twice it).
+    The order among the selected does not matter to a gradient, only the set."""
+    scores = torch.sigmoid(x.to(torch.float64) @ weights.w_router.to(torch.float64))
+    gap = topk_gap(scores, weights.bias.to(torch.float64), config.top_k)
+    return gap > 2 * score_error_bound(x, weights.w_router, weights.bias, config, dtype)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -40,10 +41,10 @@ from ..numerics.frontier import OverflowPrediction as RangePrediction
 from ..numerics.frontier import ln_abs_max as _ln_abs_max
 from ..numerics.ops import rms_norm
 from ..numerics.trace import OverflowEvent
-from .chunkwise import Dispatch, dispatch
-from .inputs import Dims, FormOptions, MoEConfig, MoEWeights, Routing, check_inputs
+from .chunkwise import Dispatch, backward_pass, dispatch
+from .inputs import Dims, FormOptions, MoEConfig, MoEWeights, Routing, check_backward, check_inputs
 from .quantize import Caster
-from .router import routing_for
+from .router import mixture, routing_for
 from .situ import activation, bound
 
 
@@ -93,6 +94,48 @@ def explain_overflow(
     """Each stored tensor that overflowed in :func:`tiled` (same arguments): which, where and by
     how much, one line each, in computing order."""
     return [e.describe() for e in overflow_events(x, weights, config, routing=routing, **tiling)]
+
+
+def tiled_backward(
+    x: torch.Tensor,
+    weights: MoEWeights,
+    config: MoEConfig,
+    *,
+    dy: torch.Tensor,
+    indices: torch.Tensor,
+    tile_m: int = 16,
+    tile_k: int = 64,
+    operand_dtype: torch.dtype | str = torch.bfloat16,
+    fp8_scaling: str = "per_row",
+    fp8_static_scale: float = 1.0,
+    overflow: str = "nonfinite",
+) -> dict[str, torch.Tensor]:
+    """The backward of :func:`tiled` on the forward's selection ``indices:[T, k]``
+    (:func:`k3verify.moe.chunkwise.backward_pass`) as a grouped-GEMM kernel runs it: operands
+    (the recomputed ``x``, ``z``, ``H``, the normalised latent, the shared hidden, ``dy`` and every
+    gradient a GEMM reads) in ``operand_dtype``, gradients written in the output dtype, fp32
+    accumulation over K-steps of ``tile_k`` (for a weight's gradient the K axis is the expert's
+    rows). The router's gradient stays fp32 (its GEMM is fp32). Padding rows of a tile are zeros
+    and change no value, so ``tile_m`` is validated and unused. Returns the gradients by name in
+    the accumulator dtype (fp64 for fp64 operands: the exact algebra)."""
+    opts = FormOptions(tile_m, tile_k, operand_dtype, fp8_scaling, fp8_static_scale, overflow)
+    if is_float8(opts.operand_dtype):
+        raise ValueError("the MoE backward runs with bf16, fp16, fp32 or fp64 operands (fp8 gradients take e5m2 "
+                         f"and scales of their own); got {opts.operand_dtype}")
+    check_backward(x, weights, config, dy, indices)
+    return backward_pass(x, weights, config, dy, indices, Caster.make(opts), partial(gemm, tile_k=opts.tile_k))
+
+
+def tiled_backward_traced(
+    x: torch.Tensor, weights: MoEWeights, config: MoEConfig, *, dy: torch.Tensor,
+    indices: torch.Tensor, **tiling: object
+) -> tuple[dict[str, torch.Tensor], list[OverflowEvent]]:
+    """:func:`tiled_backward`'s gradients and every stored tensor that overflowed, in computing order."""
+    opts = FormOptions(**tiling)  # type: ignore[arg-type]
+    check_backward(x, weights, config, dy, indices)
+    cast = Caster.make(opts, trace=True)
+    grads = backward_pass(x, weights, config, dy, indices, cast, partial(gemm, tile_k=opts.tile_k))
+    return grads, cast.rounder.events
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, tile_k: int) -> torch.Tensor:
@@ -327,3 +370,75 @@ def predict(
     read = {f"ln_{k}": v for k, v in q.as_dict().items() if k != "inputs"}
     return OverflowPrediction(finite=not failing, reasons=failing, binding=what, headroom=room, predicted_zeroed=zeroed,
                               **read)
+
+
+# ----------------------------------------------------------------------------------------------
+# The backward's overflow model
+
+
+@dataclass
+class _Magnitudes:
+    """A stand-in for :class:`~k3verify.moe.quantize.Caster` that rounds nothing (fp64) and
+    records the natural log of the largest magnitude of every tensor :func:`backward_pass`
+    stores, by how it stores it, and of every GEMM's accumulator."""
+
+    opts: FormOptions
+    stored: dict[str, tuple[str, float]]
+
+    def operand(self, name: str, t: torch.Tensor, *, weight: bool = False) -> torch.Tensor:
+        return self._seen(name, "operand", t)
+
+    def output(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        return self._seen(name, "output", t)
+
+    def gemm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self._seen("GEMM accumulators", "accumulator", a @ b)
+
+    def _seen(self, name: str, kind: str, t: torch.Tensor) -> torch.Tensor:
+        value = _ln_abs_max(t)
+        if name not in self.stored or value > self.stored[name][1]:
+            self.stored[name] = (kind, value)
+        return t
+
+
+@dataclass(frozen=True)
+class BackwardOverflowQuantities:
+    """Natural logs of the largest magnitudes the tiled backward stores (``stored``: name ->
+    (``operand``, ``output`` or ``accumulator``, ln max)), exact (fp64), with the fp64
+    gradients of the same pass (``gradients``: the map's reference) and the forward's quantities
+    (``forward``: what the recomputed forward stores)."""
+
+    stored: dict[str, tuple[str, float]]
+    gradients: dict[str, torch.Tensor]
+    forward: OverflowQuantities
+
+
+def backward_overflow_quantities(x: torch.Tensor, weights: MoEWeights, config: MoEConfig, *, dy: torch.Tensor,
+                                 indices: torch.Tensor, **_: object) -> BackwardOverflowQuantities:
+    """:class:`BackwardOverflowQuantities` of these inputs, from one fp64 pass of
+    :func:`~k3verify.moe.chunkwise.backward_pass` (independent of the operand dtype and tiling)."""
+    check_backward(x, weights, config, dy, indices)
+    probe = _Magnitudes(FormOptions(operand_dtype=torch.float64), {})
+    x64, w64, dy64 = x.to(torch.float64), weights.to(torch.float64), dy.to(torch.float64)
+    grads = backward_pass(x64, w64, config, dy64, indices, probe, probe.gemm)  # type: ignore[arg-type]
+    fixed = Routing(indices, mixture(x64, w64.w_router, indices, config, torch.float64)[1])
+    return BackwardOverflowQuantities(probe.stored, grads, overflow_quantities(x64, w64, config, routing=fixed))
+
+
+def predict_backward(q: BackwardOverflowQuantities, *, operand_dtype: torch.dtype | str = torch.bfloat16,
+                     **_: object) -> RangePrediction:
+    """Will :func:`tiled_backward` return finite gradients for these inputs? Every tensor it
+    stores must fit its dtype (operands the operand dtype, results the output dtype, accumulators
+    fp32) and so must everything the forward stores (:func:`predict`). The tiling is ignored."""
+    opts = FormOptions(operand_dtype=operand_dtype)
+    dtypes = {"operand": opts.operand_dtype, "output": opts.output_dtype, "accumulator": opts.accumulator}
+    forward = predict(q.forward, operand_dtype=operand_dtype)
+    checks = [(f"forward: {forward.binding}", forward.finite, forward.headroom)]
+    for name, (kind, value) in q.stored.items():
+        dtype = dtypes[kind]
+        limit = min(ln_max(dtype), ln_max(opts.accumulator))
+        checks.append((f"{name} (ln {value:.2f} vs {limit:.2f}: {facts(dtype).name})",
+                       exp_fits(value, dtype, compute_dtype=opts.accumulator), limit - value))
+    failing = tuple(dict.fromkeys([*forward.reasons, *(what for what, ok, _ in checks[1:] if not ok)]))
+    what, _, room = min(checks, key=lambda c: c[2] if not math.isnan(c[2]) else -math.inf)
+    return RangePrediction(finite=not failing, reasons=failing, binding=what, headroom=room)

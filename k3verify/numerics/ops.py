@@ -16,6 +16,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: float 
     return y if weight is None else y * weight
 
 
+def rms_norm_backward(n: torch.Tensor, rstd: torch.Tensor, dn: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``x`` through ``n = x · rstd``, ``rstd = 1 / sqrt(mean(x²) + eps)`` over the
+    last axis, for the gradient ``dn`` of ``n`` (the gain's product already taken):
+    ``rstd (dn − n mean(dn ∘ n))`` — the projection removes what only rescales ``x``.
+    ``n, dn:[..., D]``, ``rstd:[..., 1]``; computes in their dtype."""
+    return rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
+
+
 PREFIX_ORDERS = ("rounded", "sequential", "parallel")
 
 

@@ -224,6 +224,23 @@ def bias_z(n: int, alpha: float = SMALL_OUTPUT_ALPHA) -> float:
     return hi
 
 
+def effective_errors(ref: torch.Tensor, *outs: torch.Tensor) -> int:
+    """How many equal-scale independent errors each of ``outs - ref`` is worth, the scales pooled
+    over ``outs`` (two forms of one output share where the rounding is amplified): Kish's
+    effective number ``(Σσ²)² / Σσ⁴``, each ``σ_i²`` estimated by the ``e_i²`` of every out (for a
+    normal error ``E[e⁴] = 3σ⁴``, hence ``3 (Σe²)² / Σe⁴``), divided by the number of outs and at
+    most the number of elements; 0 for no error. Equal scales give about the element count; a
+    few dominant errors, about their number."""
+    r = ref.detach().to("cpu", torch.float64).reshape(-1)
+    e = torch.cat([o.detach().to("cpu", torch.float64).reshape(-1) - r for o in outs])
+    e = e[torch.isfinite(e)]
+    squares = e * e
+    fourth = float((squares * squares).sum())
+    if fourth == 0.0 or not outs:
+        return 0
+    return min(r.numel(), int(3.0 * float(squares.sum()) ** 2 / fourth / len(outs)))
+
+
 def noise_floor(ref: torch.Tensor, dtype: torch.dtype | str, *, metric: str = "rms_ratio") -> float:
     """Error of the oracle's own output rounded to ``dtype``: what no implementation beats."""
     r64 = ref.detach().to("cpu", torch.float64)

@@ -68,12 +68,15 @@ def rounder(dtype: torch.dtype | str, *, overflow: Overflow = "nonfinite") -> Ca
         wide = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float64)
         return round_to(wide, target, overflow=overflow).to(storage)
 
-    def rnd(x: torch.Tensor) -> torch.Tensor:
-        if x.requires_grad and torch.is_grad_enabled():
-            return _StoredInDtype.apply(x, plain)
-        return plain(x)
+    return lambda x: stored(x, plain)
 
-    return rnd
+
+def stored(x: torch.Tensor, plain: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``plain(x)``, the rounding of a stored tensor; under autograd the gradient that flows back
+    through it is rounded by ``plain`` too (:class:`_StoredInDtype`)."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return _StoredInDtype.apply(x, plain)
+    return plain(x)
 
 
 class _StoredInDtype(torch.autograd.Function):

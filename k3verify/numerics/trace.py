@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from .dtypes import facts, resolve_dtype
 from .frontier import ln_max
-from .rounding import Overflow, round_to
+from .rounding import Overflow, round_to, stored
 
 # Past the first few events everything downstream is propagation; stop paying for checks.
 MAX_EVENTS = 4
@@ -113,7 +114,8 @@ class TracingRounder:
         if name in self.keep:
             # Attribution (kda.tiled.attribute_backward_error): this operand is not rounded.
             return wide
-        y = round_to(wide, target, overflow=self.overflow)
+        # Under autograd the gradient through a stored tensor is stored in its dtype as well.
+        y = stored(wide, partial(round_to, dtype=target, overflow=self.overflow))
         if self.trace and len(self.events) < MAX_EVENTS:
             self._record(name, wide, y, target)
         if self.trace and self.underflow:

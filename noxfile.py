@@ -33,7 +33,7 @@ GPU_MODULES: dict[str, tuple[tuple[str, ...], str]] = {
     "mla_backward": (("properties/test_mla_backward.py",), "reports/baseline/gpu-h200-mla-backward/run"),
     "kda_backward": (("properties/test_kda_backward.py", "properties/test_kda_tiled_backward.py"),
                      "reports/baseline/gpu-h200-kda-backward/run"),
-    "moe_backward": (("properties/test_moe_backward.py",), "reports/baseline/gpu-h200-moe-backward/run"),
+    "moe_backward": (("properties/test_moe_backward.py",), "reports/baseline/gpu-h100-moe-backward/run"),
 }
 # Modules of that table whose session skips the map step: no map, or one without kernel cells
 # (kda_backward's and moe_backward's are our tiled forms' only, which the CPU draws alike).

@@ -267,4 +267,4 @@ def test_the_testing_api_differentiates_a_forward_and_names_the_gradient_it_gets
     with pytest.raises(AssertionError, match="output 'dv'"):
         assert_matches_oracle(off, "kda", torch.bfloat16, direction="backward", baseline="chunkwise")
     with pytest.raises(ValueError, match="no backward pass registered"):
-        assert_matches_oracle(off, "moe", torch.bfloat16, direction="backward")
+        assert_matches_oracle(off, "kda_layer", torch.bfloat16, direction="backward")

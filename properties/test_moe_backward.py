@@ -173,7 +173,8 @@ def test_the_bound_grows_with_the_width_and_the_logits_rounding() -> None:
     p = samples.make_problem(4, E=8, k=2, d=32, seed=1)
     plain = score_error_bound(p.x, p.weights.w_router, p.weights.bias, p.cfg)
     wide = score_error_bound(torch.cat([p.x, p.x], 1), torch.cat([p.weights.w_router] * 2), p.weights.bias, p.cfg)
-    rounded = score_error_bound(p.x, p.weights.w_router, p.weights.bias, dataclasses.replace(p.cfg, logits_dtype="bf16"))
+    bf16_logits = dataclasses.replace(p.cfg, logits_dtype="bf16")
+    rounded = score_error_bound(p.x, p.weights.w_router, p.weights.bias, bf16_logits)
     assert bool((wide > plain).all()) and bool((rounded > 100 * plain).all())
 
 
@@ -264,20 +265,22 @@ def test_effective_errors_count_equal_scales_as_their_number_and_a_few_dominant_
     assert effective_errors(ref, ref.clone()) == 0
 
 
-# A drawn problem (the backward's strategy, seed 0) where the fp32 hand-written backward's dw1
-# error sits in one expert's rows: 2.34 times the baseline's, whose error is spread.
-SPREAD = dict(T=10, E=8, k=1, d=16, H=8, seed=16639, activation="swiglu", rho=1.0, bias_scale=0.1)
-
-
 def test_a_weight_gradient_counts_its_errors_by_what_they_are_worth() -> None:
-    """Rule: baseline. On the pinned problem the fp32 chunkwise backward passes with the module's
-    count (rows of the products, Kish's number of the pooled errors) and fails ``dw1`` when every
-    element counts as an independent error: the count is what the verdict rests on there."""
-    inputs, params = entry.with_cotangent(samples.make_problem(**SPREAD).sample)
-    case = registry.Case("spread", inputs, params)
+    """Rule: baseline. A form whose ``dw1`` error sits on one element, 2.3 times the bf16
+    baseline's spread error (the shape of the drawn false alarms: one amplified value), passes
+    with the module's count (Kish's number of both forms' errors) and fails ``dw1`` when every
+    element counts as an independent error. Built from the baseline's own error, so the same on
+    any host."""
     moe_entry = registry.get("moe_backward")
-    impl = next(i for i in moe_entry.own_implementations() if i.form == "chunkwise" and i.dtype == "fp32")
+    case = moe_entry.make_cases(0)["default"]
+    ref, base = moe_entry.oracle(case), moe_entry.baseline(case, "bf16", "recurrent")
+    err = (base["dw1"] - ref["dw1"]).reshape(-1)
+    one = torch.zeros_like(err)
+    one[int(err.abs().argmax())] = 2.3 * float(err.norm())
+    out = dict(base) | {"dw1": ref["dw1"] + one.reshape(ref["dw1"].shape)}
+    impl = registry.Implementation(module="moe_backward", implementation="one amplified value", form="user",
+                                   dtype="bf16", params={}, rule="baseline", run=lambda c: out)
     assert runner.verify(moe_entry, impl, case)["status"] == "pass"
     plain = dataclasses.replace(moe_entry, error_samples=None)
-    row = runner.verify(plain, impl, registry.Case("spread", inputs, params))
+    row = runner.verify(plain, impl, plain.make_cases(0)["default"])
     assert row["status"] == "fail" and row["output"] == "dw1"

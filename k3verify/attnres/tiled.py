@@ -38,11 +38,12 @@ from dataclasses import dataclass
 import torch
 
 from ..numerics import exp_fits, facts, ln_max, resolve_dtype, spacing
+from ..numerics.frontier import Magnitudes, as_checks, prediction_from, underflow_threshold
 from ..numerics.frontier import OverflowPrediction as _Prediction
 from ..numerics.frontier import ln_abs_max as _ln_abs_max
-from ..numerics.frontier import underflow_threshold
 from ..numerics.ops import RMS_NORM_EPS
 from ..numerics.trace import OverflowEvent
+from .chunkwise import two_phase_backward
 from .inputs import Options, Precision, Sublayers, check_sources, prepare_sources
 from .layer import AttnResWeights, DepthStream, Walk, check_walk, walk
 from .recurrent import logits, mix
@@ -371,3 +372,58 @@ def explain_overflow(
     else:
         events = aggregate_tiled_traced(first, second, third, **options)[1]
     return [e.describe() for e in events]
+
+
+# --- the backward's overflow model (one call) ---------------------------------------------------
+
+
+def aggregate_backward_traced(sources: torch.Tensor | Sequence[torch.Tensor], w: torch.Tensor, gamma: torch.Tensor,
+                              *, dh: torch.Tensor, delta: str = "weights",
+                              **options: object) -> tuple[dict[str, torch.Tensor], list[OverflowEvent]]:
+    """:func:`~k3verify.attnres.chunkwise.aggregate_backward`'s gradients and the stored tensors
+    that overflowed, from one run."""
+    opts = Options(**options)  # type: ignore[arg-type]
+    v, w, gamma, prec = prepare_sources(sources, w, gamma, opts, trace=True)
+    grads = two_phase_backward(v, w, gamma, dh.to(v.dtype), opts.eps, cast=prec.store, delta=delta)
+    return grads, prec.rounder.events
+
+
+@dataclass(frozen=True)
+class BackwardOverflowQuantities:
+    """What the two-phase backward stores, measured exactly (fp64) on the inputs as a kernel reads
+    them in ``stream_dtype`` (``stored``: the inputs, ``h``, ``dh`` and ``dsources`` in the stream,
+    the parameters' gradients in fp32), the gradients of that pass and the forward's quantities."""
+
+    stored: Magnitudes
+    gradients: dict[str, torch.Tensor]
+    forward: OverflowQuantities
+
+
+def backward_overflow_quantities(sources: torch.Tensor | Sequence[torch.Tensor], w: torch.Tensor, gamma: torch.Tensor,
+                                 *, dh: torch.Tensor, stream_dtype: torch.dtype | str | None = None,
+                                 eps: float = RMS_NORM_EPS, **_: object) -> BackwardOverflowQuantities:
+    """:class:`BackwardOverflowQuantities` of a call whose stream is ``stream_dtype`` (default: the
+    sources' dtype); the forms' other options do not move it."""
+    forward = overflow_quantities(sources, w, gamma, stream_dtype=stream_dtype, eps=eps)
+    v, _ = check_sources(sources, w, gamma)
+    prec = Options(stream_dtype=forward.stream_dtype, eps=eps).precision(forward.stream_dtype)
+    seen = Magnitudes()
+    v, w, gamma, dh = (seen(name, prec.rounder("input", t).to(torch.float64), "stream")
+                       for name, t in (("sources v", v), ("pseudo-query w", w), ("key gain gamma", gamma),
+                                       ("input dh", dh)))
+    grads = two_phase_backward(v, w, gamma, dh, eps, cast=seen.hook("stream"))
+    for name in ("dw", "dgamma"):
+        seen(f"gradient {name}", grads[name], "accumulator")
+    return BackwardOverflowQuantities(seen, grads, forward)
+
+
+def predict_backward(q: BackwardOverflowQuantities, *, stream_dtype: torch.dtype | str | None = None,
+                     logit_dtype: torch.dtype | str | None = None, **_: object) -> _Prediction:
+    """Will the two-phase backward return finite gradients for these inputs? The forward's checks
+    with max subtraction (the backward's weights are ``e^{ℓ − M} / Z'``) and every stored tensor
+    against its dtype: the stream dtype for ``h``, ``dh``, ``dsources`` and the inputs, fp32 for
+    the parameters' gradients."""
+    stream = resolve_dtype(stream_dtype) if stream_dtype is not None else q.forward.stream_dtype
+    acc = Options(stream_dtype=stream).precision(stream).compute
+    forward = predict(q.forward, stream_dtype=stream, logit_dtype=logit_dtype, subtract_max=True)
+    return prediction_from([*as_checks(forward), *q.stored.checks({"stream": stream, "accumulator": acc}, acc)])

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import torch
 
 from ..numerics import exp_fits, facts, is_float8, ln_max, resolve_dtype
+from ..numerics.frontier import Magnitudes, as_checks, prediction_from, underflow_threshold
 from ..numerics.frontier import OverflowPrediction as _Prediction
 from ..numerics.frontier import ln_abs_max as _ln_abs_max
-from ..numerics.frontier import underflow_threshold
 from ..numerics.trace import OverflowEvent, TracingRounder
 from .cache import LatentCache, gather, split_entry
 from .chunkwise import attention_backward, backward_operands
@@ -438,14 +438,65 @@ def tiled_backward(
     gradients in fp32.
     """
     cfg = TileConfig(tile, operand_dtype, num_splits, subtract_max, overflow)
+    FormOptions(chunk_size=chunk_size)
+    return _backward_run((q_nope, q_pe, cache, w_uk, w_uv), do, scale, cfg, delta, _Caster.make(cfg))
+
+
+def tiled_backward_traced(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache, w_uk: torch.Tensor,
+                          w_uv: torch.Tensor, *, do: torch.Tensor, scale: float | None = None, delta: str = "output",
+                          **tiling: object) -> tuple[dict[str, torch.Tensor], list[OverflowEvent]]:
+    """:func:`tiled_backward`'s gradients and every stored tensor that overflowed, in computing order."""
+    cfg = TileConfig(**{k: v for k, v in tiling.items() if k != "chunk_size"})  # type: ignore[arg-type]
+    caster = _Caster.make(cfg, trace=True)
+    grads = _backward_run((q_nope, q_pe, cache, w_uk, w_uv), do, scale, cfg, delta, caster)
+    return grads, caster.rounder.events
+
+
+def _backward_run(args: tuple, do: torch.Tensor, scale: float | None, cfg: TileConfig, delta: str,
+                  caster: _Caster) -> dict[str, torch.Tensor]:
     if delta not in DELTAS:
         raise ValueError(f"delta is one of {', '.join(DELTAS)}, got {delta!r}")
-    FormOptions(chunk_size=chunk_size)
     acc = cfg.accumulator
-    caster = _Caster.make(cfg)
-    x, scale, dims = backward_operands(q_nope, q_pe, cache, w_uk, w_uv, do, scale, acc)
+    x, scale, dims = backward_operands(*args, do, scale, acc)
 
     def output(name: str, t: torch.Tensor) -> torch.Tensor:
         return caster.rounder(name, t, cfg.output_dtype).to(acc)
 
     return attention_backward(*x, scale, dims, key_tile=cfg.tile, cast=caster, output=output, delta_from=delta)
+
+
+@dataclass(frozen=True)
+class BackwardOverflowQuantities:
+    """What the tiled backward stores, measured exactly (fp64) in one pass (``stored``: every
+    operand, output and the weights' fp32 gradients), the gradients of that pass (the map's
+    reference) and the forward's quantities (``forward``: the scores and what the forward stores)."""
+
+    stored: Magnitudes
+    gradients: dict[str, torch.Tensor]
+    forward: OverflowQuantities
+
+
+def backward_overflow_quantities(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache, w_uk: torch.Tensor,
+                                 w_uv: torch.Tensor, *, do: torch.Tensor, scale: float | None = None,
+                                 key_tile: int = 64, **_: object) -> BackwardOverflowQuantities:
+    """:class:`BackwardOverflowQuantities` of these inputs (independent of the operand dtype)."""
+    x, tau, dims = backward_operands(q_nope, q_pe, cache, w_uk, w_uv, do, scale, torch.float64)
+    seen = Magnitudes()
+    grads = attention_backward(*x, tau, dims, key_tile=key_tile, cast=seen.hook("operand"),
+                               output=seen.hook("output"))
+    for name in ("dw_uk", "dw_uv"):
+        seen(f"gradient {name}", grads[name], "accumulator")
+    return BackwardOverflowQuantities(seen, grads, overflow_quantities(q_nope, q_pe, cache, w_uk, w_uv, scale=scale))
+
+
+def predict_backward(q: BackwardOverflowQuantities, *, operand_dtype: torch.dtype | str = torch.bfloat16,
+                     **_: object) -> _Prediction:
+    """Will :func:`tiled_backward` return finite gradients for these inputs? The forward's checks
+    (:func:`predict` with max subtraction: the backward recomputes ``P = e^{S − lse}``) and every
+    stored tensor against its dtype: operands the operand dtype, ``O`` and the activations'
+    gradients the output dtype, the weights' gradients fp32."""
+    op = resolve_dtype(operand_dtype)
+    out = output_dtype_of(op)
+    forward = predict(q.forward, operand_dtype=op, subtract_max=True)
+    dtypes = {"operand": op, "output": out, "accumulator": torch.float32 if op != torch.float64 else op}
+    return prediction_from([*as_checks(forward), *q.stored.checks(dtypes, dtypes["accumulator"])])

@@ -37,6 +37,7 @@ from functools import partial
 import torch
 
 from ..numerics import exp_fits, facts, is_float8, ln_max, resolve_dtype
+from ..numerics.frontier import Magnitudes, as_checks, prediction_from
 from ..numerics.frontier import OverflowPrediction as RangePrediction
 from ..numerics.frontier import ln_abs_max as _ln_abs_max
 from ..numerics.ops import rms_norm
@@ -377,28 +378,22 @@ def predict(
 
 
 @dataclass
-class _Magnitudes:
-    """A stand-in for :class:`~k3verify.moe.quantize.Caster` that rounds nothing (fp64) and
-    records the natural log of the largest magnitude of every tensor :func:`backward_pass`
-    stores, by how it stores it, and of every GEMM's accumulator."""
+class _Measured:
+    """:class:`~k3verify.moe.quantize.Caster`'s interface over a
+    :class:`~k3verify.numerics.frontier.Magnitudes`: nothing rounded (fp64), every stored tensor
+    and every GEMM's accumulator measured."""
 
     opts: FormOptions
-    stored: dict[str, tuple[str, float]]
+    seen: Magnitudes
 
     def operand(self, name: str, t: torch.Tensor, *, weight: bool = False) -> torch.Tensor:
-        return self._seen(name, "operand", t)
+        return self.seen(name, t, "operand")
 
     def output(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        return self._seen(name, "output", t)
+        return self.seen(name, t, "output")
 
     def gemm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return self._seen("GEMM accumulators", "accumulator", a @ b)
-
-    def _seen(self, name: str, kind: str, t: torch.Tensor) -> torch.Tensor:
-        value = _ln_abs_max(t)
-        if name not in self.stored or value > self.stored[name][1]:
-            self.stored[name] = (kind, value)
-        return t
+        return self.seen("GEMM accumulators", a @ b, "accumulator")
 
 
 @dataclass(frozen=True)
@@ -408,7 +403,7 @@ class BackwardOverflowQuantities:
     gradients of the same pass (``gradients``: the map's reference) and the forward's quantities
     (``forward``: what the recomputed forward stores)."""
 
-    stored: dict[str, tuple[str, float]]
+    stored: Magnitudes
     gradients: dict[str, torch.Tensor]
     forward: OverflowQuantities
 
@@ -418,11 +413,11 @@ def backward_overflow_quantities(x: torch.Tensor, weights: MoEWeights, config: M
     """:class:`BackwardOverflowQuantities` of these inputs, from one fp64 pass of
     :func:`~k3verify.moe.chunkwise.backward_pass` (independent of the operand dtype and tiling)."""
     check_backward(x, weights, config, dy, indices)
-    probe = _Magnitudes(FormOptions(operand_dtype=torch.float64), {})
+    probe = _Measured(FormOptions(operand_dtype=torch.float64), Magnitudes())
     x64, w64, dy64 = x.to(torch.float64), weights.to(torch.float64), dy.to(torch.float64)
     grads = backward_pass(x64, w64, config, dy64, indices, probe, probe.gemm)  # type: ignore[arg-type]
     fixed = Routing(indices, mixture(x64, w64.w_router, indices, config, torch.float64)[1])
-    return BackwardOverflowQuantities(probe.stored, grads, overflow_quantities(x64, w64, config, routing=fixed))
+    return BackwardOverflowQuantities(probe.seen, grads, overflow_quantities(x64, w64, config, routing=fixed))
 
 
 def predict_backward(q: BackwardOverflowQuantities, *, operand_dtype: torch.dtype | str = torch.bfloat16,
@@ -433,12 +428,4 @@ def predict_backward(q: BackwardOverflowQuantities, *, operand_dtype: torch.dtyp
     opts = FormOptions(operand_dtype=operand_dtype)
     dtypes = {"operand": opts.operand_dtype, "output": opts.output_dtype, "accumulator": opts.accumulator}
     forward = predict(q.forward, operand_dtype=operand_dtype)
-    checks = [(f"forward: {forward.binding}", forward.finite, forward.headroom)]
-    for name, (kind, value) in q.stored.items():
-        dtype = dtypes[kind]
-        limit = min(ln_max(dtype), ln_max(opts.accumulator))
-        checks.append((f"{name} (ln {value:.2f} vs {limit:.2f}: {facts(dtype).name})",
-                       exp_fits(value, dtype, compute_dtype=opts.accumulator), limit - value))
-    failing = tuple(dict.fromkeys([*forward.reasons, *(what for what, ok, _ in checks[1:] if not ok)]))
-    what, _, room = min(checks, key=lambda c: c[2] if not math.isnan(c[2]) else -math.inf)
-    return RangePrediction(finite=not failing, reasons=failing, binding=what, headroom=room)
+    return prediction_from([*as_checks(forward), *q.stored.checks(dtypes, opts.accumulator)])

@@ -9,7 +9,8 @@ whether that fits.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,3 +68,54 @@ class OverflowPrediction:
         if self.reasons:
             return "; ".join(self.reasons)
         return f"all ranges fit; tightest: {self.binding} ({self.headroom:.2f} ln units of headroom)"
+
+
+# A range check: what is checked, whether it fits, and its headroom in ln units.
+Check = tuple[str, bool, float]
+
+
+def as_checks(prediction: OverflowPrediction, label: str = "forward") -> list[Check]:
+    """Another prediction's verdict as range checks: its failing ones, or its binding one."""
+    return [(reason, False, -math.inf) for reason in prediction.reasons] or [
+        (f"{label}: {prediction.binding}", True, prediction.headroom)]
+
+
+def prediction_from(checks: Iterable[Check]) -> OverflowPrediction:
+    """The prediction of a list of range checks: finite iff every one fits (each failing one
+    named once), bound by the one with the least headroom."""
+    checks = list(checks)
+    failing = tuple(dict.fromkeys(what for what, ok, _ in checks if not ok))
+    what, _, room = min(checks, key=lambda c: c[2] if not math.isnan(c[2]) else -math.inf)
+    return OverflowPrediction(finite=not failing, reasons=failing, binding=what, headroom=room)
+
+
+@dataclass
+class Magnitudes:
+    """What a form stores, measured instead of rounded: a stand-in for its rounding hooks that
+    hands every tensor back unchanged (the form runs in fp64) and records by name the natural log
+    of the largest magnitude it reaches and how it is stored (``kind``, which names the dtype it
+    is checked against: ``operand``, ``output`` or ``accumulator``)."""
+
+    stored: dict[str, tuple[str, float]] = field(default_factory=dict)
+
+    def __call__(self, name: str, t: torch.Tensor, kind: str = "operand") -> torch.Tensor:
+        value = ln_abs_max(t.detach())
+        seen = self.stored.get(name)
+        if seen is None or value > seen[1]:
+            self.stored[name] = (kind, value)
+        return t
+
+    def hook(self, kind: str) -> Callable[[str, torch.Tensor], torch.Tensor]:
+        """A ``cast(name, t)`` hook recording under ``kind``."""
+        return lambda name, t: self(name, t, kind)
+
+    def checks(self, dtypes: Mapping[str, torch.dtype | str], accumulator: torch.dtype | str) -> list[Check]:
+        """One range check per recorded tensor: its ln max against its kind's dtype in ``dtypes``
+        (and the accumulator it is computed in first)."""
+        out = []
+        for name, (kind, value) in self.stored.items():
+            dtype = dtypes[kind]
+            limit = min(ln_max(dtype), ln_max(accumulator))
+            out.append((f"{name} (ln {value:.2f} vs {limit:.2f}: {facts(dtype).name})",
+                        exp_fits(value, dtype, compute_dtype=accumulator), limit - value))
+        return out

@@ -30,6 +30,7 @@ from ..attnres import samples as attnres_samples
 from ..attnres.chunkwise import aggregate_backward, two_phase_backward
 from ..kda import samples as kda_samples
 from ..kda.chunkwise import chunkwise_backward
+from ..mla import layer as mla_layer
 from ..mla.chunkwise import attention_backward, backward_operands
 from ..mla.chunkwise import chunkwise_backward as mla_chunkwise_backward
 from ..moe.chunkwise import chunkwise_backward as moe_chunkwise_backward
@@ -507,10 +508,39 @@ def _moe_backward_mutants() -> list[Mutant]:
     ]
 
 
+# --- Gated MLA's layer backward ---------------------------------------------------------------
+
+
+def _mla_layer_detached(*names: str) -> Callable[..., Any]:
+    """The layer around the recurrent form (a differentiable forward: the testing API takes its
+    autograd gradients) with the intermediates ``names`` detached from the graph."""
+
+    def fn(x, weights, cache, *, config):
+        out = mla_layer.forward(x, weights, config, cache, form=mla.recurrent,
+                                tap=lambda name, t: t.detach() if name in names else t)
+        return out.y, out.cache
+
+    return fn
+
+
+CONTROLS["mla_layer_backward"] = (_mla_layer_detached(), "prefill", "recurrent")
+
+
+def _mla_layer_backward_mutants() -> list[Mutant]:
+    return [
+        Mutant("new latents detached at the cache write", "mla_layer_backward", _mla_layer_detached("entries"),
+               "the new tokens' latents written to the cache outside the graph (an inference cache write reused "
+               "for training): W_DKV and its norm get no gradient", case="prefill"),
+        Mutant("output gate held constant", "mla_layer_backward", _mla_layer_detached("gate"),
+               "σ(x W_G) treated as a constant: W_G gets no gradient, x misses the gate's term", case="prefill"),
+    ]
+
+
 def mutants(modules: list[str] | None = None) -> list[Mutant]:
     """Every mutant of the ``modules`` (all by default)."""
     made = [*_kda_mutants(), *_kda_backward_mutants(), *_mla_mutants(), *_mla_backward_mutants(),
-            *_attnres_mutants(), *_attnres_backward_mutants(), *_moe_mutants(), *_moe_backward_mutants()]
+            *_attnres_mutants(), *_attnres_backward_mutants(), *_moe_mutants(), *_moe_backward_mutants(),
+            *_mla_layer_backward_mutants()]
     return [m for m in made if modules is None or m.module in modules]
 
 

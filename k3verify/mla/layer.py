@@ -207,19 +207,25 @@ def forward(
     cache: LatentCache,
     *,
     form: Form = recurrent,
+    tap: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
     **options: object,
 ) -> LayerOutput:
     """Run the layer on ``x:[B, T, d]``: write the ``T`` new latents to ``cache``, attend, gate, project.
 
     Prefill is ``T > 1`` on a cache holding the earlier context (possibly none); decode is
     ``T = 1``. ``form`` is any of ``recurrent``, ``chunkwise``, ``tiled`` (or ``expanded``);
-    ``options`` are its keyword options. The scale is ``cfg.softmax_scale``.
+    ``options`` are its keyword options. The scale is ``cfg.softmax_scale``. ``tap(name, t)``, when
+    given, sees the intermediates ``q_nope``, ``q_pe``, ``entries``, ``o`` and ``gate`` and returns
+    what the layer goes on with (a probe, or a planted bug of :mod:`k3verify.harness.selftest`).
     """
-    q_nope, q_pe = project_query(x, w, cfg)
-    entries = project_latent(x, w, cfg)
+    def seen(name: str, t: torch.Tensor) -> torch.Tensor:
+        return t if tap is None else tap(name, t)
+
+    q_nope, q_pe = (seen(n, t) for n, t in zip(("q_nope", "q_pe"), project_query(x, w, cfg)))
+    entries = seen("entries", project_latent(x, w, cfg))
     cache = append(cache, entries)
-    o = form(q_nope, q_pe, cache, w.w_uk, w.w_uv, scale=cfg.softmax_scale, **options)
-    gate = output_gate(x, w)
+    o = seen("o", form(q_nope, q_pe, cache, w.w_uk, w.w_uv, scale=cfg.softmax_scale, **options))
+    gate = seen("gate", output_gate(x, w))
     # A GPU kernel's output comes back to x's device (a kernel form may run where x is not).
     o = o.to(x.device, x.dtype)
     return LayerOutput(output_projection(o, gate, w), cache, o, gate, entries)

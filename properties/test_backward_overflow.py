@@ -17,7 +17,7 @@ from k3verify import moe
 from k3verify.attnres import samples as attnres_samples
 from k3verify.attnres.chunkwise import aggregate_backward
 from k3verify.harness import registry
-from k3verify.harness.modules import attnres_backward, mla_backward, moe_backward
+from k3verify.harness.modules import attnres_backward, mla_backward
 from k3verify.mla import samples as mla_samples
 from k3verify.moe import samples as moe_samples
 from k3verify.moe.recurrent import autograd_backward
@@ -99,12 +99,12 @@ def test_moe_backward_prediction_matches_the_tiled_backward(log2_scale: int) -> 
                 assert_fp64_agrees(g, ref[name], f"{activation}: {name}")
 
 
-def test_the_moe_backward_map_agrees_with_its_prediction_on_the_quick_grid() -> None:
-    """Every cell of the quick map (72 points, fp16 and bf16) agrees with its prediction."""
+@pytest.mark.parametrize("module", ["moe_backward", "mla_backward", "attnres_backward"])
+def test_each_backward_map_agrees_with_its_prediction_on_the_quick_grid(module: str) -> None:
+    """Every cell of the quick map (MoE 144, MLA 64, AttnRes 90) agrees with its prediction, and
+    some cell of it overflows (the map reaches the frontier)."""
     from k3verify.harness.overflow_map import MapOptions, sweep_map
 
-    result = sweep_map(registry.get("moe_backward"), MapOptions(quick=True))
-    agreement = result.meta["agreement"]
-    assert agreement["fp16"]["disagree_away"] == agreement["bf16"]["disagree_away"] == 0
-    assert all(c["finite"] == c["predicted_finite"] for c in result.cells)
-    assert moe_backward.MAP_SETTINGS == (("fp16", "fp16"), ("bf16", "bf16"))
+    result = sweep_map(registry.get(module), MapOptions(quick=True))
+    assert result.meta["agreement"]["all"]["agree"] == len(result.cells)
+    assert any(not c["finite"] for c in result.cells) and any(c["finite"] for c in result.cells)

@@ -270,9 +270,9 @@ def make_walk(num_layers: int = 3, block_sublayers: int = 2, *, d: int = 8, T: i
     return WalkProblem(num_layers, block_sublayers, d, T, seed, logit_scale, inputs)
 
 
-def walks(*, max_layers: int = 8, max_block: int = 20) -> Any:
+def walks(*, max_layers: int = 8, max_block: int = 20, widths: tuple[int, ...] = (1, 2, 8, 16)) -> Any:
     """A Hypothesis strategy of :class:`WalkProblem` (needs ``hypothesis``): shrinking toward one
-    layer, block size 1, width 1 and one token; logit scale in [0.25, 24]."""
+    layer, block size 1, the first of ``widths`` and one token; logit scale in [0.25, 24]."""
     from hypothesis import strategies as st
 
     @st.composite
@@ -280,7 +280,7 @@ def walks(*, max_layers: int = 8, max_block: int = 20) -> Any:
         return make_walk(
             draw(st.integers(1, max_layers)),
             draw(st.integers(1, max_block)),
-            d=draw(st.sampled_from((1, 2, 8, 16))),
+            d=draw(st.sampled_from(widths)),
             T=draw(st.integers(1, 3)),
             seed=draw(st.integers(0, 2**16)),
             logit_scale=draw(st.floats(0.25, 24.0)),

@@ -6,6 +6,7 @@ definition, whose stored tensors and gradients are rounded to the dtype."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -15,9 +16,17 @@ import torch
 
 from ...attnres import aggregate, naive_baseline, samples
 from ...attnres.chunkwise import GRADIENTS, aggregate_backward
+from ...attnres.tiled import (
+    BackwardOverflowQuantities,
+    aggregate_backward_traced,
+    backward_overflow_quantities,
+    predict_backward,
+)
 from ...numerics import resolve_dtype, rule_for
 from ...numerics.gradients import vjp
+from ..environment import one_thread
 from ..guard import checked_call, gradients_by_name
+from ..overflow_map import MapDefinition, MapOptions, SweptForm, agreement
 from ..registry import (
     Case,
     ErrorSamples,
@@ -28,6 +37,7 @@ from ..registry import (
     default_error_samples,
     register,
 )
+from . import attnres as attnres_entry
 
 OUTPUTS = GRADIENTS
 ARGS = ("sources", "w", "gamma")
@@ -156,6 +166,92 @@ def _error_samples(output: str, shape: tuple[int, ...], params: Mapping[str, Any
     return ErrorSamples(min(default.rms, rows), default.bias, spread=True)
 
 
+
+# --- overflow map -----------------------------------------------------------------------
+
+# The forward map's points (logit scale, number of sources) with ``dh`` standard normal times
+# 2^upstream (fla-core's overflow tests scale the upstream gradient likewise); the two-phase
+# backward with an fp16, bf16 or fp32 stream.
+MAP_STREAMS = ("fp16", "bf16", "fp32")
+MAP_UPSTREAM = (0, 4, 8, 10, 12, 14, 16)  # log2 of the scale of dh
+QUICK_UPSTREAM = (0, 12, 16)
+
+
+def _map_points(options: MapOptions) -> list[dict[str, Any]]:
+    return [dict(point, log2_upstream=u) for point in attnres_entry.MAP.points(options)
+            for u in (QUICK_UPSTREAM if options.quick else MAP_UPSTREAM)]
+
+
+def _map_case(point: dict[str, Any], seed: int) -> Case:
+    case = attnres_entry.MAP.make_case(point, seed)
+    case.inputs["dh"] = cotangent(case.inputs, seed) * 2.0 ** point["log2_upstream"]
+    case.params["log2_upstream"] = point["log2_upstream"]
+    return case
+
+
+def _quantities(case: Case, stream: str) -> BackwardOverflowQuantities:
+    key = f"backward:{stream}"
+    if key not in case.cache:
+        with one_thread():
+            case.cache[key] = backward_overflow_quantities(*(case.inputs[n] for n in ARGS), dh=case.inputs["dh"],
+                                                           stream_dtype=stream)
+    return case.cache[key]
+
+
+def _map_run(case: Case, stream: str) -> tuple[torch.Tensor, list[str]]:
+    with one_thread():
+        grads, events = aggregate_backward_traced(*(case.inputs[n] for n in ARGS), dh=case.inputs["dh"],
+                                                  stream_dtype=stream)
+    return _flat(grads), [e.describe() for e in events[:1]]
+
+
+def _flat(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([grads[n].reshape(-1) for n in OUTPUTS])
+
+
+def _map_forms(options: MapOptions) -> list[SweptForm]:
+    return [SweptForm("k3verify two-phase backward", {"dtype": stream, "stream_dtype": stream, "logit_dtype": "fp32",
+                                                      "variant": "subtract_max", "tile": "-"},
+                      stream, run=partial(_map_run, stream=stream),
+                      predict=lambda case, s=stream: predict_backward(_quantities(case, s), stream_dtype=s))
+            for stream in MAP_STREAMS]
+
+
+def _map_meta(cells: list[dict[str, Any]], options: MapOptions) -> dict[str, Any]:
+    return {
+        "logit_scales": sorted({c["logit_scale"] for c in cells}),
+        "sources": sorted({c["sources"] for c in cells}),
+        "log2_upstream": sorted({c["log2_upstream"] for c in cells}),
+        "streams": list(MAP_STREAMS),
+        "gradients": list(OUTPUTS),
+        "upstream": "dh ~ N(0, 1) per entry times 2^log2_upstream",
+        "prediction": "finite iff the forward's checks hold (with max subtraction: the backward's weights are "
+                      "e^(l - M) / Z') and every tensor the backward stores fits its dtype (exact fp64 magnitudes "
+                      "of the inputs as the stream holds them, from one pass): the inputs, h, dh and dsources the "
+                      "stream dtype, dw and dgamma fp32 (attnres.tiled.predict_backward)",
+        "agreement": {
+            **{s: agreement(cells, only=lambda c, s=s: c["stream_dtype"] == s) for s in MAP_STREAMS},
+            **{f"dh x 2^{u}": agreement(cells, only=lambda c, u=u: c["log2_upstream"] == u)
+               for u in sorted({c["log2_upstream"] for c in cells})},
+        },
+    }
+
+
+MAP = MapDefinition(
+    points=_map_points,
+    make_case=_map_case,
+    reference=lambda case: _flat(_quantities(case, "fp64").gradients),
+    forms=_map_forms,
+    spec=dataclasses.replace(attnres_entry.MAP.spec, panel_col="log2_upstream", figure="variant",
+                             title="Block AttnRes two-phase backward: overflow and error of the gradients vs "
+                                   "the fp64 oracle"),
+    frontier_axes=attnres_entry.MAP.frontier_axes,
+    fixed=(*attnres_entry.MAP.fixed, "log2_upstream"),
+    meta=_map_meta,
+    registered_on=lambda point: False,  # no registered backward kernel runs in the map yet
+)
+
+
 register(
     ModuleEntry(
         name="attnres_backward",
@@ -174,6 +270,7 @@ register(
         from_forward=lambda forward: partial(autograd_backward, forward),
         cotangent="dh",
         error_samples=_error_samples,
+        overflow_map=MAP,
         strategy=lambda: samples.aggregations(widths=DRAWN_WIDTHS).map(lambda a: with_cotangent(a.sample)),
     )
 )

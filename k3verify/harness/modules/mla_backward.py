@@ -6,6 +6,7 @@ naive definition, whose stored tensors and gradients are rounded to the dtype.""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -16,9 +17,11 @@ from ...adapters import torch_sdpa
 from ...mla import samples
 from ...mla.chunkwise import chunkwise_backward
 from ...mla.reference import GRADIENTS, autograd_backward, expanded_backward, naive_baseline
-from ...mla.tiled import tiled_backward
+from ...mla.tiled import backward_overflow_quantities, predict_backward, tiled_backward, tiled_backward_traced
 from ...numerics import resolve_dtype, rule_for
+from ..environment import one_thread
 from ..guard import checked_call, gradients_by_name
+from ..overflow_map import MapDefinition, MapOptions, SweptForm, agreement
 from ..registry import (
     Case,
     ErrorSamples,
@@ -30,6 +33,7 @@ from ..registry import (
     register,
     unavailable_as,
 )
+from . import mla as mla_entry
 from .mla import FORM_ARGS, form_args
 
 OUTPUTS = GRADIENTS
@@ -125,6 +129,76 @@ def _sdpa(backend: str, dtype: str) -> Implementation:
     )
 
 
+
+# --- overflow map -----------------------------------------------------------------------
+
+# The forward map's points (context, query scale, latent scale) with a standard normal ``do``;
+# the tiled backward at one key tile in fp16 and bf16 (fp8 has no backward here).
+MAP_DTYPES = ("fp16", "bf16")
+MAP_TILE = 16
+
+
+def _map_case(point: dict[str, Any], seed: int) -> Case:
+    case = mla_entry.MAP.make_case(point, seed)
+    x = case.inputs
+    x["do"] = cotangent(x, seed)
+    with one_thread():
+        case.cache["backward"] = backward_overflow_quantities(*(x[n] for n in FORM_ARGS), do=x["do"],
+                                                              key_tile=MAP_TILE)
+    return case
+
+
+def _flat(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([grads[n].reshape(-1) for n in OUTPUTS])
+
+
+def _map_run(case: Case, dtype: str) -> tuple[torch.Tensor, list[str]]:
+    x = case.inputs
+    with one_thread():
+        grads, events = tiled_backward_traced(*(x[n] for n in FORM_ARGS), do=x["do"], tile=MAP_TILE,
+                                              operand_dtype=dtype)
+    return _flat(grads), [e.describe() for e in events[:1]]
+
+
+def _map_forms(options: MapOptions) -> list[SweptForm]:
+    return [SweptForm("k3verify tiled backward", {"dtype": dtype, "operand_dtype": dtype, "tile": MAP_TILE,
+                                                  "variant": "subtract_max", "setting": f"tile{MAP_TILE}"},
+                      dtype, run=partial(_map_run, dtype=dtype),
+                      predict=lambda case, d=dtype: predict_backward(case.cache["backward"], operand_dtype=d))
+            for dtype in MAP_DTYPES]
+
+
+def _map_meta(cells: list[dict[str, Any]], options: MapOptions) -> dict[str, Any]:
+    forward = mla_entry.MAP.meta(cells, options)
+    return {
+        **{k: forward[k] for k in ("config", "page_size", "log2_q_scale", "log2_latent_scale", "contexts", "inputs")},
+        "tile": MAP_TILE,
+        "dtypes": list(MAP_DTYPES),
+        "gradients": list(OUTPUTS),
+        "upstream": "do ~ N(0, 1) per entry, whatever the scales",
+        "prediction": "finite iff the forward's checks hold (with max subtraction: the backward recomputes "
+                      "P = exp(S - lse)) and every tensor the backward stores fits its dtype (exact fp64 "
+                      "magnitudes from one pass): the inputs, K, V, dO, P, dS and the key and value gradients "
+                      "the operand dtype, O and the activations' gradients the output dtype, the weights' "
+                      "gradients fp32 (mla.tiled.predict_backward)",
+        "agreement": {d: agreement(cells, only=lambda c, d=d: c["dtype"] == d) for d in MAP_DTYPES},
+    }
+
+
+MAP = MapDefinition(
+    points=mla_entry.MAP.points,
+    make_case=_map_case,
+    reference=lambda case: _flat(case.cache["backward"].gradients),
+    forms=_map_forms,
+    spec=dataclasses.replace(mla_entry.MAP.spec, title="Gated MLA tiled backward: overflow and error of the "
+                                                       "gradients vs the fp64 oracle"),
+    frontier_axes=mla_entry.MAP.frontier_axes,
+    fixed=mla_entry.MAP.fixed,
+    meta=_map_meta,
+    registered_on=lambda point: False,  # no registered backward kernel runs in the map yet
+)
+
+
 GRADIENT_AXES = {"dq_nope": ("b", "t", "h", "n"), "dq_pe": ("b", "t", "h", "r"), "dkv": ("b", "l", "w"),
                  "dw_uk": ("h", "r", "n"), "dw_uv": ("h", "r", "v")}
 
@@ -198,6 +272,7 @@ register(
         golden_cases=lambda seed: cases_from(_golden_cases(seed)),
         position_axis=1,  # dq_nope: [B, T, H, Dn]
         from_forward=lambda forward: partial(autograd_backward, forward),
+        overflow_map=MAP,
         error_samples=_error_samples,
         strategy=lambda: samples.strategy().filter(lambda s: not _one_key_each(s)).map(with_cotangent),
     )

@@ -80,23 +80,17 @@ def test_attnres_backward_prediction_matches_the_two_phase_backward(upstream: in
         assert_fp64_agrees(g, ref[name], name)
 
 
-@pytest.mark.parametrize("log2_scale", [0, 8, 11, 64])
-def test_moe_backward_prediction_matches_the_tiled_backward(log2_scale: int) -> None:
-    """MoE's tiled backward in fp16 and bf16, SiTU and SwiGLU, is finite exactly where predicted;
-    the measured pass's gradients are the oracle's."""
+def test_moe_backward_measured_pass_gives_the_oracles_gradients() -> None:
+    """The measuring pass's gradients (the map's reference) are the oracle's, SiTU and SwiGLU."""
     for activation in ("situ", "swiglu"):
-        x, _ = moe_samples.map_inputs("gaussian", log2_scale, activation)
+        x, _ = moe_samples.map_inputs("gaussian", 0, activation)
         dy = torch.randn(*x["x"].shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
         indices = moe.routing_for(x["x"], x["weights"], x["config"], None, torch.float64).indices
         args = (x["x"], x["weights"], x["config"])
         q = moe_tiled.backward_overflow_quantities(*args, dy=dy, indices=indices)
-        for dtype in ("fp16", "bf16"):
-            grads, events = moe_tiled.tiled_backward_traced(*args, dy=dy, indices=indices, operand_dtype=dtype)
-            assert moe_tiled.predict_backward(q, operand_dtype=dtype).finite == _finite(grads), (dtype, events[:1])
-        if log2_scale == 0:
-            ref = autograd_backward(moe.recurrent, *args, dy=dy, indices=indices)
-            for name, g in q.gradients.items():
-                assert_fp64_agrees(g, ref[name], f"{activation}: {name}")
+        ref = autograd_backward(moe.recurrent, *args, dy=dy, indices=indices)
+        for name, g in q.gradients.items():
+            assert_fp64_agrees(g, ref[name], f"{activation}: {name}")
 
 
 @pytest.mark.parametrize("module", ["moe_backward", "mla_backward", "attnres_backward"])

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from verdicts import assert_fp64_agrees
 
@@ -57,29 +57,20 @@ def test_oracle_passes_gradcheck(activation_name: str) -> None:
     assert torch.autograd.gradcheck(y, leaves)
 
 
-@settings(max_examples=40)
 @given(p=samples.problems(max_T=10, activation=st.sampled_from(("situ", "swiglu")),
                           rho=st.sampled_from((1.0, 2.827)), bias_scale=st.sampled_from((0.1, 3.0))),
        tile_k=st.sampled_from([1, 5, 16, 64]), eps=st.sampled_from([0.0, 1e-3]))
 def test_the_hand_written_backward_matches_the_oracle(p, tile_k: int, eps: float) -> None:
     """Every gradient of the hand-written backward (and of its tiled form with fp64 operands, any
     K step) agrees with autograd through the definition: any load (idle experts get exactly 0),
-    top-1 (where the router's gradient is exactly 0), SiTU or SwiGLU, ``renorm_eps`` or none."""
+    top-1 (where the router's gradient is exactly 0), SiTU or SwiGLU, ``renorm_eps`` or none. (The
+    registered fp64 rows hold the tiled form to the oracle on every built-in case.)"""
     p = p.with_config(renorm_eps=eps)
     args, kw = (p.x, p.weights, p.cfg), dict(dy=_dy(p), indices=_indices(p))
     ref = autograd_backward(moe.recurrent, *args, **kw)
     for got in (chunkwise_backward(*args, **kw), tiled_backward(*args, **kw, operand_dtype="fp64", tile_k=tile_k)):
         for name in GRADIENTS:
             assert_fp64_agrees(got[name], ref[name], name)
-
-
-def test_the_tiled_backward_in_fp64_matches_the_oracle_on_every_case() -> None:
-    """With fp64 operands the tiled backward is the exact algebra, on every registered case."""
-    for case in registry.get("moe_backward").make_cases(0).values():
-        ref = entry.oracle(case)
-        got = entry.call(tiled_backward, case, torch.float64, operand_dtype="fp64", tile_k=7)
-        for name in GRADIENTS:
-            assert_fp64_agrees(got[name], ref[name], f"{case.name}: {name}")
 
 
 def test_idle_experts_and_the_balancing_bias_get_no_gradient() -> None:
@@ -138,7 +129,6 @@ def test_the_gap_rule_leaves_out_under_5_percent_of_a_built_in_case(name: str) -
     assert params["gap_left_out"] == round(params["gap_left_out_fraction"] * params["T"])
 
 
-@settings(max_examples=60)
 @given(p=samples.problems(max_T=16, bias_scale=st.sampled_from((0.0, 0.1, 3.0)), balanced=st.booleans()))
 def test_a_judged_token_gets_the_same_experts_from_the_fp32_router(p) -> None:
     """The bound is sound: every token the rule judges is given the same expert set by the fp32

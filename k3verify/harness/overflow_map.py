@@ -10,7 +10,7 @@ JSON and PNG heatmaps.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from typing import Any
 
 from ..numerics import compare
@@ -167,6 +167,30 @@ class MapDefinition:
     meta: Callable[[list[dict[str, Any]], MapOptions], dict[str, Any]] = lambda cells, options: {}
     registered_on: Callable[[dict[str, Any]], bool] = lambda point: True
     registered_keys: Callable[[Any], dict[str, Any]] | None = None
+
+
+
+def backward_map(forward: MapDefinition, *, title: str, make_case: Callable[[dict[str, Any], int], Any],
+                 reference: Callable[[Any], Any], forms: Callable[[MapOptions], list[SweptForm]],
+                 meta: Callable[[list[dict[str, Any]], MapOptions], dict[str, Any]],
+                 points: Callable[[MapOptions], list[dict[str, Any]]] | None = None,
+                 fixed: tuple[str, ...] | None = None, **spec_changes: Any) -> MapDefinition:
+    """A backward pass's map on its forward's grid: the forward's points (or ``points``), panels
+    (changed by ``spec_changes``), neighbours and fixed keys (or ``fixed``), with the backward's
+    own cases, forms, reference and record. No registered kernel runs in it (none has a backward
+    there yet)."""
+    return MapDefinition(points=points or forward.points, make_case=make_case, reference=reference, forms=forms,
+                         spec=replace(forward.spec, title=title, **spec_changes), frontier_axes=forward.frontier_axes,
+                         fixed=forward.fixed if fixed is None else fixed, meta=meta,
+                         registered_on=lambda point: False)
+
+
+def flat(outputs: Mapping[str, Any], names: Sequence[str]) -> Any:
+    """The outputs ``names`` flattened into one vector (a map cell's finiteness and error over
+    every gradient of a backward)."""
+    import torch
+
+    return torch.cat([outputs[n].reshape(-1) for n in names])
 
 
 def sweep(

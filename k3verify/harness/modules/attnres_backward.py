@@ -6,7 +6,6 @@ definition, whose stored tensors and gradients are rounded to the dtype."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -26,7 +25,7 @@ from ...numerics import resolve_dtype, rule_for
 from ...numerics.gradients import vjp
 from ..environment import one_thread
 from ..guard import checked_call, gradients_by_name
-from ..overflow_map import MapDefinition, MapOptions, SweptForm, agreement
+from ..overflow_map import MapOptions, SweptForm, agreement, backward_map, flat
 from ..registry import (
     Case,
     ErrorSamples,
@@ -202,11 +201,7 @@ def _map_run(case: Case, stream: str) -> tuple[torch.Tensor, list[str]]:
     with one_thread():
         grads, events = aggregate_backward_traced(*(case.inputs[n] for n in ARGS), dh=case.inputs["dh"],
                                                   stream_dtype=stream)
-    return _flat(grads), [e.describe() for e in events[:1]]
-
-
-def _flat(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([grads[n].reshape(-1) for n in OUTPUTS])
+    return flat(grads, OUTPUTS), [e.describe() for e in events[:1]]
 
 
 def _map_forms(options: MapOptions) -> list[SweptForm]:
@@ -237,18 +232,16 @@ def _map_meta(cells: list[dict[str, Any]], options: MapOptions) -> dict[str, Any
     }
 
 
-MAP = MapDefinition(
+MAP = backward_map(
+    attnres_entry.MAP,
+    title="Block AttnRes two-phase backward: overflow and error of the gradients vs the fp64 oracle",
     points=_map_points,
     make_case=_map_case,
-    reference=lambda case: _flat(_quantities(case, "fp64").gradients),
+    reference=lambda case: flat(_quantities(case, "fp64").gradients, OUTPUTS),
     forms=_map_forms,
-    spec=dataclasses.replace(attnres_entry.MAP.spec, panel_col="log2_upstream", figure="variant",
-                             title="Block AttnRes two-phase backward: overflow and error of the gradients vs "
-                                   "the fp64 oracle"),
-    frontier_axes=attnres_entry.MAP.frontier_axes,
-    fixed=(*attnres_entry.MAP.fixed, "log2_upstream"),
     meta=_map_meta,
-    registered_on=lambda point: False,  # no registered backward kernel runs in the map yet
+    fixed=(*attnres_entry.MAP.fixed, "log2_upstream"),
+    panel_col="log2_upstream",
 )
 
 

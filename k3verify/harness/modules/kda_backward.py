@@ -35,7 +35,7 @@ from ...kda.tiled import (
 )
 from ...numerics import compare, dtype_name, ln_max, resolve_dtype, rule_for
 from ..guard import checked_call, gradients_by_name
-from ..overflow_map import MapDefinition, MapOptions, SweptForm, agreement
+from ..overflow_map import MapDefinition, MapOptions, SweptForm, agreement, flat
 from ..registry import (
     Case,
     ErrorSamples,
@@ -305,20 +305,16 @@ def _map_case(point: dict[str, Any], seed: int) -> Case:
     return Case(kind, inputs, dict(params, input=kind, upstream_scale=upstream))
 
 
-def _flat(grads: Outputs) -> torch.Tensor:
-    return torch.cat([grads[n].reshape(-1) for n in MAP_GRADIENTS])
-
-
 def _map_reference(case: Case) -> torch.Tensor:
     """The gradients of the exact chunkwise backward in fp64 (it agrees with the oracle to 1e-10),
     from the same pass that reads the cell's overflow quantities."""
-    return _flat(overflow_quantities(case).gradients)
+    return flat(overflow_quantities(case).gradients, MAP_GRADIENTS)
 
 
 def _map_run(case: Case, **tiling: Any) -> tuple[torch.Tensor, list[str]]:
     args, kwargs = arguments(case, torch.float32)
     grads, events = tiled_backward_traced(*args, **kwargs, **tiling)
-    return _flat(grads), [e.describe() for e in events[:1]]
+    return flat(grads, MAP_GRADIENTS), [e.describe() for e in events[:1]]
 
 
 def _map_forms(options: MapOptions) -> list[SweptForm]:

@@ -6,7 +6,6 @@ naive definition, whose stored tensors and gradients are rounded to the dtype.""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -21,7 +20,7 @@ from ...mla.tiled import backward_overflow_quantities, predict_backward, tiled_b
 from ...numerics import resolve_dtype, rule_for
 from ..environment import one_thread
 from ..guard import checked_call, gradients_by_name
-from ..overflow_map import MapDefinition, MapOptions, SweptForm, agreement
+from ..overflow_map import MapOptions, SweptForm, agreement, backward_map, flat
 from ..registry import (
     Case,
     ErrorSamples,
@@ -148,16 +147,12 @@ def _map_case(point: dict[str, Any], seed: int) -> Case:
     return case
 
 
-def _flat(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([grads[n].reshape(-1) for n in OUTPUTS])
-
-
 def _map_run(case: Case, dtype: str) -> tuple[torch.Tensor, list[str]]:
     x = case.inputs
     with one_thread():
         grads, events = tiled_backward_traced(*(x[n] for n in FORM_ARGS), do=x["do"], tile=MAP_TILE,
                                               operand_dtype=dtype)
-    return _flat(grads), [e.describe() for e in events[:1]]
+    return flat(grads, OUTPUTS), [e.describe() for e in events[:1]]
 
 
 def _map_forms(options: MapOptions) -> list[SweptForm]:
@@ -185,17 +180,13 @@ def _map_meta(cells: list[dict[str, Any]], options: MapOptions) -> dict[str, Any
     }
 
 
-MAP = MapDefinition(
-    points=mla_entry.MAP.points,
+MAP = backward_map(
+    mla_entry.MAP,
+    title="Gated MLA tiled backward: overflow and error of the gradients vs the fp64 oracle",
     make_case=_map_case,
-    reference=lambda case: _flat(case.cache["backward"].gradients),
+    reference=lambda case: flat(case.cache["backward"].gradients, OUTPUTS),
     forms=_map_forms,
-    spec=dataclasses.replace(mla_entry.MAP.spec, title="Gated MLA tiled backward: overflow and error of the "
-                                                       "gradients vs the fp64 oracle"),
-    frontier_axes=mla_entry.MAP.frontier_axes,
-    fixed=mla_entry.MAP.fixed,
     meta=_map_meta,
-    registered_on=lambda point: False,  # no registered backward kernel runs in the map yet
 )
 
 

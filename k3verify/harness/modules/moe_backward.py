@@ -31,7 +31,7 @@ from ...moe.tiled import backward_overflow_quantities, predict_backward, tiled_b
 from ...numerics import compute_dtype, resolve_dtype, rule_for
 from ..environment import one_thread
 from ..guard import checked_call, gradients_by_name
-from ..overflow_map import MapDefinition, MapOptions, SweptForm, agreement
+from ..overflow_map import MapOptions, SweptForm, agreement, backward_map, flat
 from ..registry import (
     Case,
     ErrorSamples,
@@ -177,15 +177,11 @@ def _map_args(case: Case) -> tuple[Any, ...]:
     return tuple(case.inputs[n] for n in samples.INPUT_NAMES)
 
 
-def _flat(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([grads[n].reshape(-1) for n in OUTPUTS])
-
-
 def _map_run(case: Case, **tiling: Any) -> tuple[torch.Tensor, list[str]]:
     with one_thread():
         grads, events = tiled_backward_traced(*_map_args(case), dy=case.inputs["dy"], indices=case.cache["indices"],
                                               **TILING, **tiling)
-    return _flat(grads), [e.describe() for e in events[:1]]
+    return flat(grads, OUTPUTS), [e.describe() for e in events[:1]]
 
 
 def _map_forms(options: MapOptions) -> list[SweptForm]:
@@ -215,17 +211,13 @@ def _map_meta(cells: list[dict[str, Any]], options: MapOptions) -> dict[str, Any
     }
 
 
-MAP = MapDefinition(
-    points=moe_entry.MAP.points,
+MAP = backward_map(
+    moe_entry.MAP,
+    title="Stable LatentMoE tiled backward: overflow and error of the gradients vs the fp64 oracle",
     make_case=_map_case,
-    reference=lambda case: _flat(case.cache["quantities"].gradients),
+    reference=lambda case: flat(case.cache["quantities"].gradients, OUTPUTS),
     forms=_map_forms,
-    spec=dataclasses.replace(moe_entry.MAP.spec, title="Stable LatentMoE tiled backward: overflow and error of the "
-                                                       "gradients vs the fp64 oracle"),
-    frontier_axes=moe_entry.MAP.frontier_axes,
-    fixed=moe_entry.MAP.fixed,
     meta=_map_meta,
-    registered_on=lambda point: False,  # no registered backward kernel runs in the map yet
 )
 
 

@@ -6,7 +6,7 @@ block sums and the partial sum. The oracle is autograd through the recurrent wal
 same-dtype baseline is autograd through the plain walk with every stored tensor and its gradient
 rounded to the dtype (:func:`k3verify.attnres.naive_walk`). A function judged here is
 ``fn(embedding, weights, sublayers, *, schedule, dh) -> {dembedding, dw, dgamma, dnorm}``; a
-differentiable walk (the forward's signature) is differentiated by autograd. Opt-in (5 s of CPU):
+differentiable walk (the forward's signature) is differentiated by autograd. Opt-in (4 s of CPU):
 ``k3verify run --modules attnres_walk_backward``.
 """
 
@@ -99,12 +99,13 @@ def _own(form: str, dtype: str, cases: tuple[str, ...] = CASES, **extra: Any) ->
 
 def own_implementations() -> list[Implementation]:
     """Autograd through the two-phase walk in fp64, fp32 and bf16 (its stored tensors' gradients
-    rounded where it stores them), the recurrent walk in fp32, and the tiled walk (tile 4) in
-    fp64, fp32 and bf16 on K3's blocks (on Full AttnRes's 187 sources it takes 2 s a row)."""
-    tiled = ("walk",)
-    return [_own("chunkwise", "fp64"), _own("tiled", "fp64", tiled, tile=TILE), _own("recurrent", "fp32"),
-            _own("chunkwise", "fp32"), _own("tiled", "fp32", tiled, tile=TILE), _own("chunkwise", "bf16"),
-            _own("tiled", "bf16", tiled, tile=TILE)]
+    rounded where they are stored), the recurrent walk in fp32, and the tiled walk (tile 4) in fp64,
+    fp32 and bf16; Full AttnRes (187 sources, 2 s a row for the tiled walk) for the two-phase walk
+    in fp64 and bf16 only."""
+    k3 = ("walk",)
+    return [_own("chunkwise", "fp64"), _own("tiled", "fp64", k3, tile=TILE), _own("recurrent", "fp32", k3),
+            _own("chunkwise", "fp32", k3), _own("tiled", "fp32", k3, tile=TILE), _own("chunkwise", "bf16"),
+            _own("tiled", "bf16", k3, tile=TILE)]
 
 
 def _error_samples(output: str, shape: tuple[int, ...], params: Mapping[str, Any]) -> ErrorSamples:

@@ -11,6 +11,7 @@ rule's soundness is exact (the same expert sets).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 
 import pytest
@@ -30,6 +31,8 @@ from k3verify.moe.situ import activation, activation_backward
 from k3verify.moe.tiled import tiled_backward
 from k3verify.numerics import effective_errors, fp64_agreement
 from k3verify.testing import assert_matches_oracle
+
+moe_tiled = importlib.import_module("k3verify.moe.tiled")  # the package exports a function of that name
 
 
 def _indices(p: samples.MoEProblem, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -184,6 +187,8 @@ def test_bad_backward_arguments_are_named() -> None:
         chunkwise_backward(*args, dy=dy, indices=torch.zeros_like(idx))
     with pytest.raises(ValueError, match="e5m2"):
         tiled_backward(*args, dy=dy, indices=idx, operand_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="e5m2"):
+        moe_tiled.tiled_backward_traced(*args, dy=dy, indices=idx, operand_dtype="fp8_e4m3")
 
 
 # --- planted bugs --------------------------------------------------------------------------------

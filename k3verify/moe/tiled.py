@@ -120,11 +120,7 @@ def tiled_backward(
     and change no value, so ``tile_m`` is validated and unused. Returns the gradients by name in
     the accumulator dtype (fp64 for fp64 operands: the exact algebra)."""
     opts = FormOptions(tile_m, tile_k, operand_dtype, fp8_scaling, fp8_static_scale, overflow)
-    if is_float8(opts.operand_dtype):
-        raise ValueError("the MoE backward runs with bf16, fp16, fp32 or fp64 operands (fp8 gradients take e5m2 "
-                         f"and scales of their own); got {opts.operand_dtype}")
-    check_backward(x, weights, config, dy, indices)
-    return backward_pass(x, weights, config, dy, indices, Caster.make(opts), partial(gemm, tile_k=opts.tile_k))
+    return _backward_run(x, weights, config, dy, indices, opts, trace=False)[0]
 
 
 def tiled_backward_traced(
@@ -132,9 +128,17 @@ def tiled_backward_traced(
     indices: torch.Tensor, **tiling: object
 ) -> tuple[dict[str, torch.Tensor], list[OverflowEvent]]:
     """:func:`tiled_backward`'s gradients and every stored tensor that overflowed, in computing order."""
-    opts = FormOptions(**tiling)  # type: ignore[arg-type]
+    return _backward_run(x, weights, config, dy, indices, FormOptions(**tiling), trace=True)  # type: ignore[arg-type]
+
+
+def _backward_run(x: torch.Tensor, weights: MoEWeights, config: MoEConfig, dy: torch.Tensor, indices: torch.Tensor,
+                  opts: FormOptions, *, trace: bool) -> tuple[dict[str, torch.Tensor], list[OverflowEvent]]:
+    """The tiled backward under ``opts`` (fp8 refused), and its overflow events when tracing."""
+    if is_float8(opts.operand_dtype):
+        raise ValueError("the MoE backward runs with bf16, fp16, fp32 or fp64 operands (fp8 gradients take e5m2 "
+                         f"and scales of their own); got {opts.operand_dtype}")
     check_backward(x, weights, config, dy, indices)
-    cast = Caster.make(opts, trace=True)
+    cast = Caster.make(opts, trace=trace)
     grads = backward_pass(x, weights, config, dy, indices, cast, partial(gemm, tile_k=opts.tile_k))
     return grads, cast.rounder.events
 

@@ -13,6 +13,7 @@ import torch
 
 from ... import kda
 from ...adapters import fla as fla_adapter
+from ...adapters import flash_kda, tokenspeed
 from ...kda import kernels, samples
 from ...kda.inputs import cast_inputs
 from ...kda.samples import CHUNK, G_MIN, TILE
@@ -144,7 +145,7 @@ def own_implementations() -> list[Implementation]:
         _form("tiled", "fp8_e4m3"),
         _form("tiled", "fp8_e4m3", diagonal="fp32"),
     ]
-    return impls + _kernel_implementations() + _fla_implementations()
+    return impls + _kernel_implementations() + _fla_implementations() + _production_implementations()
 
 
 # Whose speed `run --time` sets our bf16 kernels' beside: fla-core's production kernels.
@@ -175,12 +176,14 @@ def _kernel_implementations() -> list[Implementation]:
 
 
 def _fla_implementations() -> list[Implementation]:
-    """fla-core's CPU references (fp32 arithmetic) and, on a CUDA machine, its kernels in bf16."""
+    """fla-core's CPU references (fp32 arithmetic) and, on a CUDA machine, its kernels in bf16 (its
+    own Triton kernels: its dispatch to FlashKDA or TileLang is switched off, and the source says so)."""
     name = f"fla-core {fla_adapter.version() or '(missing)'}"
-    source = f"{name} (adapter)"
 
     def make(form: str, fn: Callable, dtype: str, *, gpu: bool, family: str, cases=("default",), predict=None,
              lower_bound: bool = False, **kw: Any) -> Implementation:
+        source = f"{name} (adapter" + ("; fla's Triton kernels, backend dispatch off)" if gpu else ")")
+
         def run(case: Case) -> Outputs:
             # fla's kernels take the gate's lower bound: the bound the case's gates were drawn with.
             bound = {"lower_bound": case.params.get("g_min", G_MIN)} if lower_bound else {}
@@ -213,6 +216,42 @@ def _fla_implementations() -> list[Implementation]:
         *chunk_kda,
         decode,
     ]
+
+
+# FlashKDA's rows are predicted by fla-core safe_gate's frontier (the same gate and 16-row sub-tiles,
+# as fla-core hands it the calls it would run with safe_gate): docs/modules/kda.md, "Production kernels".
+FLASH_KDA_PREDICTION = dict(chunk_size=CHUNK, tile=TILE, operand_dtype="fp32", anchor="row0_shift")
+
+
+def _production_implementations() -> list[Implementation]:
+    """The production kernels serving engines run for K3's prefill, beside fla-core's: FlashKDA
+    (``tokenspeed-flashkda``, SM90) in bf16 with the state in fp32, given the bound the case's
+    gates were drawn with; and the CuTe-DSL prefill (``tokenspeed-cutedsl-kda``, Blackwell only),
+    a row that says why it does not run."""
+    name = f"{flash_kda.PACKAGE} {flash_kda.version() or '(missing)'}"
+
+    def run(case: Case) -> Outputs:
+        return call(flash_kda.chunk, case, torch.bfloat16, lower_bound=case.params.get("g_min", G_MIN))
+
+    flash = Implementation(
+        module="kda", implementation=name, form="kernel:flash_kda", dtype="bf16", params={"lower_bound": G_MIN},
+        rule=BASELINE_RULE, run=run, predict=partial(_predict, **FLASH_KDA_PREDICTION),
+        cases=("default", "saturated", "decode"), baseline="chunkwise",
+        source=f"{name} (adapter: flash_kda.fwd, SM90 CUTLASS; state transposed from [B, H, V, K])",
+        is_available=unavailable_as(flash_kda.unavailable_reason),
+    )
+    cutedsl = tokenspeed.WHEELS["tokenspeed-cutedsl-kda"]
+
+    def not_called(case: Case) -> Outputs:
+        raise NotImplementedError(tokenspeed.unavailable_reason(cutedsl.distribution))
+
+    blackwell = Implementation(
+        module="kda", implementation=cutedsl.name, form="kernel:cutedsl_kda", dtype="bf16",
+        params={"lower_bound": G_MIN}, rule=BASELINE_RULE, run=not_called, cases=("default", "saturated"),
+        baseline="chunkwise", source=f"{cutedsl.name} (listed: k3verify does not call it)",
+        is_available=lambda: (False, tokenspeed.unavailable_reason(cutedsl.distribution)),
+    )
+    return [flash, blackwell]
 
 
 # --- overflow map ---------------------------------------------------------------------

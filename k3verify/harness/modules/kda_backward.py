@@ -242,12 +242,14 @@ def _fla_kernels() -> list[Implementation]:
         def run(case: Case) -> Outputs:
             bound = case.params.get("g_min", samples.G_MIN)
             forward = partial(fla_adapter.chunk_gpu, safe_gate=flag, lower_bound=bound)
-            return call(partial(autograd_backward, forward), case, torch.bfloat16)
+            with fla_adapter.triton_only():  # the backward too runs fla's own kernels (no TileLang)
+                return call(partial(autograd_backward, forward), case, torch.bfloat16)
 
         return Implementation(
             module="kda_backward", implementation=name, form="kernel:chunk_kda (autograd)", dtype="bf16",
             params={"safe_gate": flag, "lower_bound": samples.G_MIN}, rule=rule_for("bf16"), run=run,
-            cases=("default", "saturated"), baseline="chunkwise", source=f"{name} (adapter)",
+            cases=("default", "saturated"), baseline="chunkwise",
+            source=f"{name} (adapter; fla's Triton kernels, backend dispatch off)",
             is_available=unavailable_as(partial(fla_adapter.unavailable_reason, gpu=True)),
         )
 

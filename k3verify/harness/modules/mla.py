@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ... import mla
-from ...adapters import torch_flex, torch_sdpa
+from ...adapters import tokenspeed, torch_flex, torch_sdpa
 from ...mla import kernels, samples
 from ...mla.samples import PAGE_SIZE
 from ...numerics import dtype_name, is_float8, resolve_dtype, rule_for
@@ -203,6 +203,28 @@ def _flex() -> Implementation:
     )  # fmt: skip
 
 
+# The production MLA kernels of TokenSpeed's wheels, listed so a report shows why they do not run here
+# (k3verify.adapters.tokenspeed): each distribution and the form it would fill.
+PRODUCTION = (("tokenspeed-flashmla", "kernel:decode", ("default", "decode", "hot")),
+              ("tokenspeed-mla", "kernel:decode", ("default", "decode", "hot")),
+              ("tokenspeed-fa3", "kernel:prefill", ("default", "hot")))
+
+
+def _production(distribution: str, form: str, cases: tuple[str, ...]) -> Implementation:
+    """A production kernel's row, always ``unavailable`` with the reason (not installed, no GPU it
+    is built for, another torch, or no adapter yet): k3verify does not call these kernels."""
+    wheel = tokenspeed.WHEELS[distribution]
+
+    def not_called(case: Case) -> Outputs:
+        raise NotImplementedError(tokenspeed.unavailable_reason(distribution))
+
+    return Implementation(
+        module="mla", implementation=wheel.name, form=form, dtype="bf16", params={}, rule=BASELINE_RULE,
+        run=not_called, cases=cases, source=f"{wheel.name} (listed: k3verify does not call it)",
+        is_available=lambda: (False, tokenspeed.unavailable_reason(distribution)),
+    )
+
+
 def own_implementations() -> list[Implementation]:
     """What ``k3verify run`` verifies for Gated MLA."""
     return [
@@ -231,6 +253,7 @@ def own_implementations() -> list[Implementation]:
         _kernel(FP8_CACHE, ("default",), kind="prefill"),
         *(_sdpa(backend) for backend in torch_sdpa.BACKENDS),
         _flex(),
+        *(_production(*row) for row in PRODUCTION),
     ]
 
 

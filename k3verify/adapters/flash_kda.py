@@ -78,9 +78,30 @@ def _load_error() -> str | None:
     return None
 
 
+@functools.cache
+def _run_error() -> str | None:
+    """Call the kernel once on a 16-token problem built on the GPU: ``None`` if it runs, else its
+    error. An extension built against another torch can link (every symbol found) and still
+    misread this torch's tensors: FlashKDA 0.0.1.post20260901 under torch 2.11 rejects CUDA
+    tensors with "all tensors must be on CUDA" (docs/modules/kda.md, "Production kernels")."""
+    flash_kda = importlib.import_module(MODULE)
+    dev, bf16, T, H = torch.device("cuda"), torch.bfloat16, 16, 1
+    eye = torch.eye(HEAD_DIM, device=dev, dtype=bf16)[:T].reshape(1, T, H, HEAD_DIM)
+    zeros = torch.zeros(1, T, H, HEAD_DIM, device=dev, dtype=bf16)
+    try:
+        flash_kda.fwd(eye, eye.clone(), zeros.clone(), zeros.clone(), torch.zeros(1, T, H, device=dev, dtype=bf16),
+                      HEAD_DIM**-0.5, zeros.clone(), A_log=torch.zeros(H, device=dev),
+                      dt_bias=torch.zeros(H, HEAD_DIM, device=dev), lower_bound=DEFAULT_G_MIN)  # fmt: skip
+        torch.cuda.synchronize()
+    except Exception as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return f"a plain 16-token call under torch {torch.__version__} raised {type(exc).__name__}: {message}"
+    return None
+
+
 def unavailable_reason() -> str | None:
     """Why FlashKDA cannot run here (not installed, no CUDA device, not an SM90 device, its
-    extension does not load), or ``None`` if it can."""
+    extension does not load, or it loads but refuses a plain call), or ``None`` if it can."""
     v = version()
     if v is None:
         return f"{PACKAGE} is not installed (pip install {PACKAGE}; an SM90 GPU runs it)"
@@ -92,6 +113,9 @@ def unavailable_reason() -> str | None:
     error = _load_error()
     if error is not None:
         return f"{PACKAGE} {v} does not load: {error}"
+    error = _run_error()
+    if error is not None:
+        return f"{PACKAGE} {v} loads but does not run: {error}"
     return None
 
 

@@ -74,6 +74,16 @@ def test_every_wheel_row_is_unavailable_and_never_called() -> None:
             row.run(None)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(("g_min", "finite"), [(-5.0, True), (-5.54, True), (-5.55, False), (-6.9, False)])
+def test_flash_kda_rows_predict_the_frontier_measured_on_the_gpu(g_min: float, finite: bool) -> None:
+    """The FlashKDA row's prediction on the worst case at K3's head dims: finite down to -5.545
+    (16 |g_min| < ln(max fp32)), the edge an H100 measured between -5.5449 and -5.5459."""
+    row = next(i for i in registry.get("kda").implementations() if i.form == "kernel:flash_kda")
+    x = saturated_inputs(1, 64, 1, 128, 128, g_min=g_min, one_hot=True)
+    assert row.predict is not None
+    assert row.predict(registry.Case("worst", x, {"g_min": g_min})).finite is finite
+
+
 # --- FlashKDA's mapping ---------------------------------------------------------------------------
 
 

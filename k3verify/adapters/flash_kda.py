@@ -25,6 +25,11 @@ unit rows (the kernel would normalise other rows, which is another function); th
 transposed to the kernel's ``[B, H, V, K]`` and back. :func:`emulate` is that documented math in
 k3verify's recurrent form, so the mapping is tested on the CPU; the kernel itself needs an SM90
 GPU. Nothing here imports ``flash_kda`` until asked.
+
+Which wheel runs depends on the torch beside it: under torch 2.11.0+cu130 (an H100) the wheels of
+2026-05-26 and 2026-07-28 run, while 0.0.1.post20260901 links but rejects CUDA tensors at its first
+check; :func:`unavailable_reason` calls the kernel once to tell (docs/modules/kda.md, "Production
+kernels").
 """
 
 from __future__ import annotations

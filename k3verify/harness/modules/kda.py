@@ -218,9 +218,11 @@ def _fla_implementations() -> list[Implementation]:
     ]
 
 
-# FlashKDA's rows are predicted by fla-core safe_gate's frontier (the same gate and 16-row sub-tiles,
-# as fla-core hands it the calls it would run with safe_gate): docs/modules/kda.md, "Production kernels".
-FLASH_KDA_PREDICTION = dict(chunk_size=CHUNK, tile=TILE, operand_dtype="fp32", anchor="row0_shift")
+# FlashKDA splits its diagonal tiles at the tile start (the K3 paper's anchor) with 16-row sub-tiles:
+# on an H100 its worst-case output is finite at g_min = -5.5449 and not at -5.5459, where this
+# prediction puts the edge at -5.5452 (fla-core safe_gate's anchor would put it at -6.915):
+# docs/modules/kda.md, "Production kernels".
+FLASH_KDA_PREDICTION = dict(chunk_size=CHUNK, tile=TILE, operand_dtype="bf16", anchor="tile_start")
 
 
 def _production_implementations() -> list[Implementation]:

@@ -367,3 +367,56 @@ def test_the_two_phase_walk_passes_walk_full_on_its_tokens() -> None:
     h = row["outputs"]["h"]
     assert h["status"] == policy.PASS and h["verdict"]["k"] == pytest.approx(policy.small_output_k(8)), h["verdict"]
     assert entry.samples_of("h", (8, 64), case.params) == registry.ErrorSamples(8, 8)
+
+
+# --- sums that cancel, and errors that come in slices -------------------------------------------
+
+
+def test_fp64_agreement_holds_each_element_to_the_larger_of_the_norm_and_its_terms() -> None:
+    """Rule: fp64-agreement with ``term_sizes``. An element that is a sum cancelled to 1e-8 of its
+    terms (size 1e4) may be off by 1e-10 of those terms and no more; an element without large terms
+    is held to 1e-10 of ``max|ref|`` beside it: one element's terms widen no other's limit."""
+    ref = torch.tensor([1.0, 1e-4], dtype=torch.float64)
+    sizes = torch.tensor([0.0, 1e4], dtype=torch.float64)
+    at = ref + torch.tensor([0.0, 1e-10 * 1e4], dtype=torch.float64)
+    assert not policy.fp64_agreement(at, ref).passed
+    assert policy.fp64_agreement(at, ref, term_sizes=sizes).passed
+    past = ref + torch.tensor([0.0, 1.01e-10 * 1e4], dtype=torch.float64)
+    assert not policy.fp64_agreement(past, ref, term_sizes=sizes).passed
+    other = ref + torch.tensor([2e-10, 0.0], dtype=torch.float64)
+    assert not policy.fp64_agreement(other, ref, term_sizes=sizes).passed
+    assert "its terms' size" in policy.fp64_agreement(at, ref, term_sizes=sizes).reason
+
+
+def test_effective_slices_count_equal_slices_as_their_number_and_one_dominant_slice_as_one() -> None:
+    """Kish's number of slices along an axis, each slice's errors summed: about the slice count
+    for equal scales (the chi-square correction makes it unbiased), 1 where one slice holds the
+    error, at least 1 where there is any error, 0 for none; the axis is honoured."""
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.zeros(200, 64, dtype=torch.float64)
+    equal = [torch.randn(200, 64, generator=gen, dtype=torch.float64) for _ in range(2)]
+    assert 170 <= policy.effective_slices(ref, *equal) <= 200
+    assert 170 <= policy.effective_slices(ref.T, *(e.T for e in equal), axis=1) <= 200
+    one = [e * torch.where(torch.arange(200)[:, None] == 7, 1e3, 1e-3) for e in equal]
+    assert policy.effective_slices(ref, *one) == 1
+    assert policy.effective_slices(ref, one[0], ref.clone()) == 1  # one form's error alone: still one
+    assert policy.effective_slices(ref, ref.clone()) == 0
+
+
+def test_the_term_floor_is_k_fp32_roundings_of_the_terms_and_only_for_declared_sums() -> None:
+    """Rule: baseline, its floor. For a declared sum the floor is ``k 2^-24 rms(S) / rms(ref)``:
+    an error at it passes though the baseline is exact, twice it fails; without ``term_sizes`` the
+    floor is the noise floor alone and the same error fails; a sum whose terms are no larger than
+    it keeps the noise floor (the larger of the two)."""
+    ref = _ref()
+    sizes = torch.full_like(ref, 1e4) * ref.abs().mean()  # every element cancelled 1e4-fold
+    floor = policy.term_floor(ref, sizes)
+    rms = lambda t: float(t.square().mean().sqrt())  # noqa: E731
+    assert floor == pytest.approx(DESIGN_K * 2.0**-24 * rms(sizes) / rms(ref))
+    rule = policy.POLICY[policy.BASELINE_RULE]
+    at, twice = _at_rms(ref, 0.99 * floor, 1), _at_rms(ref, 2 * floor, 1)
+    assert rule.judge(at, ref, dtype="fp32", baseline=ref.clone(), term_sizes=sizes).verdict.passed
+    assert not rule.judge(twice, ref, dtype="fp32", baseline=ref.clone(), term_sizes=sizes).verdict.passed
+    assert not rule.judge(at, ref, dtype="fp32", baseline=ref.clone()).verdict.passed
+    assert policy.term_floor(ref, ref.abs() * 1e-3) < policy.noise_floor(ref, "fp32")
+    assert policy.term_floor(ref, None) == 0.0

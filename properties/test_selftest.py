@@ -31,7 +31,8 @@ def test_every_mutant_is_caught_where_declared_and_no_correct_form_fails() -> No
     assert crashed == []
     assert len(selftest.mutants()) >= 30
     assert {m.module for m in selftest.mutants()} == {"kda", "kda_backward", "mla", "mla_backward", "attnres",
-                                                      "attnres_backward", "moe", "moe_backward", "mla_layer_backward"}
+                                                      "attnres_backward", "moe", "moe_backward", "mla_layer_backward",
+                                                      "attnres_walk_backward"}
 
 
 def test_a_blind_policy_fails_the_suite(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

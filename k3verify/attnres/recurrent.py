@@ -188,3 +188,65 @@ def naive_walk(
     and every stored tensor (stream, keys, mixtures, sublayer inputs and outputs) in ``dtype``."""
     return walk(embedding, weights, sublayers, schedule or Schedule(), Options(stream_dtype=dtype, eps=eps),
                 _NaiveMixer)
+
+
+def term_sizes(v: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor, dh: torch.Tensor,
+               eps: float = RMS_NORM_EPS) -> dict[str, torch.Tensor]:
+    """The size of the terms one call's backward adds into ``dw`` and ``dγ``, per element.
+
+    ``v:[N, T, d]``, ``w, gamma:[d]``, ``dh:[T, d]``; fp64 in, ``{"dw", "dgamma"}: [d]`` out.
+    ``dw_j = Σ_{n,t} α (dα − δ) γ_j v̂_j`` with ``dα = dh·v``, ``δ = Σ_n α dα`` (``dγ`` with
+    ``w_j`` for ``γ_j``): every form of the chain rule adds the products ``α dα k`` and ``α δ k``,
+    so its rounding error is relative to ``Σ α (|dα| + |δ|) |k|``, however small the sum. Where a
+    token's keys are alike the sum cancels far below its terms (``Σ_n dℓ_n = 0``)."""
+    v_hat = v / torch.sqrt(v.square().mean(-1, keepdim=True) + eps)
+    alpha = torch.softmax((v_hat * gamma * w).sum(-1), dim=0)
+    d_alpha = (dh * v).sum(-1)
+    weight = (alpha * (d_alpha.abs() + (alpha * d_alpha).sum(0).abs()))[..., None]
+    return {"dw": (weight * (gamma * v_hat).abs()).sum((0, 1)), "dgamma": (weight * (w * v_hat).abs()).sum((0, 1))}
+
+
+class _RecordingMixer(_RecurrentMixer):
+    """The recurrent mixer, keeping every call's stacked sources and output."""
+
+    def __init__(self, *args: object):
+        super().__init__(*args)
+        self.calls: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def mix(self, call: Call) -> tuple[torch.Tensor, tuple[Source, ...]]:
+        v = self.stack(call)
+        s = call.index
+        h = _aggregate(v, self.params.w[s], self.params.gamma[s], self.prec, self.eps)
+        self.calls.append((s, v, h))
+        return h, call.sources
+
+
+def walk_term_sizes(embedding: torch.Tensor, weights: AttnResWeights, sublayers: Sublayers, *,
+                    schedule: Schedule | None = None, dh: torch.Tensor,
+                    eps: float = RMS_NORM_EPS) -> dict[str, torch.Tensor]:
+    """:func:`term_sizes` of every call of the walk, for ``L = sum(output * dh)``.
+
+    ``embedding, dh:[T, d]`` fp64; returns ``{"dw", "dgamma"}: [calls, d]`` (fp64; zero for a call
+    that mixes one source, whose weights get no gradient). Each call's ``dh`` is the gradient
+    reaching its output, from one fp64 backward through the recurrent walk."""
+    if embedding.dtype != torch.float64 or dh.dtype != torch.float64:
+        raise TypeError(f"walk_term_sizes computes in fp64; got {embedding.dtype} and {dh.dtype}")
+    recorded: list[_RecordingMixer] = []
+
+    def mixer(*args: object) -> _RecordingMixer:
+        recorded.append(_RecordingMixer(*args))
+        return recorded[0]
+
+    with torch.enable_grad():
+        e = embedding.detach().requires_grad_()
+        out = walk(e, weights, sublayers, schedule or Schedule(), Options(eps=eps), mixer)
+        calls = recorded[0].calls
+        grads = torch.autograd.grad(out.output, [h for _, _, h in calls], dh, allow_unused=True)
+    sizes = {name: torch.zeros_like(weights.w, dtype=torch.float64) for name in ("dw", "dgamma")}
+    for (s, v, _), g in zip(calls, grads):
+        if g is None or v.shape[0] == 1:
+            continue
+        one = term_sizes(v.detach(), weights.w[s], weights.gamma[s], g, eps)
+        for name in sizes:
+            sizes[name][s] = one[name]
+    return sizes

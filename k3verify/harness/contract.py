@@ -170,11 +170,18 @@ class ErrorSamples:
     ``spread``: the errors' scales differ from element to element (a weight's gradient summing a
     few rows of very different sizes), so fewer of them count than there are: ``rms`` is capped by
     the effective number of the same-dtype baseline's own errors
-    (:func:`k3verify.numerics.policy.effective_errors`)."""
+    (:func:`k3verify.numerics.policy.effective_errors`).
+
+    ``spread_over``: ``(output, axis)``, where the errors come in slices of very different sizes
+    that only one output shows apart (a walk's tokens, seen in its embedding gradient): ``rms`` and
+    ``bias`` are capped by the effective number of the same-dtype baseline's slices of that output
+    along ``axis`` (:func:`k3verify.numerics.policy.effective_slices`; the baseline's alone, so that
+    a form cannot lower its own count by an error on one slice), for every output of the row."""
 
     rms: int
     bias: int
     spread: bool = False
+    spread_over: tuple[str, int] | None = None
 
 
 def default_error_samples(shape: tuple[int, ...]) -> ErrorSamples:

@@ -152,6 +152,11 @@ class ModuleEntry:
     # difference of, or None. Where that output's oracle is all zero (KDA's dg on one token from
     # no state), the baseline rule allows it k roundings of such terms in the fp32 accumulator.
     term_scale: Callable[[str, Case, Mapping[str, Any]], float | None] | None = None
+    # (output name, case, the oracle's outputs) -> for an output formed as a sum whose terms can
+    # cancel far below their size (AttnRes's dw and dγ), the sum of its terms' absolute values per
+    # element (fp64, the output's shape), or None: fp64 agreement is relative to it where larger,
+    # and the baseline rule's floor is k roundings of it in the fp32 accumulator.
+    term_sizes: Callable[[str, Case, Mapping[str, Any]], Any] | None = None
 
     def __post_init__(self) -> None:
         # The memo of the oracle and baselines is the harness's, not each entry's.

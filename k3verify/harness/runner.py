@@ -26,6 +26,7 @@ from ..numerics import (
     UNAVAILABLE,
     compare,
     effective_errors,
+    effective_slices,
     expected_nonfinite,
     spacing,
     worst_element,
@@ -171,6 +172,7 @@ def verify(entry: ModuleEntry, impl: Implementation, case: Case, *, oracle: Outp
     # copy of the case (guard.run_isolated): nothing it does can reach or redo the oracle, or
     # change the inputs of a later row.
     ref = as_outputs(entry.oracle(case) if oracle is None else oracle, entry.outputs, f"the {entry.name} oracle")
+    terms = {name: _term_sizes(entry, case, name, ref) for name in ref}  # from the inputs, as the oracle
     start = time.perf_counter()
     try:
         out = as_outputs(run_isolated(impl, case), entry.outputs, impl.label)
@@ -184,7 +186,7 @@ def verify(entry: ModuleEntry, impl: Implementation, case: Case, *, oracle: Outp
         return _crashed(row, exc)
     row["wall_s"] = time.perf_counter() - start
     try:
-        return _judged(entry, impl, case, row, out, ref)
+        return _judged(entry, impl, case, row, out, ref, terms)
     except HookFailed as exc:
         return _crashed(row, exc)
     except Exception as exc:  # outputs the policy cannot judge (a wrong shape, a wrong dtype) fail the row
@@ -202,14 +204,15 @@ def _crashed(row: dict[str, Any], exc: BaseException, prefix: str = "") -> dict[
 
 
 def _judged(entry: ModuleEntry, impl: Implementation, case: Case, row: dict[str, Any], out: Outputs,
-            ref: Outputs) -> dict[str, Any]:
-    """``row`` with every output of ``out`` judged against ``ref`` (see :func:`verify`)."""
+            ref: Outputs, terms: dict[str, torch.Tensor | None]) -> dict[str, Any]:
+    """``row`` with every output of ``out`` judged against ``ref`` (see :func:`verify`), an output
+    formed as a sum given its ``terms``' sizes."""
     primary = next(n for n in entry.outputs if n in ref)
     prediction = _hook(impl, "predict", case) if impl.predict is not None else None
     if prediction is not None:
         row["prediction"] = {"finite": prediction.finite, "explanation": prediction.explanation}
     judged = {name: _judge_output(entry, impl, case, name, out[name], ref[name], prediction, name == primary,
-                                  _zero_floor(entry, case, name, ref))
+                                  _zero_floor(entry, case, name, ref), terms[name], ref)
               for name in ref}
     main = judged[primary]
     if main["metrics"].get("nonfinite") == 0 and out[primary].is_floating_point():
@@ -260,22 +263,32 @@ def _zero_floor(entry: ModuleEntry, case: Case, name: str, ref: Outputs) -> floa
     return 0.0 if scale is None else BASELINE_K * ACCUMULATOR_ROUNDOFF * scale
 
 
+def _term_sizes(entry: ModuleEntry, case: Case, name: str, ref: Outputs) -> torch.Tensor | None:
+    """Output ``name``'s terms' sizes (the module's ``term_sizes``), or None."""
+    if entry.term_sizes is None or not ref[name].is_floating_point():
+        return None
+    return entry.term_sizes(name, case, ref)
+
+
 def _judge_output(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out: torch.Tensor,
-                  ref: torch.Tensor, prediction: Any, primary: bool, zero_floor: float = 0.0) -> dict[str, Any]:
+                  ref: torch.Tensor, prediction: Any, primary: bool, zero_floor: float = 0.0,
+                  term_sizes: torch.Tensor | None = None, oracle: Outputs | None = None) -> dict[str, Any]:
     """:func:`_judge`, with an output the policy cannot read (a meta tensor, a wrong shape or
     dtype) named in the error."""
     try:
         if out.is_meta:
             raise ValueError("a meta tensor, which holds no values")
-        return _judge(entry, impl, case, name, out, ref, prediction, primary, zero_floor)
+        return _judge(entry, impl, case, name, out, ref, prediction, primary, zero_floor, term_sizes, oracle)
     except Exception as exc:
         raise ValueError(f"output {name!r}: {exc}") from exc
 
 
 def _judge(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out: torch.Tensor, ref: torch.Tensor,
-           prediction: Any, primary: bool, zero_floor: float = 0.0) -> dict[str, Any]:
+           prediction: Any, primary: bool, zero_floor: float = 0.0,
+           term_sizes: torch.Tensor | None = None, oracle: Outputs | None = None) -> dict[str, Any]:
     """One output's verdict: the frontier where overflow is predicted, else the row's rule
-    (``POLICY[impl.rule]``), given the same-dtype baseline's output where the rule uses one."""
+    (``POLICY[impl.rule]``), given the same-dtype baseline's output where the rule uses one;
+    ``oracle`` holds every output's oracle, for an error count read from another output."""
     out = out.detach().cpu()
     rule = POLICY[impl.rule]
     judged: dict[str, Any] = {}
@@ -298,8 +311,15 @@ def _judge(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out:
         # pooled), for the RMS term and the bias's noise alike.
         worth = effective_errors(ref, out, base_out)
         rms_n, bias_n = min(rms_n, worth), min(bias_n, worth)
+    if samples.spread_over is not None and base_out is not None and oracle is not None:
+        # Errors that come in slices of very different sizes (a walk's tokens): as many as the
+        # baseline's slices are worth, read where they show apart, for every output of the row.
+        # The baseline's alone: a form whose error sits on one slice must not lower its own count.
+        source, axis = samples.spread_over
+        worth = effective_slices(oracle[source], _baseline(entry, case, impl)[source].detach().cpu(), axis=axis)
+        rms_n, bias_n = min(rms_n, worth), min(bias_n, worth)
     j = rule.judge(out, ref, dtype=impl.dtype, baseline=base_out, metrics=metrics, rms_n=rms_n,
-                   bias_n=bias_n, zero_floor=zero_floor)
+                   bias_n=bias_n, zero_floor=zero_floor, term_sizes=term_sizes)
     judged["metrics"] = j.metrics
     if j.baseline_metrics is not None:
         judged.update(baseline_metrics=j.baseline_metrics, baseline_out=base_out)

@@ -27,7 +27,9 @@ import torch
 from .. import attnres, kda, mla, moe
 from ..adapters import fla as fla_adapter
 from ..attnres import samples as attnres_samples
-from ..attnres.chunkwise import aggregate_backward, two_phase_backward
+from ..attnres.chunkwise import _ChunkwiseMixer, aggregate_backward, two_phase_backward
+from ..attnres.inputs import Options as AttnResOptions
+from ..attnres.layer import walk as attnres_walk
 from ..kda import samples as kda_samples
 from ..kda.chunkwise import chunkwise_backward
 from ..mla import layer as mla_layer
@@ -536,11 +538,50 @@ def _mla_layer_backward_mutants() -> list[Mutant]:
     ]
 
 
+# --- Block AttnRes's backward over the walk ---------------------------------------------------
+
+
+class _BlocksOutsideTheGraph(_ChunkwiseMixer):
+    """The two-phase walk's stream with every completed block stored detached."""
+
+    def push(self, s: int, y: torch.Tensor) -> None:
+        stored = len(self.blocks)
+        super().push(s, y)
+        if len(self.blocks) > stored:
+            self.blocks[-1] = self.blocks[-1].detach()
+
+
+def _walk_blocks_detached(embedding, weights, sublayers, *, schedule=None, **options):
+    """The two-phase walk, its completed blocks stored outside the graph."""
+    return attnres_walk(embedding, weights, sublayers, schedule or attnres.Schedule(), AttnResOptions(**options),
+                        _BlocksOutsideTheGraph)
+
+
+def _walk_pseudo_queries_frozen(embedding, weights, sublayers, **options):
+    """The two-phase walk with the pseudo-queries outside the graph."""
+    frozen = attnres.AttnResWeights(weights.w.detach(), weights.gamma, weights.norm)
+    return attnres.chunkwise(embedding, frozen, sublayers, **options)
+
+
+CONTROLS["attnres_walk_backward"] = (attnres.chunkwise, "walk", "recurrent")
+
+
+def _attnres_walk_backward_mutants() -> list[Mutant]:
+    return [
+        Mutant("completed blocks stored outside the graph", "attnres_walk_backward", _walk_blocks_detached,
+               "an inference block cache reused for training: a later call's mixing of block b sends no gradient "
+               "into b's sublayers, their norm gains or the embedding through them", case="walk"),
+        Mutant("pseudo-queries outside the graph", "attnres_walk_backward", _walk_pseudo_queries_frozen,
+               "w registered as a buffer (zero-initialised in the AttnRes paper, easily mistaken for one): "
+               "it gets no gradient", case="walk"),
+    ]
+
+
 def mutants(modules: list[str] | None = None) -> list[Mutant]:
     """Every mutant of the ``modules`` (all by default)."""
     made = [*_kda_mutants(), *_kda_backward_mutants(), *_mla_mutants(), *_mla_backward_mutants(),
             *_attnres_mutants(), *_attnres_backward_mutants(), *_moe_mutants(), *_moe_backward_mutants(),
-            *_mla_layer_backward_mutants()]
+            *_mla_layer_backward_mutants(), *_attnres_walk_backward_mutants()]
     return [m for m in made if modules is None or m.module in modules]
 
 

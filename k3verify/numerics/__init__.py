@@ -28,11 +28,13 @@ from .policy import (
     Verdict,
     baseline_rule,
     effective_errors,
+    effective_slices,
     expected_nonfinite,
     fp64_agreement,
     mismatch_rule,
     noise_floor,
     rule_for,
+    term_floor,
 )
 from .rounding import OVERFLOW_MODES, round_to, round_to_reference, rounder, spacing, storage_for
 from .tensors import cast_floats, map_tensors, named_tensors
@@ -66,6 +68,7 @@ __all__ = [
     "compute_dtype",
     "dtype_name",
     "effective_errors",
+    "effective_slices",
     "exp_fits",
     "expected_nonfinite",
     "facts",
@@ -87,6 +90,7 @@ __all__ = [
     "spacing",
     "storage_for",
     "supported_dtypes",
+    "term_floor",
     "where_text",
     "worst_element",
 ]

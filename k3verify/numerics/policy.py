@@ -4,14 +4,18 @@ Two rules, and every test or report row names the one it uses:
 
 ``fp64-agreement``
     Two fp64 forms of the same math must agree to ``rel <= 1e-10`` (normwise relative
-    max error). Used for recurrent vs chunkwise vs tiled-in-fp64.
+    max error). Used for recurrent vs chunkwise vs tiled-in-fp64. An output that a module
+    declares a sum whose terms can cancel far below their size (``term_sizes``: Block AttnRes's
+    ``dw`` and ``dγ``) has each element's error relative to the larger of ``max|ref|`` and the sum
+    of its terms' absolute values: any fp64 form keeps the terms' rounding.
 
 ``baseline``
     ``err(impl) <= k * err(baseline) + floor`` on one metric (``rms_ratio`` by default),
     where both errors are measured against the fp64 oracle, ``baseline`` is the naive form
     run with every stored tensor in the implementation's dtype, and ``floor`` is the noise
-    floor: the error of merely rounding the oracle's output to that dtype. ``k = 2`` follows
-    FlashAttention's rule. An absolute tolerance alone is never used, so an all-zero output
+    floor: the error of merely rounding the oracle's output to that dtype (for a declared sum, at
+    least ``k`` roundings of its terms in the fp32 accumulator, :func:`term_floor`). ``k = 2``
+    follows FlashAttention's rule. An absolute tolerance alone is never used, so an all-zero output
     (``rms_ratio = 1``) fails wherever the limit is below 1: on every output of 52 elements
     or more in every dtype verified here (fp8's baseline error is a few percent).
 
@@ -140,13 +144,20 @@ def _margin(err: float, limit: float) -> float:
     return 1.0 - err / limit
 
 
-def fp64_agreement(x: torch.Tensor, ref: torch.Tensor, *, rel: float = FP64_AGREEMENT_REL) -> Verdict:
-    """Verdict of the ``fp64-agreement`` rule for ``x`` against ``ref`` (both fp64)."""
+def fp64_agreement(x: torch.Tensor, ref: torch.Tensor, *, rel: float = FP64_AGREEMENT_REL,
+                   term_sizes: torch.Tensor | None = None) -> Verdict:
+    """Verdict of the ``fp64-agreement`` rule for ``x`` against ``ref`` (both fp64).
+
+    ``term_sizes`` (``ref``'s shape, fp64) holds, for an output formed as a sum, the sum of its
+    terms' absolute values per element: each element's error is then relative to the larger of
+    ``max|ref|`` and its terms' size (:func:`~k3verify.numerics.metrics.relative_max_error`), as
+    a sum that cancels far below its terms keeps their rounding in any fp64 form."""
     for name, t in (("x", x), ("ref", ref)):
         if t.dtype != torch.float64:
             raise TypeError(f"fp64-agreement needs fp64 tensors; {name} is {t.dtype}")
-    err = relative_max_error(x, ref)
+    err = relative_max_error(x, ref, term_sizes)
     ok = err <= rel
+    of = " (of max|ref| or its terms' size)" if term_sizes is not None else ""
     return Verdict(
         status=PASS if ok else FAIL,
         rule=FP64_RULE,
@@ -154,7 +165,7 @@ def fp64_agreement(x: torch.Tensor, ref: torch.Tensor, *, rel: float = FP64_AGRE
         err=err,
         limit=rel,
         margin=_margin(err, rel),
-        reason=f"rel_max {err:.3e} {'<=' if ok else '>'} {rel:.0e}",
+        reason=f"rel_max{of} {err:.3e} {'<=' if ok else '>'} {rel:.0e}",
     )
 
 
@@ -229,7 +240,7 @@ def effective_errors(ref: torch.Tensor, *outs: torch.Tensor) -> int:
     over ``outs`` (two forms of one output share where the rounding is amplified): Kish's
     effective number ``(Σσ²)² / Σσ⁴``, each ``σ_i²`` estimated by the ``e_i²`` of every out (for a
     normal error ``E[e⁴] = 3σ⁴``, hence ``3 (Σe²)² / Σe⁴``), divided by the number of outs and at
-    most the number of elements; 0 for no error. Equal scales give about the element count; a
+    most the number of elements, at least 1; 0 for no error. Equal scales give about the element count; a
     few dominant errors, about their number."""
     r = ref.detach().to("cpu", torch.float64).reshape(-1)
     e = torch.cat([o.detach().to("cpu", torch.float64).reshape(-1) - r for o in outs])
@@ -238,13 +249,52 @@ def effective_errors(ref: torch.Tensor, *outs: torch.Tensor) -> int:
     fourth = float((squares * squares).sum())
     if fourth == 0.0 or not outs:
         return 0
-    return min(r.numel(), int(3.0 * float(squares.sum()) ** 2 / fourth / len(outs)))
+    # one error at least: a count of 0 would read as 'no count' (the plain factor k)
+    return min(r.numel(), max(1, int(3.0 * float(squares.sum()) ** 2 / fourth / len(outs))))
+
+
+def effective_slices(ref: torch.Tensor, *outs: torch.Tensor, axis: int = 0) -> int:
+    """How many equal-scale independent errors each of ``outs - ref`` is worth where its errors
+    come in slices along ``axis`` (a token's channels share its errors): Kish's effective number
+    of slices, ``(ΣE)² / ΣE²`` over the slices' error energies ``E = Σ e²``, pooled over ``outs``
+    as :func:`effective_errors` pools elements (one at least). ``E`` of an ``m``-element slice of normal errors
+    is a scaled chi-square with ``E[E²] = (1 + 2/m) E[E]²``, hence the factor ``1 + 2/m``. At most
+    the number of slices; 0 for no error."""
+    r = ref.detach().to("cpu", torch.float64).movedim(axis, 0)
+    if not outs or r.numel() == 0:
+        return 0
+    m = r[0].numel()
+    energies = []
+    for o in outs:
+        e = o.detach().to("cpu", torch.float64).movedim(axis, 0) - r
+        energies.append(torch.where(torch.isfinite(e), e, 0.0).square().reshape(r.shape[0], -1).sum(1))
+    E = torch.cat(energies)
+    second = float((E * E).sum())
+    if second == 0.0:
+        return 0
+    return min(r.shape[0], max(1, int((1.0 + 2.0 / m) * float(E.sum()) ** 2 / second / len(outs))))
 
 
 def noise_floor(ref: torch.Tensor, dtype: torch.dtype | str, *, metric: str = "rms_ratio") -> float:
     """Error of the oracle's own output rounded to ``dtype``: what no implementation beats."""
     r64 = ref.detach().to("cpu", torch.float64)
     return float(getattr(compare(round_to(r64, dtype), r64, ulp_dtype=dtype), metric))
+
+
+def term_floor(ref: torch.Tensor, term_sizes: torch.Tensor | None, *, k: float = BASELINE_K) -> float:
+    """The ``rms_ratio`` no form of a sum can be held below: ``k`` roundings in the fp32
+    accumulator of its terms, ``k 2^-24 rms(S) / rms(ref)`` with ``S`` the sum of the terms'
+    absolute values per element (``term_sizes``, ``ref``'s shape). Where the sum cancels far below
+    its terms (a saturated softmax's ``Σ dℓ k``: 1e-20 from terms of 0.5) two correct orders of the
+    same additions differ by that much, however small the sum. 0 without ``term_sizes``."""
+    if term_sizes is None:
+        return 0.0
+    r = ref.detach().to("cpu", torch.float64)
+    size = float(term_sizes.detach().to("cpu", torch.float64).expand_as(r).square().mean().sqrt())
+    scale = float(r.square().mean().sqrt())
+    if size == 0.0:
+        return 0.0
+    return math.inf if scale == 0.0 else k * ACCUMULATOR_ROUNDOFF * size / scale
 
 
 def baseline_rule(
@@ -372,14 +422,15 @@ class Rule(Protocol):
     where the rule ``uses_baseline``; ``metrics`` may pass ``compare(out, ref)`` already computed;
     ``rms_n`` and ``bias_n`` count the output's independent errors (:func:`baseline_rule`);
     ``zero_floor`` is the absolute error allowed an output whose oracle is all zero
-    (:meth:`SameDtypeBaseline.judge`)."""
+    (:meth:`SameDtypeBaseline.judge`); ``term_sizes`` the size of the terms of an output formed
+    as a sum, per element (:func:`fp64_agreement`, :func:`term_floor`)."""
 
     name: str
     uses_baseline: bool
 
     def judge(self, out: torch.Tensor, ref: torch.Tensor, *, dtype: str, baseline: torch.Tensor | None = None,
               metrics: Metrics | None = None, rms_n: int | None = None, bias_n: int | None = None,
-              zero_floor: float = 0.0) -> Judgement:
+              zero_floor: float = 0.0, term_sizes: torch.Tensor | None = None) -> Judgement:
         ...
 
 
@@ -399,14 +450,14 @@ class Fp64Agreement:
 
     def judge(self, out: torch.Tensor, ref: torch.Tensor, *, dtype: str = "fp64", baseline: torch.Tensor | None = None,
               metrics: Metrics | None = None, rms_n: int | None = None, bias_n: int | None = None,
-              zero_floor: float = 0.0) -> Judgement:
+              zero_floor: float = 0.0, term_sizes: torch.Tensor | None = None) -> Judgement:
         if not ref.is_floating_point():
             err = mismatch_fraction(out, ref)
             return Judgement(mismatch_rule(err, None), _discrete_metrics(err, ref))
         if out.dtype != torch.float64:
             raise TypeError(f"judged by {self.name} but computed in {out.dtype}; fp64 must stay fp64")
         m = compare(out, ref, ulp_dtype=dtype) if metrics is None else metrics
-        return Judgement(fp64_agreement(out, ref, rel=self.rel), m.as_dict())
+        return Judgement(fp64_agreement(out, ref, rel=self.rel, term_sizes=term_sizes), m.as_dict())
 
 
 @dataclass(frozen=True)
@@ -421,7 +472,7 @@ class SameDtypeBaseline:
 
     def judge(self, out: torch.Tensor, ref: torch.Tensor, *, dtype: str, baseline: torch.Tensor | None = None,
               metrics: Metrics | None = None, rms_n: int | None = None, bias_n: int | None = None,
-              zero_floor: float = 0.0) -> Judgement:
+              zero_floor: float = 0.0, term_sizes: torch.Tensor | None = None) -> Judgement:
         if baseline is None:
             raise ValueError(f"the {self.name} rule needs the same-dtype baseline's output")
         if not ref.is_floating_point():
@@ -438,8 +489,9 @@ class SameDtypeBaseline:
             verdict = baseline_rule(m, base, zero_floor, k=self.k, metric="rms", rms_n=rms_n)
             return Judgement(verdict, m.as_dict(), base.as_dict())
         # The floor is what storing the oracle in the output's own dtype costs (an fp8 run that
-        # writes bf16 is floored at bf16, not fp8).
-        verdict = baseline_rule(m, base, noise_floor(ref, out.dtype), k=self.k, rms_n=rms_n, bias_n=bias_n)
+        # writes bf16 is floored at bf16, not fp8); for a sum, at least k roundings of its terms.
+        floor = max(noise_floor(ref, out.dtype), term_floor(ref, term_sizes, k=self.k))
+        verdict = baseline_rule(m, base, floor, k=self.k, rms_n=rms_n, bias_n=bias_n)
         return Judgement(verdict, m.as_dict(), base.as_dict())
 
 

@@ -15,6 +15,7 @@ import torch
 
 from ...attnres import aggregate, naive_baseline, samples
 from ...attnres.chunkwise import GRADIENTS, aggregate_backward
+from ...attnres.recurrent import term_sizes
 from ...attnres.tiled import (
     BackwardOverflowQuantities,
     aggregate_backward_traced,
@@ -166,6 +167,17 @@ def _error_samples(output: str, shape: tuple[int, ...], params: Mapping[str, Any
 
 
 
+def _term_sizes(output: str, case: Case, ref: Mapping[str, Any]) -> torch.Tensor | None:
+    """``dw`` and ``dγ``'s terms' sizes (:func:`k3verify.attnres.recurrent.term_sizes`, fp64), for
+    fp64 agreement; None for ``dsources``."""
+    if output not in ("dw", "dgamma"):
+        return None
+    if "term_sizes" not in case.cache:
+        x = case.inputs
+        case.cache["term_sizes"] = term_sizes(*(x[n].to(torch.float64) for n in (*ARGS, "dh")))
+    return case.cache["term_sizes"][output]
+
+
 # --- overflow map -----------------------------------------------------------------------
 
 # The forward map's points (logit scale, number of sources) with ``dh`` standard normal times
@@ -264,6 +276,7 @@ register(
         cotangent="dh",
         error_samples=_error_samples,
         overflow_map=MAP,
+        term_sizes=_term_sizes,
         strategy=lambda: samples.aggregations(widths=DRAWN_WIDTHS).map(lambda a: with_cotangent(a.sample)),
     )
 )

@@ -20,6 +20,7 @@ import torch
 
 from ... import attnres
 from ...attnres import samples
+from ...attnres.recurrent import walk_term_sizes
 from ...numerics import map_tensors, resolve_dtype, rule_for
 from ...numerics.gradients import vjp
 from ..guard import checked_call, gradients_by_name
@@ -46,9 +47,16 @@ def with_cotangent(sample: samples.Sample) -> samples.Sample:
     return dict(inputs, dh=cotangent(inputs, params.get("seed", 0))), dict(params, loss="sum(h*dh)")
 
 
+# The forward walk's width (64) and K3's schedules at logit scale 4, over 64 tokens (16 for Full
+# AttnRes, whose fp64 oracle mixes up to 187 explicit sources a call: 6 s over 64 tokens). At the
+# forward's 8 tokens and scale 16 a few tokens hold the walk's error and no count of them lets a
+# bf16 row tell a lost gradient from its own error (_error_samples).
+SHAPES = {"walk": dict(samples.WALK, T=64, logit_scale=4.0), "walk_full": dict(samples.WALK, T=32, logit_scale=4.0)}
+SCHEDULES = {"walk": attnres.Schedule(), "walk_full": attnres.Schedule.full()}
+
+
 def _cases(seed: int) -> dict[str, samples.Sample]:
-    made = samples.make_cases(seed)
-    return {name: with_cotangent(made[name]) for name in CASES}
+    return {name: with_cotangent(samples.walk_sample(SCHEDULES[name], **SHAPES[name], seed=seed)) for name in CASES}
 
 
 def autograd_backward(walk: Callable[..., Any], embedding: torch.Tensor, weights: attnres.AttnResWeights,
@@ -109,13 +117,34 @@ def own_implementations() -> list[Implementation]:
 
 
 def _error_samples(output: str, shape: tuple[int, ...], params: Mapping[str, Any]) -> ErrorSamples:
-    """As the forward walk's ``h`` (docs/sensitivity.md, "Independent errors"), the tokens: every
+    """The tokens, as the forward walk's ``h`` (docs/sensitivity.md, "Independent errors"): every
     channel of a token shares the mixing errors of every layer before it, and the gradient flowing
     back down the walk carries them to every earlier call's ``dw``, ``dγ`` and norm gain alike.
-    Measured: counting each of Full AttnRes's 187 calls as an error, the tiled fp32 walk's ``dw``
-    failed the bias term (6.9e-6 against 5.9e-6) where its RMS error was 0.59 of its limit."""
+    Counted per call, Full AttnRes's 187 calls made the tiled fp32 walk's ``dw`` fail the bias term
+    (6.9e-6 against 5.9e-6) where its RMS error was 0.59 of its limit.
+
+    Capped by what the tokens' errors are worth (``spread_over``: Kish's number of the embedding
+    gradient's tokens, pooled over the form and the baseline): 93 layers amplify some tokens'
+    roundings far more than others', and a few tokens hold the error. Measured on K3's walk over
+    16 and 64 tokens (seeds 0, 3, 24): 0.6 to 13 tokens' worth in fp32 and bf16; counting all 16,
+    the two-phase fp32 walk's ``dw`` failed at 6.9 times the baseline's error at seed 24, where one
+    token held it (worth 0.55)."""
     tokens = int(params.get("T", shape[0]))
-    return ErrorSamples(tokens, tokens)
+    return ErrorSamples(tokens, tokens, spread_over=("dembedding", 0))
+
+
+def _term_sizes(output: str, case: Case, ref: Mapping[str, Any]) -> torch.Tensor | None:
+    """Every call's ``dw`` and ``dγ`` terms' sizes (:func:`k3verify.attnres.recurrent.walk_term_sizes`,
+    one fp64 walk and backward per case), for fp64 agreement: at a saturated softmax a call's
+    ``Σ dℓ k`` cancels to ``e^(-Δℓ)`` of its terms (drawn walks at logit scale 13 and up: 3.7e-8 to
+    6.9e-8 of ``max|dw|``, 1e-16 of the terms). None for ``dembedding`` and ``dnorm``."""
+    if output not in ("dw", "dgamma"):
+        return None
+    if "term_sizes" not in case.cache:
+        x = case.inputs
+        case.cache["term_sizes"] = walk_term_sizes(x["embedding"], x["weights"], x["sublayers"],
+                                                   schedule=x["schedule"], dh=x["dh"])
+    return case.cache["term_sizes"][output]
 
 
 register(
@@ -135,6 +164,7 @@ register(
         from_forward=lambda forward: partial(autograd_backward, forward),
         cotangent="dh",
         error_samples=_error_samples,
+        term_sizes=_term_sizes,
         strategy=lambda: samples.walks(widths=DRAWN_WIDTHS).map(lambda w: with_cotangent(w.sample)),
         default=False,
     )

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ...adapters import flash_attn_res
 from ...attnres import aggregate, naive_baseline, samples
 from ...attnres.chunkwise import GRADIENTS, aggregate_backward
 from ...attnres.recurrent import term_sizes
@@ -36,6 +37,7 @@ from ..registry import (
     cases_from,
     default_error_samples,
     register,
+    unavailable_as,
 )
 from . import attnres as attnres_entry
 
@@ -119,13 +121,28 @@ def _own(form: str, fn: Callable, dtype: str, run_dtype: str, **options: Any) ->
 
 def own_implementations() -> list[Implementation]:
     """The hand-written two-phase backward in fp64, fp32 and with a bf16 stream; autograd through
-    the definition in fp32."""
+    the definition in fp32; flash-attn-res's backward kernels on a CUDA device."""
     return [
         _own("chunkwise", aggregate_backward, "fp64", "fp64"),
         _own("chunkwise", aggregate_backward, "fp32", "fp32"),
         _own("chunkwise", aggregate_backward, "bf16", "fp64", stream_dtype="bf16"),
         _own("recurrent (autograd)", partial(autograd_backward, aggregate), "fp32", "fp32"),
+        _flash_attn_res(),
     ]
+
+
+def _flash_attn_res() -> Implementation:
+    """flash-attn-res's two ops under autograd (each registers its own Triton backward kernel:
+    phase 1's over the stored blocks, phase 2's merge), given ``w ⊙ γ`` as its queries in fp32, so
+    ``dw`` and ``dγ`` come from its query gradient through that product; bf16 inputs, CUDA only."""
+    name = f"flash-attn-res {flash_attn_res.version() or '(missing)'}"
+    return Implementation(
+        module="attnres_backward", implementation=name, form="kernel:two_phase (autograd)", dtype="bf16",
+        params={}, rule=rule_for("bf16"), run=partial(call, partial(autograd_backward, flash_attn_res.aggregate),
+                                                      dtype=torch.bfloat16),
+        cases=CASES, baseline="recurrent", source=f"adapter: {name}",
+        is_available=unavailable_as(flash_attn_res.unavailable_reason),
+    )
 
 
 def _error_samples(output: str, shape: tuple[int, ...], params: Mapping[str, Any]) -> ErrorSamples:

@@ -19,12 +19,13 @@ from typing import Any
 import torch
 
 from ... import attnres
+from ...adapters import flash_attn_res
 from ...attnres import samples
 from ...attnres.recurrent import walk_term_sizes
 from ...numerics import map_tensors, resolve_dtype, rule_for
 from ...numerics.gradients import vjp
 from ..guard import checked_call, gradients_by_name
-from ..registry import Case, ErrorSamples, Implementation, ModuleEntry, Outputs, cases_from, register
+from ..registry import Case, ErrorSamples, Implementation, ModuleEntry, Outputs, cases_from, register, unavailable_as
 
 OUTPUTS = ("dembedding", "dw", "dgamma", "dnorm")
 # K3's blocks of 12 layers, and Full AttnRes (every sublayer a block: up to 187 sources).
@@ -113,7 +114,19 @@ def own_implementations() -> list[Implementation]:
     k3 = ("walk",)
     return [_own("chunkwise", "fp64"), _own("tiled", "fp64", k3, tile=TILE), _own("recurrent", "fp32", k3),
             _own("chunkwise", "fp32", k3), _own("tiled", "fp32", k3, tile=TILE), _own("chunkwise", "bf16"),
-            _own("tiled", "bf16", k3, tile=TILE)]
+            _own("tiled", "bf16", k3, tile=TILE), _flash_attn_res()]
+
+
+def _flash_attn_res() -> Implementation:
+    """flash-attn-res's two ops driving the walk under autograd (their own Triton backward kernels;
+    ``w ⊙ γ`` as queries in fp32), a bf16 stream on a CUDA device, on K3's blocks."""
+    name = f"flash-attn-res {flash_attn_res.version() or '(missing)'}"
+    return Implementation(
+        module="attnres_walk_backward", implementation=name, form="kernel:two_phase (autograd)", dtype="bf16",
+        params={}, rule=rule_for("bf16"), run=partial(call, partial(autograd_backward, flash_attn_res.walk),
+                                                      dtype=torch.bfloat16),
+        cases=("walk",), source=f"adapter: {name}", is_available=unavailable_as(flash_attn_res.unavailable_reason),
+    )
 
 
 def _error_samples(output: str, shape: tuple[int, ...], params: Mapping[str, Any]) -> ErrorSamples:

@@ -34,10 +34,12 @@ GPU_MODULES: dict[str, tuple[tuple[str, ...], str]] = {
     "kda_backward": (("properties/test_kda_backward.py", "properties/test_kda_tiled_backward.py"),
                      "reports/baseline/gpu-h200-kda-backward/run"),
     "moe_backward": (("properties/test_moe_backward.py",), "reports/baseline/gpu-h100-moe-backward/run"),
+    "attnres_backward": (("properties/test_attnres_backward.py",), "reports/baseline/gpu-h100-attnres-backward/run"),
 }
 # Modules of that table whose session skips the map step: no map, or one without kernel cells
-# (kda_backward's and moe_backward's are our tiled forms' only, which the CPU draws alike).
-WITHOUT_MAP = ("mla_backward", "kda_backward", "moe_backward")
+# (kda_backward's, moe_backward's and attnres_backward's are our tiled forms' only, which the CPU
+# draws alike).
+WITHOUT_MAP = ("mla_backward", "kda_backward", "moe_backward", "attnres_backward")
 LATEST = "reports/latest"
 
 

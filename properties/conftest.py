@@ -50,8 +50,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Under pytest-xdist every worker would start one intra-op thread per core for the CPU-side
 # oracles: the cores shared out instead of oversubscribed (8 workers x 16 threads on 16 cores).
+# The share goes to the commands a test starts too (k3verify run, golden generate: a new process
+# reads OMP_NUM_THREADS): with two threads each on two cores busy with the other worker, torch's
+# spinning threads made `k3verify run --modules moe_backward` take 17 s instead of 1.4 s.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_share)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
 
 NIGHTLY_BUDGET_S = 1800.0
 NIGHTLY_OUT = "reports/latest/nightly.json"

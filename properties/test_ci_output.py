@@ -54,14 +54,14 @@ def _read_with_junitparser(path: Path) -> dict[str, object]:
 def test_run_writes_junit_with_the_reports_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     summary = tmp_path / "summary.md"
     monkeypatch.setenv(ci_output.STEP_SUMMARY, str(summary))
-    code = main(["run", "--modules", "moe", "--implementations", "k3verify", "--out", str(tmp_path / "r"),
+    code = main(["run", "--modules", "attnres_backward", "--implementations", "k3verify", "--out", str(tmp_path / "r"),
                  "--goldens", "none", "--quiet", "--junit-xml", str(tmp_path / "run.xml")])
     doc = json.loads((tmp_path / "r" / "report.json").read_text())
     read = _read_junit(tmp_path / "run.xml")
     counts = doc["summary"]
     assert code == 0 and read["totals"] == {"tests": counts["rows"], "failures": counts["fail"],
                                             "skipped": counts["unavailable"], "errors": 0}
-    assert {c[0] for c in read["cases"]} == {"k3verify.moe"}
+    assert {c[0] for c in read["cases"]} == {"k3verify.attnres_backward"}
     text = summary.read_text()
     assert text.startswith("### k3verify run") and f"rows: {counts['rows']}" in text
 

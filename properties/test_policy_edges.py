@@ -420,3 +420,28 @@ def test_the_term_floor_is_k_fp32_roundings_of_the_terms_and_only_for_declared_s
     assert not rule.judge(at, ref, dtype="fp32", baseline=ref.clone()).verdict.passed
     assert policy.term_floor(ref, ref.abs() * 1e-3) < policy.noise_floor(ref, "fp32")
     assert policy.term_floor(ref, None) == 0.0
+
+
+def test_effective_products_count_a_products_factors_not_its_elements() -> None:
+    """One outer product ``a ⊗ b`` with relative roundings of its factors holds at most
+    ``n + m`` errors, and fewer where the factors' entries differ in size: Kish's number over its
+    elements counts their product instead (measured 28 to 38 against 7 to 10 here); a sum of 40
+    products is worth more than its elements, so the element count binds there; no error, 0."""
+    gen = torch.Generator().manual_seed(0)
+    n, m = 16, 12
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    for _ in range(5):
+        a, b = randn(n), randn(m)
+        ref = torch.outer(a, b)[None]
+        outs = [ref + torch.outer(randn(n) * 1e-3 * a.abs(), b)[None] + torch.outer(a, randn(m) * 1e-3 * b.abs())[None]
+                for _ in range(2)]
+        worth = policy.effective_products(ref, *outs)
+        assert 1 <= worth <= n + m and 2 * worth < policy.effective_errors(ref, *outs)
+    A, B = randn(40, n), randn(40, m)
+    ref = (A.T @ B)[None]
+    outs = [((A + 1e-3 * randn(40, n)).T @ (B + 1e-3 * randn(40, m)))[None] for _ in range(2)]
+    assert policy.effective_products(ref, *outs) > policy.effective_errors(ref, *outs)
+    assert policy.effective_products(ref, ref.clone()) == 0

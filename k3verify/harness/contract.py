@@ -176,12 +176,18 @@ class ErrorSamples:
     that only one output shows apart (a walk's tokens, seen in its embedding gradient): ``rms`` and
     ``bias`` are capped by the effective number of the same-dtype baseline's slices of that output
     along ``axis`` (:func:`k3verify.numerics.policy.effective_slices`; the baseline's alone, so that
-    a form cannot lower its own count by an error on one slice), for every output of the row."""
+    a form cannot lower its own count by an error on one slice), for every output of the row.
+
+    ``products``: the output is a stack of summed outer products (``[..., n, m]``, a grouped
+    GEMM's weight gradient per expert): ``rms`` and ``bias`` are capped too by what its products'
+    factors are worth (:func:`k3verify.numerics.policy.effective_products`), fewer than Kish's
+    number over the elements where an expert has one or two products."""
 
     rms: int
     bias: int
     spread: bool = False
     spread_over: tuple[str, int] | None = None
+    products: bool = False
 
 
 def default_error_samples(shape: tuple[int, ...]) -> ErrorSamples:

@@ -26,6 +26,7 @@ from ..numerics import (
     UNAVAILABLE,
     compare,
     effective_errors,
+    effective_products,
     effective_slices,
     expected_nonfinite,
     spacing,
@@ -310,6 +311,8 @@ def _judge(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out:
         # Errors of unequal scales count as many as they are worth (Kish's number, both forms'
         # pooled), for the RMS term and the bias's noise alike.
         worth = effective_errors(ref, out, base_out)
+        if samples.products:
+            worth = min(worth, effective_products(ref, out, base_out))
         rms_n, bias_n = min(rms_n, worth), min(bias_n, worth)
     if samples.spread_over is not None and base_out is not None and oracle is not None:
         # Errors that come in slices of very different sizes (a walk's tokens): as many as the

@@ -275,6 +275,37 @@ def effective_slices(ref: torch.Tensor, *outs: torch.Tensor, axis: int = 0) -> i
     return min(r.shape[0], max(1, int((1.0 + 2.0 / m) * float(E.sum()) ** 2 / second / len(outs))))
 
 
+def effective_products(ref: torch.Tensor, *outs: torch.Tensor) -> int:
+    """How many independent errors a stack of summed outer products is worth (``ref:[..., n, m]``,
+    each matrix ``Σ_r a_r ⊗ b_r``, a grouped GEMM's weight gradient per expert): each product's
+    error ``δa ⊗ b + a ⊗ δb`` holds about as many errors as its factors have entries, weighted
+    by their sizes, so a matrix of rank ``ρ`` (its number of products, read from the oracle's
+    numerical rank) is worth at most ``ρ`` times Kish's number of its error's rows plus that of
+    its columns (chi-square corrected, pooled over ``outs``), where Kish's number over the
+    elements (:func:`effective_errors`) multiplies the two. Summed over the matrices; at least 1
+    where there is any error, 0 for none. The element count caps nothing here: take the smaller
+    of this and :func:`effective_errors`."""
+    r = ref.detach().to("cpu", torch.float64)
+    if r.dim() < 2 or not outs:
+        return 0
+    n, m = r.shape[-2:]
+    mats = r.reshape(-1, n, m)
+    errs = [o.detach().to("cpu", torch.float64).reshape(-1, n, m) - mats for o in outs]
+    total, any_error = 0.0, False
+    for i in range(mats.shape[0]):
+        e = [torch.where(torch.isfinite(x[i]), x[i], 0.0) for x in errs]
+        if not any(bool(x.any()) for x in e):
+            continue
+        any_error = True
+        rank = int(torch.linalg.matrix_rank(mats[i], rtol=1e-10)) if bool(mats[i].any()) else min(n, m)
+        rows = torch.cat([x.square().sum(1) for x in e])
+        cols = torch.cat([x.square().sum(0) for x in e])
+        kish = [(1.0 + 2.0 / size) * float(v.sum()) ** 2 / float((v * v).sum()) / len(outs)
+                for v, size in ((rows, m), (cols, n))]
+        total += max(rank, 1) * sum(kish)
+    return max(1, int(total)) if any_error else 0
+
+
 def noise_floor(ref: torch.Tensor, dtype: torch.dtype | str, *, metric: str = "rms_ratio") -> float:
     """Error of the oracle's own output rounded to ``dtype``: what no implementation beats."""
     r64 = ref.detach().to("cpu", torch.float64)

@@ -245,7 +245,7 @@ def _error_samples(output: str, shape: tuple[int, ...], params: Mapping[str, Any
         default = default_error_samples(shape)
         return ErrorSamples(min(default.rms, pairs), min(default.bias, rows), spread=True)
     if output in ("dw1", "dw3", "dw2"):
-        return product_error_samples(pairs, shape)
+        return dataclasses.replace(product_error_samples(pairs, shape), products=True)
     if output in ("dx", "dlatent_norm"):
         return dataclasses.replace(default_error_samples(shape), spread=True)
     # x (W↓'s and the shared up-projections' left factor) and dy (W↑'s and S2's right factor)

@@ -235,44 +235,52 @@ def bias_z(n: int, alpha: float = SMALL_OUTPUT_ALPHA) -> float:
     return hi
 
 
+def _differences(ref: torch.Tensor, outs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """``out - ref`` in fp64 on the CPU for each of ``outs``, non-finite entries as 0."""
+    r = ref.detach().to("cpu", torch.float64)
+    diffs = [o.detach().to("cpu", torch.float64) - r for o in outs]
+    return [torch.where(torch.isfinite(d), d, 0.0) for d in diffs]
+
+
+def _kish(energies: torch.Tensor, size: int, pooled: int) -> float:
+    """Kish's effective number ``(ΣE)² / ΣE²`` of error energies ``E``, each the sum of ``size``
+    squared errors, per form of the ``pooled`` ones they came from; 0 when every ``E`` is 0. ``E``
+    of ``size`` equal-scale normal errors is a scaled chi-square with ``E[E²] = (1 + 2/size) E[E]²``,
+    hence that factor (3 for single elements)."""
+    second = float((energies * energies).sum())
+    return 0.0 if second == 0.0 else (1.0 + 2.0 / size) * float(energies.sum()) ** 2 / second / pooled
+
+
+def _count(worth: float, most: float) -> int:
+    """A count of errors from Kish's number: at most ``most``; at least 1 where there is any error
+    (a count of 0 would read as 'no count', the plain factor k), 0 where there is none."""
+    return min(most, max(1, int(worth))) if worth > 0.0 else 0
+
+
 def effective_errors(ref: torch.Tensor, *outs: torch.Tensor) -> int:
     """How many equal-scale independent errors each of ``outs - ref`` is worth, the scales pooled
     over ``outs`` (two forms of one output share where the rounding is amplified): Kish's
     effective number ``(Σσ²)² / Σσ⁴``, each ``σ_i²`` estimated by the ``e_i²`` of every out (for a
-    normal error ``E[e⁴] = 3σ⁴``, hence ``3 (Σe²)² / Σe⁴``), divided by the number of outs and at
-    most the number of elements, at least 1; 0 for no error. Equal scales give about the element count; a
-    few dominant errors, about their number."""
-    r = ref.detach().to("cpu", torch.float64).reshape(-1)
-    e = torch.cat([o.detach().to("cpu", torch.float64).reshape(-1) - r for o in outs])
-    e = e[torch.isfinite(e)]
-    squares = e * e
-    fourth = float((squares * squares).sum())
-    if fourth == 0.0 or not outs:
+    normal error ``E[e⁴] = 3σ⁴``, hence ``3 (Σe²)² / Σe⁴``), divided by the number of outs; at most
+    the number of elements, at least 1; 0 for no error. Equal scales give about the element
+    count; a few dominant errors, about their number."""
+    if not outs:
         return 0
-    # one error at least: a count of 0 would read as 'no count' (the plain factor k)
-    return min(r.numel(), max(1, int(3.0 * float(squares.sum()) ** 2 / fourth / len(outs))))
+    squares = torch.cat([d.reshape(-1).square() for d in _differences(ref, outs)])
+    return _count(_kish(squares, 1, len(outs)), ref.numel())
 
 
 def effective_slices(ref: torch.Tensor, *outs: torch.Tensor, axis: int = 0) -> int:
     """How many equal-scale independent errors each of ``outs - ref`` is worth where its errors
     come in slices along ``axis`` (a token's channels share its errors): Kish's effective number
-    of slices, ``(ΣE)² / ΣE²`` over the slices' error energies ``E = Σ e²``, pooled over ``outs``
-    as :func:`effective_errors` pools elements (one at least). ``E`` of an ``m``-element slice of normal errors
-    is a scaled chi-square with ``E[E²] = (1 + 2/m) E[E]²``, hence the factor ``1 + 2/m``. At most
-    the number of slices; 0 for no error."""
-    r = ref.detach().to("cpu", torch.float64).movedim(axis, 0)
-    if not outs or r.numel() == 0:
+    of slices over the slices' error energies ``E = Σ e²``, pooled over ``outs`` as
+    :func:`effective_errors` pools elements (:func:`_kish`). At most the number of slices, at least
+    1; 0 for no error."""
+    if not outs or ref.numel() == 0:
         return 0
-    m = r[0].numel()
-    energies = []
-    for o in outs:
-        e = o.detach().to("cpu", torch.float64).movedim(axis, 0) - r
-        energies.append(torch.where(torch.isfinite(e), e, 0.0).square().reshape(r.shape[0], -1).sum(1))
-    E = torch.cat(energies)
-    second = float((E * E).sum())
-    if second == 0.0:
-        return 0
-    return min(r.shape[0], max(1, int((1.0 + 2.0 / m) * float(E.sum()) ** 2 / second / len(outs))))
+    slices = ref.shape[axis]
+    energies = torch.cat([d.movedim(axis, 0).reshape(slices, -1).square().sum(1) for d in _differences(ref, outs)])
+    return _count(_kish(energies, ref.numel() // slices, len(outs)), slices)
 
 
 def effective_products(ref: torch.Tensor, *outs: torch.Tensor) -> int:
@@ -281,29 +289,25 @@ def effective_products(ref: torch.Tensor, *outs: torch.Tensor) -> int:
     error ``δa ⊗ b + a ⊗ δb`` holds about as many errors as its factors have entries, weighted
     by their sizes, so a matrix of rank ``ρ`` (its number of products, read from the oracle's
     numerical rank) is worth at most ``ρ`` times Kish's number of its error's rows plus that of
-    its columns (chi-square corrected, pooled over ``outs``), where Kish's number over the
-    elements (:func:`effective_errors`) multiplies the two. Summed over the matrices; at least 1
-    where there is any error, 0 for none. The element count caps nothing here: take the smaller
-    of this and :func:`effective_errors`."""
-    r = ref.detach().to("cpu", torch.float64)
-    if r.dim() < 2 or not outs:
+    its columns (:func:`_kish`, pooled over ``outs``), where Kish's number over the elements
+    (:func:`effective_errors`) multiplies the two. Summed over the matrices; at least 1 where
+    there is any error, 0 for none. The element count caps nothing here: take the smaller of this
+    and :func:`effective_errors`."""
+    if ref.dim() < 2 or not outs:
         return 0
-    n, m = r.shape[-2:]
-    mats = r.reshape(-1, n, m)
-    errs = [o.detach().to("cpu", torch.float64).reshape(-1, n, m) - mats for o in outs]
-    total, any_error = 0.0, False
+    n, m = ref.shape[-2:]
+    mats = ref.detach().to("cpu", torch.float64).reshape(-1, n, m)
+    errs = [d.reshape(-1, n, m) for d in _differences(ref, outs)]
+    total = 0.0
     for i in range(mats.shape[0]):
-        e = [torch.where(torch.isfinite(x[i]), x[i], 0.0) for x in errs]
+        e = [x[i] for x in errs]
         if not any(bool(x.any()) for x in e):
             continue
-        any_error = True
         rank = int(torch.linalg.matrix_rank(mats[i], rtol=1e-10)) if bool(mats[i].any()) else min(n, m)
-        rows = torch.cat([x.square().sum(1) for x in e])
-        cols = torch.cat([x.square().sum(0) for x in e])
-        kish = [(1.0 + 2.0 / size) * float(v.sum()) ** 2 / float((v * v).sum()) / len(outs)
-                for v, size in ((rows, m), (cols, n))]
-        total += max(rank, 1) * sum(kish)
-    return max(1, int(total)) if any_error else 0
+        rows = _kish(torch.cat([x.square().sum(1) for x in e]), m, len(outs))
+        cols = _kish(torch.cat([x.square().sum(0) for x in e]), n, len(outs))
+        total += max(rank, 1) * (rows + cols)
+    return _count(total, math.inf)
 
 
 def noise_floor(ref: torch.Tensor, dtype: torch.dtype | str, *, metric: str = "rms_ratio") -> float:

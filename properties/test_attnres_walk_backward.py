@@ -87,9 +87,9 @@ def test_fp64_rows_hold_a_cancelled_sum_to_its_terms_and_still_bite() -> None:
 def test_a_walks_errors_count_as_many_tokens_as_the_baselines_are_worth() -> None:
     """Rule: baseline, the RMS term; its count is the tokens, capped by Kish's number of the
     baseline's embedding-gradient tokens (``spread_over``). K3's walk over 16 tokens at logit scale
-    16, seed 24: the two-phase fp32 walk's error measured 6.9 times the baseline's on ``dw``, one
-    token holding most of it; 16 counted tokens allowed 3.87 times, what the baseline's tokens are
-    worth allows more, and the row passes."""
+    16, seed 24: the two-phase fp32 walk's error measured 6.9 times the baseline's on ``dw`` (5.9
+    with ATen's default CPU kernels), one token holding most of it; 16 counted tokens allowed 3.87
+    times, what the baseline's tokens are worth allows more, and the row passes."""
     from k3verify.harness import runner
     from k3verify.numerics import policy
 
@@ -100,7 +100,9 @@ def test_a_walks_errors_count_as_many_tokens_as_the_baselines_are_worth() -> Non
     impl = next(i for i in e.own_implementations() if i.form == "chunkwise (autograd)" and i.dtype == "fp32")
     row = runner.verify(e, impl, case)
     dw = row["outputs"]["dw"]
-    assert dw["verdict"]["err"] > 6 * dw["baseline_metrics"]["rms_ratio"] > 0
+    # The ratio depends on how the host rounds (6.9x with AVX2 kernels, 5.9x with ATen's default
+    # ones): what holds on any host is that counting all 16 tokens would have failed it.
+    assert dw["verdict"]["err"] > policy.small_output_k(16) * dw["baseline_metrics"]["rms_ratio"] > 0
     worth = policy.effective_slices(e.oracle(case)["dembedding"], e.baseline(case, "fp32")["dembedding"])
     assert 1 <= worth < 6 and dw["verdict"]["k"] == pytest.approx(policy.small_output_k(worth))
     assert row["status"] == "pass", dw["verdict"]

@@ -8,6 +8,8 @@ max error <= 1e-10) per gradient; bf16 forms are the ``baseline`` rule.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import assume, given
@@ -15,7 +17,7 @@ from hypothesis import strategies as st
 from verdicts import assert_fp64_agrees
 
 from k3verify import mla
-from k3verify.harness import registry, selftest
+from k3verify.harness import registry, runner, selftest
 from k3verify.harness.modules import mla_backward as entry
 from k3verify.mla import samples
 from k3verify.mla.cache import live_entries, with_entries
@@ -135,3 +137,29 @@ def test_the_testing_api_judges_an_mla_forward_on_its_gradients() -> None:
     tiled bf16 backward passes on the hot case (rule: baseline, the definition's family)."""
     assert_matches_oracle(mla.chunkwise, "mla", torch.bfloat16, direction="backward", cases=["default"])
     assert_matches_oracle(tiled_backward, "mla", torch.bfloat16, direction="backward", cases=["hot"], tile=16)
+
+
+def test_the_hot_case_counts_the_query_rows_its_errors_are_worth() -> None:
+    """Rule: baseline, its bias term. On ``hot`` at seed 4 the tiled bf16 backward's ``dq_nope``
+    bias measured 1.02 times its limit when half the 288 query rows counted: near one-hot rows
+    cancel in ``dS`` and a few rows hold the error (the bf16 baseline's worth 8 to 11 rows at
+    seeds 0, 1, 4), each moving its row coherently. With the bias's count capped by the
+    baseline's ``dq_nope`` rows (``ErrorSamples.spread_over``) the row passes; its RMS term keeps
+    the factor 2 (the rows' worth times their width is more than half the rows); without the cap
+    it fails ``dq_nope``."""
+    from k3verify.numerics import policy
+
+    mla_entry = registry.get("mla_backward")
+    case = mla_entry.make_cases(4)["hot"]
+    impl = next(i for i in mla_entry.own_implementations() if i.form.startswith("tiled") and i.dtype == "bf16")
+    ref, base = mla_entry.oracle(case), mla_entry.baseline(case, "bf16", mla_entry.baseline_family(impl))
+    worth = policy.effective_slices(ref["dq_nope"], base["dq_nope"], axis=(0, 1, 2))
+    assert worth < 144 <= worth * ref["dq_nope"].shape[-1]
+    row = runner.verify(mla_entry, impl, case)
+    assert row["outputs"]["dq_nope"]["verdict"]["k"] == pytest.approx(2.0)
+    assert row["status"] == "pass", row["verdict"]
+    uncapped = dataclasses.replace(
+        mla_entry, error_samples=lambda o, s, p: dataclasses.replace(entry._error_samples(o, s, p), spread_over=None))
+    row = runner.verify(uncapped, impl, case)
+    assert row["status"] == "fail" and row["output"] == "dq_nope"
+    assert row["verdict"]["metric"] == "bias"

@@ -299,3 +299,33 @@ def test_a_one_pair_expert_gradient_counts_its_factors() -> None:
     assert dw3["verdict"]["err"] > 3 * dw3["baseline_metrics"]["rms_ratio"]
     assert dw3["verdict"]["k"] == pytest.approx(policy.small_output_k(6))
     assert row["status"] == "pass", dw3["verdict"]
+
+
+@pytest.mark.parametrize(("T", "kwargs", "output"), [
+    (3, dict(E=8, k=4, d=16, H=4, seed=4323, activation="swiglu", rho=2.827, bias_scale=0.1), "dw1"),
+    (5, dict(E=8, k=1, d=16, H=8, seed=1141, activation="swiglu", rho=2.827, bias_scale=0.1, balanced=True),
+     "dw_latent_down"),
+], ids=["T3 top-4 dw1", "T5 top-1 dW_down"])
+def test_a_tokens_latent_error_counts_once_for_every_gradient_it_reaches(T: int, kwargs: dict, output: str) -> None:
+    """Rule: baseline. Two drawn problems (pinned) where the tiled bf16 backward measured 2.42
+    and 2.77 times the baseline's error on ``output`` while the count of its pairs' products
+    allowed 2.21: every pair of a token carries that token's latent-gradient error, so the count
+    is capped by what the baseline's ``dx`` tokens are worth times the latent width
+    (``ErrorSamples.spread_over``, ``slice_errors``). The row passes with the cap, its factor is
+    that count's, and without the cap the same row fails that output."""
+    from k3verify.numerics import policy
+
+    inputs, params = entry.with_cotangent(samples.make_problem(T, **kwargs).sample)
+    case = registry.Case("pinned", inputs, params)
+    moe_entry = registry.get("moe_backward")
+    impl = next(i for i in moe_entry.own_implementations() if i.form.startswith("tiled") and i.dtype == "bf16")
+    ref, base = moe_entry.oracle(case), moe_entry.baseline(case, "bf16")
+    worth = policy.effective_slices(ref["dx"], base["dx"])
+    row = runner.verify(moe_entry, impl, case)
+    judged = row["outputs"][output]
+    assert judged["verdict"]["k"] == pytest.approx(policy.small_output_k(worth * inputs["config"].latent_size))
+    assert row["status"] == "pass", judged["verdict"]
+    uncapped = dataclasses.replace(
+        moe_entry, error_samples=lambda o, s, p: dataclasses.replace(entry._error_samples(o, s, p), spread_over=None))
+    row = runner.verify(uncapped, impl, case)
+    assert row["status"] == "fail" and row["output"] == output

@@ -175,8 +175,12 @@ class ErrorSamples:
     ``spread_over``: ``(output, axis)``, where the errors come in slices of very different sizes
     that only one output shows apart (a walk's tokens, seen in its embedding gradient): ``rms`` and
     ``bias`` are capped by the effective number of the same-dtype baseline's slices of that output
-    along ``axis`` (:func:`k3verify.numerics.policy.effective_slices`; the baseline's alone, so that
-    a form cannot lower its own count by an error on one slice), for every output of the row.
+    along ``axis``, an axis or a tuple of them (:func:`k3verify.numerics.policy.effective_slices`;
+    the baseline's alone, so that a form cannot lower its own count by an error on one slice), for
+    every output of the row:
+    ``bias`` by that number, ``rms`` by it times ``slice_errors``, the independent errors one slice
+    can hold (1 where the count is of slices; a token's latent width where every error of a token
+    enters through one vector of that width).
 
     ``products``: the output is a stack of summed outer products (``[..., n, m]``, a grouped
     GEMM's weight gradient per expert): ``rms`` and ``bias`` are capped too by what its products'
@@ -186,8 +190,9 @@ class ErrorSamples:
     rms: int
     bias: int
     spread: bool = False
-    spread_over: tuple[str, int] | None = None
+    spread_over: tuple[str, int | tuple[int, ...]] | None = None
     products: bool = False
+    slice_errors: int = 1
 
 
 def default_error_samples(shape: tuple[int, ...]) -> ErrorSamples:

@@ -320,7 +320,7 @@ def _judge(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out:
         # The baseline's alone: a form whose error sits on one slice must not lower its own count.
         source, axis = samples.spread_over
         worth = effective_slices(oracle[source], _baseline(entry, case, impl)[source].detach().cpu(), axis=axis)
-        rms_n, bias_n = min(rms_n, worth), min(bias_n, worth)
+        rms_n, bias_n = min(rms_n, worth * samples.slice_errors), min(bias_n, worth)
     j = rule.judge(out, ref, dtype=impl.dtype, baseline=base_out, metrics=metrics, rms_n=rms_n,
                    bias_n=bias_n, zero_floor=zero_floor, term_sizes=term_sizes)
     judged["metrics"] = j.metrics

@@ -188,8 +188,8 @@ class MoEProblem:
     def sample(self) -> Sample:
         """The problem as a sample ``(inputs, params)``."""
         bias = "quantile balancing" if self.balanced else f"random {self.bias_scale:g}"
-        params = dict(T=self.T, E=self.E, k=self.k, d=self.d, H=self.H, activation=self.activation, rho=self.rho,
-                      seed=self.seed, bias=bias)
+        params = dict(T=self.T, E=self.E, k=self.k, d=self.d, Dl=self.cfg.latent_size, H=self.H,
+                      activation=self.activation, rho=self.rho, seed=self.seed, bias=bias)
         return _sample(self.x, self.weights, self.cfg, params)
 
 

@@ -270,16 +270,20 @@ def effective_errors(ref: torch.Tensor, *outs: torch.Tensor) -> int:
     return _count(_kish(squares, 1, len(outs)), ref.numel())
 
 
-def effective_slices(ref: torch.Tensor, *outs: torch.Tensor, axis: int = 0) -> int:
+def effective_slices(ref: torch.Tensor, *outs: torch.Tensor, axis: int | tuple[int, ...] = 0) -> int:
     """How many equal-scale independent errors each of ``outs - ref`` is worth where its errors
-    come in slices along ``axis`` (a token's channels share its errors): Kish's effective number
-    of slices over the slices' error energies ``E = Σ e²``, pooled over ``outs`` as
-    :func:`effective_errors` pools elements (:func:`_kish`). At most the number of slices, at least
-    1; 0 for no error."""
+    come in slices along ``axis`` (a token's channels share its errors; a tuple of axes makes each
+    combination of their indices one slice, an attention's ``(batch, token, head)`` query row):
+    Kish's effective number of slices over the slices' error energies ``E = Σ e²``, pooled over
+    ``outs`` as :func:`effective_errors` pools elements (:func:`_kish`). At most the number of
+    slices, at least 1; 0 for no error."""
     if not outs or ref.numel() == 0:
         return 0
-    slices = ref.shape[axis]
-    energies = torch.cat([d.movedim(axis, 0).reshape(slices, -1).square().sum(1) for d in _differences(ref, outs)])
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    slices = math.prod(ref.shape[a] for a in axes)
+    front = tuple(range(len(axes)))
+    energies = torch.cat([d.movedim(axes, front).reshape(slices, -1).square().sum(1)
+                          for d in _differences(ref, outs)])
     return _count(_kish(energies, ref.numel() // slices, len(outs)), slices)
 
 

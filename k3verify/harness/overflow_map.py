@@ -207,59 +207,90 @@ def sweep(
     return cells
 
 
+def measured_cell(base: dict[str, Any], out: Any, lines: list[str], ref: Any, dtype: str,
+                  prediction: Any) -> dict[str, Any]:
+    """A cell from an output and its fp64 reference: ``base`` (the cell's sweep keys), the
+    prediction's details, finiteness and the error metrics in ``dtype``; ``lines`` name the
+    overflowing operand when the output is not finite."""
+    m = compare(out, ref, ulp_dtype=dtype)
+    details = {k: v for k, v in asdict(prediction).items() if k not in ("finite", "reasons")} \
+        if prediction is not None and is_dataclass(prediction) else {}
+    if prediction is not None:
+        why = prediction.explanation
+        details["explanation"] = why() if callable(why) else why
+    made = base | details | {
+        "finite": m.nonfinite == 0,
+        "predicted_finite": True if prediction is None else bool(prediction.finite),
+        "rms_ratio": m.rms_ratio,
+        "max_abs": m.max_abs,
+        "nonfinite": m.nonfinite,
+    }
+    if m.nonfinite:
+        made["overflow"] = lines[0] if lines else "non-finite output with no operand overflow"
+    return made
+
+
+def form_base(entry: Any, form: SweptForm, point: dict[str, Any]) -> dict[str, Any]:
+    """The sweep keys of a swept form's cell at ``point``."""
+    return {"module": entry.name, "implementation": form.implementation, **point, **form.params}
+
+
+def form_cell(entry: Any, form: SweptForm, case: Any, point: dict[str, Any], ref: Any) -> dict[str, Any]:
+    """One swept form's cell at ``point``, whose case is ``case`` and fp64 reference ``ref``."""
+    o, lines = form.run(case)
+    made = measured_cell(form_base(entry, form, point), o, lines, ref, form.dtype, form.predict(case))
+    return made | (form.judge(case, o, ref) if form.judge is not None else {})
+
+
+def map_implementations(entry: Any) -> list[Any]:
+    """The registered implementations that join ``entry``'s map (``in_map`` and available here)."""
+    return [i for i in entry.implementations() if i.in_map and i.unavailable() is None]
+
+
+def registered_at(d: MapDefinition, impls: Sequence[Any], point: dict[str, Any]) -> list[Any]:
+    """Those of ``impls`` that run at ``point``, in their order."""
+    if not d.registered_on(point):
+        return []
+    return [impl for impl in impls if impl.map_points is None or impl.map_points(point)]
+
+
 def sweep_map(entry: Any, options: MapOptions, progress: Progress = lambda done, total: None) -> MapResult:
     """The overflow map of a registry entry: its own forms and every registered implementation
     with ``in_map`` swept over the entry's map points, each cell with its analytic prediction."""
     d: MapDefinition = entry.overflow_map
     forms = d.forms(options)
-    impls = [i for i in entry.implementations() if i.in_map and i.unavailable() is None]
-
-    def cell(base: dict[str, Any], out: Any, lines: list[str], ref: Any, dtype: str, prediction: Any) -> dict:
-        m = compare(out, ref, ulp_dtype=dtype)
-        details = {k: v for k, v in asdict(prediction).items() if k not in ("finite", "reasons")} \
-            if prediction is not None and is_dataclass(prediction) else {}
-        if prediction is not None:
-            why = prediction.explanation
-            details["explanation"] = why() if callable(why) else why
-        made = base | details | {
-            "finite": m.nonfinite == 0,
-            "predicted_finite": True if prediction is None else bool(prediction.finite),
-            "rms_ratio": m.rms_ratio,
-            "max_abs": m.max_abs,
-            "nonfinite": m.nonfinite,
-        }
-        if m.nonfinite:
-            made["overflow"] = lines[0] if lines else "non-finite output with no operand overflow"
-        return made
+    impls = map_implementations(entry)
 
     def cells_at(case: Any, point: dict[str, Any]) -> list[dict[str, Any]]:
         ref = d.reference(case)
-        out = []
-        for f in forms:
-            o, lines = f.run(case)
-            base = {"module": entry.name, "implementation": f.implementation, **point, **f.params}
-            made = cell(base, o, lines, ref, f.dtype, f.predict(case))
-            out.append(made | (f.judge(case, o, ref) if f.judge is not None else {}))
-        if d.registered_on(point):
-            for impl in impls:
-                if impl.map_points is None or impl.map_points(point):
-                    out.append(_registered_cell(entry, impl, case, point, ref, d, cell))
+        out = [form_cell(entry, f, case, point, ref) for f in forms]
+        out += [_registered_cell(entry, impl, case, point, ref, d, measured_cell)
+                for impl in registered_at(d, impls, point)]
         return out
 
     cells = sweep(d.points(options), lambda p: d.make_case(p, options.seed), cells_at, progress)
+    return finish_map(entry, options, cells)
+
+
+def finish_map(entry: Any, options: MapOptions, cells: list[dict[str, Any]],
+               curves: dict[str, Any] | None = None) -> MapResult:
+    """The map of ``cells`` (in sweep order): frontier neighbours marked, the module's record and
+    agreement counts in ``meta``, and its studies' curves (computed here unless ``curves`` gives them)."""
+    d: MapDefinition = entry.overflow_map
     mark_frontier(cells, d.frontier_axes(cells), fixed=d.fixed)
     for c in cells:  # a check within its own rounding band (the prediction says so) is at the frontier too
         c["frontier_adjacent"] = c["frontier_adjacent"] or bool(c.get("near_frontier", False))
     meta = d.meta(cells, options)
     meta["agreement"] = {"all": agreement(cells), **meta.get("agreement", {})}
     # The module's studies (curves that belong beside its map) are written with it.
-    meta["curves"] = {name: study(options.seed, options.quick) for name, study in entry.studies.items()}
+    meta["curves"] = curves if curves is not None else {
+        name: study(options.seed, options.quick) for name, study in entry.studies.items()}
     return MapResult(entry.name, cells, d.spec, meta)
 
 
-def _registered_cell(entry: Any, impl: Any, case: Any, point: dict[str, Any], ref: Any, d: MapDefinition,
-                     cell: Callable[..., dict[str, Any]]) -> dict[str, Any]:
-    """A registered implementation's cell: the point's keys, its own identity in the panel keys."""
+def registered_base(entry: Any, impl: Any, point: dict[str, Any], d: MapDefinition) -> dict[str, Any]:
+    """The sweep keys of a registered implementation's cell: the point's keys, its own identity in
+    the panel keys."""
     params = " ".join(f"{k}={v}" for k, v in impl.params.items())
     keys = d.registered_keys(impl) if d.registered_keys else {}
     spec = d.spec
@@ -267,9 +298,15 @@ def _registered_cell(entry: Any, impl: Any, case: Any, point: dict[str, Any], re
     # axes, such as MLA's context, stay as they are: they place the cell on the grid).
     labels = {spec.figure: f"{point.get(spec.figure, '')}, {impl.implementation} {impl.form}".strip(", "),
               spec.panel_row: impl.dtype, spec.panel_col: params or impl.form}
-    base = {"module": entry.name, **{k: v for k, v in labels.items() if k not in point or k == spec.figure},
+    return {"module": entry.name, **{k: v for k, v in labels.items() if k not in point or k == spec.figure},
             **{k: v for k, v in point.items() if k != spec.figure}, "implementation": f"{impl.implementation} "
             f"{impl.form}", "source": impl.source} | keys
+
+
+def _registered_cell(entry: Any, impl: Any, case: Any, point: dict[str, Any], ref: Any, d: MapDefinition,
+                     cell: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+    """A registered implementation's cell at ``point`` (keys from :func:`registered_base`)."""
+    base = registered_base(entry, impl, point, d)
     try:
         prediction = impl.predict(case) if impl.predict is not None else None
     except Exception as exc:  # a prediction that raises is a cell that says so, not a crashed map

@@ -1,7 +1,7 @@
 """The ``k3verify`` command line.
 
     k3verify run [--modules kda,mla] [--out reports/latest] [--seed 0] [--maps DIR]
-    k3verify overflow-map --module kda [--out reports/maps] [--quick]
+    k3verify overflow-map --module kda [--out reports/maps] [--quick] [--engine dask [--workers N]]
     k3verify list [--modules ...]
     k3verify golden generate [--dir golden] [--modules ...] [--seed 0]
     k3verify golden verify [--dir golden] [--modules ...] [--out DIR]
@@ -43,7 +43,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .harness import ci_output, compare, golden, registry, report, runner, sandbox, timing
-from .harness.environment import environment
+from .harness.environment import code_commit, environment
 from .harness.files import UsageError, check_output_folder, hold_output_folder, json_safe
 from .harness.map_files import check_maps_folder, default_maps_folder, write_map
 from .harness.overflow_map import MapOptions, agreement, sweep_map
@@ -379,7 +379,8 @@ def _print_attention(out: Console, rows: list[dict]) -> None:
 @_writes("out", "--out")
 def cmd_overflow_map(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Sweep the overflow map of each selected module (``all``: every module that has one) and
-    write its JSON, PNGs and studies; 1 if any cell disagrees with its prediction away from the frontier."""
+    write its JSON, PNGs and studies; 1 if any cell disagrees with its prediction away from the frontier.
+    With ``--engine dask`` the cells are computed on a Dask cluster (:mod:`k3verify.harness.dask_engine`)."""
     if args.module.strip() == "all":
         entries = [e for e in registry.select(None) if e.overflow_map is not None]
     else:
@@ -388,6 +389,9 @@ def cmd_overflow_map(args: argparse.Namespace, out: Console, err: Console) -> in
         if without:
             raise UsageError(f"module(s) {', '.join(without)} have no overflow map")
     check_output_folder(Path(args.out), "--out")
+    engine = _map_engine(args)
+    if engine is not None:
+        return _overflow_maps_on_dask(args, entries, engine, out, err)
     failed = False
     for entry in entries:
         start = time.perf_counter()
@@ -405,6 +409,81 @@ def cmd_overflow_map(args: argparse.Namespace, out: Console, err: Console) -> in
         for p in paths:
             _say(out, f"wrote {p}")
     return 1 if failed else 0
+
+
+def _map_engine(args: argparse.Namespace) -> Any:
+    """The ``DaskOptions`` of ``--engine dask`` (``None`` for the local engine); ``UsageError`` for
+    Dask options without it, both ``--scheduler`` and ``--workers``, or dask not installed."""
+    dask_only = {"--scheduler": args.scheduler, "--workers": args.workers, "--retries": args.retries,
+                 "--cell-timeout": args.cell_timeout}
+    if args.engine == "local":
+        given = [name for name, value in dask_only.items() if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} go(es) with --engine dask")
+        return None
+    from .harness import dask_engine
+
+    if args.scheduler is not None and args.workers is not None:
+        raise UsageError("give --scheduler (an existing cluster) or --workers (a local one), not both")
+    dask_engine.require_dask()
+    return dask_engine.DaskOptions(scheduler=args.scheduler, workers=args.workers,
+                                   retries=dask_engine.DEFAULT_RETRIES if args.retries is None else args.retries,
+                                   cell_timeout=args.cell_timeout)
+
+
+def _overflow_maps_on_dask(args: argparse.Namespace, entries: list, engine: Any, out: Console, err: Console) -> int:
+    """``cmd_overflow_map`` with the cells computed on one Dask cluster for all ``entries``: each
+    map's finished cells kept in ``<out>/.partial/<module>.jsonl`` until its files are written."""
+    from .harness import dask_engine
+
+    out_dir = Path(args.out)
+    failed = False
+    with dask_engine.dask_client(engine) as client:
+        for entry in entries:
+            start = time.perf_counter()
+            with _progress(err) as bar:
+                task = bar.add_task(f"{entry.name} overflow map", total=None, current="")
+                result = dask_engine.run_sweep(
+                    entry, MapOptions(quick=args.quick, seed=args.seed), client, retries=engine.retries,
+                    cell_timeout=engine.cell_timeout, partial=dask_engine.partial_path(out_dir, entry.name),
+                    commit=code_commit(), status=_dask_status(bar, task, err, f"{entry.name} overflow map"))
+            result.meta["wall_s"] = round(time.perf_counter() - start, 2)
+            paths = write_map(result, out_dir, environment())
+            dask_engine.remove_partial(out_dir, entry.name)
+            counts = agreement(result.cells)
+            failed |= counts["disagree_away"] > 0
+            e = result.meta["engine"]
+            _say(out, f"{entry.name}: {len(result.cells)} cells in {result.meta['wall_s']:.1f} s on {e['workers']} "
+                      f"Dask workers ({e['computed']} computed, {e['resumed']} from the partial file, {e['failed']} "
+                      f"failed, {e['retried']} retried); prediction vs observation: {counts['agree']} agree, "
+                      f"{counts['disagree_adjacent']} disagree next to the frontier, {counts['disagree_away']} "
+                      "disagree away from it")
+            for p in paths:
+                _say(out, f"wrote {p}")
+    return 1 if failed else 0
+
+
+def _dask_status(bar: Progress | LineProgress, task: int, err: Console, what: str) -> Callable[[Any], None]:
+    """The Dask sweep's status on ``bar`` (cells done of all; failed, retried and the ETA beside
+    it), each failed cell as a line, and in a log (``bar`` a :class:`LineProgress`) one line per
+    10% of the cells with the same counts."""
+    shown = {"fraction": -1.0, "failures": 0}
+
+    def update(status: Any) -> None:
+        for index, reason in status.failures[shown["failures"]:]:
+            _say(err, f"{what}: cell {index} failed: {reason}", style="yellow")
+        shown["failures"] = len(status.failures)
+        if isinstance(bar, LineProgress):
+            fraction = status.done / status.total if status.total else 1.0
+            if fraction - shown["fraction"] >= LineProgress.STEP or (fraction >= 1 and shown["fraction"] < 1):
+                shown["fraction"] = fraction
+                extra = status.text()
+                _say(err, f"{what}: {status.done}/{status.total} cells ({100 * fraction:.0f}%) after "
+                          f"{status.elapsed_s:.1f} s" + (f"; {extra}" if extra else ""))
+            return
+        bar.update(task, completed=status.done, total=status.total, current=status.text())
+
+    return update
 
 
 def cmd_list(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -632,6 +711,16 @@ def _world_size(text: str) -> int:
     return _integer(text, 1, MAX_WORLD_SIZE, f"[1, {MAX_WORLD_SIZE}] ranks")
 
 
+def _workers(text: str) -> int:
+    """``--workers``: a number of Dask worker processes in [1, 1024]."""
+    return _integer(text, 1, 1024, "[1, 1024] workers")
+
+
+def _retries(text: str) -> int:
+    """``--retries``: how often a cell whose worker died is run again, in [0, 100]."""
+    return _integer(text, 0, 100, "[0, 100]")
+
+
 def _timeout(text: str) -> float:
     """``--tp-timeout``, ``--timeout``: seconds in (0, MAX_TIMEOUT_S]."""
     try:
@@ -693,6 +782,17 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--out", default="reports/maps", help="output folder (default: reports/maps)")
     m.add_argument("--quick", action="store_true", help="coarse grid (seconds instead of minutes)")
     m.add_argument("--seed", type=_seed, default=0)
+    m.add_argument("--engine", choices=("local", "dask"), default="local",
+                   help="where the cells are computed: this process (default), or a Dask cluster, one task per "
+                        "cell (needs pip install 'k3verify[dask]')")
+    m.add_argument("--scheduler", metavar="ADDRESS", help="--engine dask: the scheduler of an existing cluster")
+    m.add_argument("--workers", type=_workers, metavar="N",
+                   help="--engine dask: a local cluster of N single-threaded worker processes (default: one per core)")
+    m.add_argument("--retries", type=_retries, metavar="N",
+                   help="--engine dask: a cell whose worker dies is run again on a fresh one up to N times, then "
+                        "failed (default 2)")
+    m.add_argument("--cell-timeout", type=_timeout, metavar="SECONDS",
+                   help="--engine dask: a cell that runs longer is failed and its worker restarted (default: none)")
     m.set_defaults(fn=cmd_overflow_map)
     ls = sub.add_parser("list", help="list modules and implementations")
     ls.add_argument("--modules", action="append")

@@ -52,6 +52,15 @@ def _git() -> dict[str, Any]:
     return {**found, "git_commit_source": None}
 
 
+def code_commit() -> str | None:
+    """The commit the code came from as :func:`_git` finds it, ``"<hex>"`` or ``"<hex> dirty"``;
+    ``None`` when nothing names it."""
+    found = _git()
+    if not found["git_commit"]:
+        return None
+    return f"{found['git_commit']} dirty" if found["git_dirty"] else found["git_commit"]
+
+
 def _declared_commit(text: str) -> dict[str, Any] | None:
     """``"<hex commit> [dirty]"`` as the report's fields; ``None`` for anything else."""
     words = text.split()

@@ -1,0 +1,515 @@
+"""The overflow-map sweep on a Dask cluster (``k3verify overflow-map --engine dask``).
+
+One cell is one task: a map point with one swept form, or with one registered implementation.
+The client plans the cells in the local engine's order (:func:`plan`), hands them to the
+cluster a few at a time and puts the results back in that order, so the map equals the local
+engine's cell for cell whatever order the cells finish in; the frontier, the module's record
+and the studies are then made in the client exactly as the local engine makes them
+(:func:`~k3verify.harness.overflow_map.finish_map`).
+
+A worker builds a point's case and its fp64 reference once and keeps the last few
+(:data:`CASES_KEPT`), keyed by the entry, the point and the seed, so the cells of one point
+that land on one worker share them. A registered module travels to the workers by name (each
+worker imports k3verify and finds it, and the installed plugins, itself); any other entry (one
+a test or a user built with ``dataclasses.replace``) travels pickled by value.
+
+Faults: a cell whose worker process dies (a segfault, ``os.abort()``, the OOM killer) is
+submitted again, on whatever worker is left or restarted, until its worker has died
+``retries + 1`` times; then it is a failed cell whose ``error`` says so. A cell that runs past
+``cell_timeout`` seconds is a failed cell too, and its worker is restarted so the hang does not
+hold a slot of the pool. Only as many cells as the cluster has threads are out at once, so a
+worker that dies takes at most the cell it was running with it.
+
+Resume: every finished cell is appended, as one JSON line keyed by a hash of the cell's task,
+the seed, the quick flag and the code's commit, to a partial file (the command line uses
+``<out>/.partial/<module>.jsonl``); a sweep started again with the same arguments takes the
+cells it finds there and computes only the others. Failed cells are not kept: a rerun tries
+them again.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .contract import identity
+from .files import UsageError, json_safe
+from .overflow_map import (
+    MapDefinition,
+    MapOptions,
+    MapResult,
+    _registered_cell,
+    finish_map,
+    form_base,
+    form_cell,
+    map_implementations,
+    measured_cell,
+    registered_at,
+    registered_base,
+)
+
+INSTALL_HINT = "pip install 'k3verify[dask]'"
+DEFAULT_RETRIES = 2
+CASES_KEPT = 8  # points whose case and reference a worker keeps: the cells of a point arrive together
+POLL_S = 0.5  # how often the client looks for cells past their timeout
+NO_WORKERS_S = 300.0  # a cluster with no worker for this long ends the sweep
+log = logging.getLogger("k3verify.dask")
+
+
+def require_dask() -> Any:
+    """The ``distributed`` package; ``UsageError`` naming the extra to install when it is missing."""
+    try:
+        import dask  # noqa: F401
+        import distributed
+    except ImportError as exc:
+        raise UsageError(f"--engine dask needs dask and distributed ({exc.name} is not installed): "
+                         f"{INSTALL_HINT}") from None
+    return distributed
+
+
+@dataclass(frozen=True)
+class DaskOptions:
+    """Where the cells run: an existing cluster (``scheduler``, its address) or a LocalCluster of
+    ``workers`` single-threaded worker processes (default: one per core)."""
+
+    scheduler: str | None = None
+    workers: int | None = None
+    retries: int = DEFAULT_RETRIES
+    cell_timeout: float | None = None
+
+
+@dataclass(frozen=True)
+class CellTask:
+    """One cell to compute: its place in the map's cell order (``index``), its point, and either
+    the index of a swept form in ``forms(options)`` or the identity of a registered
+    implementation. ``base`` holds the cell's sweep keys (a failed cell is made of them) and
+    ``key`` the hash a partial file stores the finished cell under."""
+
+    index: int
+    point_index: int
+    point: dict[str, Any]
+    form: int | None
+    implementation: tuple[str, ...] | None
+    base: dict[str, Any]
+    key: str
+
+
+@dataclass
+class SweepStatus:
+    """Where a Dask sweep stands: cells done (computed now, found in the partial file, or failed),
+    failed, submitted again after their worker died, and the time since it began."""
+
+    total: int
+    done: int = 0
+    failed: int = 0
+    retried: int = 0
+    resumed: int = 0
+    computed: int = 0
+    elapsed_s: float = 0.0
+    # (task index, reason) of every failed cell, in the order they failed.
+    failures: list[tuple[int, str]] = field(default_factory=list)
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the rate cells were finished in this run; ``None`` before the first."""
+        fresh = self.done - self.resumed
+        if fresh <= 0:
+            return None
+        return (self.total - self.done) * self.elapsed_s / fresh
+
+    def text(self) -> str:
+        """One line: ``12 failed, 3 retried, 40 resumed, ETA 1:05`` (the counts that are not zero)."""
+        parts = [f"{n} {what}" for n, what in ((self.failed, "failed"), (self.retried, "retried"),
+                                               (self.resumed, "resumed")) if n]
+        eta = self.eta_s
+        if eta is not None and self.done < self.total:
+            parts.append(f"ETA {int(eta) // 60}:{int(eta) % 60:02d}")
+        return ", ".join(parts)
+
+
+StatusCallback = Callable[[SweepStatus], None]
+
+
+# --- planning (client) -----------------------------------------------------------------------
+
+
+def plan(entry: Any, options: MapOptions, commit: str | None) -> list[CellTask]:
+    """Every cell of ``entry``'s map in the local engine's order: at each point its swept forms,
+    then the registered implementations that run there. ``commit`` (the code's) enters each
+    cell's key, so a partial file from other code is never taken."""
+    d: MapDefinition = entry.overflow_map
+    forms = d.forms(options)
+    impls = map_implementations(entry)
+    tasks: list[CellTask] = []
+    for p, point in enumerate(d.points(options)):
+        work: list[tuple[int | None, tuple[str, ...] | None, dict[str, Any]]] = [
+            (i, None, form_base(entry, f, point)) for i, f in enumerate(forms)]
+        work += [(None, identity(impl), registered_base(entry, impl, point, d))
+                 for impl in registered_at(d, impls, point)]
+        for form, impl, base in work:
+            index = len(tasks)
+            what = {"module": entry.name, "index": index, "point": point, "form": form, "implementation": impl,
+                    "base": base, "seed": options.seed, "quick": options.quick,
+                    "x_values": None if options.x_values is None else list(options.x_values), "commit": commit}
+            key = hashlib.sha256(json.dumps(json_safe(what), sort_keys=True, default=str).encode()).hexdigest()
+            tasks.append(CellTask(index, p, point, form, impl, base, key))
+    return tasks
+
+
+def failed_cell(task: CellTask, reason: str) -> dict[str, Any]:
+    """The cell of a task that gave no result: its sweep keys, not finite, no metrics, and the
+    reason in ``error``. Its prediction is unknown, so it counts as a disagreement."""
+    return task.base | {"finite": False, "predicted_finite": True, "rms_ratio": None, "max_abs": None,
+                        "nonfinite": None, "error": reason}
+
+
+# --- the worker side -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CellJob:
+    """What a worker needs for one cell: the entry (by name, or pickled by value in
+    ``entry_blob``; ``token`` names it in the worker's caches), the map options and the task.
+    ``attempt`` is the Dask key this submission runs under."""
+
+    module: str
+    entry_blob: bytes | None
+    token: str
+    options: MapOptions
+    task: CellTask
+    attempt: str
+
+
+@dataclass
+class _WorkerState:
+    """A worker process's caches (one sweep's entries, forms and recent cases) and the cells it
+    is running, with their start times (read by :func:`running_cells`)."""
+
+    entries: dict[str, Any] = field(default_factory=dict)
+    forms: dict[tuple[str, MapOptions], list[Any]] = field(default_factory=dict)
+    impls: dict[str, dict[tuple[str, ...], Any]] = field(default_factory=dict)
+    cases: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    running: dict[str, float] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_STATE = _WorkerState()
+
+
+def _entry(job: CellJob) -> Any:
+    if job.token not in _STATE.entries:
+        if job.entry_blob is None:
+            from . import registry
+
+            _STATE.entries[job.token] = registry.get(job.module)
+        else:
+            import cloudpickle
+
+            _STATE.entries[job.token] = cloudpickle.loads(job.entry_blob)
+    return _STATE.entries[job.token]
+
+
+def run_cell(job: CellJob) -> dict[str, Any]:
+    """Compute one cell on a worker: ``{"cell": the cell, "built_case": whether this call built
+    the point's case}``. The point's case and fp64 reference come from the worker's cache when
+    an earlier cell of the point ran here."""
+    with _STATE.lock:
+        _STATE.running[job.attempt] = time.monotonic()
+    try:
+        entry = _entry(job)
+        d: MapDefinition = entry.overflow_map
+        task = job.task
+        where = (job.token, job.options.seed, task.point_index, json.dumps(task.point, sort_keys=True, default=str))
+        built = where not in _STATE.cases
+        if built:
+            case = d.make_case(task.point, job.options.seed)
+            _STATE.cases[where] = (case, d.reference(case))
+            while len(_STATE.cases) > CASES_KEPT:
+                _STATE.cases.popitem(last=False)
+        _STATE.cases.move_to_end(where)
+        case, ref = _STATE.cases[where]
+        if task.form is not None:
+            if (job.token, job.options) not in _STATE.forms:
+                _STATE.forms[(job.token, job.options)] = d.forms(job.options)
+            cell = form_cell(entry, _STATE.forms[(job.token, job.options)][task.form], case, task.point, ref)
+        else:
+            if job.token not in _STATE.impls:
+                _STATE.impls[job.token] = {identity(i): i for i in map_implementations(entry)}
+            impl = _STATE.impls[job.token].get(task.implementation)
+            if impl is None:
+                raise LookupError(f"{' '.join(task.implementation or ())} is not registered on this worker "
+                                  "(is its plugin installed there?)")
+            cell = _registered_cell(entry, impl, case, task.point, ref, d, measured_cell)
+        return {"cell": cell, "built_case": built}
+    finally:
+        with _STATE.lock:
+            _STATE.running.pop(job.attempt, None)
+
+
+def running_cells() -> dict[str, float]:
+    """The cells this worker is running: attempt key -> seconds since it began (``Client.run``
+    calls this on the worker's event loop, beside the thread the cell runs in)."""
+    now = time.monotonic()
+    with _STATE.lock:
+        return {key: now - began for key, began in _STATE.running.items()}
+
+
+def _allowed_failures(dask_scheduler: Any) -> int:
+    return int(dask_scheduler.allowed_failures)
+
+
+class OneDevice:
+    """A worker plugin that gives each worker of a LocalCluster on a CUDA machine its own device
+    (worker ``n`` takes device ``n mod count``); tasks then ask for the ``GPU`` resource, one each."""
+
+    name = "k3verify-one-device"
+
+    def setup(self, worker: Any) -> None:
+        import torch
+
+        if torch.cuda.is_available() and isinstance(worker.name, int):
+            torch.cuda.set_device(worker.name % torch.cuda.device_count())
+
+
+# --- the client ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def dask_client(options: DaskOptions) -> Iterator[Any]:
+    """A Dask client of the cluster ``options`` name: the scheduler at ``options.scheduler``, or a
+    LocalCluster of ``options.workers`` single-threaded worker processes started for the block
+    (on a CUDA machine each worker declares one ``GPU`` and is pinned to a device of its own)."""
+    distributed = require_dask()
+    import dask
+
+    if options.scheduler is not None:
+        with distributed.Client(options.scheduler) as client:
+            yield client
+        return
+    import torch
+
+    cuda = torch.cuda.is_available()
+    workers = options.workers or os.cpu_count() or 1
+    # The scheduler fails a cell only through the sweep's own count (run_sweep): it reports
+    # every worker death at once, and one cell at a time per worker thread is sent.
+    settings = {"distributed.scheduler.allowed-failures": 0, "distributed.scheduler.worker-saturation": 1.0}
+    with dask.config.set(settings), distributed.LocalCluster(
+        n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
+        resources={"GPU": 1} if cuda else None, silence_logs=logging.CRITICAL,
+    ) as cluster, distributed.Client(cluster) as client:
+        if cuda:
+            client.register_plugin(OneDevice())
+        yield client
+
+
+def read_partial(path: Path | None, keys: Mapping[str, int]) -> dict[int, dict[str, Any]]:
+    """The finished cells a partial file holds for this sweep: task index -> cell, for the lines
+    whose key is one of ``keys`` (key -> task index). A line cut short by an interrupted write,
+    or any line that is not such a record, is skipped."""
+    found: dict[int, dict[str, Any]] = {}
+    if path is None or not path.is_file():
+        return found
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("key") in keys and isinstance(record.get("cell"), dict):
+                found[keys[record["key"]]] = record["cell"]
+    return found
+
+
+def _as_json(cell: dict[str, Any]) -> dict[str, Any]:
+    """``cell`` as it reads back from JSON, so that computed and resumed cells are alike."""
+    return json.loads(json.dumps(json_safe(cell), allow_nan=False))
+
+
+def run_sweep(entry: Any, options: MapOptions, client: Any, *, retries: int = DEFAULT_RETRIES,
+              cell_timeout: float | None = None, partial: Path | None = None, commit: str | None = None,
+              status: StatusCallback = lambda s: None) -> MapResult:
+    """``entry``'s overflow map with every cell computed on ``client``'s cluster (see the module
+    docstring). ``partial`` is the resume file (``None``: no resume); ``status`` is called after
+    every finished cell; an exception it raises (an interrupt) ends the sweep, the cells finished
+    so far kept in ``partial``. ``meta["engine"]`` records the cluster, the counts and how many
+    times the workers built a point's case."""
+    distributed = require_dask()
+    from . import registry
+
+    tasks = plan(entry, options, commit)
+    try:
+        registered = registry.get(entry.name) is entry
+    except registry.UnknownModuleError:
+        registered = False
+    if registered:
+        blob, token = None, f"registry:{entry.name}"
+    else:
+        import cloudpickle
+
+        blob = cloudpickle.dumps(entry)
+        token = hashlib.sha256(blob).hexdigest()[:16]
+    try:
+        allowed = int(client.run_on_scheduler(_allowed_failures))
+    except Exception:  # a scheduler that refuses run_on_scheduler: assume Dask's default
+        allowed = 3
+    uses_gpu = any("GPU" in w.get("resources", {}) for w in client.scheduler_info()["workers"].values())
+    resources = {"GPU": 1} if uses_gpu else None
+
+    cells: dict[int, dict[str, Any]] = read_partial(partial, {t.key: t.index for t in tasks})
+    st = SweepStatus(total=len(tasks), done=len(cells), resumed=len(cells))
+    pending = collections.deque(t for t in tasks if t.index not in cells)
+    deaths: dict[int, int] = collections.Counter()
+    running: dict[Any, CellTask] = {}
+    attempts: dict[str, Any] = {}  # attempt key -> future
+    builds = 0
+    began = time.perf_counter()
+    last_poll, slots, slots_at, no_workers_since = began, 0, -math.inf, None
+    if partial is not None:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+    sink = partial.open("a", encoding="utf-8") if partial is not None else None
+    log.info("%s overflow map: %d cells, %d found in %s", entry.name, len(tasks), len(cells), partial)
+
+    def finish(task: CellTask, cell: dict[str, Any], *, failed: bool) -> None:
+        cells[task.index] = _as_json(cell)
+        st.done += 1
+        if failed:
+            st.failed += 1
+            st.failures.append((task.index, str(cell.get("error"))))
+            log.info("%s cell %d failed: %s", entry.name, task.index, cell.get("error"))
+        else:
+            st.computed += 1
+            if sink is not None:  # a line per cell, flushed: an interrupt keeps every finished cell
+                sink.write(json.dumps({"key": task.key, "index": task.index, "cell": cells[task.index]},
+                                      allow_nan=False) + "\n")
+                sink.flush()
+        st.elapsed_s = time.perf_counter() - began
+        status(st)
+
+    try:
+        status(st)
+        while pending or running:
+            now = time.perf_counter()
+            if now - slots_at > 1.0:  # the cluster's threads, as workers die and come back
+                slots, slots_at = sum(client.nthreads().values()), now
+                no_workers_since = (no_workers_since or now) if slots == 0 else None
+                if no_workers_since is not None and now - no_workers_since > NO_WORKERS_S:
+                    raise RuntimeError(f"the Dask cluster has had no worker for {NO_WORKERS_S:g} s")
+            while pending and len(running) < slots:
+                task = pending.popleft()
+                attempt = f"k3verify-cell-{token[-8:]}-{task.index}-{deaths[task.index]}-{time.monotonic_ns()}"
+                job = CellJob(entry.name, blob, token, options, task, attempt)
+                future = client.submit(run_cell, job, key=attempt, pure=False, resources=resources)
+                running[future], attempts[attempt] = task, future
+            if not running:
+                time.sleep(0.1)
+                continue
+            try:
+                done, _ = distributed.wait(list(running), timeout=POLL_S, return_when="FIRST_COMPLETED")
+            except distributed.TimeoutError:
+                done = set()
+            for future in done:
+                task = running.pop(future)
+                attempts.pop(future.key, None)
+                if future.status == "finished":
+                    result = future.result()
+                    builds += bool(result["built_case"])
+                    finish(task, result["cell"], failed=False)
+                    continue
+                exc = future.exception() if future.status == "error" else None
+                future.release()
+                if exc is None or isinstance(exc, distributed.KilledWorker):
+                    # A worker died under it (or the cluster lost it): each KilledWorker stands for
+                    # allowed + 1 deaths, as the scheduler counts them.
+                    deaths[task.index] += 0 if exc is None else allowed + 1
+                    if deaths[task.index] > retries:
+                        finish(task, failed_cell(task, f"worker died {deaths[task.index]} times running this cell"),
+                               failed=True)
+                    else:
+                        st.retried += 1
+                        log.info("%s cell %d: its worker died; submitted again", entry.name, task.index)
+                        pending.appendleft(task)
+                else:
+                    finish(task, failed_cell(task, f"{type(exc).__name__}: {exc}"), failed=True)
+            if cell_timeout is not None and time.perf_counter() - last_poll >= POLL_S:
+                last_poll = time.perf_counter()
+                _stop_overdue(client, running, attempts, cell_timeout, finish)
+    finally:
+        if sink is not None:
+            sink.close()
+        if running:
+            client.cancel(list(running))
+
+    missing = [t.index for t in tasks if t.index not in cells]
+    if missing:
+        raise RuntimeError(f"the Dask sweep ended without {len(missing)} cells (first: {missing[0]})")
+    result = finish_map(entry, options, [cells[t.index] for t in tasks])
+    result.meta["engine"] = {"name": "dask", "workers": len(client.nthreads()), "retries": retries,
+                             "cell_timeout_s": cell_timeout, "cells": len(tasks), "computed": st.computed,
+                             "resumed": st.resumed, "failed": st.failed, "retried": st.retried,
+                             "case_builds": builds}
+    return result
+
+
+def _stop_overdue(client: Any, running: dict[Any, CellTask], attempts: dict[str, Any], cell_timeout: float,
+                  finish: Callable[..., None]) -> None:
+    """Fail every running cell that is past ``cell_timeout`` and restart the worker running it
+    (its thread cannot be stopped from outside; the restart frees the slot)."""
+    try:
+        seen = client.run(running_cells, on_error="ignore")
+    except Exception:  # a worker going away mid-call: look again at the next poll
+        return
+    overdue: list[str] = []
+    for address, keys in seen.items():
+        if not isinstance(keys, dict):
+            continue
+        for key, elapsed in keys.items():
+            future = attempts.get(key)
+            if future is None or elapsed <= cell_timeout:
+                continue
+            task = running.pop(future)
+            attempts.pop(key)
+            future.cancel()
+            finish(task, failed_cell(task, f"ran past the cell timeout of {cell_timeout:g} s"), failed=True)
+            overdue.append(address)
+    if overdue:
+        client.restart_workers(sorted(set(overdue)), raise_for_error=False)
+
+
+def sweep_map_dask(entry: Any, options: MapOptions, dask_options: DaskOptions, *, client: Any = None,
+                   partial: Path | None = None, status: StatusCallback = lambda s: None) -> MapResult:
+    """:func:`run_sweep` on ``client``, or on a client of the cluster ``dask_options`` name,
+    opened for this map; the code's commit comes from :func:`~k3verify.harness.environment.code_commit`."""
+    from .environment import code_commit
+
+    commit = code_commit()
+    kwargs = dict(retries=dask_options.retries, cell_timeout=dask_options.cell_timeout, partial=partial,
+                  commit=commit, status=status)
+    if client is not None:
+        return run_sweep(entry, options, client, **kwargs)
+    with dask_client(dask_options) as opened:
+        return run_sweep(entry, options, opened, **kwargs)
+
+
+def partial_path(out_dir: Path, module: str) -> Path:
+    """Where the cells of ``module``'s map are kept until the map is written."""
+    return out_dir / ".partial" / f"{module}.jsonl"
+
+
+def remove_partial(out_dir: Path, module: str) -> None:
+    """Remove ``module``'s partial file (its map is written), and the partial folder once empty."""
+    path = partial_path(out_dir, module)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    with contextlib.suppress(OSError):
+        path.parent.rmdir()

@@ -419,7 +419,7 @@ def _map_engine(args: argparse.Namespace) -> Any:
     if args.engine == "local":
         given = [name for name, value in dask_only.items() if value is not None]
         if given:
-            raise UsageError(f"{', '.join(given)} go(es) with --engine dask")
+            raise UsageError(f"{', '.join(given)}: only with --engine dask")
         return None
     from .harness import dask_engine
 

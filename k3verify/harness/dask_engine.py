@@ -224,10 +224,12 @@ def run_cell(job: CellJob) -> dict[str, Any]:
     """Compute one cell on a worker: ``{"cell": the cell, "built_case": whether this call built
     the point's case}``. The point's case and fp64 reference come from the worker's cache when
     an earlier cell of the point ran here."""
+    # The cell's clock starts once the entry is loaded (a fresh worker imports the module
+    # entries first): the timeout is the cell's, case and reference included.
+    entry = _entry(job)
     with _STATE.lock:
         _STATE.running[job.attempt] = time.monotonic()
     try:
-        entry = _entry(job)
         d: MapDefinition = entry.overflow_map
         task = job.task
         where = (job.token, job.options.seed, task.point_index, json.dumps(task.point, sort_keys=True, default=str))
@@ -263,6 +265,12 @@ def running_cells() -> dict[str, float]:
     now = time.monotonic()
     with _STATE.lock:
         return {key: now - began for key, began in _STATE.running.items()}
+
+
+async def exit_worker() -> None:
+    """End this worker's process now, whatever its threads are doing (a hung cell's worker).
+    A coroutine: ``Client.run`` sends one without waiting for its answer, which never comes."""
+    os._exit(70)
 
 
 def _allowed_failures(dask_scheduler: Any) -> int:
@@ -373,6 +381,7 @@ def run_sweep(entry: Any, options: MapOptions, client: Any, *, retries: int = DE
     running: dict[Any, CellTask] = {}
     attempts: dict[str, Any] = {}  # attempt key -> future
     builds = 0
+    workers = len(client.nthreads())
     began = time.perf_counter()
     last_poll, slots, slots_at, no_workers_since = began, 0, -math.inf, None
     if partial is not None:
@@ -454,7 +463,7 @@ def run_sweep(entry: Any, options: MapOptions, client: Any, *, retries: int = DE
     if missing:
         raise RuntimeError(f"the Dask sweep ended without {len(missing)} cells (first: {missing[0]})")
     result = finish_map(entry, options, [cells[t.index] for t in tasks])
-    result.meta["engine"] = {"name": "dask", "workers": len(client.nthreads()), "retries": retries,
+    result.meta["engine"] = {"name": "dask", "workers": workers, "retries": retries,
                              "cell_timeout_s": cell_timeout, "cells": len(tasks), "computed": st.computed,
                              "resumed": st.resumed, "failed": st.failed, "retried": st.retried,
                              "case_builds": builds}
@@ -464,7 +473,7 @@ def run_sweep(entry: Any, options: MapOptions, client: Any, *, retries: int = DE
 def _stop_overdue(client: Any, running: dict[Any, CellTask], attempts: dict[str, Any], cell_timeout: float,
                   finish: Callable[..., None]) -> None:
     """Fail every running cell that is past ``cell_timeout`` and restart the worker running it
-    (its thread cannot be stopped from outside; the restart frees the slot)."""
+    (its thread cannot be stopped from outside; a fresh process frees the slot)."""
     try:
         seen = client.run(running_cells, on_error="ignore")
     except Exception:  # a worker going away mid-call: look again at the next poll
@@ -483,7 +492,9 @@ def _stop_overdue(client: Any, running: dict[Any, CellTask], attempts: dict[str,
             finish(task, failed_cell(task, f"ran past the cell timeout of {cell_timeout:g} s"), failed=True)
             overdue.append(address)
     if overdue:
-        client.restart_workers(sorted(set(overdue)), raise_for_error=False)
+        # The process ends at once (a graceful close would wait for the hung thread); its nanny
+        # starts a fresh one.
+        client.run(exit_worker, workers=sorted(set(overdue)), wait=False)
 
 
 def sweep_map_dask(entry: Any, options: MapOptions, dask_options: DaskOptions, *, client: Any = None,

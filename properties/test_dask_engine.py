@@ -1,0 +1,153 @@
+"""The Dask engine of ``k3verify overflow-map`` (:mod:`k3verify.harness.dask_engine`) on a
+LocalCluster of two single-threaded workers: the same cells as the local engine, in the same
+order; a worker killed mid-sweep; a cell that aborts its process every time and one that hangs;
+an interrupted sweep resumed from its partial file.
+
+The map is attnres_backward's quick map, the cheapest quick map (90 cells, about half a second
+on the local engine); the fault and resume tests cut it to its first points. Skipped when dask
+is not installed (``pip install 'k3verify[dask]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dask_planted
+import pytest
+
+from k3verify.harness import dask_engine, registry
+from k3verify.harness.files import json_safe
+from k3verify.harness.overflow_map import MapOptions, sweep_map
+
+pytest.importorskip("distributed", reason="dask is not installed: pip install 'k3verify[dask]'")
+cloudpickle = pytest.importorskip("cloudpickle")
+
+MODULE = "attnres_backward"
+QUICK = MapOptions(quick=True)
+# Planted entries reach the workers pickled by value, this helper module included.
+cloudpickle.register_pickle_by_value(dask_planted)
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[Any]:
+    """A client of a LocalCluster of two single-threaded worker processes, for the whole file."""
+    with dask_engine.dask_client(dask_engine.DaskOptions(workers=2)) as c:
+        yield c
+
+
+def as_json(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Cells as the map's JSON holds them."""
+    return json.loads(json.dumps(json_safe(cells)))
+
+
+def identity_of(cell: dict[str, Any]) -> str:
+    """What tells two cells of a map apart: every sweep key (the metrics and verdicts left out)."""
+    measured = {"finite", "rms_ratio", "max_abs", "nonfinite", "overflow", "error", "frontier_adjacent"}
+    return json.dumps({k: v for k, v in cell.items() if k not in measured}, sort_keys=True)
+
+
+def test_the_dask_map_equals_the_local_map_cell_for_cell(client: Any) -> None:
+    entry = registry.get(MODULE)
+    local = sweep_map(entry, QUICK)
+    result = dask_engine.run_sweep(entry, QUICK, client)
+    assert len(result.cells) == len(local.cells) == 90
+    assert result.cells == as_json(local.cells)
+    assert result.meta["agreement"] == local.meta["agreement"]
+    engine = result.meta["engine"]
+    assert (engine["computed"], engine["failed"], engine["retried"]) == (90, 0, 0)
+    # A point's case is built once per worker that runs one of its cells, never once per cell.
+    points = len(entry.overflow_map.points(QUICK))
+    assert points <= engine["case_builds"] <= 2 * points
+
+
+def test_a_worker_killed_mid_sweep_loses_no_cell(client: Any, tmp_path: Path) -> None:
+    """A cell that kills its worker (SIGKILL) the first time it runs is run again on another and
+    computed; every cell is there once, and equal to the local engine's."""
+    plants = {"killer": (dask_planted.die_once(tmp_path / "killed"), 2)}
+    result = dask_engine.run_sweep(dask_planted.planted_entry(registry.get(MODULE), 6, plants), QUICK, client)
+    local = as_json(sweep_map(dask_planted.planted_entry(registry.get(MODULE), 6), QUICK).cells)
+    assert (tmp_path / "killed").exists()
+    assert result.meta["engine"]["retried"] >= 1 and result.meta["engine"]["failed"] == 0
+    assert len(result.cells) == len(local) + 6
+    assert len({identity_of(c) for c in result.cells}) == len(result.cells)
+    planted = [c for c in result.cells if c["implementation"] == "planted killer"]
+    assert [c for c in result.cells if c not in planted] == local
+    # The killer computes its form's cell once it lets its worker live, at its target point too.
+    first_form = [c for c in local if c["implementation"] == local[0]["implementation"]
+                  and c.get("stream_dtype") == local[0].get("stream_dtype")]
+    assert [c | {"implementation": "-"} for c in planted] == [c | {"implementation": "-"} for c in first_form]
+
+
+def test_an_aborting_cell_and_a_hanging_cell_fail_with_their_reasons(client: Any) -> None:
+    """A cell that aborts its worker every time fails after retries + 1 deaths; one that hangs
+    fails at the cell timeout and its worker is restarted; the sweep goes on and every other
+    cell equals the local engine's."""
+    plants = {"abort": (dask_planted.BEHAVIOURS["abort"], 1), "hang": (dask_planted.BEHAVIOURS["hang"], 3)}
+    result = dask_engine.run_sweep(dask_planted.planted_entry(registry.get(MODULE), 5, plants), QUICK, client,
+                                   retries=1, cell_timeout=3.0)
+    local = as_json(sweep_map(dask_planted.planted_entry(registry.get(MODULE), 5), QUICK).cells)
+    failed = {c["implementation"]: c for c in result.cells if "error" in c}
+    assert set(failed) == {"planted abort", "planted hang"}
+    assert failed["planted abort"]["error"] == "worker died 2 times running this cell"
+    assert failed["planted hang"]["error"] == "ran past the cell timeout of 3 s"
+    assert not any(c["finite"] for c in failed.values())
+    assert [c for c in result.cells if not c["implementation"].startswith("planted")] == local
+    assert len(result.cells) == len(local) + 2 * 5
+    assert result.meta["engine"]["failed"] == 2
+
+
+def test_an_interrupted_sweep_resumes_with_the_missing_cells_only(client: Any, tmp_path: Path) -> None:
+    entry = dask_planted.planted_entry(registry.get(MODULE), 10)
+    partial = dask_engine.partial_path(tmp_path, MODULE)
+    total = len(entry.overflow_map.points(QUICK)) * len(entry.overflow_map.forms(QUICK))
+
+    def interrupt_halfway(status: dask_engine.SweepStatus) -> None:
+        if status.done >= status.total // 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        dask_engine.run_sweep(entry, QUICK, client, partial=partial, commit="test", status=interrupt_halfway)
+    kept = len(partial.read_text().splitlines())
+    assert total // 2 <= kept < total
+    result = dask_engine.run_sweep(entry, QUICK, client, partial=partial, commit="test")
+    engine = result.meta["engine"]
+    assert (engine["resumed"], engine["computed"]) == (kept, total - kept)
+    assert result.cells == as_json(sweep_map(entry, QUICK).cells)
+    # Another commit's cells are never taken.
+    again = dask_engine.run_sweep(entry, QUICK, client, partial=tmp_path / "other.jsonl", commit="another")
+    assert again.meta["engine"]["resumed"] == 0
+
+
+def test_the_command_line_writes_the_map_and_drops_its_partial_file(client: Any, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``overflow-map --engine dask --scheduler ADDRESS`` (the file's cluster) writes the local
+    engine's map and removes the partial file."""
+    from k3verify import cli
+
+    out = tmp_path / "maps"
+    assert cli.main(["overflow-map", "--module", MODULE, "--quick", "--out", str(out), "--engine", "dask",
+                     "--scheduler", client.scheduler.address]) == 0
+    doc = json.loads((out / f"{MODULE}_overflow_map.json").read_text())
+    assert doc["cells"] == as_json(sweep_map(registry.get(MODULE), QUICK).cells)
+    assert doc["meta"]["engine"]["workers"] == 2
+    assert not (out / ".partial").exists()
+    assert "90 cells" in capsys.readouterr().out
+
+
+def test_dask_options_need_the_dask_engine_and_dask(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from k3verify import cli
+
+    args = ["overflow-map", "--module", MODULE, "--quick", "--out", str(tmp_path / "maps")]
+    assert cli.main([*args, "--workers", "2"]) == 2
+    assert "--workers: only with --engine dask" in capsys.readouterr().err
+    assert cli.main([*args, "--engine", "dask", "--workers", "2", "--scheduler", "tcp://127.0.0.1:1"]) == 2
+    assert "not both" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "distributed", None)  # as if it were not installed
+    assert cli.main([*args, "--engine", "dask"]) == 2
+    assert "pip install 'k3verify[dask]'" in capsys.readouterr().err
+    assert not (tmp_path / "maps").exists()

@@ -49,12 +49,13 @@ def _install(session: nox.Session, extras: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Property tests with the derandomised ``ci`` Hypothesis profile, fla-core installed; then
+    """Property tests with the derandomised ``ci`` Hypothesis profile, fla-core and dask (the
+    overflow map's Dask engine) installed; then
     ``k3verify golden verify``, a fresh run compared against the committed baseline, and the
     modules sharded over 8 gloo ranks (``k3verify run --tp 8``) compared against theirs. The rows
     of the run's modules are computed once, by that run: ``properties/test_module_rows.py`` judges
     them on its report afterwards (and the opt-in modules' rows in the first pass)."""
-    _install(session, "test,fla")
+    _install(session, "test,fla,dask")
     # One worker per core (pytest-xdist; the conftest gives each its share of torch's threads).
     session.run("pytest", "-m", "not slow and not nightly", "-n", "auto", "--dist", "loadfile", *session.posargs,
                 env={"HYPOTHESIS_PROFILE": "ci", "K3V_MODULE_ROWS": "opt-in"})

@@ -2,7 +2,7 @@
 
 One cell is one task: a map point with one swept form, or with one registered implementation.
 The client plans the cells in the local engine's order (:func:`plan`), hands them to the
-cluster a few at a time and puts the results back in that order, so the map equals the local
+cluster a few per worker thread at a time and puts the results back in that order, so the map equals the local
 engine's cell for cell whatever order the cells finish in; the frontier, the module's record
 and the studies are then made in the client exactly as the local engine makes them
 (:func:`~k3verify.harness.overflow_map.finish_map`).
@@ -17,8 +17,12 @@ Faults: a cell whose worker process dies (a segfault, ``os.abort()``, the OOM ki
 submitted again, on whatever worker is left or restarted, until its worker has died
 ``retries + 1`` times; then it is a failed cell whose ``error`` says so. A cell that runs past
 ``cell_timeout`` seconds is a failed cell too, and its worker is restarted so the hang does not
-hold a slot of the pool. Only as many cells as the cluster has threads are out at once, so a
-worker that dies takes at most the cell it was running with it.
+hold a slot of the pool. The scheduler counts a death against every cell the dead worker held,
+so a worker is given one cell at a time: the LocalCluster's scheduler queues the cells
+(``worker-saturation`` 1.0) and the client keeps only a few per thread out (none waiting where
+cells ask for a GPU, which the scheduler does not queue). On an existing cluster whose
+scheduler gives a worker more than one (its ``worker-saturation`` above 1.0), a cell waiting
+on a worker that dies counts that death too.
 
 Resume: every finished cell is appended, as one JSON line keyed by a hash of the cell's task,
 the seed, the quick flag and the code's commit, to a partial file (the command line uses
@@ -62,6 +66,11 @@ from .overflow_map import (
 INSTALL_HINT = "pip install 'k3verify[dask]'"
 DEFAULT_RETRIES = 2
 CASES_KEPT = 8  # points whose case and reference a worker keeps: the cells of a point arrive together
+# Cells out per worker thread: the scheduler holds all but one of them in its queue (the cells
+# of a large task group are root-ish, and worker-saturation 1.0 gives a worker one at a time),
+# so a worker starts its next cell without waiting for the client. Cells that ask for a GPU are
+# never queued there; they go out one per thread.
+QUEUED_PER_THREAD = 4
 POLL_S = 0.5  # how often the client looks for cells past their timeout
 NO_WORKERS_S = 300.0  # a cluster with no worker for this long ends the sweep
 log = logging.getLogger("k3verify.dask")
@@ -181,7 +190,7 @@ def failed_cell(task: CellTask, reason: str) -> dict[str, Any]:
 class CellJob:
     """What a worker needs for one cell: the entry (by name, or pickled by value in
     ``entry_blob``; ``token`` names it in the worker's caches), the map options and the task.
-    ``attempt`` is the Dask key this submission runs under."""
+    ``attempt`` names this submission (the worker's list of running cells shows it)."""
 
     module: str
     entry_blob: bytes | None
@@ -222,8 +231,8 @@ def _entry(job: CellJob) -> Any:
 
 def run_cell(job: CellJob) -> dict[str, Any]:
     """Compute one cell on a worker: ``{"cell": the cell, "built_case": whether this call built
-    the point's case}``. The point's case and fp64 reference come from the worker's cache when
-    an earlier cell of the point ran here."""
+    the point's case, "seconds": how long it took}``. The point's case and fp64 reference come
+    from the worker's cache when an earlier cell of the point ran here."""
     # The cell's clock starts once the entry is loaded (a fresh worker imports the module
     # entries first): the timeout is the cell's, case and reference included.
     entry = _entry(job)
@@ -253,7 +262,7 @@ def run_cell(job: CellJob) -> dict[str, Any]:
                 raise LookupError(f"{' '.join(task.implementation or ())} is not registered on this worker "
                                   "(is its plugin installed there?)")
             cell = _registered_cell(entry, impl, case, task.point, ref, d, measured_cell)
-        return {"cell": cell, "built_case": built}
+        return {"cell": cell, "built_case": built, "seconds": time.monotonic() - _STATE.running[job.attempt]}
     finally:
         with _STATE.lock:
             _STATE.running.pop(job.attempt, None)
@@ -351,7 +360,8 @@ def run_sweep(entry: Any, options: MapOptions, client: Any, *, retries: int = DE
     docstring). ``partial`` is the resume file (``None``: no resume); ``status`` is called after
     every finished cell; an exception it raises (an interrupt) ends the sweep, the cells finished
     so far kept in ``partial``. ``meta["engine"]`` records the cluster, the counts and how many
-    times the workers built a point's case."""
+    times the workers built a point's case, and the seconds the workers spent in the cells (case
+and reference builds included)."""
     distributed = require_dask()
     from . import registry
 
@@ -380,7 +390,9 @@ def run_sweep(entry: Any, options: MapOptions, client: Any, *, retries: int = DE
     deaths: dict[int, int] = collections.Counter()
     running: dict[Any, CellTask] = {}
     attempts: dict[str, Any] = {}  # attempt key -> future
-    builds = 0
+    builds = submitted = 0
+    cell_s = 0.0
+    group = f"k3verify-cell-{entry.name}-{token}"
     workers = len(client.nthreads())
     began = time.perf_counter()
     last_poll, slots, slots_at, no_workers_since = began, 0, -math.inf, None
@@ -414,11 +426,15 @@ def run_sweep(entry: Any, options: MapOptions, client: Any, *, retries: int = DE
                 no_workers_since = (no_workers_since or now) if slots == 0 else None
                 if no_workers_since is not None and now - no_workers_since > NO_WORKERS_S:
                     raise RuntimeError(f"the Dask cluster has had no worker for {NO_WORKERS_S:g} s")
-            while pending and len(running) < slots:
+            while pending and len(running) < slots * (1 if uses_gpu else QUEUED_PER_THREAD):
                 task = pending.popleft()
-                attempt = f"k3verify-cell-{token[-8:]}-{task.index}-{deaths[task.index]}-{time.monotonic_ns()}"
+                submitted += 1
+                attempt = f"{token}-{submitted}"
                 job = CellJob(entry.name, blob, token, options, task, attempt)
-                future = client.submit(run_cell, job, key=attempt, pure=False, resources=resources)
+                # One task group per sweep (the key's first item names it), so that the scheduler
+                # queues the cells and sends a worker its next one only when it is free.
+                future = client.submit(run_cell, job, key=(group, task.index, submitted), pure=False,
+                                       resources=resources)
                 running[future], attempts[attempt] = task, future
             if not running:
                 time.sleep(0.1)
@@ -429,10 +445,11 @@ def run_sweep(entry: Any, options: MapOptions, client: Any, *, retries: int = DE
                 done = set()
             for future in done:
                 task = running.pop(future)
-                attempts.pop(future.key, None)
+                attempts.pop(f"{token}-{future.key[2]}", None)
                 if future.status == "finished":
                     result = future.result()
                     builds += bool(result["built_case"])
+                    cell_s += result["seconds"]
                     finish(task, result["cell"], failed=False)
                     continue
                 exc = future.exception() if future.status == "error" else None
@@ -466,7 +483,7 @@ def run_sweep(entry: Any, options: MapOptions, client: Any, *, retries: int = DE
     result.meta["engine"] = {"name": "dask", "workers": workers, "retries": retries,
                              "cell_timeout_s": cell_timeout, "cells": len(tasks), "computed": st.computed,
                              "resumed": st.resumed, "failed": st.failed, "retried": st.retried,
-                             "case_builds": builds}
+                             "case_builds": builds, "cell_s": round(cell_s, 2)}
     return result
 
 

@@ -53,6 +53,8 @@ def identity_of(cell: dict[str, Any]) -> str:
 def test_the_dask_map_equals_the_local_map_cell_for_cell(client: Any) -> None:
     entry = registry.get(MODULE)
     local = sweep_map(entry, QUICK)
+    # What a LocalCluster on a CUDA machine registers (here a worker plugin that finds no device).
+    client.register_plugin(dask_engine.OneDevice())
     result = dask_engine.run_sweep(entry, QUICK, client)
     assert len(result.cells) == len(local.cells) == 90
     assert result.cells == as_json(local.cells)

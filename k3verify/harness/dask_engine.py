@@ -286,7 +286,13 @@ def _allowed_failures(dask_scheduler: Any) -> int:
     return int(dask_scheduler.allowed_failures)
 
 
-class OneDevice:
+try:  # the plugin's base class; without dask the engine is refused before it is needed (require_dask)
+    from distributed import WorkerPlugin as _WorkerPlugin
+except ImportError:
+    _WorkerPlugin = object  # type: ignore[assignment,misc]
+
+
+class OneDevice(_WorkerPlugin):  # type: ignore[misc,valid-type]
     """A worker plugin that gives each worker of a LocalCluster on a CUDA machine its own device
     (worker ``n`` takes device ``n mod count``); tasks then ask for the ``GPU`` resource, one each."""
 

@@ -242,14 +242,19 @@ def run_cell(job: CellJob) -> dict[str, Any]:
         d: MapDefinition = entry.overflow_map
         task = job.task
         where = (job.token, job.options.seed, task.point_index, json.dumps(task.point, sort_keys=True, default=str))
-        built = where not in _STATE.cases
+        with _STATE.lock:  # a worker of several threads runs cells side by side
+            kept = _STATE.cases.get(where)
+            if kept is not None:
+                _STATE.cases.move_to_end(where)
+        built = kept is None
         if built:
             case = d.make_case(task.point, job.options.seed)
-            _STATE.cases[where] = (case, d.reference(case))
-            while len(_STATE.cases) > CASES_KEPT:
-                _STATE.cases.popitem(last=False)
-        _STATE.cases.move_to_end(where)
-        case, ref = _STATE.cases[where]
+            kept = (case, d.reference(case))
+            with _STATE.lock:
+                _STATE.cases[where] = kept
+                while len(_STATE.cases) > CASES_KEPT:
+                    _STATE.cases.popitem(last=False)
+        case, ref = kept
         if task.form is not None:
             if (job.token, job.options) not in _STATE.forms:
                 _STATE.forms[(job.token, job.options)] = d.forms(job.options)
@@ -480,7 +485,8 @@ and reference builds included)."""
         if sink is not None:
             sink.close()
         if running:
-            client.cancel(list(running))
+            with contextlib.suppress(Exception):  # a client already cut off: the original error matters
+                client.cancel(list(running))
 
     missing = [t.index for t in tasks if t.index not in cells]
     if missing:

@@ -31,6 +31,10 @@ from k3verify.cli import main
 from k3verify.harness import golden, report, runner
 from k3verify.harness.files import UsageError
 
+# The harness around the rows is under test, not the kernels: Triton's interpreter off
+# (conftest ``without_interpreter``).
+pytestmark = pytest.mark.usefixtures("without_interpreter")
+
 FUZZ_EXAMPLES = int(os.environ.get("K3V_FUZZ_EXAMPLES", "150"))
 fuzz = settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize="K3V_FUZZ_EXAMPLES" not in os.environ,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

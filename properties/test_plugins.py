@@ -23,6 +23,10 @@ from k3verify.harness import golden, registry
 from k3verify.harness.overflow_map import MapOptions, sweep_map
 from k3verify.numerics import PASS
 
+# The harness around the rows is under test, not the kernels: Triton's interpreter off
+# (conftest ``without_interpreter``).
+pytestmark = pytest.mark.usefixtures("without_interpreter")
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "k3verify-compile-plugin"
 NAME = "torch.compile[eager]"

@@ -26,6 +26,10 @@ from k3verify.harness.rows import Row
 from k3verify.harness.text import md_text
 from k3verify.numerics import EXPECTED_NONFINITE, FAIL, PASS
 
+# The harness around the rows is under test, not the kernels: Triton's interpreter off
+# (conftest ``without_interpreter``).
+pytestmark = pytest.mark.usefixtures("without_interpreter")
+
 BASELINE = Path(__file__).resolve().parents[1] / "reports" / "baseline" / "cpu"
 # Two modules' study files, as their entries register them (the report shows any study it finds).
 DEPTH_DRIFT, ROUTING_FLIPS = "attnres_depth_drift.json", "moe_routing_flips.json"

@@ -26,7 +26,9 @@ from k3verify.harness import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here (apt-get install chromium)")
+# The interpreter off (conftest ``without_interpreter``): the page is under test, not the kernels.
+pytestmark = [pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here (apt-get install chromium)"),
+              pytest.mark.usefixtures("without_interpreter")]
 
 # Run in the page once it has loaded: what a reader would see, as JSON in a <pre>.
 PROBE = """<script>

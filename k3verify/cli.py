@@ -43,7 +43,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .harness import ci_output, compare, golden, registry, report, runner, sandbox, timing
-from .harness.environment import code_commit, environment
+from .harness.environment import code_version, environment
 from .harness.files import UsageError, check_output_folder, hold_output_folder, json_safe
 from .harness.map_files import check_maps_folder, default_maps_folder, write_map
 from .harness.overflow_map import MapOptions, agreement, sweep_map
@@ -446,7 +446,7 @@ def _overflow_maps_on_dask(args: argparse.Namespace, entries: list, engine: Any,
                 result = dask_engine.run_sweep(
                     entry, MapOptions(quick=args.quick, seed=args.seed), client, retries=engine.retries,
                     cell_timeout=engine.cell_timeout, partial=dask_engine.partial_path(out_dir, entry.name),
-                    commit=code_commit(), status=_dask_status(bar, task, err, f"{entry.name} overflow map"))
+                    commit=code_version(), status=_dask_status(bar, task, err, f"{entry.name} overflow map"))
             result.meta["wall_s"] = round(time.perf_counter() - start, 2)
             paths = write_map(result, out_dir, environment())
             dask_engine.remove_partial(out_dir, entry.name)

@@ -153,3 +153,23 @@ def test_dask_options_need_the_dask_engine_and_dask(tmp_path: Path, monkeypatch:
     assert cli.main([*args, "--engine", "dask"]) == 2
     assert "pip install 'k3verify[dask]'" in capsys.readouterr().err
     assert not (tmp_path / "maps").exists()
+
+
+def test_the_resume_key_changes_with_any_source_file(tmp_path: Path) -> None:
+    """Cells are reused only by the same code: the source digest in the key moves when a file of
+    the package changes, is added or is renamed, whatever the commit says."""
+    from k3verify.harness.environment import code_version, source_digest
+
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "a.py").write_text("x = 1\n")
+    (package / "sub" / "b.py").write_text("y = 2\n")
+    seen = {source_digest(package)}
+    (package / "a.py").write_text("x = 2\n")
+    seen.add(source_digest(package))
+    (package / "c.py").write_text("")
+    seen.add(source_digest(package))
+    (package / "sub" / "b.py").rename(package / "sub" / "d.py")
+    seen.add(source_digest(package))
+    assert len(seen) == 4
+    assert code_version().endswith(source_digest(Path(dask_engine.__file__).resolve().parents[1]))

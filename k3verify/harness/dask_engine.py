@@ -25,10 +25,10 @@ scheduler gives a worker more than one (its ``worker-saturation`` above 1.0), a 
 on a worker that dies counts that death too.
 
 Resume: every finished cell is appended, as one JSON line keyed by a hash of the cell's task,
-the seed, the quick flag and the code's commit, to a partial file (the command line uses
-``<out>/.partial/<module>.jsonl``); a sweep started again with the same arguments takes the
-cells it finds there and computes only the others. Failed cells are not kept: a rerun tries
-them again.
+the seed, the quick flag and the code's version (commit and source digest), to a partial file
+(the command line uses ``<out>/.partial/<module>.jsonl``); a sweep started again with the same
+arguments takes the cells it finds there and computes only the others. Failed cells are not
+kept: a rerun tries them again.
 """
 
 from __future__ import annotations
@@ -529,10 +529,11 @@ def _stop_overdue(client: Any, running: dict[Any, CellTask], attempts: dict[str,
 def sweep_map_dask(entry: Any, options: MapOptions, dask_options: DaskOptions, *, client: Any = None,
                    partial: Path | None = None, status: StatusCallback = lambda s: None) -> MapResult:
     """:func:`run_sweep` on ``client``, or on a client of the cluster ``dask_options`` name,
-    opened for this map; the code's commit comes from :func:`~k3verify.harness.environment.code_commit`."""
-    from .environment import code_commit
+    opened for this map; the code's version (its commit and a digest of its source) comes from
+    :func:`~k3verify.harness.environment.code_version`."""
+    from .environment import code_version
 
-    commit = code_commit()
+    commit = code_version()
     kwargs = dict(retries=dask_options.retries, cell_timeout=dask_options.cell_timeout, partial=partial,
                   commit=commit, status=status)
     if client is not None:

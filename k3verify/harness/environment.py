@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -59,6 +60,22 @@ def code_commit() -> str | None:
     if not found["git_commit"]:
         return None
     return f"{found['git_commit']} dirty" if found["git_dirty"] else found["git_commit"]
+
+
+def code_version() -> str:
+    """What keys results that only this code may reuse (a resumed sweep's cells): the commit
+    (:func:`code_commit`, ``"unknown"`` when nothing names it) and a digest of every Python file
+    of the k3verify package, so a tree with uncommitted edits or without git never reuses what
+    other code computed. Installed plugins are not covered: their own versions are the user's."""
+    return f"{code_commit() or 'unknown'} src {source_digest(Path(__file__).resolve().parents[1])}"
+
+
+def source_digest(package: Path) -> str:
+    """16 hex digits of SHA-256 over every ``*.py`` file under ``package``, each with its path."""
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def _declared_commit(text: str) -> dict[str, Any] | None:

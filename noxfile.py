@@ -56,9 +56,10 @@ def tests(session: nox.Session) -> None:
     of the run's modules are computed once, by that run: ``properties/test_module_rows.py`` judges
     them on its report afterwards (and the opt-in modules' rows in the first pass)."""
     _install(session, "test,fla,dask")
-    # One worker per core (pytest-xdist; the conftest gives each its share of torch's threads).
-    session.run("pytest", "-m", "not slow and not nightly", "-n", "auto", "--dist", "loadfile", *session.posargs,
-                env={"HYPOTHESIS_PROFILE": "ci", "K3V_MODULE_ROWS": "opt-in"})
+    # One worker per core (pytest-xdist; the conftest gives each its share of torch's threads);
+    # the 20 slowest tests in every log, where the suite's time on CI's two cores is watched.
+    session.run("pytest", "-m", "not slow and not nightly", "-n", "auto", "--dist", "loadfile", "--durations=20",
+                *session.posargs, env={"HYPOTHESIS_PROFILE": "ci", "K3V_MODULE_ROWS": "opt-in"})
     # ``golden verify`` and the runs each keep about one core busy (small tensors, Python-bound):
     # on CI's two cores they run side by side, one intra-op thread each (two each oversubscribe
     # the cores: measured 96 s one after the other, 68 s side by side with one thread each), the

@@ -32,10 +32,12 @@ def assert_verdict(verdict: Verdict, x: torch.Tensor | None = None, ref: torch.T
     raise AssertionError(f"{what + ': ' if what else ''}rule {verdict.rule}: {verdict.reason}{where}")
 
 
-def assert_fp64_agrees(x: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
-    """Rule fp64-agreement: fp64 stays fp64, and the normwise relative max error is <= 1e-10."""
+def assert_fp64_agrees(x: torch.Tensor, ref: torch.Tensor, what: str = "",
+                       term_sizes: torch.Tensor | None = None) -> None:
+    """Rule fp64-agreement: fp64 stays fp64, and the normwise relative max error is <= 1e-10
+    (each element relative to its terms' size too, where ``term_sizes`` gives it)."""
     assert x.dtype == torch.float64, f"{what + ': ' if what else ''}fp64 input came back as {x.dtype}"
-    assert_verdict(fp64_agreement(x, ref), x, ref, what)
+    assert_verdict(fp64_agreement(x, ref, term_sizes=term_sizes), x, ref, what)
 
 
 def assert_identical(x: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:

@@ -20,7 +20,7 @@ from ..numerics import compute_dtype, rounder
 from ..numerics.gradients import grad_name, vjp
 from ..numerics.ops import rms_norm
 from .inputs import FormOptions, MoEConfig, MoEWeights, Routing, check_backward, check_inputs
-from .layer import glu, layer_output, reference_setup
+from .layer import glu, latent_output, layer_output, reference_setup
 from .quantize import Caster
 from .router import mixture, routing_for
 from .situ import activation
@@ -83,6 +83,29 @@ def autograd_backward(form: Callable[..., torch.Tensor], x: torch.Tensor, weight
 
     grads = vjp(forward, dict(x=x) | tensors, {"y": dy}, wrt=TRAINABLE)
     return {n: grads[n] for n in GRADIENTS}
+
+
+def router_term_sizes(x: torch.Tensor, weights: MoEWeights, config: MoEConfig, *, dy: torch.Tensor,
+                      indices: torch.Tensor) -> torch.Tensor:
+    """The size of the terms the backward adds into ``dw_router``, per element (fp64 in,
+    ``[d, E]`` out): ``|x|ᵀ R``, ``R = s (1 − s) (ρ P + Σ_k P p) / (Σ s_I + ε)`` on the selected
+    experts, from the renormalised weights' chain rule ``ds = (ρ dp − Σ_k dp p) / (Σ s_I + ε)``
+    with ``P = Σ_i |du_i| |E_i|`` the terms of ``dp = du · E`` (``E`` an expert's latent output,
+    ``du`` the latent's gradient). Both sums cancel at top-1: the latent RMSNorm takes the scale
+    out of ``u = p E``, so ``du ⟂ E`` and ``dp`` is rounding alone (up to the norm's ε), and
+    ``renorm_eps`` leaves ``ρ dp ε / (s + ε)²``; every fp64 form keeps their rounding."""
+    xw, w = x.to(torch.float64), weights.to(torch.float64)
+    scores, p = mixture(xw, w.w_router, indices, config, torch.float64)
+    scores, p = scores.detach(), p.detach()
+    z = xw @ w.w_latent_down
+    experts = torch.stack([torch.stack([glu(z[t : t + 1], w.w1[j], w.w3[j], w.w2[j], config)[0]
+                                        for j in indices[t].tolist()]) for t in range(xw.shape[0])])  # [T, k, Dl]
+    u = (p[..., None] * experts).sum(1).requires_grad_()
+    (du,) = torch.autograd.grad((latent_output(u, w, config) * dy.to(u.dtype)).sum(), u)
+    terms_dp = (du.abs()[:, None, :] * experts.abs()).sum(-1)  # [T, k]
+    denom = torch.gather(scores, -1, indices).sum(-1, keepdim=True) + config.renorm_eps
+    terms = (config.routed_scaling_factor * terms_dp + (terms_dp * p).sum(-1, keepdim=True)) / denom
+    return xw.abs().T @ (torch.zeros_like(scores).scatter_(-1, indices, terms) * scores * (1 - scores))
 
 
 def naive_baseline(

@@ -428,7 +428,7 @@ def _map_engine(args: argparse.Namespace) -> Any:
     dask_engine.require_dask()
     return dask_engine.DaskOptions(scheduler=args.scheduler, workers=args.workers,
                                    retries=dask_engine.DEFAULT_RETRIES if args.retries is None else args.retries,
-                                   cell_timeout=args.cell_timeout)
+                                   task_timeout=args.cell_timeout)
 
 
 def _overflow_maps_on_dask(args: argparse.Namespace, entries: list, engine: Any, out: Console, err: Console) -> int:
@@ -445,7 +445,7 @@ def _overflow_maps_on_dask(args: argparse.Namespace, entries: list, engine: Any,
                 task = bar.add_task(f"{entry.name} overflow map", total=None, current="")
                 result = dask_engine.run_sweep(
                     entry, MapOptions(quick=args.quick, seed=args.seed), client, retries=engine.retries,
-                    cell_timeout=engine.cell_timeout, partial=dask_engine.partial_path(out_dir, entry.name),
+                    cell_timeout=engine.task_timeout, partial=dask_engine.partial_path(out_dir, entry.name),
                     commit=code_version(), status=_dask_status(bar, task, err, f"{entry.name} overflow map"))
             result.meta["wall_s"] = round(time.perf_counter() - start, 2)
             paths = write_map(result, out_dir, environment())

@@ -42,7 +42,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,13 +89,15 @@ def require_dask() -> Any:
 
 @dataclass(frozen=True)
 class DaskOptions:
-    """Where the cells run: an existing cluster (``scheduler``, its address) or a LocalCluster of
-    ``workers`` single-threaded worker processes (default: one per core)."""
+    """Where the tasks (map cells, run rows) run: an existing cluster (``scheduler``, its address)
+    or a LocalCluster of ``workers`` single-threaded worker processes (default: one per core);
+    how often a task whose worker died is submitted again (``retries``) and after how many
+    seconds a running task is failed (``task_timeout``, ``None``: never)."""
 
     scheduler: str | None = None
     workers: int | None = None
     retries: int = DEFAULT_RETRIES
-    cell_timeout: float | None = None
+    task_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -116,10 +118,12 @@ class CellTask:
 
 @dataclass
 class SweepStatus:
-    """Where a Dask sweep stands: cells done (computed now, found in the partial file, or failed),
-    failed, submitted again after their worker died, and the time since it began."""
+    """Where a Dask sweep stands: tasks done (computed now, found in the partial file, or failed),
+    failed, submitted again after their worker died, and the time since it began; ``unit`` names
+    a task (``cell``, ``row``)."""
 
     total: int
+    unit: str = "cell"
     done: int = 0
     failed: int = 0
     retried: int = 0
@@ -131,7 +135,7 @@ class SweepStatus:
 
     @property
     def eta_s(self) -> float | None:
-        """Seconds left at the rate cells were finished in this run; ``None`` before the first."""
+        """Seconds left at the rate tasks were finished in this run; ``None`` before the first."""
         fresh = self.done - self.resumed
         if fresh <= 0:
             return None
@@ -207,7 +211,7 @@ class _WorkerState:
 
     entries: dict[str, Any] = field(default_factory=dict)
     forms: dict[tuple[str, MapOptions], list[Any]] = field(default_factory=dict)
-    impls: dict[str, dict[tuple[str, ...], Any]] = field(default_factory=dict)
+    impls: dict[str, dict[tuple[str, ...], Any]] = field(default_factory=dict)  # by a caller's key
     cases: collections.OrderedDict = field(default_factory=collections.OrderedDict)
     running: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -216,17 +220,78 @@ class _WorkerState:
 _STATE = _WorkerState()
 
 
-def _entry(job: CellJob) -> Any:
-    if job.token not in _STATE.entries:
-        if job.entry_blob is None:
+def entry_ref(entry: Any) -> tuple[bytes | None, str]:
+    """How ``entry`` travels to the workers: ``(None, "registry:<name>")`` for a registered module
+    (each worker finds it itself), else ``(its cloudpickle, a digest of it)``; the second item
+    names it in the workers' caches."""
+    from . import registry
+
+    try:
+        registered = registry.get(entry.name) is entry
+    except registry.UnknownModuleError:
+        registered = False
+    if registered:
+        return None, f"registry:{entry.name}"
+    import cloudpickle
+
+    blob = cloudpickle.dumps(entry)
+    return blob, hashlib.sha256(blob).hexdigest()[:16]
+
+
+def worker_entry(module: str, blob: bytes | None, token: str) -> Any:
+    """On a worker: the entry :func:`entry_ref` sent (``module`` its name), loaded once per token."""
+    if token not in _STATE.entries:
+        if blob is None:
             from . import registry
 
-            _STATE.entries[job.token] = registry.get(job.module)
+            _STATE.entries[token] = registry.get(module)
         else:
             import cloudpickle
 
-            _STATE.entries[job.token] = cloudpickle.loads(job.entry_blob)
-    return _STATE.entries[job.token]
+            _STATE.entries[token] = cloudpickle.loads(blob)
+    return _STATE.entries[token]
+
+
+@contextlib.contextmanager
+def running_task(attempt: str) -> Iterator[Callable[[], float]]:
+    """On a worker: the block runs task ``attempt``, listed in :func:`running_cells` (which the
+    client's timeout reads) until it ends; yields the seconds since it began."""
+    with _STATE.lock:
+        _STATE.running[attempt] = began = time.monotonic()
+    try:
+        yield lambda: time.monotonic() - began
+    finally:
+        with _STATE.lock:
+            _STATE.running.pop(attempt, None)
+
+
+def kept_case(key: tuple[Any, ...], build: Callable[[], Any]) -> tuple[Any, bool]:
+    """On a worker: what ``build()`` makes for ``key`` (a point's case and reference, a module's
+    cases), from the worker's cache of the last :data:`CASES_KEPT` when there, and whether this
+    call built it."""
+    with _STATE.lock:  # a worker of several threads runs tasks side by side
+        kept = _STATE.cases.get(key)
+        if kept is not None:
+            _STATE.cases.move_to_end(key)
+    if kept is not None:
+        return kept, False
+    kept = build()
+    with _STATE.lock:
+        _STATE.cases[key] = kept
+        while len(_STATE.cases) > CASES_KEPT:
+            _STATE.cases.popitem(last=False)
+    return kept, True
+
+
+def worker_implementation(key: str, impls: Callable[[], list[Any]], wanted: tuple[str, ...]) -> Any:
+    """On a worker: the implementation of identity ``wanted`` among ``impls()`` (listed once per
+    ``key``, plugins included); ``LookupError`` when this worker has none of that identity."""
+    if key not in _STATE.impls:
+        _STATE.impls[key] = {identity(i): i for i in impls()}
+    impl = _STATE.impls[key].get(wanted)
+    if impl is None:
+        raise LookupError(f"{' '.join(wanted)} is not registered on this worker (is its plugin installed there?)")
+    return impl
 
 
 def run_cell(job: CellJob) -> dict[str, Any]:
@@ -235,42 +300,25 @@ def run_cell(job: CellJob) -> dict[str, Any]:
     from the worker's cache when an earlier cell of the point ran here."""
     # The cell's clock starts once the entry is loaded (a fresh worker imports the module
     # entries first): the timeout is the cell's, case and reference included.
-    entry = _entry(job)
-    with _STATE.lock:
-        _STATE.running[job.attempt] = time.monotonic()
-    try:
+    entry = worker_entry(job.module, job.entry_blob, job.token)
+    with running_task(job.attempt) as seconds:
         d: MapDefinition = entry.overflow_map
         task = job.task
         where = (job.token, job.options.seed, task.point_index, json.dumps(task.point, sort_keys=True, default=str))
-        with _STATE.lock:  # a worker of several threads runs cells side by side
-            kept = _STATE.cases.get(where)
-            if kept is not None:
-                _STATE.cases.move_to_end(where)
-        built = kept is None
-        if built:
+
+        def build() -> tuple[Any, Any]:
             case = d.make_case(task.point, job.options.seed)
-            kept = (case, d.reference(case))
-            with _STATE.lock:
-                _STATE.cases[where] = kept
-                while len(_STATE.cases) > CASES_KEPT:
-                    _STATE.cases.popitem(last=False)
-        case, ref = kept
+            return case, d.reference(case)
+
+        (case, ref), built = kept_case(where, build)
         if task.form is not None:
             if (job.token, job.options) not in _STATE.forms:
                 _STATE.forms[(job.token, job.options)] = d.forms(job.options)
             cell = form_cell(entry, _STATE.forms[(job.token, job.options)][task.form], case, task.point, ref)
         else:
-            if job.token not in _STATE.impls:
-                _STATE.impls[job.token] = {identity(i): i for i in map_implementations(entry)}
-            impl = _STATE.impls[job.token].get(task.implementation)
-            if impl is None:
-                raise LookupError(f"{' '.join(task.implementation or ())} is not registered on this worker "
-                                  "(is its plugin installed there?)")
+            impl = worker_implementation(job.token, lambda: map_implementations(entry), task.implementation or ())
             cell = _registered_cell(entry, impl, case, task.point, ref, d, measured_cell)
-        return {"cell": cell, "built_case": built, "seconds": time.monotonic() - _STATE.running[job.attempt]}
-    finally:
-        with _STATE.lock:
-            _STATE.running.pop(job.attempt, None)
+        return {"cell": cell, "built_case": built, "seconds": seconds()}
 
 
 def running_cells() -> dict[str, float]:
@@ -373,21 +421,63 @@ def run_sweep(entry: Any, options: MapOptions, client: Any, *, retries: int = DE
     so far kept in ``partial``. ``meta["engine"]`` records the cluster, the counts and how many
     times the workers built a point's case, and the seconds the workers spent in the cells (case
 and reference builds included)."""
-    distributed = require_dask()
-    from . import registry
-
     tasks = plan(entry, options, commit)
-    try:
-        registered = registry.get(entry.name) is entry
-    except registry.UnknownModuleError:
-        registered = False
-    if registered:
-        blob, token = None, f"registry:{entry.name}"
-    else:
-        import cloudpickle
+    blob, token = entry_ref(entry)
+    cells: dict[int, dict[str, Any]] = read_partial(partial, {t.key: t.index for t in tasks})
+    st = SweepStatus(total=len(tasks), done=len(cells), resumed=len(cells))
+    measured = {"builds": 0, "cell_s": 0.0}
+    workers = len(client.nthreads())
+    if partial is not None:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+    sink = partial.open("a", encoding="utf-8") if partial is not None else None
+    log.info("%s overflow map: %d cells, %d found in %s", entry.name, len(tasks), len(cells), partial)
 
-        blob = cloudpickle.dumps(entry)
-        token = hashlib.sha256(blob).hexdigest()[:16]
+    def computed(task: CellTask, result: dict[str, Any]) -> None:
+        measured["builds"] += bool(result["built_case"])
+        measured["cell_s"] += result["seconds"]
+        cells[task.index] = _as_json(result["cell"])
+        if sink is not None:  # a line per cell, flushed: an interrupt keeps every finished cell
+            sink.write(json.dumps({"key": task.key, "index": task.index, "cell": cells[task.index]},
+                                  allow_nan=False) + "\n")
+            sink.flush()
+
+    def failed(task: CellTask, reason: str) -> None:
+        cells[task.index] = _as_json(failed_cell(task, reason))
+
+    try:
+        run_tasks(client, [t for t in tasks if t.index not in cells],
+                  lambda task, attempt: CellJob(entry.name, blob, token, options, task, attempt), run_cell,
+                  group=f"k3verify-cell-{entry.name}-{token}", name=entry.name, retries=retries,
+                  timeout=cell_timeout, st=st, computed=computed, failed=failed, status=status)
+    finally:
+        if sink is not None:
+            sink.close()
+
+    missing = [t.index for t in tasks if t.index not in cells]
+    if missing:
+        raise RuntimeError(f"the Dask sweep ended without {len(missing)} cells (first: {missing[0]})")
+    result = finish_map(entry, options, [cells[t.index] for t in tasks])
+    result.meta["engine"] = {"name": "dask", "workers": workers, "retries": retries,
+                             "cell_timeout_s": cell_timeout, "cells": len(tasks), "computed": st.computed,
+                             "resumed": st.resumed, "failed": st.failed, "retried": st.retried,
+                             "case_builds": measured["builds"], "cell_s": round(measured["cell_s"], 2)}
+    return result
+
+
+def run_tasks(client: Any, tasks: Sequence[Any], job: Callable[[Any, str], Any], fn: Callable[[Any], Any], *,
+              group: str, name: str, retries: int, timeout: float | None, st: SweepStatus,
+              computed: Callable[[Any, Any], None], failed: Callable[[Any, str], None],
+              status: StatusCallback = lambda s: None) -> None:
+    """Run ``fn(job(task, attempt))`` on ``client``'s cluster for every task of ``tasks`` (each
+    has an ``index``, unique among them), one Dask task per submission, ``attempt`` naming it;
+    ``computed(task, result)`` gets what it returned, ``failed(task, reason)`` a task that raised,
+    whose worker died ``retries + 1`` times, or that ran past ``timeout`` seconds (its worker is
+    then restarted). ``st`` counts them (``st.unit`` names a task in the reasons); ``status(st)``
+    is called at the start and after every finished task, and an exception it raises ends the
+    run, the tasks still out cancelled. ``group`` names the run's Dask task group and ``name``
+    the run in the log."""
+    distributed = require_dask()
+    unit = st.unit
     try:
         allowed = int(client.run_on_scheduler(_allowed_failures))
     except Exception:  # a scheduler that refuses run_on_scheduler: assume Dask's default
@@ -395,36 +485,24 @@ and reference builds included)."""
     uses_gpu = any("GPU" in w.get("resources", {}) for w in client.scheduler_info()["workers"].values())
     resources = {"GPU": 1} if uses_gpu else None
 
-    cells: dict[int, dict[str, Any]] = read_partial(partial, {t.key: t.index for t in tasks})
-    st = SweepStatus(total=len(tasks), done=len(cells), resumed=len(cells))
-    pending = collections.deque(t for t in tasks if t.index not in cells)
+    pending = collections.deque(tasks)
     deaths: dict[int, int] = collections.Counter()
-    running: dict[Any, CellTask] = {}
+    running: dict[Any, Any] = {}
     attempts: dict[str, Any] = {}  # attempt key -> future
-    builds = submitted = 0
-    cell_s = 0.0
-    group = f"k3verify-cell-{entry.name}-{token}"
-    workers = len(client.nthreads())
+    submitted = 0
     began = time.perf_counter()
     last_poll, slots, slots_at, no_workers_since = began, 0, -math.inf, None
-    if partial is not None:
-        partial.parent.mkdir(parents=True, exist_ok=True)
-    sink = partial.open("a", encoding="utf-8") if partial is not None else None
-    log.info("%s overflow map: %d cells, %d found in %s", entry.name, len(tasks), len(cells), partial)
 
-    def finish(task: CellTask, cell: dict[str, Any], *, failed: bool) -> None:
-        cells[task.index] = _as_json(cell)
+    def finish(task: Any, result: Any = None, reason: str | None = None) -> None:
         st.done += 1
-        if failed:
+        if reason is not None:
+            failed(task, reason)
             st.failed += 1
-            st.failures.append((task.index, str(cell.get("error"))))
-            log.info("%s cell %d failed: %s", entry.name, task.index, cell.get("error"))
+            st.failures.append((task.index, reason))
+            log.info("%s %s %d failed: %s", name, unit, task.index, reason)
         else:
+            computed(task, result)
             st.computed += 1
-            if sink is not None:  # a line per cell, flushed: an interrupt keeps every finished cell
-                sink.write(json.dumps({"key": task.key, "index": task.index, "cell": cells[task.index]},
-                                      allow_nan=False) + "\n")
-                sink.flush()
         st.elapsed_s = time.perf_counter() - began
         status(st)
 
@@ -440,11 +518,10 @@ and reference builds included)."""
             while pending and len(running) < slots * (1 if uses_gpu else QUEUED_PER_THREAD):
                 task = pending.popleft()
                 submitted += 1
-                attempt = f"{token}-{submitted}"
-                job = CellJob(entry.name, blob, token, options, task, attempt)
-                # One task group per sweep (the key's first item names it), so that the scheduler
-                # queues the cells and sends a worker its next one only when it is free.
-                future = client.submit(run_cell, job, key=(group, task.index, submitted), pure=False,
+                attempt = f"{group}-{submitted}"
+                # One task group per run (the key's first item names it), so that the scheduler
+                # queues the tasks and sends a worker its next one only when it is free.
+                future = client.submit(fn, job(task, attempt), key=(group, task.index, submitted), pure=False,
                                        resources=resources)
                 running[future], attempts[attempt] = task, future
             if not running:
@@ -456,12 +533,9 @@ and reference builds included)."""
                 done = set()
             for future in done:
                 task = running.pop(future)
-                attempts.pop(f"{token}-{future.key[2]}", None)
+                attempts.pop(f"{group}-{future.key[2]}", None)
                 if future.status == "finished":
-                    result = future.result()
-                    builds += bool(result["built_case"])
-                    cell_s += result["seconds"]
-                    finish(task, result["cell"], failed=False)
+                    finish(task, future.result())
                     continue
                 exc = future.exception() if future.status == "error" else None
                 future.release()
@@ -470,39 +544,26 @@ and reference builds included)."""
                     # allowed + 1 deaths, as the scheduler counts them.
                     deaths[task.index] += 0 if exc is None else allowed + 1
                     if deaths[task.index] > retries:
-                        finish(task, failed_cell(task, f"worker died {deaths[task.index]} times running this cell"),
-                               failed=True)
+                        finish(task, reason=f"worker died {deaths[task.index]} times running this {unit}")
                     else:
                         st.retried += 1
-                        log.info("%s cell %d: its worker died; submitted again", entry.name, task.index)
+                        log.info("%s %s %d: its worker died; submitted again", name, unit, task.index)
                         pending.appendleft(task)
                 else:
-                    finish(task, failed_cell(task, f"{type(exc).__name__}: {exc}"), failed=True)
-            if cell_timeout is not None and time.perf_counter() - last_poll >= POLL_S:
+                    finish(task, reason=f"{type(exc).__name__}: {exc}")
+            if timeout is not None and time.perf_counter() - last_poll >= POLL_S:
                 last_poll = time.perf_counter()
-                _stop_overdue(client, running, attempts, cell_timeout, finish)
+                _stop_overdue(client, running, attempts, timeout, unit, finish)
     finally:
-        if sink is not None:
-            sink.close()
         if running:
             with contextlib.suppress(Exception):  # a client already cut off: the original error matters
                 client.cancel(list(running))
 
-    missing = [t.index for t in tasks if t.index not in cells]
-    if missing:
-        raise RuntimeError(f"the Dask sweep ended without {len(missing)} cells (first: {missing[0]})")
-    result = finish_map(entry, options, [cells[t.index] for t in tasks])
-    result.meta["engine"] = {"name": "dask", "workers": workers, "retries": retries,
-                             "cell_timeout_s": cell_timeout, "cells": len(tasks), "computed": st.computed,
-                             "resumed": st.resumed, "failed": st.failed, "retried": st.retried,
-                             "case_builds": builds, "cell_s": round(cell_s, 2)}
-    return result
 
-
-def _stop_overdue(client: Any, running: dict[Any, CellTask], attempts: dict[str, Any], cell_timeout: float,
+def _stop_overdue(client: Any, running: dict[Any, Any], attempts: dict[str, Any], timeout: float, unit: str,
                   finish: Callable[..., None]) -> None:
-    """Fail every running cell that is past ``cell_timeout`` and restart the worker running it
-    (its thread cannot be stopped from outside; a fresh process frees the slot)."""
+    """Fail every running task that is past ``timeout`` and restart the worker running it (its
+    thread cannot be stopped from outside; a fresh process frees the slot)."""
     try:
         seen = client.run(running_cells, on_error="ignore")
     except Exception:  # a worker going away mid-call: look again at the next poll
@@ -513,12 +574,12 @@ def _stop_overdue(client: Any, running: dict[Any, CellTask], attempts: dict[str,
             continue
         for key, elapsed in keys.items():
             future = attempts.get(key)
-            if future is None or elapsed <= cell_timeout:
+            if future is None or elapsed <= timeout:
                 continue
             task = running.pop(future)
             attempts.pop(key)
             future.cancel()
-            finish(task, failed_cell(task, f"ran past the cell timeout of {cell_timeout:g} s"), failed=True)
+            finish(task, reason=f"ran past the {unit} timeout of {timeout:g} s")
             overdue.append(address)
     if overdue:
         # The process ends at once (a graceful close would wait for the hung thread); its nanny
@@ -534,7 +595,7 @@ def sweep_map_dask(entry: Any, options: MapOptions, dask_options: DaskOptions, *
     from .environment import code_version
 
     commit = code_version()
-    kwargs = dict(retries=dask_options.retries, cell_timeout=dask_options.cell_timeout, partial=partial,
+    kwargs = dict(retries=dask_options.retries, cell_timeout=dask_options.task_timeout, partial=partial,
                   commit=commit, status=status)
     if client is not None:
         return run_sweep(entry, options, client, **kwargs)

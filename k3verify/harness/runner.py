@@ -86,22 +86,39 @@ def run(entries: list[ModuleEntry], *, seed: int = 0, progress: Progress | None 
     for entry, impl, case_name in planned:
         if progress:
             progress(f"{impl.label} on {case_name}")
-        reason = impl.unavailable()
-        if reason:
-            yield row_header(impl, Case(case_name, {}), entry.direction) | {"status": UNAVAILABLE, "reason": reason}
-            continue
-        if id(entry) not in cases:  # by identity: a --tp run's entries share their module's name
-            cases[id(entry)] = entry.make_cases(seed)
-        made = cases[id(entry)]
-        if case_name not in made:
-            yield row_header(impl, Case(case_name, {}), entry.direction) | {
-                "status": FAIL, "reason": f"{impl.label} asks for case {case_name!r}, which {entry.name} does not "
-                                          f"make (its cases: {', '.join(made)})"}
-            continue
-        row = verify(entry, impl, made[case_name])
-        if time_kernels and "verdict" in row and (timing.timed(impl) or timing.is_peer(row, peers)):
-            row["time"] = _timed(impl, made[case_name])
+
+        def made(e: ModuleEntry = entry) -> dict[str, Case]:
+            if id(e) not in cases:  # by identity: a --tp run's entries share their module's name
+                cases[id(e)] = e.make_cases(seed)
+            return cases[id(e)]
+
+        row, case = planned_row(entry, impl, case_name, made)
+        if case is not None and time_kernels and "verdict" in row and (timing.timed(impl)
+                                                                      or timing.is_peer(row, peers)):
+            row["time"] = _timed(impl, case)
         yield row
+
+
+def planned_row(entry: ModuleEntry, impl: Implementation, case_name: str,
+                cases: Callable[[], dict[str, Case]]) -> tuple[dict[str, Any], Case | None]:
+    """The row of one planned (entry, implementation, case name) and the case it was verified on
+    (``None`` when it was not: an implementation that cannot run here, whose case is never built,
+    or a case ``entry`` does not make, a failed row). ``cases()`` gives the entry's cases by name,
+    built once by the caller."""
+    reason = impl.unavailable()
+    if reason:
+        return reason_row(entry, impl, case_name, UNAVAILABLE, reason), None
+    made = cases()
+    if case_name not in made:
+        why = (f"{impl.label} asks for case {case_name!r}, which {entry.name} does not make "
+               f"(its cases: {', '.join(made)})")
+        return reason_row(entry, impl, case_name, FAIL, why), None
+    return verify(entry, impl, made[case_name]), made[case_name]
+
+
+def reason_row(entry: ModuleEntry, impl: Implementation, case_name: str, status: str, reason: str) -> dict[str, Any]:
+    """A row that holds no verdict: its header, ``status`` and ``reason``."""
+    return row_header(impl, Case(case_name, {}), entry.direction) | {"status": status, "reason": reason}
 
 
 def _timed(impl: Implementation, case: Case) -> dict[str, Any]:

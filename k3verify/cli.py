@@ -1,6 +1,6 @@
 """The ``k3verify`` command line.
 
-    k3verify run [--modules kda,mla] [--out reports/latest] [--seed 0] [--maps DIR]
+    k3verify run [--modules kda,mla] [--out reports/latest] [--seed 0] [--maps DIR] [--engine dask [--workers N]]
     k3verify overflow-map --module kda [--out reports/maps] [--quick] [--engine dask [--workers N]]
     k3verify list [--modules ...]
     k3verify golden generate [--dir golden] [--modules ...] [--seed 0]
@@ -208,18 +208,29 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
         raise UsageError("--implementations selects rows of a plain run; a --tp run verifies the modules' layers")
     if args.time and tp is not None:
         raise UsageError("--time times the kernel rows of a plain run; a --tp run has none")
+    engine = _dask_engine(args, "--row-timeout")
+    if engine is not None:
+        # Not yet on Dask: a --tp run starts its own ranks, and a time is only comparable with its
+        # peer's when both ran on one device, one after the other.
+        for flag, given in (("--tp", tp is not None), ("--time", args.time)):
+            if given:
+                raise UsageError(f"{flag}: not with --engine dask (run it with --engine local)")
     try:
         planned = runner.plan(entries, tp, orphans, names)
     except KeyError as exc:
         raise UsageError(f"--implementations: {exc.args[0]}") from None
     oracle_rows, oracle_check = _oracle_check(args, entries, tp, err)
     rows = list(oracle_rows)
-    with _progress(err) as bar:
-        task = bar.add_task("verifying", total=len(planned), current="")
-        for row in runner.run(entries, seed=args.seed, progress=lambda label: bar.update(task, current=label),
-                              orphans=orphans, tp=tp, names=names, time_kernels=args.time):
-            rows.append(row)
-            bar.advance(task)
+    config: dict[str, Any] = {}
+    if engine is not None:
+        rows += _rows_on_dask(args, planned, engine, err, config)
+    else:
+        with _progress(err) as bar:
+            task = bar.add_task("verifying", total=len(planned), current="")
+            for row in runner.run(entries, seed=args.seed, progress=lambda label: bar.update(task, current=label),
+                                  orphans=orphans, tp=tp, names=names, time_kernels=args.time):
+                rows.append(row)
+                bar.advance(task)
     if args.time:
         timing.with_peer_ratios(rows)
     if len(rows) != len(oracle_rows) + len(planned):  # a verdict or a reason for every planned row
@@ -227,7 +238,7 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
                             "no report written")
     wall = time.perf_counter() - start
     config = {"seed": args.seed, "modules": [e.name for e in entries], "wall_s": round(wall, 2),
-              "oracle_check": oracle_check}
+              "oracle_check": oracle_check} | config
     if names is not None:
         config["implementations"] = sorted(set(names))
     if args.time:
@@ -235,6 +246,22 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
     if tp is not None:
         config["tp"] = dataclasses.asdict(tp)
     return _finish(rows, config, Path(args.out), maps_dir, out, args, err=err)
+
+
+def _rows_on_dask(args: argparse.Namespace, planned: list, engine: Any, err: Console,
+                  config: dict[str, Any]) -> list[dict]:
+    """The ``planned`` rows computed on the Dask cluster ``engine`` names, in the plan's order
+    (:mod:`k3verify.harness.dask_run`); what the engine records goes to ``config["engine"]``."""
+    from .harness import dask_engine, dask_run
+
+    with dask_engine.dask_client(engine) as client, _progress(err) as bar:
+        task = bar.add_task("verifying on Dask", total=len(planned), current="")
+        rows, config["engine"] = dask_run.run_rows(
+            planned, client, seed=args.seed, retries=engine.retries, row_timeout=engine.task_timeout,
+            plugin_timeout=args.timeout,
+            status=_dask_status(bar, task, err, "k3verify run",
+                                lambda i: f"{planned[i][1].label} on {planned[i][2]}"))
+    return rows
 
 
 def _in_direction(entries: list[registry.ModuleEntry], direction: str) -> list[registry.ModuleEntry]:
@@ -389,7 +416,7 @@ def cmd_overflow_map(args: argparse.Namespace, out: Console, err: Console) -> in
         if without:
             raise UsageError(f"module(s) {', '.join(without)} have no overflow map")
     check_output_folder(Path(args.out), "--out")
-    engine = _map_engine(args)
+    engine = _dask_engine(args, "--cell-timeout")
     if engine is not None:
         return _overflow_maps_on_dask(args, entries, engine, out, err)
     failed = False
@@ -411,11 +438,12 @@ def cmd_overflow_map(args: argparse.Namespace, out: Console, err: Console) -> in
     return 1 if failed else 0
 
 
-def _map_engine(args: argparse.Namespace) -> Any:
+def _dask_engine(args: argparse.Namespace, timeout_flag: str) -> Any:
     """The ``DaskOptions`` of ``--engine dask`` (``None`` for the local engine); ``UsageError`` for
-    Dask options without it, both ``--scheduler`` and ``--workers``, or dask not installed."""
+    Dask options without it, both ``--scheduler`` and ``--workers``, or dask not installed.
+    ``timeout_flag`` names the command's task timeout (``--cell-timeout``, ``--row-timeout``)."""
     dask_only = {"--scheduler": args.scheduler, "--workers": args.workers, "--retries": args.retries,
-                 "--cell-timeout": args.cell_timeout}
+                 timeout_flag: args.task_timeout}
     if args.engine == "local":
         given = [name for name, value in dask_only.items() if value is not None]
         if given:
@@ -428,7 +456,7 @@ def _map_engine(args: argparse.Namespace) -> Any:
     dask_engine.require_dask()
     return dask_engine.DaskOptions(scheduler=args.scheduler, workers=args.workers,
                                    retries=dask_engine.DEFAULT_RETRIES if args.retries is None else args.retries,
-                                   task_timeout=args.cell_timeout)
+                                   task_timeout=args.task_timeout)
 
 
 def _overflow_maps_on_dask(args: argparse.Namespace, entries: list, engine: Any, out: Console, err: Console) -> int:
@@ -463,22 +491,25 @@ def _overflow_maps_on_dask(args: argparse.Namespace, entries: list, engine: Any,
     return 1 if failed else 0
 
 
-def _dask_status(bar: Progress | LineProgress, task: int, err: Console, what: str) -> Callable[[Any], None]:
-    """The Dask sweep's status on ``bar`` (cells done of all; failed, retried and the ETA beside
-    it), each failed cell as a line, and in a log (``bar`` a :class:`LineProgress`) one line per
-    10% of the cells with the same counts."""
+def _dask_status(bar: Progress | LineProgress, task: int, err: Console, what: str,
+                 label: Callable[[int], str] | None = None) -> Callable[[Any], None]:
+    """The Dask run's status on ``bar`` (tasks done of all, cells or rows as ``status.unit``
+    says; failed, retried and the ETA beside it), each failed task as a line (``label(index)``
+    names it; default: its unit and index), and in a log (``bar`` a :class:`LineProgress`) one
+    line per 10% of the tasks with the same counts."""
     shown = {"fraction": -1.0, "failures": 0}
 
     def update(status: Any) -> None:
         for index, reason in status.failures[shown["failures"]:]:
-            _say(err, f"{what}: cell {index} failed: {reason}", style="yellow")
+            _say(err, f"{what}: {label(index) if label else f'{status.unit} {index}'} failed: {reason}",
+                 style="yellow")
         shown["failures"] = len(status.failures)
         if isinstance(bar, LineProgress):
             fraction = status.done / status.total if status.total else 1.0
             if fraction - shown["fraction"] >= LineProgress.STEP or (fraction >= 1 and shown["fraction"] < 1):
                 shown["fraction"] = fraction
                 extra = status.text()
-                _say(err, f"{what}: {status.done}/{status.total} cells ({100 * fraction:.0f}%) after "
+                _say(err, f"{what}: {status.done}/{status.total} {status.unit}s ({100 * fraction:.0f}%) after "
                           f"{status.elapsed_s:.1f} s" + (f"; {extra}" if extra else ""))
             return
         bar.update(task, completed=status.done, total=status.total, current=status.text())
@@ -775,6 +806,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=_timeout, default=sandbox.DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="a plugin's call (run, predict, ...) that takes longer fails its row; its process is "
                         f"stopped (default {sandbox.DEFAULT_TIMEOUT_S:g})")
+    _engine_options(r, "row")
     _output_options(r)
     r.set_defaults(fn=cmd_run)
     m = sub.add_parser("overflow-map", help="map where a module's tiled form overflows or loses precision")
@@ -782,17 +814,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--out", default="reports/maps", help="output folder (default: reports/maps)")
     m.add_argument("--quick", action="store_true", help="coarse grid (seconds instead of minutes)")
     m.add_argument("--seed", type=_seed, default=0)
-    m.add_argument("--engine", choices=("local", "dask"), default="local",
-                   help="where the cells are computed: this process (default), or a Dask cluster, one task per "
-                        "cell (needs pip install 'k3verify[dask]')")
-    m.add_argument("--scheduler", metavar="ADDRESS", help="--engine dask: the scheduler of an existing cluster")
-    m.add_argument("--workers", type=_workers, metavar="N",
-                   help="--engine dask: a local cluster of N single-threaded worker processes (default: one per core)")
-    m.add_argument("--retries", type=_retries, metavar="N",
-                   help="--engine dask: a cell whose worker dies is run again on a fresh one up to N times, then "
-                        "failed (default 2)")
-    m.add_argument("--cell-timeout", type=_timeout, metavar="SECONDS",
-                   help="--engine dask: a cell that runs longer is failed and its worker restarted (default: none)")
+    _engine_options(m, "cell")
     m.set_defaults(fn=cmd_overflow_map)
     ls = sub.add_parser("list", help="list modules and implementations")
     ls.add_argument("--modules", action="append")
@@ -854,6 +876,23 @@ def parser() -> argparse.ArgumentParser:
 
 FORMATS = ("table", "md", "json")
 NUMERIC_COLUMNS = tuple(c.header for c in report.TABLE_COLUMNS if c.numeric)
+
+
+def _engine_options(p: argparse.ArgumentParser, unit: str) -> None:
+    """``--engine local|dask`` and the Dask engine's options, for a command whose tasks are
+    ``unit``s (``cell``: ``--cell-timeout``; ``row``: ``--row-timeout``; both kept in
+    ``args.task_timeout``)."""
+    p.add_argument("--engine", choices=("local", "dask"), default="local",
+                   help=f"where the {unit}s are computed: this process (default), or a Dask cluster, one task per "
+                        f"{unit} (needs pip install 'k3verify[dask]')")
+    p.add_argument("--scheduler", metavar="ADDRESS", help="--engine dask: the scheduler of an existing cluster")
+    p.add_argument("--workers", type=_workers, metavar="N",
+                   help="--engine dask: a local cluster of N single-threaded worker processes (default: one per core)")
+    p.add_argument("--retries", type=_retries, metavar="N",
+                   help=f"--engine dask: a {unit} whose worker dies is run again on a fresh one up to N times, then "
+                        "failed (default 2)")
+    p.add_argument(f"--{unit}-timeout", dest="task_timeout", type=_timeout, metavar="SECONDS",
+                   help=f"--engine dask: a {unit} that runs longer is failed and its worker restarted (default: none)")
 
 
 def _output_options(p: argparse.ArgumentParser) -> None:

@@ -1,5 +1,6 @@
 """Module entries for the Dask engine's tests: a registered map cut to its first points, with
-planted swept forms that misbehave at one point (abort their process, kill it once, hang).
+planted swept forms that misbehave at one point (abort their process, kill it once, hang); and
+a registered module with planted implementations whose one row misbehaves the same way.
 
 A planted form is one of the module's own forms under another implementation name (so its
 cells are a frontier group of their own and leave the module's cells as they are); at every
@@ -90,3 +91,25 @@ def planted_entry(entry: Any, points: int, plants: dict[str, tuple[Callable[[Any
     make_case = functools.partial(_make_case, d.make_case)
     return dataclasses.replace(entry, overflow_map=dataclasses.replace(d, points=cut, forms=forms,
                                                                        make_case=make_case))
+
+
+def _planted_row_run(misbehave: Callable[[Any], None], run: Callable[[Any], Any], case: Any) -> Any:
+    misbehave(case)
+    return run(case)
+
+
+def _implementations(original: Callable[[], list[Any]], plants: dict[str, Callable[[Any], None]]) -> list[Any]:
+    impls = original()
+    model = next(i for i in impls if i.unavailable() is None)
+    planted = [dataclasses.replace(model, implementation=f"planted {name}", cases=model.cases[:1],
+                                   run=functools.partial(_planted_row_run, misbehave, model.run))
+               for name, misbehave in plants.items()]
+    return [*impls, *planted]
+
+
+def planted_rows_entry(entry: Any, plants: dict[str, Callable[[Any], None]]) -> Any:
+    """``entry`` with one planted implementation per item of ``plants`` (name -> what it does
+    before it runs): a copy of the entry's first available implementation, named
+    ``planted <name>``, on that implementation's first case only, so one row each."""
+    return dataclasses.replace(entry, own_implementations=functools.partial(_implementations,
+                                                                            entry.own_implementations, plants))

@@ -1,11 +1,15 @@
-"""The Dask engine of ``k3verify overflow-map`` (:mod:`k3verify.harness.dask_engine`) on a
-LocalCluster of two single-threaded workers: the same cells as the local engine, in the same
-order; a worker killed mid-sweep; a cell that aborts its process every time and one that hangs;
-an interrupted sweep resumed from its partial file.
+"""The Dask engine of ``k3verify overflow-map`` (:mod:`k3verify.harness.dask_engine`) and of
+``k3verify run`` (:mod:`k3verify.harness.dask_run`) on a LocalCluster of two single-threaded
+workers: the same cells as the local engine, in the same order; a worker killed mid-sweep; a
+cell that aborts its process every time and one that hangs; an interrupted sweep resumed from
+its partial file; a run's report equal to the local engine's row for row, and its aborting and
+hanging rows.
 
 The map is attnres_backward's quick map, the cheapest quick map (90 cells, about half a second
-on the local engine); the fault and resume tests cut it to its first points. Skipped when dask
-is not installed (``pip install 'k3verify[dask]'``).
+on the local engine); the fault and resume tests cut it to its first points. attnres_backward's
+run is the cheapest too (10 rows, about a second). The run's tests share the file's cluster,
+whose workers have imported k3verify by then (a fresh worker's first task takes seconds).
+Skipped when dask is not installed (``pip install 'k3verify[dask]'``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import Any
 import dask_planted
 import pytest
 
-from k3verify.harness import dask_engine, registry
+from k3verify import cli
+from k3verify.harness import dask_engine, dask_run, registry, runner
 from k3verify.harness.files import json_safe
 from k3verify.harness.overflow_map import MapOptions, sweep_map
 
@@ -128,8 +133,6 @@ def test_the_command_line_writes_the_map_and_drops_its_partial_file(client: Any,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """``overflow-map --engine dask --scheduler ADDRESS`` (the file's cluster) writes the local
     engine's map and removes the partial file."""
-    from k3verify import cli
-
     out = tmp_path / "maps"
     assert cli.main(["overflow-map", "--module", MODULE, "--quick", "--out", str(out), "--engine", "dask",
                      "--scheduler", client.scheduler.address]) == 0
@@ -142,8 +145,6 @@ def test_the_command_line_writes_the_map_and_drops_its_partial_file(client: Any,
 
 def test_dask_options_need_the_dask_engine_and_dask(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    from k3verify import cli
-
     args = ["overflow-map", "--module", MODULE, "--quick", "--out", str(tmp_path / "maps")]
     assert cli.main([*args, "--workers", "2"]) == 2
     assert "--workers: only with --engine dask" in capsys.readouterr().err
@@ -173,3 +174,63 @@ def test_the_resume_key_changes_with_any_source_file(tmp_path: Path) -> None:
     seen.add(source_digest(package))
     assert len(seen) == 4
     assert code_version().endswith(source_digest(Path(dask_engine.__file__).resolve().parents[1]))
+
+
+# --- k3verify run --engine dask ---------------------------------------------------------------
+
+
+def comparable(rows: list[dict[str, Any]]) -> list[str]:
+    """Rows as JSON text without the seconds an implementation ran (NaN equal to NaN)."""
+    return [json.dumps(json_safe({k: v for k, v in row.items() if k != "wall_s"}), sort_keys=True) for row in rows]
+
+
+def test_the_dask_run_writes_the_local_report_row_for_row(client: Any, tmp_path: Path) -> None:
+    """The same command on both engines (the oracle's golden check included, in the client)."""
+    goldens = Path(__file__).resolve().parents[1] / "golden"
+    args = ["run", "--modules", MODULE, "--goldens", str(goldens), "--quiet", "--format", "json"]
+    assert cli.main([*args, "--out", str(tmp_path / "local")]) == 0
+    assert cli.main([*args, "--out", str(tmp_path / "dask"), "--engine", "dask",
+                     "--scheduler", client.scheduler.address]) == 0
+    local, dask = (json.loads((tmp_path / name / "report.json").read_text()) for name in ("local", "dask"))
+    golden_files = int(local["config"]["oracle_check"].split()[0])  # "2 golden files of DIR": a row each
+    assert len(dask["rows"]) == len(local["rows"]) == 10 + golden_files
+    assert comparable(dask["rows"]) == comparable(local["rows"])
+    assert dask["summary"] == local["summary"]
+    assert dask["config"]["oracle_check"] == local["config"]["oracle_check"]
+    engine = dask["config"]["engine"]
+    assert (engine["workers"], engine["computed"], engine["failed"], engine["retried"]) == (2, 10, 0, 0)
+
+
+def test_an_aborting_row_and_a_hanging_row_fail_with_their_reasons(client: Any) -> None:
+    """A row that aborts its worker every time fails after retries + 1 deaths; one that hangs
+    fails at the row timeout and its worker is restarted; every other row equals the local one."""
+    plants = {"abort": dask_planted.BEHAVIOURS["abort"], "hang": dask_planted.BEHAVIOURS["hang"]}
+    entry = dask_planted.planted_rows_entry(registry.get(MODULE), plants)
+    rows, engine = dask_run.run_rows(runner.plan([entry]), client, retries=1, row_timeout=3.0)
+    failed = {row["implementation"]: row for row in rows if row["implementation"].startswith("planted")}
+    assert failed["planted abort"]["reason"] == "worker died 2 times running this row"
+    assert failed["planted hang"]["reason"] == "ran past the row timeout of 3 s"
+    assert {row["status"] for row in failed.values()} == {"fail"}
+    local = list(runner.run([registry.get(MODULE)]))
+    assert comparable([row for row in rows if row not in failed.values()]) == comparable(local)
+    assert len(rows) == len(local) + 2
+    assert (engine["failed"], engine["computed"]) == (2, len(local))
+
+
+def test_the_engine_options_of_run_and_what_dask_does_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "report"
+    args = ["run", "--modules", MODULE, "--out", str(out)]
+    for extra, message in (
+        (["--workers", "2"], "--workers: only with --engine dask"),
+        (["--row-timeout", "5"], "--row-timeout: only with --engine dask"),
+        (["--engine", "dask", "--workers", "2", "--scheduler", "tcp://127.0.0.1:1"], "not both"),
+        (["--engine", "dask", "--time"], "--time: not with --engine dask"),
+        (["--engine", "dask", "--tp", "2"], "--tp: not with --engine dask"),
+    ):
+        assert cli.main([*args, *extra]) == 2, extra
+        assert message in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "distributed", None)  # as if it were not installed
+    assert cli.main([*args, "--engine", "dask"]) == 2
+    assert "pip install 'k3verify[dask]'" in capsys.readouterr().err
+    assert not out.exists()

@@ -144,9 +144,10 @@ def test_the_hot_case_counts_the_query_rows_its_errors_are_worth() -> None:
     bias measured 1.02 times its limit when half the 288 query rows counted: near one-hot rows
     cancel in ``dS`` and a few rows hold the error (the bf16 baseline's worth 8 to 11 rows at
     seeds 0, 1, 4), each moving its row coherently. With the bias's count capped by the
-    baseline's ``dq_nope`` rows (``ErrorSamples.spread_over``) the row passes; its RMS term keeps
-    the factor 2 (the rows' worth times their width is more than half the rows); without the cap
-    it fails ``dq_nope``."""
+    baseline's ``dq_nope`` rows (``ErrorSamples.spread_over``) the row passes, its bias at 0.49 of
+    its limit; its RMS term keeps the factor 2 (the rows' worth times their width is more than
+    half the rows). Without the cap the same bias is at its limit (1.02 of it here; held to 0.9 or
+    more, since another host's accumulation order moves a bf16 rounding or two)."""
     from k3verify.numerics import policy
 
     mla_entry = registry.get("mla_backward")
@@ -156,10 +157,11 @@ def test_the_hot_case_counts_the_query_rows_its_errors_are_worth() -> None:
     worth = policy.effective_slices(ref["dq_nope"], base["dq_nope"], axis=(0, 1, 2))
     assert worth < 144 <= worth * ref["dq_nope"].shape[-1]
     row = runner.verify(mla_entry, impl, case)
-    assert row["outputs"]["dq_nope"]["verdict"]["k"] == pytest.approx(2.0)
+    capped = row["outputs"]["dq_nope"]["verdict"]
+    assert capped["k"] == pytest.approx(2.0)
     assert row["status"] == "pass", row["verdict"]
+    assert abs(capped["bias"]) <= 0.6 * capped["bias_limit"], capped
     uncapped = dataclasses.replace(
         mla_entry, error_samples=lambda o, s, p: dataclasses.replace(entry._error_samples(o, s, p), spread_over=None))
-    row = runner.verify(uncapped, impl, case)
-    assert row["status"] == "fail" and row["output"] == "dq_nope"
-    assert row["verdict"]["metric"] == "bias"
+    plain = runner.verify(uncapped, impl, case)["outputs"]["dq_nope"]["verdict"]
+    assert plain["bias"] == capped["bias"] and abs(plain["bias"]) >= 0.9 * plain["bias_limit"], plain

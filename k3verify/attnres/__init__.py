@@ -12,15 +12,16 @@ module package gives them) takes either level's positional arguments. Inputs are
 :mod:`k3verify.attnres.samples`, the depth-drift curve in :mod:`k3verify.attnres.studies`.
 """
 
-from .chunkwise import aggregate_two_phase, chunkwise, merge, mix_two_phase, phase1
+from .chunkwise import _ChunkwiseMixer, aggregate_two_phase, chunkwise, merge, mix_two_phase, phase1
 from .inputs import Options
-from .layer import AttnResWeights, StandInSublayers, Walk, init_weights
-from .recurrent import aggregate, keys, logits, mix, naive_baseline, naive_walk, recurrent
+from .layer import AttnResWeights, DepthWalk, StandInSublayers, Walk, init_weights
+from .recurrent import _RecurrentMixer, aggregate, keys, logits, mix, naive_baseline, naive_walk, recurrent
 from .schedule import Call, Schedule, Source
 from .tiled import (
     OverflowPrediction,
     OverflowQuantities,
     WalkOverflowQuantities,
+    _TiledMixer,
     aggregate_tiled,
     aggregate_tiled_traced,
     explain_logit_rounding,
@@ -33,12 +34,16 @@ from .tiled import (
 
 AGGREGATIONS = {"recurrent": aggregate, "chunkwise": aggregate_two_phase, "tiled": aggregate_tiled}
 WALKS = {"recurrent": recurrent, "chunkwise": chunkwise, "tiled": tiled}
+# The mixer of each walk form, for a caller that drives the walk itself (:class:`DepthWalk`).
+MIXERS = {"recurrent": _RecurrentMixer, "chunkwise": _ChunkwiseMixer, "tiled": _TiledMixer}
 
 __all__ = [
     "AGGREGATIONS",
+    "MIXERS",
     "WALKS",
     "AttnResWeights",
     "Call",
+    "DepthWalk",
     "Options",
     "OverflowPrediction",
     "OverflowQuantities",

@@ -33,7 +33,7 @@ from ..numerics.ops import rms_norm
 from ..numerics.trace import OverflowEvent
 from ..numerics.validate import require_finite, require_float, require_shape, require_tensor
 from .inputs import Options, Precision, Sublayers, floats_together
-from .schedule import BLOCK, EMBEDDING, OUTPUT, PARTIAL, Call, Schedule, Source
+from .schedule import BLOCK, EMBEDDING, PARTIAL, Call, Schedule, Source
 
 
 @dataclass(frozen=True)
@@ -197,24 +197,74 @@ def walk(
 ) -> Walk:
     """Drive the depth walk with a form's mixer (see the module docstring)."""
     check_walk(embedding, weights, sublayers, schedule)
-    prec = opts.precision(embedding.dtype, trace=trace)
-    e = prec.store("embedding", embedding)
-    params = AttnResWeights(*(prec.store(f"weights.{n}", getattr(weights, n)) for n in ("w", "gamma", "norm")))
-    mixer = make_mixer(e, params, schedule, prec, opts)
-    hs, used = [], []
-    for call in schedule.calls():
-        h, refs = mixer.mix(call)
-        hs.append(h)
-        used.append(refs)
-        if call.side == OUTPUT:
-            break
-        s = call.index
-        x = prec.store("sublayer input", rms_norm(h, params.norm[s], eps=opts.eps))
-        y = check_sublayer_output(s, sublayers(s, x), x)
-        mixer.push(s, prec.store("sublayer output", y.to(prec.compute)))
-    # Stored blocks already hold stream values, so the cast to the stream dtype is exact.
-    blocks = torch.stack(mixer.stored()).to(prec.stream)
-    return Walk(prec.output(hs[-1]), torch.stack(hs), tuple(used), blocks, tuple(prec.rounder.events))
+    stepper = DepthWalk(embedding, weights, schedule, opts, make_mixer, trace=trace, checked=True)
+    while not stepper.done:
+        s, x = stepper.next_input()
+        stepper.push(check_sublayer_output(s, sublayers(s, x), x))
+    return stepper.result()
+
+
+class DepthWalk:
+    """The depth walk one sublayer at a time, for callers that own the sublayers' state (a
+    decoder carrying caches between calls): ``next_input()`` mixes the next call and returns its
+    sublayer's normalised input ``x:[T, d]`` (compute dtype), ``push(y)`` hands the sublayer's
+    output back; after the last sublayer the output call is mixed and ``result()`` returns the
+    :class:`Walk`. A copy (``copy.deepcopy``) resumes from the same point: the stream is all the
+    state a walk has.
+    """
+
+    def __init__(self, embedding: torch.Tensor, weights: AttnResWeights, schedule: Schedule, opts: Options,
+                 make_mixer: MixerFactory, *, trace: bool = False, checked: bool = False):
+        if not checked:
+            check_walk(embedding, weights, lambda s, x: x, schedule)
+        self.schedule, self.opts = schedule, opts
+        self.prec = prec = opts.precision(embedding.dtype, trace=trace)
+        e = prec.store("embedding", embedding)
+        self.params = AttnResWeights(*(prec.store(f"weights.{n}", getattr(weights, n)) for n in ("w", "gamma", "norm")))
+        self.mixer = make_mixer(e, self.params, schedule, prec, opts)
+        self.calls = schedule.calls()
+        self.hs: list[torch.Tensor] = []
+        self.used: list[tuple[Source, ...]] = []
+        self.position = 0  # the next sublayer call
+        self._pending: int | None = None
+
+    @property
+    def done(self) -> bool:
+        """True once every sublayer has run (the output call is mixed)."""
+        return self.position == self.schedule.num_sublayers and self._pending is None
+
+    def next_input(self) -> tuple[int, torch.Tensor]:
+        """``(s, x)``: mix call ``s`` and return its sublayer's input ``RMSNorm(h_s)``."""
+        if self._pending is not None or self.position >= self.schedule.num_sublayers:
+            raise RuntimeError("push() the pending sublayer's output first" if self._pending is not None
+                               else "the walk is complete")
+        s = self.position
+        h, refs = self.mixer.mix(self.calls[s])
+        self.hs.append(h)
+        self.used.append(refs)
+        self._pending = s
+        return s, self.prec.store("sublayer input", rms_norm(h, self.params.norm[s], eps=self.opts.eps))
+
+    def push(self, y: torch.Tensor) -> None:
+        """The output of the pending sublayer joins the stream."""
+        if self._pending is None:
+            raise RuntimeError("no sublayer input is pending")
+        self.mixer.push(self._pending, self.prec.store("sublayer output", y.to(self.prec.compute)))
+        self._pending = None
+        self.position += 1
+        if self.position == self.schedule.num_sublayers:
+            h, refs = self.mixer.mix(self.calls[-1])
+            self.hs.append(h)
+            self.used.append(refs)
+
+    def result(self) -> Walk:
+        """The finished walk (every call's ``h``, the output, the stored blocks)."""
+        if not self.done:
+            raise RuntimeError(f"the walk stopped before sublayer {self.position}")
+        # Stored blocks already hold stream values, so the cast to the stream dtype is exact.
+        blocks = torch.stack(self.mixer.stored()).to(self.prec.stream)
+        return Walk(self.prec.output(self.hs[-1]), torch.stack(self.hs), tuple(self.used), blocks,
+                    tuple(self.prec.rounder.events))
 
 
 class DepthStream:

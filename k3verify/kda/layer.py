@@ -141,6 +141,11 @@ class KDALayer:
     cfg: KDAConfig
     weights: KDAWeights
     tp: int = 1
+    # Where a kernel keeps more than the activations' dtype: the decay gates (fp32 in every
+    # kernel, computed from the low-rank GEMM's output) and the carried recurrent state.
+    # ``None``: the input's dtype, as a plain implementation in that dtype would.
+    gate_dtype: torch.dtype | None = None
+    state_dtype: torch.dtype | None = None
     shapes: LocalShapes = field(init=False)
 
     def __post_init__(self) -> None:
@@ -162,30 +167,33 @@ class KDALayer:
         core = core or (lambda *a, **kw: chunkwise(*a, chunk_size=self.cfg.chunk_size, **kw))
         return self._forward(x, state, core)
 
-    def decode(self, x: torch.Tensor, state: KDAState) -> tuple[torch.Tensor, KDAState]:
-        """One token per request, ``x:[B, 1, d]``, through the recurrent core."""
+    def decode(self, x: torch.Tensor, state: KDAState, *,
+               core: Callable | None = None) -> tuple[torch.Tensor, KDAState]:
+        """One token per request, ``x:[B, 1, d]``, through the recurrent core (or ``core``, a
+        fused decode kernel)."""
         if x.dim() != 3 or x.shape[1] != 1:
             raise ValueError(f"decode takes one token per request, x:[B, 1, d]; got {list(x.shape)}")
-        return self._forward(x, state, recurrent)
+        return self._forward(x, state, core or recurrent)
 
     def _forward(self, x: torch.Tensor, state: KDAState | None, core: Callable) -> tuple[torch.Tensor, KDAState]:
         require_tensor("x", x)
         require_shape("x", x, (None, None, self.cfg.hidden), "B,T,d")
         require_finite("x", x)
         B, T, _ = x.shape
-        state = state or self.empty_state(B, x.dtype, x.device)
+        state = state or self.empty_state(B, self.state_dtype or x.dtype, x.device)
         parts = self.project(x)
         qkv, conv_cache = short_conv(torch.cat([parts["q"], parts["k"], parts["v"]], -1), self.weights.conv, state.conv)
         h, K = self.shapes.heads, self.cfg.head_dim
         q, k, v = (t.reshape(B, T, h, K) for t in F.silu(qkv).split(h * K, dim=-1))
         q, k = l2norm(q), l2norm(k)
-        z = (parts["f_a"] @ self.weights.w_fb).reshape(B, T, h, K)
-        g = lower_bound_gate(z, self.weights.a_log, self.weights.dt_bias, g_min=self.cfg.g_min)
+        gd = self.gate_dtype or x.dtype
+        z = (parts["f_a"] @ self.weights.w_fb).reshape(B, T, h, K).to(gd)
+        g = lower_bound_gate(z, self.weights.a_log.to(gd), self.weights.dt_bias.to(gd), g_min=self.cfg.g_min)
         beta = torch.sigmoid(parts["beta"])
         o, S = core(q, k, v, g, beta, initial_state=state.recurrent, output_final_state=True)
         o = rms_norm(o, self.weights.norm, eps=self.cfg.norm_eps) * torch.sigmoid(parts["g_out"].reshape(B, T, h, K))
         y = o.reshape(B, T, h * K) @ self.weights.w_o
-        return y, KDAState(conv=conv_cache, recurrent=S.to(x.dtype))
+        return y, KDAState(conv=conv_cache, recurrent=S.to(self.state_dtype or x.dtype))
 
     def prefill_packed(
         self, x: torch.Tensor, state: KDAState, cu_seqlens: torch.Tensor, *, core: Callable | None = None

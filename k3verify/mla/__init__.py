@@ -18,6 +18,7 @@ from .cache import (
     live_entries,
     quantize,
     quantize_entries,
+    release,
     split_entry,
 )
 from .chunkwise import chunkwise
@@ -64,6 +65,7 @@ __all__ = [
     "quantize",
     "quantize_entries",
     "recurrent",
+    "release",
     "shard",
     "split_entry",
     "tiled",

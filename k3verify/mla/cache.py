@@ -362,3 +362,26 @@ def with_entries(cache: LatentCache, entries: torch.Tensor) -> LatentCache:
     flat = cache.pool.reshape(-1, cache.width).to(entries.dtype)
     flat = flat.index_put((slots[valid],), entries[valid])
     return LatentCache(flat.reshape(cache.pool.shape), cache.block_table, cache.seq_lens)
+
+
+def release(cache: LatentCache, lengths: Sequence[int]) -> LatentCache:
+    """``cache`` cut back to ``lengths[b] <= seq_lens[b]`` tokens per request (a speculative
+    decoder rolling back rejected tokens): the released slots are poisoned with NaN again, so a
+    form that still read them would show it. The input cache is not modified."""
+    keep = torch.as_tensor(list(lengths), dtype=torch.int64, device=cache.seq_lens.device)
+    old = cache.seq_lens.to(torch.int64)
+    if keep.shape != old.shape or bool((keep < 0).any()) or bool((keep > old).any()):
+        raise ValueError(f"release keeps 0 <= n <= seq_lens per request; got {keep.tolist()} for {old.tolist()}")
+    Lmax = int(old.max()) if old.numel() else 0
+    positions = torch.arange(Lmax, device=old.device)[None, :].expand(cache.batch, Lmax)
+    freed = (positions >= keep[:, None]) & (positions < old[:, None])
+    slots = slots_of(cache, torch.where(freed, positions, 0))[freed]
+    pool = cache.pool.clone().reshape(-1, cache.width)
+    nan = torch.tensor(float("nan"))
+    pool[slots] = nan.to(torch.float32).to(pool.dtype) if cache.quantized else nan.to(pool.dtype)
+    scales = None
+    if cache.quantized:
+        scales = cache.scales.clone().reshape(-1)
+        scales[slots] = nan
+        scales = scales.reshape(cache.scales.shape)
+    return LatentCache(pool.reshape(cache.pool.shape), cache.block_table, keep.to(cache.seq_lens.dtype), scales)

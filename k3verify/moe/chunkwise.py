@@ -83,8 +83,9 @@ def chunkwise(
     rows = z[d.token]  # [P, Dl], contiguous per expert
     out = torch.empty_like(rows)
     for e in range(dims.E):
-        block = slice(d.offsets[e], d.offsets[e + 1])
-        out[block] = glu(rows[block], w.w1[e], w.w3[e], w.w2[e], config)
+        if d.counts[e]:  # an expert no token chose has no rows to compute
+            block = slice(d.offsets[e], d.offsets[e + 1])
+            out[block] = glu(rows[block], w.w1[e], w.w3[e], w.w2[e], config)
     weighted = out * r.weights.reshape(-1)[d.order, None]
     u = torch.zeros(dims.T, dims.Dl, dtype=xw.dtype, device=x.device).index_add_(0, d.token, weighted)
     return layer_output(u, xw, w, config).to(x.dtype)

@@ -32,6 +32,7 @@ from ..numerics.rounding import OVERFLOW_MODES
 from ..numerics.validate import (
     require_block,
     require_finite,
+    require_finite_parameter,
     require_float,
     require_on_device,
     require_positive_int,
@@ -259,8 +260,10 @@ def check_inputs(x: torch.Tensor, weights: MoEWeights, config: MoEConfig, routin
         raise ValueError(f"x has shape {list(x.shape)}; expected [T, d={d}] (layer.forward flattens leading axes)")
     for name, shape in weight_shapes(config).items():
         require_shape(f"weights.{name}", getattr(weights, name), shape, _axis_names(name))
+    require_finite("x", x)
     for name, t in named.items():
-        require_finite(name, t)
+        if name != "x":
+            require_finite_parameter(name, t)
     T = x.shape[0]
     if routing is not None:
         check_routing(routing, T, config)

@@ -7,6 +7,7 @@ form calls these before computing anything.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -49,6 +50,30 @@ def require_finite(name: str, t: torch.Tensor) -> None:
         count = int(bad.sum())
         first = tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(f"{name} has {count} non-finite value(s) (first at index {first})")
+
+
+# Parameters checked finite: ``id -> (weak reference, version counter at the check)``. A weight
+# tensor that a stack reuses in every call is scanned once, and again after any in-place write
+# (which bumps ``_version``); the weak reference drops the entry when the tensor dies (and
+# guards against a new tensor reusing the id).
+_FINITE_PARAMETERS: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def require_finite_parameter(name: str, t: torch.Tensor) -> None:
+    """:func:`require_finite` for a parameter that many calls share: skipped when ``t`` was
+    found finite before and has not been written since (same object, same ``_version``)."""
+    key = id(t)
+    try:
+        version = t._version
+        ref = weakref.ref(t, lambda _: _FINITE_PARAMETERS.pop(key, None))
+    except (TypeError, RuntimeError):  # no version counter (inference mode) or no weak reference
+        require_finite(name, t)
+        return
+    seen = _FINITE_PARAMETERS.get(key)
+    if seen is not None and seen[0]() is t and seen[1] == version:
+        return
+    require_finite(name, t)
+    _FINITE_PARAMETERS[key] = (ref, version)
 
 
 # The largest chunk, tile or split count a form accepts. Beyond it the zero padding of a chunk

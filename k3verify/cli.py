@@ -313,7 +313,8 @@ def _tp_options(args: argparse.Namespace) -> TPOptions | None:
 
 
 def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path | None, out: Console,
-            args: argparse.Namespace, err: Console | None = None, title: str = "k3verify run") -> int:
+            args: argparse.Namespace, err: Console | None = None, title: str = "k3verify run",
+            extra_files: dict[str, Any] | None = None) -> int:
     """Print the verdicts in ``--format``, write the report when ``out_dir`` is given; 1 on a failure.
 
     The table ends with what needs reading (overflows, unavailable rows grouped by reason,
@@ -321,7 +322,8 @@ def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path
     Files beside the report that the pages leave out are named on ``err``, one line each."""
     doc = report.build(rows, environment=environment(), config=config, command=["k3verify", *sys.argv[1:]])
     paths = write_report(doc, out_dir, maps_dir=maps_dir, not_shown=_not_shown_printer(err or out),
-                         map_fallbacks=_map_fallbacks(getattr(args, "maps", None), maps_dir)) \
+                         map_fallbacks=_map_fallbacks(getattr(args, "maps", None), maps_dir),
+                         extra_files=extra_files) \
         if out_dir is not None else []
     failed = doc["summary"]["fail"]
     _ci_outputs(args, ci_output.rows_suite(rows, title), ci_output.run_summary(title, doc))
@@ -404,6 +406,60 @@ def _print_attention(out: Console, rows: list[dict]) -> None:
 
 
 @_writes("out", "--out")
+def cmd_walk(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """The K3 stack through the policy: precision walks, serving scenarios, attribution."""
+    from .harness import decoder_walk
+
+    jobs = decoder_walk.JOBS if args.jobs is None else tuple(_job_list(args.jobs))
+    options = decoder_walk.WalkOptions(prompt=args.prompt, decode=args.decode, dtype=args.dtype, seed=args.seed,
+                                       jobs=jobs, plant=args.plant, num_layers=args.layers)
+    try:
+        config = options.decoder_config()
+        options.sizes()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    out_dir = Path(args.out)
+    start = time.perf_counter()
+    with _progress(err) as bar:
+        task = bar.add_task("walking", total=len(jobs), current="")
+
+        def progress(line: str) -> None:
+            bar.update(task, current=line.rsplit("(", 1)[-1].split(",")[0])
+            bar.advance(task)
+
+        results = decoder_walk.run_all(options, workers=args.workers, progress=progress)
+    rows = [row for r in results for row in r.rows]
+    study = decoder_walk.study_document(options, config, results)
+    wall = time.perf_counter() - start
+    run_config = {"seed": args.seed, "modules": [decoder_walk.MODULE], "wall_s": round(wall, 2),
+                  "decoder": config.describe(), "jobs": list(jobs), "workers": args.workers}
+    return _finish(rows, run_config, out_dir, None, out, args, err=err, title="k3verify walk",
+                   extra_files={decoder_walk.STUDY_FILE: study})
+
+
+def _job_list(text: str) -> list[str]:
+    from .harness.decoder_walk import JOBS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in JOBS]
+    if unknown or not names:
+        raise UsageError(f"--jobs: unknown job(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
+                         f"known: {', '.join(JOBS)}")
+    return names
+
+
+def _plant(text: str) -> tuple[int, str]:
+    """``--plant LAYER:MODULE`` (a planted bug for the first-divergence search)."""
+    layer, _, module = text.partition(":")
+    try:
+        index = int(layer)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LAYER:MODULE, e.g. 47:moe") from None
+    if module not in ("kda", "mla", "dense", "moe"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the module is one of kda, mla, dense, moe")
+    return index, module
+
+
 def cmd_overflow_map(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Sweep the overflow map of each selected module (``all``: every module that has one) and
     write its JSON, PNGs and studies; 1 if any cell disagrees with its prediction away from the frontier.
@@ -728,6 +784,22 @@ def _integer(text: str, low: int, high: int, shown: str) -> int:
     return value
 
 
+def _walk_tokens(text: str) -> int:
+    return _integer(text, 4, 4096, "[4, 4096]")
+
+
+def _walk_decode(text: str) -> int:
+    return _integer(text, 0, 1024, "[0, 1024]")
+
+
+def _walk_layers(text: str) -> int:
+    return _integer(text, 1, 93, "[1, 93]")
+
+
+def _workers(text: str) -> int:
+    return _integer(text, 1, 64, "[1, 64]")
+
+
 def _seed(text: str) -> int:
     return _integer(text, 0, SEED_LIMIT - 1, "[0, 2**62)")
 
@@ -809,6 +881,23 @@ def parser() -> argparse.ArgumentParser:
     _engine_options(r, "row")
     _output_options(r)
     r.set_defaults(fn=cmd_run)
+    w = sub.add_parser("walk", help="the K3 stack (93 layers) through the policy: precision walks, serving "
+                                    "scenarios, attribution (docs/decoder.md)")
+    w.add_argument("--out", default="reports/walk", help="report folder (default: reports/walk)")
+    w.add_argument("--prompt", type=_walk_tokens, default=64, help="prompt tokens T (default: 64)")
+    w.add_argument("--decode", type=_walk_decode, default=8, help="decode steps after the prompt (default: 8)")
+    w.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="the low precision (default: bf16)")
+    w.add_argument("--seed", type=_seed, default=0, help="seed of the weights and tokens (default: 0)")
+    w.add_argument("--jobs", metavar="NAMES", help="comma-separated jobs (default: all): walks, attribution and "
+                   "the serving scenarios prefill_decode, chunked_prefill, mixed_batch, speculative, page_placement")
+    w.add_argument("--workers", type=_workers, default=min(2, os.cpu_count() or 1),
+                   help="worker processes (default: 2, or 1 on one core)")
+    w.add_argument("--layers", type=_walk_layers, help="fewer layers than K3's 93 (a quick look; default: 93)")
+    w.add_argument("--plant", type=_plant, metavar="LAYER:MODULE",
+                   help="plant a bug (output × 1.001) in one sublayer of the fp64 walk and report where the "
+                        "first-divergence search finds it")
+    _output_options(w)
+    w.set_defaults(fn=cmd_walk)
     m = sub.add_parser("overflow-map", help="map where a module's tiled form overflows or loses precision")
     m.add_argument("--module", required=True, help="module name(s), comma-separated, e.g. kda; or all")
     m.add_argument("--out", default="reports/maps", help="output folder (default: reports/maps)")

@@ -568,15 +568,18 @@ def _notes(rows: list[dict[str, Any]]) -> str:
 
 
 def write_report(doc: dict[str, Any], out_dir: Path, *, maps_dir: Path | None = None,
-                 not_shown: NotShown | None = None, map_fallbacks: Sequence[Path] = ()) -> list[Path]:
+                 not_shown: NotShown | None = None, map_fallbacks: Sequence[Path] = (),
+                 extra_files: dict[str, Any] | None = None) -> list[Path]:
     """Write ``report.json``, ``report.md`` and ``report.html`` into ``out_dir`` as one set (the
     folder is swapped in whole: an interrupt leaves the previous three); return the paths.
+    ``extra_files`` (name → JSON document, e.g. ``decoder_walk.json``) join the same set.
 
     ``maps_dir`` is where overflow maps and curve files are looked for (see :func:`render_report`),
     then ``map_fallbacks`` for the modules and studies it lacks; ``not_shown`` is called with one
     line per file the pages leave out.
     """
-    return _write_set(out_dir, doc, maps_dir, with_json=True, not_shown=not_shown, fallbacks=map_fallbacks)
+    return _write_set(out_dir, doc, maps_dir, with_json=True, not_shown=not_shown, fallbacks=map_fallbacks,
+                      extra_files=extra_files)
 
 
 def render_report(out_dir: Path, *, maps_dir: Path | None = None, not_shown: NotShown | None = None,
@@ -592,12 +595,15 @@ def render_report(out_dir: Path, *, maps_dir: Path | None = None, not_shown: Not
 
 
 def _write_set(out_dir: Path, doc: dict[str, Any], maps_dir: Path | None, *, with_json: bool,
-               not_shown: NotShown | None, fallbacks: Sequence[Path] = ()) -> list[Path]:
+               not_shown: NotShown | None, fallbacks: Sequence[Path] = (),
+               extra_files: dict[str, Any] | None = None) -> list[Path]:
     extras = collect_extras(out_dir, maps_dir, fallbacks)
     pages = {REPORT_MD: markdown(doc, nightly=extras.nightly, not_shown=extras.not_shown),
              REPORT_HTML: html_page(doc, extras)}
     if with_json:
         pages[REPORT_JSON] = json.dumps(json_safe(doc), indent=1, allow_nan=False) + "\n"
+    for name, extra in (extra_files or {}).items():
+        pages[name] = json.dumps(json_safe(extra), indent=1, allow_nan=False) + "\n"
     with staged_folder(out_dir, carry=lambda name: name not in pages) as stage:
         for name, text in pages.items():
             (stage / name).write_text(text, encoding="utf-8")

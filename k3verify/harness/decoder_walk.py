@@ -1,0 +1,295 @@
+"""``k3verify walk``: the K3 stack through the policy (docs/decoder.md).
+
+Jobs, each independent of the others (run side by side in worker processes):
+
+- ``walks``: one prefill of the prompt through all layers — the walk of the modules' fp64
+  chunkwise forms against the walk of their recurrent definitions (fp64 agreement); the tiled
+  low-precision walk against the fp64 walk with the naive same-dtype walk as baseline (the final
+  hidden state's row); the depth-drift curves; attribution (one module type at a time in low
+  precision) with MLA's fp8 latent cache as a variant; the routing flips of an unpinned walk;
+- one job per serving scenario (:data:`~k3verify.decoder.scenarios.SCENARIOS`): its fp64 served
+  path against its fp64 definition (fp64 agreement, or bit for bit), and its low-precision served
+  path against the fp64 definition with the naive low-precision definition as baseline.
+
+Each job returns plain data: report rows (:class:`~k3verify.harness.rows.Row` as JSON) and its
+part of the study document ``decoder_walk.json`` (curves, attribution table, timings).
+MoE choices of low-precision runs are pinned to the fp64 run's (docs/decoder.md says why).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ..decoder import Decoder, DecoderConfig, fp64_plan, naive_plan, only, tiled_plan
+from ..decoder.config import MODULES
+from ..decoder.scenarios import SCENARIOS, Path, RouteBook, Scenario, ScenarioSizes, embeddings
+from ..decoder.walks import (
+    attribute,
+    block_growth,
+    first_divergence,
+    growth_per_block,
+    plant,
+    reference_walk,
+    rms_ratio,
+    walk,
+)
+from ..numerics.policy import BASELINE_RULE, FAIL, FP64_RULE, PASS, POLICY, Verdict
+from .rows import Row
+
+MODULE = "decoder"
+STUDY_FILE = "decoder_walk.json"
+JOBS = ("walks", "attribution", *SCENARIOS)
+# Measured order of the jobs' lengths at the CPU configuration, for packing them on few workers.
+LONGEST_FIRST = ("walks", "mixed_batch", "attribution", "speculative", "prefill_decode", "page_placement",
+                 "chunked_prefill")
+
+
+@dataclass(frozen=True)
+class WalkOptions:
+    """What ``k3verify walk`` runs: the configuration (``cpu``), prompt and decode sizes, the
+    low-precision dtype, the jobs, and an optional planted bug (``layer:module``) whose first
+    divergence the walks job searches."""
+
+    config: str = "cpu"
+    prompt: int = 64
+    decode: int = 8
+    dtype: str = "bf16"
+    seed: int = 0
+    jobs: tuple[str, ...] = JOBS
+    plant: tuple[int, str] | None = None
+    num_layers: int | None = None
+
+    def decoder_config(self) -> DecoderConfig:
+        if self.config != "cpu":
+            raise ValueError(f"unknown decoder configuration {self.config!r} (known: cpu)")
+        cfg = DecoderConfig.cpu(seed=self.seed)
+        return cfg if self.num_layers is None else replace(cfg, num_layers=self.num_layers)
+
+    def sizes(self) -> ScenarioSizes:
+        return ScenarioSizes(prompt=self.prompt, decode=self.decode, seed=self.seed)
+
+
+@dataclass
+class JobResult:
+    """One job's rows (JSON), its part of the study document, and its wall time."""
+
+    name: str
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    study: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _verdict_json(v: Verdict) -> dict[str, Any]:
+    """A verdict as a report stores it (non-finite numbers as ``None``, the status as its name)."""
+    return {k: (None if isinstance(x, float) and not math.isfinite(x) else x) for k, x in v.as_dict().items()
+            if k != "status"} | {"status": str(v.status)}
+
+
+def _row(*, form: str, dtype: str, case: str, outputs: dict[str, Verdict], params: dict[str, Any],
+         case_params: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    """A report row judged on ``outputs`` (name → verdict), checked against the row schema; the
+    binding output (repeated at the top) is the one with the least margin."""
+    binding = min(outputs, key=lambda n: outputs[n].margin if not math.isnan(outputs[n].margin) else -math.inf)
+    v = outputs[binding]
+    row = {
+        "module": MODULE, "implementation": "k3verify", "form": form, "dtype": dtype, "case": case,
+        "status": str(PASS if all(o.passed for o in outputs.values()) else FAIL), "rule": v.rule,
+        "params": params, "case_params": case_params, "source": "k3verify", "output": binding,
+        "outputs": {n: {"status": str(o.status), "margin": _finite(o.margin), "verdict": _verdict_json(o)}
+                    for n, o in outputs.items()},
+        "verdict": _verdict_json(v), "margin": _finite(v.margin), "wall_s": wall_s,
+    }
+    return Row.from_json(row, where=f"decoder row {form}", strict=True).to_json()
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _fp64(out: torch.Tensor, ref: torch.Tensor, *, bitwise: bool = False) -> Verdict:
+    """fp64 agreement (or bit-for-bit equality)."""
+    if bitwise:
+        same = bool(torch.equal(out, ref))
+        err = 0.0 if same else float((out - ref).abs().max())
+        return Verdict(PASS if same else FAIL, FP64_RULE, "bitwise", err, 0.0, 1.0 if same else -math.inf,
+                       "bit for bit equal" if same else f"not bitwise equal: max |difference| {err:.3e}")
+    return POLICY[FP64_RULE].judge(out.double(), ref.double()).verdict
+
+
+def _baseline(out: torch.Tensor, ref: torch.Tensor, base: torch.Tensor, dtype: str) -> Verdict:
+    """The baseline rule over a ``[tokens, d]`` output (a token's row shares its errors)."""
+    tokens = int(ref.shape[0])
+    return POLICY[BASELINE_RULE].judge(out, ref.double(), dtype=dtype, baseline=base, rms_n=tokens,
+                                       bias_n=tokens).verdict
+
+
+def run_walks(decoder: Decoder, options: WalkOptions) -> JobResult:
+    """The walks job (see the module docstring)."""
+    t0 = time.perf_counter()
+    cfg, dt = decoder.config, options.dtype
+    tokens = embeddings(decoder, options.prompt, seed=options.seed + 100)
+    case = f"prefill {options.prompt}"
+    case_params = {"tokens": options.prompt, "layers": cfg.num_layers, "hidden": cfg.hidden}
+    definitions = reference_walk(decoder, fp64_plan("recurrent"), tokens)
+    forms = reference_walk(decoder, fp64_plan("chunkwise"), tokens)
+    rows = [_row(form="walk/fp64 forms", dtype="fp64", case=case,
+                 outputs={"y": _fp64(forms.out, definitions.out)},
+                 params={"forms": "chunkwise", "definition": "recurrent"}, case_params=case_params,
+                 wall_s=time.perf_counter() - t0)]
+    worst_h = max(rms_ratio(h, r) for h, r in zip(forms.h, definitions.h))
+    low, base = tiled_plan(dt), naive_plan(dt)
+    t1 = time.perf_counter()
+    tested = walk(decoder, low, tokens, forms)
+    baseline = walk(decoder, base, tokens, forms)
+    rows.append(_row(form=f"walk/{low.label}", dtype=dt, case=case,
+                     outputs={"y": _baseline(tested.out, forms.out, baseline.out, dt)},
+                     params={"baseline": base.label, "routing": "pinned to fp64"}, case_params=case_params,
+                     wall_s=time.perf_counter() - t1))
+    blocks = cfg.schedule.block_sublayers
+    curves = {low.label: tested.h_err, base.label: baseline.h_err}
+    study = {
+        "fp64": {"forms_vs_definitions": rows[0]["verdict"]["err"], "worst_h": worst_h},
+        "depth_drift": {
+            "sublayers": [cfg.module_of(s) for s in range(cfg.schedule.num_sublayers)],
+            "block_sublayers": blocks,
+            "curves": curves,
+            "y_curves": {low.label: tested.y_err, base.label: baseline.y_err},
+            "block_growth": {k: block_growth(v, blocks) for k, v in curves.items()},
+            "growth_per_block": {k: growth_per_block(v, blocks) for k, v in curves.items()},
+        },
+    }
+    if options.plant is not None:
+        layer, module = options.plant
+        planted = plant(fp64_plan("chunkwise"), layer, module)
+        found = first_divergence(decoder, tokens, planted, fp64_plan("chunkwise"))
+        study["first_divergence"] = {"planted": {"layer": layer, "module": module}, "found": found.found,
+                                     "sublayer": found.sublayer, "layer": found.layer, "module": found.module,
+                                     "evaluations": found.evaluations, "description": found.describe()}
+    return JobResult("walks", rows, study, time.perf_counter() - t0)
+
+
+def run_attribution(decoder: Decoder, options: WalkOptions) -> JobResult:
+    """The attribution table (one module type at a time in low precision, the rest fp64; MLA
+    with an fp8 latent cache as a variant) and the routing flips of an unpinned walk."""
+    t0 = time.perf_counter()
+    tokens = embeddings(decoder, options.prompt, seed=options.seed + 100)
+    base = fp64_plan("chunkwise")
+    reference = reference_walk(decoder, base, tokens)
+    low = tiled_plan(options.dtype)
+    fp8 = replace(low, label=f"{low.label}, fp8 e4m3 latent cache", kv_storage="fp8_e4m3")
+    table = attribute(decoder, tokens, low, base, reference, extra={"mla fp8 cache": only("mla", fp8, base)},
+                      modules=MODULES)
+    unpinned = walk(decoder, low, tokens, reference, pin=False)
+    study = {
+        "attribution": [{"module": a.module, "label": a.label, "out_err": a.out_err,
+                         "share": None if math.isnan(a.share) else a.share} for a in table],
+        "routing_flips": {"label": low.label, "fraction": unpinned.flips, "out_err": unpinned.out_err},
+    }
+    return JobResult("attribution", [], study, time.perf_counter() - t0)
+
+
+def run_scenario(decoder: Decoder, scenario: Scenario, options: WalkOptions) -> JobResult:
+    """One serving scenario's two rows (fp64 and low precision) and its study part."""
+    t0 = time.perf_counter()
+    sizes, dt = options.sizes(), options.dtype
+    book = RouteBook()
+    definition = scenario.definition(decoder, fp64_plan("chunkwise"), book, sizes)
+    served = scenario.served(decoder, fp64_plan("chunkwise"), book, sizes)
+    case_params = {"detail": scenario.detail(sizes), "layers": decoder.config.num_layers}
+    fp64_outputs = {"y": _fp64(served.out, definition.out, bitwise=scenario.bitwise),
+                    "state": _fp64(served.state, definition.state, bitwise=scenario.bitwise)}
+    rows = [_row(form=f"serving/{scenario.name}", dtype="fp64", case=scenario.name,
+                 outputs=fp64_outputs, params={"plan": "fp64 chunkwise", "bitwise": scenario.bitwise},
+                 case_params=case_params, wall_s=time.perf_counter() - t0)]
+    t1 = time.perf_counter()
+    pinned = RouteBook(record=False, routes=book.routes)
+    low = scenario.served(decoder, tiled_plan(dt), pinned, sizes)
+    base = scenario.definition(decoder, naive_plan(dt), pinned, sizes)
+    rows.append(_row(form=f"serving/{scenario.name}", dtype=dt, case=scenario.name,
+                     outputs={"y": _baseline(low.out, definition.out, base.out, dt)},
+                     params={"plan": tiled_plan(dt).label, "baseline": naive_plan(dt).label,
+                             "routing": "pinned to fp64"},
+                     case_params=case_params, wall_s=time.perf_counter() - t1))
+    study: dict[str, Any] = {"evaluations": served.evaluations + definition.evaluations + low.evaluations
+                             + base.evaluations}
+    if scenario.name == "prefill_decode":
+        study["decode_steps"] = _decode_curve(low, base, definition, options)
+    return JobResult(scenario.name, rows, study, time.perf_counter() - t0)
+
+
+def _decode_curve(low: Path, base: Path, definition: Path, options: WalkOptions) -> dict[str, Any]:
+    """Error per token of the served low-precision path (prefill then decode steps) and of the
+    baseline, against the fp64 definition: the decode-step curve."""
+    per = lambda out: [rms_ratio(out[i], definition.out[i]) for i in range(out.shape[0])]  # noqa: E731
+    return {"positions": list(range(options.prompt + options.decode)), "prompt": options.prompt,
+            "served": per(low.out), "baseline": per(base.out)}
+
+
+def run_job(name: str, options: WalkOptions, decoder: Decoder | None = None) -> JobResult:
+    """Run job ``name`` (``walks`` or a scenario's name) with a decoder made here if not given."""
+    decoder = decoder or Decoder(options.decoder_config())
+    with torch.inference_mode(False):
+        if name == "walks":
+            return run_walks(decoder, options)
+        if name == "attribution":
+            return run_attribution(decoder, options)
+        return run_scenario(decoder, SCENARIOS[name], options)
+
+
+def study_document(options: WalkOptions, config: DecoderConfig, results: Sequence[JobResult]) -> dict[str, Any]:
+    """The ``decoder_walk.json`` document from every job's part."""
+    doc: dict[str, Any] = {"title": "Decoder walk", "config": config.describe(),
+                           "prompt": options.prompt, "decode": options.decode, "dtype": options.dtype,
+                           "seconds": {r.name: r.seconds for r in results}, "scenarios": {}}
+    for r in results:
+        if r.name in ("walks", "attribution"):
+            doc.update(r.study)
+        else:
+            doc["scenarios"][r.name] = {k: v for k, v in r.study.items() if k != "decode_steps"}
+            if "decode_steps" in r.study:
+                doc["decode_steps"] = r.study["decode_steps"]
+    return doc
+
+
+Progress = Callable[[str], None]
+
+
+def run_all(options: WalkOptions, *, workers: int = 1, progress: Progress | None = None) -> list[JobResult]:
+    """Every job of ``options``: in this process (``workers`` 1) or in worker processes; results
+    in job order whatever the completion order."""
+    say = progress or (lambda _: None)
+    names = [j for j in JOBS if j in options.jobs]
+    if workers <= 1:
+        decoder = Decoder(options.decoder_config())
+        out = []
+        for i, name in enumerate(names):
+            out.append(run_job(name, options, decoder))
+            say(f"decoder walk: {i + 1}/{len(names)} jobs done ({name}, {out[-1].seconds:.1f} s)")
+        return out
+    import concurrent.futures
+    import multiprocessing
+
+    # The longest jobs first: the walks, then the scenarios with the most steps.
+    order = sorted(names, key=lambda n: LONGEST_FIRST.index(n) if n in LONGEST_FIRST else len(LONGEST_FIRST))
+    done: dict[str, JobResult] = {}
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_one_thread) as pool:
+        futures = {pool.submit(run_job, n, options): n for n in order}
+        for f in concurrent.futures.as_completed(futures):
+            name = futures[f]
+            done[name] = f.result()
+            say(f"decoder walk: {len(done)}/{len(names)} jobs done ({name}, {done[name].seconds:.1f} s)")
+    return [done[n] for n in names]
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+__all__ = ["JOBS", "STUDY_FILE", "JobResult", "WalkOptions", "run_all", "run_job", "study_document"]

@@ -410,7 +410,7 @@ def cmd_walk(args: argparse.Namespace, out: Console, err: Console) -> int:
     """The K3 stack through the policy: precision walks, serving scenarios, attribution."""
     from .harness import decoder_walk
 
-    jobs = decoder_walk.JOBS if args.jobs is None else tuple(_job_list(args.jobs))
+    jobs = decoder_walk.JOBS if args.jobs is None else args.jobs
     options = decoder_walk.WalkOptions(prompt=args.prompt, decode=args.decode, dtype=args.dtype, seed=args.seed,
                                        jobs=jobs, plant=args.plant, num_layers=args.layers)
     try:
@@ -437,15 +437,16 @@ def cmd_walk(args: argparse.Namespace, out: Console, err: Console) -> int:
                    extra_files={decoder_walk.STUDY_FILE: study})
 
 
-def _job_list(text: str) -> list[str]:
+def _job_list(text: str) -> tuple[str, ...]:
+    """``--jobs``: comma-separated names of :data:`~k3verify.harness.decoder_walk.JOBS`."""
     from .harness.decoder_walk import JOBS
 
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in JOBS]
     if unknown or not names:
-        raise UsageError(f"--jobs: unknown job(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
-                         f"known: {', '.join(JOBS)}")
-    return names
+        raise argparse.ArgumentTypeError(f"unknown job(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
+                                         f"known: {', '.join(JOBS)}")
+    return tuple(dict.fromkeys(names))
 
 
 def _plant(text: str) -> tuple[int, str]:
@@ -888,8 +889,9 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--decode", type=_walk_decode, default=8, help="decode steps after the prompt (default: 8)")
     w.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="the low precision (default: bf16)")
     w.add_argument("--seed", type=_seed, default=0, help="seed of the weights and tokens (default: 0)")
-    w.add_argument("--jobs", metavar="NAMES", help="comma-separated jobs (default: all): walks, attribution and "
-                   "the serving scenarios prefill_decode, chunked_prefill, mixed_batch, speculative, page_placement")
+    w.add_argument("--jobs", metavar="NAMES", type=_job_list,
+                   help="comma-separated jobs (default: all): walks, attribution and the serving scenarios "
+                        "prefill_decode, chunked_prefill, mixed_batch, speculative, page_placement")
     w.add_argument("--workers", type=_workers, default=min(2, os.cpu_count() or 1),
                    help="worker processes (default: 2, or 1 on one core)")
     w.add_argument("--layers", type=_walk_layers, help="fewer layers than K3's 93 (a quick look; default: 93)")

@@ -261,9 +261,31 @@ class Decoder:
     # --- sublayers ---------------------------------------------------------------------------
     def sublayer(self, s: int, x: torch.Tensor, run: Pass) -> torch.Tensor:
         """Sublayer call ``s`` on the packed tokens ``x:[N, d]`` of ``run``; updates its state in
-        place (the containers, never the tensors). Returns ``y:[N, d]`` in ``x``'s dtype."""
+        place (the containers, never the tensors). Returns ``y:[N, d]`` in ``x``'s dtype.
+
+        Tokens whose input is not finite (an overflow, or a broken implementation upstream) are
+        not computed: their outputs are NaN, so it shows where it went; a token mixer leaves such a
+        request out whole (its state as it was), a channel mixer only those tokens."""
+        bad = ~torch.isfinite(x).all(-1)
+        if bool(bad.any()):
+            return self._around_nonfinite(s, x, run, bad)
+        return self._sublayer(s, x, run, run.bounds)
+
+    def _around_nonfinite(self, s: int, x: torch.Tensor, run: Pass, bad: torch.Tensor) -> torch.Tensor:
+        keep = ~bad
+        if s % 2 == 0:  # a token mixer: requests with any bad token sit this sublayer out
+            for a, b in itertools.pairwise(run.bounds):
+                if bool(bad[a:b].any()):
+                    keep[a:b] = False
+        sizes = [int(keep[a:b].sum()) for a, b in itertools.pairwise(run.bounds)]
+        y = torch.full_like(x, float("nan"))
+        if bool(keep.any()):
+            y[keep] = self._sublayer(s, x[keep], run, [0, *itertools.accumulate(sizes)])
+        return y
+
+    def _sublayer(self, s: int, x: torch.Tensor, run: Pass, bounds: list[int]) -> torch.Tensor:
         cfg = self.config
-        bounds, state = run.bounds, run.state
+        state = run.state
         layer = s // 2
         module = cfg.module_of(s)
         form = run.plan.form(layer, module)

@@ -22,15 +22,18 @@ not a top-k choice that rounding flipped (the flips are counted apart).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 
 from ..kda.layer import KDAState
 from ..mla.cache import live_entries, release
+from ..numerics.policy import FAIL, FP64_RULE, PASS, POLICY, Verdict
 from ..numerics.validate import require_positive_int
-from .model import Decoder, Plan, ServingState
+from .model import Decoder, Plan, ServingState, fp64_plan
 
 
 @dataclass
@@ -95,6 +98,8 @@ class Session:
     seed: int = 0
     state: ServingState = field(init=False)
     evaluations: int = 0
+    # The last step's token names per request (``"<id>@<position>"``), for saying where two paths differ.
+    last_labels: list[list[str]] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.state = self.decoder.new_state(len(self.ids), self.capacity, self.plan, page_order=self.page_order,
@@ -112,6 +117,7 @@ class Session:
             run.advance()
         out, self.state = run.finish()
         self.evaluations += run.evaluations
+        self.last_labels = [[f"{r}@{a + t}" for t in range(n)] for r, a, n in zip(self.ids, starts, sizes)]
         self.book.write(self.ids, starts, sizes, run.routes_out)
         return out
 
@@ -120,23 +126,30 @@ class Session:
         ``accepted[i]`` (``snapshots[j]``: the state before draft step ``j``), its MLA cache cut
         back to that length (released slots poisoned)."""
         keep = [snapshots[a].lengths[i] for i, a in enumerate(accepted)]
-        kda = {}
-        for layer, now in self.state.kda.items():
-            conv = torch.stack([snapshots[a].kda[layer].conv[i] for i, a in enumerate(accepted)])
-            rec = torch.stack([snapshots[a].kda[layer].recurrent[i] for i, a in enumerate(accepted)])
-            kda[layer] = KDAState(conv.to(now.conv.dtype), rec.to(now.recurrent.dtype))
+        kda = kda_states_at(snapshots, accepted)
         self.state = ServingState(keep, kda, {layer: release(c, keep) for layer, c in self.state.mla.items()})
+
+
+def kda_states_at(snapshots: Sequence[ServingState], steps: Sequence[int]) -> dict[int, KDAState]:
+    """Every KDA layer's state with request ``i``'s row taken from ``snapshots[steps[i]]``."""
+    out = {}
+    for layer in snapshots[0].kda:
+        conv = torch.stack([snapshots[j].kda[layer].conv[i] for i, j in enumerate(steps)])
+        rec = torch.stack([snapshots[j].kda[layer].recurrent[i] for i, j in enumerate(steps)])
+        out[layer] = KDAState(conv, rec)
+    return out
 
 
 @dataclass(frozen=True)
 class Path:
     """One way of computing a scenario's tokens: ``out:[tokens, d]`` (stream dtype) in the
-    scenario's token order, the states it leaves as one fp64 vector (:func:`state_vector`), and
-    ``evaluations`` (sublayer calls it took)."""
+    scenario's token order, the states it leaves as one fp64 vector (:func:`state_vector`),
+    ``evaluations`` (sublayer calls it took) and each output row's name (``"<request>@<position>"``)."""
 
     out: torch.Tensor
     state: torch.Tensor
     evaluations: int
+    labels: tuple[str, ...] = ()
 
 
 def state_vector(state: ServingState, rows: Sequence[int] | None = None) -> torch.Tensor:
@@ -211,12 +224,13 @@ def _steps(decoder: Decoder, plan: Plan, book: RouteBook, ids: list[str], capaci
     """A session of ``ids`` fed ``steps`` (one token block per request each); the outputs of the
     steps ``keep`` marks (all by default), request by request within a step, in step order."""
     s = Session(decoder, plan, ids, capacity, book, **kw)  # type: ignore[arg-type]
-    outs = []
+    outs, labels = [], []
     for i, tokens in enumerate(steps):
         got = s.step(tokens)
         if keep is None or keep[i]:
             outs += got
-    return Path(torch.cat(outs), state_vector(s.state), s.evaluations)
+            labels += [name for names in s.last_labels for name in names]
+    return Path(torch.cat(outs), state_vector(s.state), s.evaluations, tuple(labels))
 
 
 def _prompt(decoder: Decoder, sizes: ScenarioSizes, n: int, salt: int) -> torch.Tensor:
@@ -289,7 +303,7 @@ def _mixed_definition(decoder: Decoder, plan: Plan, book: RouteBook, sizes: Scen
         steps = ([[tok[r][0]]] if h else []) + [[tok[r][1]]]
         paths.append(_steps(decoder, plan, book, [r], capacity, steps, keep=[False] * (len(steps) - 1) + [True]))
     return Path(torch.cat([p.out for p in paths]), torch.cat([p.state for p in paths]),
-                sum(p.evaluations for p in paths))
+                sum(p.evaluations for p in paths), tuple(n for p in paths for n in p.labels))
 
 
 Rollback = Callable[["Session", list[ServingState], Sequence[int]], None]
@@ -325,12 +339,15 @@ def speculative_served(decoder: Decoder, plan: Plan, book: RouteBook, sizes: Sce
     for j in range(sizes.draft):
         snapshots.append(s.state.copy())
         # A rejected token was never in the definition: it routes itself.
-        drafted.append(s.step([d[j : j + 1] for _, d, _ in tok], own=[j >= a for a in sizes.accept]))
+        got = s.step([d[j : j + 1] for _, d, _ in tok], own=[j >= a for a in sizes.accept])
+        drafted.append(list(zip(got, s.last_labels)))
     rollback(s, snapshots, list(sizes.accept))
-    outs = [drafted[j][i] for i in range(len(tok)) for j in range(sizes.accept[i])]
-    after = [s.step([a[j : j + 1] for _, _, a in tok]) for j in range(sizes.after)]
-    outs += [step[i] for step in after for i in range(len(tok))]
-    return Path(torch.cat(outs), state_vector(s.state), s.evaluations)
+    kept = [drafted[j][i] for i in range(len(tok)) for j in range(sizes.accept[i])]
+    for j in range(sizes.after):
+        got = s.step([a[j : j + 1] for _, _, a in tok])
+        kept += list(zip(got, s.last_labels))
+    return Path(torch.cat([o for o, _ in kept]), state_vector(s.state), s.evaluations,
+                tuple(n for _, names in kept for n in names))
 
 
 def _speculative_definition(decoder: Decoder, plan: Plan, book: RouteBook, sizes: ScenarioSizes) -> Path:
@@ -339,16 +356,18 @@ def _speculative_definition(decoder: Decoder, plan: Plan, book: RouteBook, sizes
     capacity = max(p.shape[0] for p, _, _ in tok) + sizes.draft + sizes.after
     s = Session(decoder, plan, ids, capacity, book)
     s.step([p for p, _, _ in tok])
-    accepted: list[list[torch.Tensor]] = [[] for _ in tok]
+    accepted: list[list[tuple[torch.Tensor, list[str]]]] = [[] for _ in tok]
     for j in range(max(sizes.accept, default=0)):
         got = s.step([d[j : j + 1] if j < a else None for (_, d, _), a in zip(tok, sizes.accept)])
         for i, a in enumerate(sizes.accept):
             if j < a:
-                accepted[i].append(got[i])
-    outs = [t for per in accepted for t in per]
-    after = [s.step([a[j : j + 1] for _, _, a in tok]) for j in range(sizes.after)]
-    outs += [step[i] for step in after for i in range(len(tok))]
-    return Path(torch.cat(outs), state_vector(s.state), s.evaluations)
+                accepted[i].append((got[i], s.last_labels[i]))
+    kept = [pair for per in accepted for pair in per]
+    for j in range(sizes.after):
+        got = s.step([a[j : j + 1] for _, _, a in tok])
+        kept += list(zip(got, s.last_labels))
+    return Path(torch.cat([o for o, _ in kept]), state_vector(s.state), s.evaluations,
+                tuple(n for _, names in kept for n in names))
 
 
 def _placement(order: str) -> PathFn:
@@ -375,3 +394,66 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("page_placement", _placement("shuffled"), _placement("in_order"),
              lambda z: "two requests with MLA pages shuffled ≡ in order", bitwise=True),
 )}
+
+
+@dataclass(frozen=True)
+class Check:
+    """A scenario checked in fp64: verdicts on the outputs (``y``) and the states left
+    (``state``), fp64 agreement or bit for bit; ``where``: the first output token beyond the
+    rule (``"<request>@<position>"``), ``None`` when all agree; both paths and the route book
+    the definition recorded (for pinning low-precision runs)."""
+
+    y: Verdict
+    state: Verdict
+    where: str | None
+    served: Path
+    definition: Path
+    book: RouteBook
+
+    @property
+    def passed(self) -> bool:
+        return self.y.passed and self.state.passed
+
+
+def agreement(out: torch.Tensor, ref: torch.Tensor, *, bitwise: bool = False) -> Verdict:
+    """fp64 agreement of ``out`` with ``ref`` (normwise relative max error ≤ 1e-10), or
+    bit-for-bit equality (``bitwise``); a shape mismatch fails with its reason."""
+    if out.shape != ref.shape:
+        return Verdict(FAIL, FP64_RULE, "shape", math.inf, 0.0, -math.inf,
+                       f"shapes differ: {list(out.shape)} vs {list(ref.shape)}")
+    if bitwise:
+        same = bool(torch.equal(out, ref))
+        err = 0.0 if same else float((out.double() - ref.double()).abs().nan_to_num(math.inf).max())
+        return Verdict(PASS if same else FAIL, FP64_RULE, "bitwise", err, 0.0, 1.0 if same else -math.inf,
+                       "bit for bit equal" if same else f"not bit for bit equal: max |difference| {err:.3e}")
+    return POLICY[FP64_RULE].judge(out.double(), ref.double()).verdict
+
+
+def first_beyond(out: torch.Tensor, ref: torch.Tensor, labels: Sequence[str], *, rel: float = 1e-10) -> str | None:
+    """The first output row (its label) whose largest difference exceeds ``rel`` of ``max|ref|``
+    (or is not finite)."""
+    scale = float(ref.double().abs().max()) or 1.0
+    diff = (out.double() - ref.double()).abs().reshape(out.shape[0], -1).amax(-1).nan_to_num(math.inf)
+    bad = (diff > rel * scale).nonzero()
+    if not bad.numel():
+        return None
+    i = int(bad[0])
+    return labels[i] if i < len(labels) else f"row {i}"
+
+
+def check(scenario: Scenario, decoder: Decoder, sizes: ScenarioSizes, *, served_decoder: Decoder | None = None,
+          served_plan: Plan | None = None, rollback: Rollback | None = None) -> Check:
+    """``scenario`` in fp64: the definition by ``decoder`` (fp64 chunkwise forms, its MoE choices
+    recorded), the served path by ``served_decoder`` / ``served_plan`` / ``rollback`` when given
+    (a planted bug), else the same."""
+    plan = fp64_plan("chunkwise")
+    book = RouteBook()
+    definition = scenario.definition(decoder, plan, book, sizes)
+    served_fn = scenario.served if rollback is None else partial(scenario.served, rollback=rollback)
+    served = served_fn(served_decoder or decoder, served_plan or plan, book, sizes)
+    y = agreement(served.out, definition.out, bitwise=scenario.bitwise)
+    state = agreement(served.state, definition.state, bitwise=scenario.bitwise)
+    where = None
+    if not y.passed and served.out.shape == definition.out.shape:
+        where = first_beyond(served.out, definition.out, definition.labels, rel=0.0 if scenario.bitwise else 1e-10)
+    return Check(y, state, where, served, definition, book)

@@ -219,58 +219,71 @@ def judge_for(plan: Plan, decoder: Decoder
 
 
 def first_divergence(decoder: Decoder, tokens: torch.Tensor, test: Plan, reference: Plan, *,
-                     baseline: Plan | None = None, stride: int = 16,
+                     baseline: Plan | None = None, stride: int = 1,
                      routes: Mapping[int, torch.Tensor] | None = None) -> Divergence:
     """The first sublayer call where ``test``'s output leaves the policy against ``reference``'s
     (fp64) on a prefill of ``tokens``; ``baseline`` (the same-dtype baseline plan) is needed when
-    ``test`` runs some sublayer below fp64. The scan keeps one snapshot per walk at the last
-    agreeing checkpoint (every ``stride`` sublayers), then bisects between it and the first
-    diverging one."""
+    ``test`` runs some sublayer below fp64.
+
+    The walks advance in lockstep and nothing is stored but their streams. With ``stride`` 1 every
+    sublayer's output is judged as it is made (the first failure is the answer, no sublayer is
+    computed twice). With a larger ``stride`` only every ``stride``-th is judged, as when a walk
+    can only be observed at checkpoints: the search keeps one snapshot per walk at the last
+    agreeing checkpoint and bisects between it and the first diverging one, which presumes an
+    error that, once made, stays beyond the rule (a wrong fp64 sublayer; not a low-precision walk,
+    whose propagated error a baseline walk's own can hide)."""
     if stride < 1:
         raise ValueError(f"stride must be >= 1, got {stride}")
     judge = judge_for(test, decoder)
     plans = [test, reference] + ([baseline] if baseline is not None else [])
-    state = [decoder.new_state(1, int(tokens.shape[0]), p) for p in plans]
-    runs = [decoder.start([tokens], st, p, routes=routes) for st, p in zip(state, plans)]
+    runs = [decoder.start([tokens], decoder.new_state(1, int(tokens.shape[0]), p), p, routes=routes) for p in plans]
     total = decoder.config.schedule.num_sublayers
     checked: list[int] = []
-    spent = 0
 
     def advance_to(group: list[Pass], position: int) -> Verdict:
-        nonlocal spent
         for r in group:
-            before = r.evaluations
             r.run_to(position)
-            spent += r.evaluations - before
         checked.append(position - 1)
-        s = position - 1
-        return judge(s, group[0].last, group[1].last, group[2].last if len(group) > 2 else None)
+        return judge(position - 1, group[0].last, group[1].last, group[2].last if len(group) > 2 else None)
 
+    def spent(*groups: list[Pass]) -> int:
+        return sum(r.evaluations for g in groups for r in g)
+
+    if stride == 1:
+        for position in range(1, total + 1):
+            v = advance_to(runs, position)
+            if not v.passed:
+                s = position - 1
+                return Divergence(s, s // 2, decoder.config.module_of(s), v, spent(runs), checked)
+        return Divergence(None, None, None, None, spent(runs), checked)
     good = [r.snapshot() for r in runs]  # the last agreeing point (nothing run yet)
-    lo, hi, bad_verdict = 0, None, None
+    lo, hi, bad_verdict, used = 0, None, None, 0
     position = 0
     while position < total:
         position = min(position + stride, total)
         current = [r.snapshot() for r in good]
+        before = spent(current)
         v = advance_to(current, position)
+        used += spent(current) - before
         if v.passed:
             good, lo = current, position
         else:
             hi, bad_verdict = position, v
             break
     if hi is None:
-        return Divergence(None, None, None, None, spent, checked)
-    # Bisect in (lo, hi]: the first position p whose last sublayer (p - 1) diverged.
-    while hi - lo > 1:
+        return Divergence(None, None, None, None, used, checked)
+    while hi - lo > 1:  # the first position p whose last sublayer (p - 1) diverged is in (lo, hi]
         mid = (lo + hi) // 2
         trial = [r.snapshot() for r in good]
+        before = spent(trial)
         v = advance_to(trial, mid)
+        used += spent(trial) - before
         if v.passed:
             good, lo = trial, mid
         else:
             hi, bad_verdict = mid, v
     s = hi - 1
-    return Divergence(s, s // 2, decoder.config.module_of(s), bad_verdict, spent, checked)
+    return Divergence(s, s // 2, decoder.config.module_of(s), bad_verdict, used, checked)
 
 
 __all__ = [

@@ -28,7 +28,7 @@ import torch
 
 from ..decoder import Decoder, DecoderConfig, fp64_plan, naive_plan, only, tiled_plan
 from ..decoder.config import MODULES
-from ..decoder.scenarios import SCENARIOS, Path, RouteBook, Scenario, ScenarioSizes, embeddings
+from ..decoder.scenarios import SCENARIOS, Path, RouteBook, Scenario, ScenarioSizes, agreement, check, embeddings
 from ..decoder.walks import (
     attribute,
     block_growth,
@@ -39,7 +39,7 @@ from ..decoder.walks import (
     rms_ratio,
     walk,
 )
-from ..numerics.policy import BASELINE_RULE, FAIL, FP64_RULE, PASS, POLICY, Verdict
+from ..numerics.policy import BASELINE_RULE, FAIL, PASS, POLICY, Verdict
 from .rows import Row
 
 MODULE = "decoder"
@@ -92,7 +92,7 @@ def _verdict_json(v: Verdict) -> dict[str, Any]:
 
 
 def _row(*, form: str, dtype: str, case: str, outputs: dict[str, Verdict], params: dict[str, Any],
-         case_params: dict[str, Any], wall_s: float) -> dict[str, Any]:
+         case_params: dict[str, Any], wall_s: float, explanation: list[str] | None = None) -> dict[str, Any]:
     """A report row judged on ``outputs`` (name → verdict), checked against the row schema; the
     binding output (repeated at the top) is the one with the least margin."""
     binding = min(outputs, key=lambda n: outputs[n].margin if not math.isnan(outputs[n].margin) else -math.inf)
@@ -105,21 +105,13 @@ def _row(*, form: str, dtype: str, case: str, outputs: dict[str, Verdict], param
                     for n, o in outputs.items()},
         "verdict": _verdict_json(v), "margin": _finite(v.margin), "wall_s": wall_s,
     }
+    if explanation:
+        row["explanation"] = explanation
     return Row.from_json(row, where=f"decoder row {form}", strict=True).to_json()
 
 
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
-
-
-def _fp64(out: torch.Tensor, ref: torch.Tensor, *, bitwise: bool = False) -> Verdict:
-    """fp64 agreement (or bit-for-bit equality)."""
-    if bitwise:
-        same = bool(torch.equal(out, ref))
-        err = 0.0 if same else float((out - ref).abs().max())
-        return Verdict(PASS if same else FAIL, FP64_RULE, "bitwise", err, 0.0, 1.0 if same else -math.inf,
-                       "bit for bit equal" if same else f"not bitwise equal: max |difference| {err:.3e}")
-    return POLICY[FP64_RULE].judge(out.double(), ref.double()).verdict
 
 
 def _baseline(out: torch.Tensor, ref: torch.Tensor, base: torch.Tensor, dtype: str) -> Verdict:
@@ -139,7 +131,7 @@ def run_walks(decoder: Decoder, options: WalkOptions) -> JobResult:
     definitions = reference_walk(decoder, fp64_plan("recurrent"), tokens)
     forms = reference_walk(decoder, fp64_plan("chunkwise"), tokens)
     rows = [_row(form="walk/fp64 forms", dtype="fp64", case=case,
-                 outputs={"y": _fp64(forms.out, definitions.out)},
+                 outputs={"y": agreement(forms.out, definitions.out)},
                  params={"forms": "chunkwise", "definition": "recurrent"}, case_params=case_params,
                  wall_s=time.perf_counter() - t0)]
     worst_h = max(rms_ratio(h, r) for h, r in zip(forms.h, definitions.h))
@@ -198,17 +190,16 @@ def run_scenario(decoder: Decoder, scenario: Scenario, options: WalkOptions) -> 
     """One serving scenario's two rows (fp64 and low precision) and its study part."""
     t0 = time.perf_counter()
     sizes, dt = options.sizes(), options.dtype
-    book = RouteBook()
-    definition = scenario.definition(decoder, fp64_plan("chunkwise"), book, sizes)
-    served = scenario.served(decoder, fp64_plan("chunkwise"), book, sizes)
+    checked = check(scenario, decoder, sizes)
+    served, definition = checked.served, checked.definition
     case_params = {"detail": scenario.detail(sizes), "layers": decoder.config.num_layers}
-    fp64_outputs = {"y": _fp64(served.out, definition.out, bitwise=scenario.bitwise),
-                    "state": _fp64(served.state, definition.state, bitwise=scenario.bitwise)}
+    explanation = [f"first token beyond the rule: {checked.where}"] if checked.where else None
     rows = [_row(form=f"serving/{scenario.name}", dtype="fp64", case=scenario.name,
-                 outputs=fp64_outputs, params={"plan": "fp64 chunkwise", "bitwise": scenario.bitwise},
-                 case_params=case_params, wall_s=time.perf_counter() - t0)]
+                 outputs={"y": checked.y, "state": checked.state},
+                 params={"plan": "fp64 chunkwise", "bitwise": scenario.bitwise},
+                 case_params=case_params, wall_s=time.perf_counter() - t0, explanation=explanation)]
     t1 = time.perf_counter()
-    pinned = RouteBook(record=False, routes=book.routes)
+    pinned = RouteBook(record=False, routes=checked.book.routes)
     low = scenario.served(decoder, tiled_plan(dt), pinned, sizes)
     base = scenario.definition(decoder, naive_plan(dt), pinned, sizes)
     rows.append(_row(form=f"serving/{scenario.name}", dtype=dt, case=scenario.name,

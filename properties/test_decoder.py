@@ -1,0 +1,255 @@
+"""The K3 decoder stack: schedule, fp64 walks against the definitions, serving scenarios, planted
+serving bugs, the first-divergence search and the low-precision walk's verdict.
+
+Rules used: fp64-agreement (≤ 1e-10 normwise) for every fp64 comparison, bit-for-bit equality
+where the computation is the same (page placement, a resumed walk on one host), and the
+same-dtype baseline rule (k = 2 plus the noise floor, fp64 truth) for the low-precision walk.
+Most tests run a 4-layer stack (layers 0–3: KDA ×3 then MLA; the dense MLP, then MoE) at
+the CPU width; the schedule-wide ones all 93 layers on a few tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from k3verify import attnres
+from k3verify.decoder import (
+    KDA,
+    MLA,
+    Decoder,
+    DecoderConfig,
+    fp64_plan,
+    naive_plan,
+    tiled_plan,
+)
+from k3verify.decoder.mutants import MUTANTS
+from k3verify.decoder.scenarios import SCENARIOS, ScenarioSizes, check, embeddings
+from k3verify.decoder.walks import attribute, first_divergence, plant, reference_walk, walk
+from k3verify.mla.cache import allocate, append, live_entries, release
+from k3verify.numerics.policy import BASELINE_RULE, POLICY
+from k3verify.numerics.validate import require_finite_parameter
+
+SMALL = ScenarioSizes(prompt=16, decode=2, short=12)
+
+
+@pytest.fixture(scope="module")
+def four() -> Decoder:
+    return Decoder(DecoderConfig.cpu(num_layers=4))
+
+
+@pytest.fixture(scope="module")
+def k3() -> Decoder:
+    return Decoder(DecoderConfig.cpu())
+
+
+def test_the_stack_follows_k3s_schedule(k3: Decoder) -> None:
+    cfg = k3.config
+    assert cfg.counts() == {"kda": 69, "mla": 24, "dense": 1, "moe": 92, "attnres": 187}
+    assert [layer for layer in range(93) if cfg.token_mixer(layer) == MLA] == [*range(3, 92, 4), 92]
+    assert cfg.channel_mixer(0) == "dense" and {cfg.channel_mixer(layer) for layer in range(1, 93)} == {"moe"}
+    calls = cfg.schedule.calls()
+    assert len({c.sources[-1].first for c in calls if c.sources[-1].kind == "block"}) + 1 == 8  # b0 + 7 blocks
+    assert cfg.schedule.max_sources == 9
+    # Each sublayer call has its own AttnRes weights.
+    w = k3.weights.attnres.w
+    assert w.shape == (187, cfg.hidden) and len({tuple(r[:4].tolist()) for r in w}) == 187
+
+
+def test_fp64_forms_walk_agrees_with_the_definitions_walk(k3: Decoder) -> None:
+    """fp64-agreement: chunkwise KDA, MLA, MoE and two-phase AttnRes through all 93 layers
+    against the recurrent definitions, every sublayer's stream and the output."""
+    tokens = embeddings(k3, 10, seed=3)
+    definitions = reference_walk(k3, fp64_plan("recurrent"), tokens)
+    forms = walk(k3, fp64_plan("chunkwise"), tokens, definitions)
+    assert POLICY["fp64-agreement"].judge(forms.out.double(), definitions.out).verdict.passed
+    assert max(forms.h_err) < 1e-12, max(forms.h_err)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_serving_scenarios_agree_in_fp64(four: Decoder, name: str) -> None:
+    """fp64-agreement of the served path with its definition, outputs and carried states
+    (page placement: bit for bit)."""
+    checked = check(SCENARIOS[name], four, SMALL)
+    assert checked.passed, (checked.y.reason, checked.state.reason)
+    assert checked.where is None
+    assert checked.served.out.shape == checked.definition.out.shape and checked.served.out.shape[0] >= 6
+    if SCENARIOS[name].bitwise:
+        assert torch.equal(checked.served.out, checked.definition.out)
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])
+def test_a_planted_serving_bug_fails_its_scenario_and_names_the_token(four: Decoder, mutant) -> None:
+    bad = mutant.decoder(four.config, weights=four.weights)
+    plan = mutant.plan(fp64_plan("chunkwise")) if mutant.plan else None
+    checked = check(SCENARIOS[mutant.scenario], four, SMALL, served_decoder=bad, served_plan=plan,
+                    rollback=mutant.rollback)
+    assert not checked.passed
+    assert checked.where is not None and "@" in checked.where
+    if mutant.plan is not None:  # the state is read transposed only when non-zero: decode is unaffected
+        assert check(SCENARIOS["prefill_decode"], four, SMALL, served_plan=plan).passed
+
+
+def test_the_mutants_are_caught_where_they_should_be_named(four: Decoder) -> None:
+    """Each mutant's first failing token is one of the requests its bug touches."""
+    touched = {"length-1 request in a mixed batch": ("decode@", "decode2@"),
+               "rollback keeps a rejected token": ("s0@", "s1@", "s3@"),
+               "conv history reset at a chunk boundary": ("r@",), "state read transposed when non-zero": ("r@",)}
+    for mutant in MUTANTS:
+        bad = mutant.decoder(four.config, weights=four.weights)
+        plan = mutant.plan(fp64_plan("chunkwise")) if mutant.plan else None
+        checked = check(SCENARIOS[mutant.scenario], four, SMALL, served_decoder=bad, served_plan=plan,
+                        rollback=mutant.rollback)
+        assert checked.where.startswith(touched[mutant.name]), (mutant.name, checked.where)
+
+
+@pytest.mark.parametrize("layer,module", [(0, KDA), (47, MLA), (92, "moe")])
+def test_first_divergence_names_the_planted_sublayer(k3: Decoder, layer: int, module: str) -> None:
+    tokens = embeddings(k3, 6, seed=4)
+    found = first_divergence(k3, tokens, plant(fp64_plan("chunkwise"), layer, module), fp64_plan("chunkwise"))
+    assert (found.layer, found.module) == (layer, module)
+    assert found.sublayer == 2 * layer + (module not in (KDA, MLA))
+    # Two walks in lockstep, each up to the planted sublayer and no further.
+    assert found.evaluations == 2 * (found.sublayer + 1)
+    # Observed at checkpoints only (every 16th sublayer), the bisection finds the same sublayer.
+    bisected = first_divergence(k3, tokens, plant(fp64_plan("chunkwise"), layer, module), fp64_plan("chunkwise"),
+                                stride=16)
+    assert bisected.sublayer == found.sublayer
+
+
+def test_no_divergence_is_reported_between_equal_walks(four: Decoder) -> None:
+    tokens = embeddings(four, 6, seed=5)
+    for stride in (1, 3):
+        found = first_divergence(four, tokens, fp64_plan("recurrent"), fp64_plan("chunkwise"), stride=stride)
+        assert not found.found and found.evaluations == 2 * four.config.schedule.num_sublayers
+
+
+def test_the_low_precision_walk_is_judged_and_a_planted_error_fails(four: Decoder) -> None:
+    """Baseline rule: the tiled bf16 walk's final state within 2x the naive bf16 walk's error
+    plus the floor; the same walk with one sublayer's output negated fails it. Judged sublayer
+    by sublayer, the tiled walk never leaves the rule and one sublayer 50 % off is named."""
+    tokens = embeddings(four, 16, seed=6)
+    reference = reference_walk(four, fp64_plan("chunkwise"), tokens)
+    base = walk(four, naive_plan(), tokens, reference)
+
+    def verdict(plan):
+        out = walk(four, plan, tokens, reference).out
+        return POLICY[BASELINE_RULE].judge(out, reference.out, dtype="bf16", baseline=base.out, rms_n=16,
+                                           bias_n=16).verdict
+
+    assert verdict(tiled_plan()).passed
+    assert not verdict(plant(tiled_plan(), 2, KDA, scale=-1.0)).passed
+
+    def search(plan):
+        return first_divergence(four, tokens, plan, fp64_plan("chunkwise"), baseline=naive_plan(),
+                                routes=reference.routes)
+
+    assert not search(tiled_plan()).found
+    found = search(plant(tiled_plan(), 2, KDA, scale=1.5))
+    assert (found.sublayer, found.layer, found.module) == (4, 2, KDA)
+    assert found.evaluations == 3 * 5  # three walks in lockstep, each up to the planted sublayer
+
+
+def test_attribution_shares_add_up_and_name_every_module(four: Decoder) -> None:
+    tokens = embeddings(four, 8, seed=7)
+    reference = reference_walk(four, fp64_plan("chunkwise"), tokens)
+    table = attribute(four, tokens, tiled_plan(), fp64_plan("chunkwise"), reference)
+    singles = [a for a in table if a.module != "all"]
+    assert {a.module for a in singles} == {"kda", "mla", "dense", "moe", "attnres"}
+    assert math.isclose(sum(a.share for a in singles), 1.0, rel_tol=1e-12)
+    assert all(a.out_err > 0 for a in table)
+
+
+def test_a_depth_walk_resumes_from_a_copy_bit_for_bit() -> None:
+    """Same host, same operations: a walk copied half way and finished equals the walk."""
+    schedule = attnres.Schedule.layers(2, num_layers=4)
+    gen = torch.Generator().manual_seed(0)
+    e = torch.randn(5, 16, generator=gen, dtype=torch.float64)
+    weights = attnres.init_weights(schedule, 16)
+    sub = attnres.StandInSublayers.make(schedule.num_sublayers, 16)
+
+    def finish(w: attnres.DepthWalk) -> torch.Tensor:
+        while not w.done:
+            s, x = w.next_input()
+            w.push(sub(s, x))
+        return w.result().output
+
+    whole = attnres.DepthWalk(e, weights, schedule, attnres.Options(), attnres.MIXERS["chunkwise"])
+    for _ in range(3):
+        s, x = whole.next_input()
+        whole.push(sub(s, x))
+    half = copy.deepcopy(whole)
+    assert torch.equal(finish(half), finish(whole))
+    assert torch.equal(finish(attnres.DepthWalk(e, weights, schedule, attnres.Options(), attnres.MIXERS["chunkwise"])),
+                       attnres.chunkwise(e, weights, sub, schedule=schedule).output)
+
+
+def test_release_poisons_the_freed_slots_and_keeps_the_rest() -> None:
+    cache = allocate(2, 8, 4, 3, page_order="shuffled", generator=torch.Generator().manual_seed(0))
+    entries = torch.arange(2 * 6 * 3, dtype=torch.float64).reshape(2, 6, 3)
+    full = append(cache, entries)
+    cut = release(full, [2, 5])
+    assert cut.lengths == [2, 5]
+    assert torch.equal(live_entries(cut)[0, :2], entries[0, :2]) and torch.equal(live_entries(cut)[1], entries[1, :5])
+    assert int(torch.isnan(cut.pool).all(-1).sum()) == int(torch.isnan(full.pool).all(-1).sum()) + 5
+    with pytest.raises(ValueError, match="release keeps"):
+        release(full, [7, 1])
+
+
+def test_a_parameter_checked_once_is_checked_again_after_a_write() -> None:
+    w = torch.ones(4, dtype=torch.float64)
+    require_finite_parameter("w", w)
+    w[2] = math.inf
+    with pytest.raises(ValueError, match="w has 1 non-finite"):
+        require_finite_parameter("w", w)
+
+
+def test_walk_writes_its_rows_and_study(tmp_path, four: Decoder) -> None:
+    from k3verify.cli import main
+
+    out = tmp_path / "walk"
+    code = main(["walk", "--layers", "4", "--prompt", "8", "--decode", "1", "--workers", "1", "--out", str(out),
+                 "--jobs", "walks,prefill_decode,mixed_batch", "--plant", "2:moe", "--quiet"])
+    assert code == 0
+    doc = json.loads((out / "report.json").read_text())
+    forms = {(r["form"], r["dtype"]): r["status"] for r in doc["rows"]}
+    assert forms == {("walk/fp64 forms", "fp64"): "pass", ("walk/tiled bf16", "bf16"): "pass",
+                     ("serving/prefill_decode", "fp64"): "pass", ("serving/prefill_decode", "bf16"): "pass",
+                     ("serving/mixed_batch", "fp64"): "pass", ("serving/mixed_batch", "bf16"): "pass"}
+    study = json.loads((out / "decoder_walk.json").read_text())
+    assert study["first_divergence"]["layer"] == 2 and study["first_divergence"]["module"] == "moe"
+    assert len(study["depth_drift"]["curves"]["tiled bf16"]) == 8
+    assert len(study["decode_steps"]["served"]) == 9
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--plant", "5:nope"], "the module is one of"),
+    (["--jobs", "walks,nope"], "unknown job"),
+    (["--layers", "0"], "--layers"),
+    (["--prompt", "2"], "--prompt"),
+])
+def test_walk_refuses_bad_options_by_name(tmp_path, capsys, args: list[str], message: str) -> None:
+    from k3verify.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["walk", "--out", str(tmp_path / "w"), *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
+def test_pooled_weights_repeat_and_the_wide_config_has_k3s_widths() -> None:
+    cfg = DecoderConfig.wide(num_experts=8, distinct_layers=4)
+    assert (cfg.hidden, cfg.kda.heads, cfg.mla.num_heads, cfg.moe.latent_size, cfg.moe.expert_hidden) == (
+        7168, 96, 96, 3584, 3072)
+    assert [cfg.pool_index(layer) for layer in (0, 4, 93 - 1)] == [0, 0, 0]
+    small = replace(DecoderConfig.cpu(num_layers=8), distinct_layers=2)
+    d = Decoder(small)
+    assert d.weights.layers[4][KDA] is d.weights.layers[0][KDA]
+    with pytest.raises(ValueError, match="width"):
+        replace(DecoderConfig.cpu(), hidden=128)

@@ -3,7 +3,19 @@ schedule, serving state, precision plans, serving scenarios, precision walks, at
 the first-divergence search."""
 
 from .config import ATTNRES, DENSE, KDA, MLA, MODULES, MOE, DecoderConfig
-from .model import AttnResForm, Decoder, Form, Pass, Plan, ServingState, fp64_plan, naive_plan, only, tiled_plan
+from .model import (
+    AttnResForm,
+    Decoder,
+    Form,
+    Pass,
+    Plan,
+    ServingState,
+    fp64_plan,
+    kernel_plan,
+    naive_plan,
+    only,
+    tiled_plan,
+)
 from .weights import DecoderWeights, init_weights
 
 __all__ = [
@@ -23,6 +35,7 @@ __all__ = [
     "ServingState",
     "fp64_plan",
     "init_weights",
+    "kernel_plan",
     "naive_plan",
     "only",
     "tiled_plan",

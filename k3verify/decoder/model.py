@@ -55,9 +55,9 @@ class Form:
     (projections compute in it, as torch does: fp32 arithmetic, results rounded); ``fn`` the
     module's core form (KDA: ``fn(q, k, v, g, beta, *, initial_state, output_final_state)``; MLA:
     ``fn(q_nope, q_pe, cache, w_uk, w_uv, *, scale)``; MoE: ``fn(x, weights, config)``; unused for
-    the dense MLP) with ``options``; ``decode`` KDA's one-token path (the recurrent step if
-    ``None``). ``tap(sublayer, y)`` sees the sublayer's output and returns what the stack goes on
-    with (a probe, or a planted bug)."""
+    the dense MLP) with ``options``; ``decode`` the one-token path of KDA (the recurrent step if
+    ``None``) and of MLA (``fn`` if ``None``): a decode kernel. ``tap(sublayer, y)`` sees the
+    sublayer's output and returns what the stack goes on with (a probe, or a planted bug)."""
 
     label: str
     dtype: torch.dtype = torch.float64
@@ -65,6 +65,9 @@ class Form:
     options: Mapping[str, Any] = field(default_factory=dict)
     decode: Callable[..., Any] | None = None
     tap: Tap | None = None
+    # KDA's carried state as the core takes it: in the activations' dtype (the forms' contract)
+    # or in fp32 (kernels keep their state in fp32).
+    fp32_state: bool = False
 
     def call(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs, **self.options)
@@ -82,6 +85,10 @@ class AttnResForm:
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def make(self) -> Callable[..., Any]:
+        if self.mixer == "kernels":  # our Triton kernels: phase 1 per block, phase 2 per call
+            from ..attnres.kernels import _Ours, _TwoPhaseMixer
+
+            return partial(_TwoPhaseMixer, phases=_Ours())
         return _NaiveMixer if self.mixer == "naive" else attnres.MIXERS[self.mixer]
 
 
@@ -146,6 +153,26 @@ def naive_plan(dtype: str = "bf16") -> Plan:
     return Plan(f"naive {dtype}", forms, AttnResForm(f"attnres naive {dtype}", "naive", dt))
 
 
+def kernel_plan(dtype: str = "bf16") -> Plan:
+    """Our Triton kernels for every module: KDA's chunk kernel for prefill and its fused
+    recurrent kernel for decode (fp32 state), MLA's expanded prefill and absorbed decode over the
+    paged cache, MoE's grouped expert kernels, AttnRes's two-phase kernels over a ``dtype`` stream
+    (bf16 or fp16 on a GPU; fp32 in Triton's CPU interpreter)."""
+    from ..kda import kernels as kda_kernels
+    from ..mla import kernels as mla_kernels
+    from ..moe import kernels as moe_kernels
+
+    dt = resolve_dtype(dtype)
+    forms = {
+        KDA: Form(f"kda kernels {dtype}", dt, kda_kernels.chunk, {"operand_dtype": dt},
+                  decode=partial(kda_kernels.fused_recurrent, operand_dtype=dt), fp32_state=True),
+        MLA: Form(f"mla kernels {dtype}", dt, mla_kernels.prefill, decode=mla_kernels.decode),
+        DENSE: Form(f"dense {dtype}", dt),
+        MOE: Form(f"moe kernels {dtype}", dt, moe_kernels.grouped),
+    }
+    return Plan(f"kernels {dtype}", forms, AttnResForm(f"attnres kernels {dtype}", "kernels", dt))
+
+
 def only(module: str, low: Plan, base: Plan, *, layer: int | None = None) -> Plan:
     """``base`` with one module type (every layer of it, or only ``layer``) in ``low``'s form:
     the attribution runs of :mod:`k3verify.decoder.walks`. ``module`` may be ``"attnres"``."""
@@ -194,10 +221,12 @@ class ServingState:
 
 @dataclass
 class Decoder:
-    """The stack: configuration and weights (made from ``config`` when not given)."""
+    """The stack: configuration, weights (made from ``config`` when not given) and the device
+    every tensor of a step lives on (tokens, weights, states and caches are moved there)."""
 
     config: DecoderConfig
     weights: DecoderWeights | None = None
+    device: torch.device | str = "cpu"
 
     def __post_init__(self) -> None:
         if self.weights is None:
@@ -216,12 +245,12 @@ class Decoder:
             module = cfg.token_mixer(layer)
             form = plan.form(layer, module)
             if module == KDA:
-                empty = self._kda_layer(layer, form).empty_state(batch, form.dtype)
+                empty = self._kda_layer(layer, form).empty_state(batch, form.dtype, self.device)
                 kda_states[layer] = KDAState(empty.conv, empty.recurrent.to(compute_dtype(form.dtype)))
             else:
                 caches[layer] = allocate(batch, capacity, cfg.page_size, cfg.mla.cache_width, dtype=form.dtype,
                                          page_order=page_order, spare_pages=2, generator=gen,
-                                         storage=plan.kv_storage)
+                                         storage=plan.kv_storage, device=self.device)
         return ServingState([0] * batch, kda_states, caches)
 
     # --- one step ----------------------------------------------------------------------------
@@ -251,10 +280,10 @@ class Decoder:
                 raise ValueError(f"tokens[{i}] must be [T, d={self.config.hidden}], got {shape}")
         if not any(int(t.shape[0]) for t in tokens):
             raise ValueError("a step needs at least one new token")
-        x0 = torch.cat([t.to(torch.float64) for t in tokens])
+        x0 = torch.cat([t.to(self.device, torch.float64) for t in tokens])
         a = plan.attnres
         opts = Options(stream_dtype=a.stream_dtype, **dict(a.options))
-        walk = attnres.DepthWalk(x0, self.weights.attnres, self.config.schedule, opts, a.make())
+        walk = attnres.DepthWalk(x0, self.weights.attnres_on(self.device), self.config.schedule, opts, a.make())
         bounds = [0, *itertools.accumulate(int(t.shape[0]) for t in tokens)]
         return Pass(self, plan, walk, bounds, state.copy(), routes_in=routes)
 
@@ -289,7 +318,7 @@ class Decoder:
         layer = s // 2
         module = cfg.module_of(s)
         form = run.plan.form(layer, module)
-        w = self.weights.of(layer, module, form.dtype)
+        w = self.weights.of(layer, module, form.dtype, self.device)
         xin = x.to(form.dtype)
         if module == DENSE:
             y = glu(xin, w.w1, w.w3, w.w2, cfg.moe)
@@ -318,15 +347,17 @@ class Decoder:
         return routing
 
     def _kda_layer(self, layer: int, form: Form) -> KDALayer:
-        w = self.weights.of(layer, KDA, form.dtype)
+        w = self.weights.of(layer, KDA, form.dtype, self.device)
         gates = compute_dtype(form.dtype)
         return KDALayer(self.config.kda, w, gate_dtype=gates, state_dtype=gates)
 
     def _kda_core(self, fn: Callable[..., Any], form: Form) -> Callable[..., Any]:
         """The form's core as the layer calls it: outputs back in the activations' dtype."""
         def core(q, k, v, g, beta, *, initial_state, output_final_state):
-            # The forms take the state in the activations' dtype; it is kept in fp32 between calls.
-            o, S = fn(q, k, v, g, beta, initial_state=initial_state.to(q.dtype), output_final_state=output_final_state,
+            # The forms take the state in the activations' dtype, kernels in fp32; between calls
+            # it is kept in fp32 either way.
+            state = initial_state if form.fp32_state else initial_state.to(q.dtype)
+            o, S = fn(q, k, v, g, beta, initial_state=state, output_final_state=output_final_state,
                       **(dict(form.options) if fn is form.fn else {}))
             return o.to(q.dtype), S
         return core
@@ -335,8 +366,8 @@ class Decoder:
         one = self._kda_layer(layer, form)
         decode, prefill = self.split_batch(bounds, state)
         st = state.kda[layer]
-        y = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype)
-        rows_of = lambda rows: torch.as_tensor(rows, dtype=torch.int64)  # noqa: E731
+        y = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+        rows_of = lambda rows: torch.as_tensor(rows, dtype=torch.int64, device=x.device)  # noqa: E731
         new_conv, new_rec = st.conv.clone(), st.recurrent.clone()
         if decode:
             idx = rows_of(decode)
@@ -372,20 +403,20 @@ class Decoder:
         cfg = self.config.mla
         decode, prefill = self.split_batch(bounds, state)
         cache = state.mla[layer]
-        y = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype)
-        groups = ([decode] if decode else []) + [[i] for i in prefill]
-        for rows in groups:
-            idx = torch.as_tensor(rows, dtype=torch.int64)
+        y = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+        groups = ([(decode, form.decode or form.fn)] if decode else []) + [([i], form.fn) for i in prefill]
+        for rows, fn in groups:
+            idx = torch.as_tensor(rows, dtype=torch.int64, device=cache.seq_lens.device)
             part = replace(cache, block_table=cache.block_table[idx], seq_lens=state.mla[layer].seq_lens[idx])
             if len(rows) > 1:
                 xs = torch.stack([x[bounds[i]] for i in rows])[:, None]
             else:
                 xs = x[None, bounds[rows[0]] : bounds[rows[0] + 1]]
-            out = mla_layer.forward(xs, w, cfg, part, form=form.fn, **dict(form.options))
+            out = mla_layer.forward(xs, w, cfg, part, form=fn, **(dict(form.options) if fn is form.fn else {}))
             for j, i in enumerate(rows):
                 y[bounds[i] : bounds[i + 1]] = out.y[j].to(x.dtype)
             seq = cache.seq_lens.clone()
-            seq[torch.as_tensor(rows)] = out.cache.seq_lens
+            seq[idx] = out.cache.seq_lens
             cache = replace(cache, pool=out.cache.pool, scales=out.cache.scales, seq_lens=seq)
         state.mla[layer] = cache
         return y

@@ -54,15 +54,29 @@ class DecoderWeights:
     attnres: AttnResWeights
     _cast: dict = field(default_factory=dict, repr=False)
 
-    def of(self, layer: int, module: str, dtype: torch.dtype = torch.float64) -> object:
-        """The weights of ``module`` at ``layer`` in ``dtype`` (a cached cast; fp64 is the original)."""
+    def of(self, layer: int, module: str, dtype: torch.dtype = torch.float64,
+           device: torch.device | str = "cpu") -> object:
+        """The weights of ``module`` at ``layer`` in ``dtype`` on ``device`` (a cached copy; fp64
+        on the CPU is the original)."""
         w = self.layers[layer][module]
-        if dtype == torch.float64:
+        device = torch.device(device)
+        if dtype == torch.float64 and device.type == "cpu":
             return w
-        key = (id(w), dtype)
+        key = (id(w), dtype, device)
         if key not in self._cast:
-            self._cast[key] = replace(w, **{f.name: getattr(w, f.name).to(dtype) for f in fields(w)  # type: ignore[arg-type]
-                                            if getattr(w, f.name).is_floating_point()})
+            self._cast[key] = replace(w, **{f.name: getattr(w, f.name).to(device, dtype)  # type: ignore[arg-type]
+                                            for f in fields(w) if getattr(w, f.name).is_floating_point()})
+        return self._cast[key]
+
+    def attnres_on(self, device: torch.device | str) -> AttnResWeights:
+        """The AttnRes weights (fp64) on ``device``."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.attnres
+        key = ("attnres", device)
+        if key not in self._cast:
+            self._cast[key] = AttnResWeights(*(t.to(device) for t in (self.attnres.w, self.attnres.gamma,
+                                                                       self.attnres.norm)))
         return self._cast[key]
 
 

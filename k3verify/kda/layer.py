@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..numerics.ops import rms_norm
+from ..numerics.ops import matmul, rms_norm
 from ..numerics.validate import require_finite, require_shape, require_tensor
 from .chunkwise import chunkwise
 from .gate import DEFAULT_G_MIN, l2norm, lower_bound_gate
@@ -187,12 +187,12 @@ class KDALayer:
         q, k, v = (t.reshape(B, T, h, K) for t in F.silu(qkv).split(h * K, dim=-1))
         q, k = l2norm(q), l2norm(k)
         gd = self.gate_dtype or x.dtype
-        z = (parts["f_a"] @ self.weights.w_fb).reshape(B, T, h, K).to(gd)
+        z = matmul(parts["f_a"], self.weights.w_fb).reshape(B, T, h, K).to(gd)
         g = lower_bound_gate(z, self.weights.a_log.to(gd), self.weights.dt_bias.to(gd), g_min=self.cfg.g_min)
         beta = torch.sigmoid(parts["beta"])
         o, S = core(q, k, v, g, beta, initial_state=state.recurrent, output_final_state=True)
         o = rms_norm(o, self.weights.norm, eps=self.cfg.norm_eps) * torch.sigmoid(parts["g_out"].reshape(B, T, h, K))
-        y = o.reshape(B, T, h * K) @ self.weights.w_o
+        y = matmul(o.reshape(B, T, h * K), self.weights.w_o)
         return y, KDAState(conv=conv_cache, recurrent=S.to(self.state_dtype or x.dtype))
 
     def prefill_packed(
@@ -220,7 +220,7 @@ class KDALayer:
 
     def project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """The packed GEMM ``x @ w_packed`` split into ``[q | k | v | g_out | f_a | beta]``."""
-        packed = x @ self.weights.w_packed
+        packed = matmul(x, self.weights.w_packed)
         return {name: packed[..., s] for name, s in self.shapes.slices().items()}
 
 

@@ -377,11 +377,10 @@ def release(cache: LatentCache, lengths: Sequence[int]) -> LatentCache:
     freed = (positions >= keep[:, None]) & (positions < old[:, None])
     slots = slots_of(cache, torch.where(freed, positions, 0))[freed]
     pool = cache.pool.clone().reshape(-1, cache.width)
-    nan = torch.tensor(float("nan"))
-    pool[slots] = nan.to(torch.float32).to(pool.dtype) if cache.quantized else nan.to(pool.dtype)
+    pool[slots] = torch.full((), float("nan"), device=pool.device).to(pool.dtype)
     scales = None
     if cache.quantized:
         scales = cache.scales.clone().reshape(-1)
-        scales[slots] = nan
+        scales[slots] = float("nan")
         scales = scales.reshape(cache.scales.shape)
     return LatentCache(pool.reshape(cache.pool.shape), cache.block_table, keep.to(cache.seq_lens.dtype), scales)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from ..numerics.ops import RMS_NORM_EPS, rms_norm
+from ..numerics.ops import RMS_NORM_EPS, contract, matmul, rms_norm
 from ..numerics.validate import require_positive_int
 from .cache import LatentCache, append
 from .recurrent import recurrent
@@ -164,26 +164,26 @@ def shard(weights: MLAWeights, cfg: MLAConfig, rank: int) -> MLAWeights:
 
 def project_query(x: torch.Tensor, w: MLAWeights, cfg: MLAConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """``x:[..., d] -> (q^n [..., H, Dn], q^p [..., H, Dr])`` through the normalised q latent."""
-    c_q = rms_norm(x @ w.w_dq, w.q_norm, eps=cfg.rms_norm_eps)
-    q = torch.einsum("...c,chk->...hk", c_q, w.w_uq)
+    c_q = rms_norm(matmul(x, w.w_dq), w.q_norm, eps=cfg.rms_norm_eps)
+    q = contract("...c,chk->...hk", c_q, w.w_uq)
     return q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
 
 
 def project_latent(x: torch.Tensor, w: MLAWeights, cfg: MLAConfig) -> torch.Tensor:
     """``x:[..., d] -> [ĉ ; k^p]:[..., R + Dr]``: the cache entry (only ``ĉ`` is normalised)."""
-    ckv = x @ w.w_dkv
+    ckv = matmul(x, w.w_dkv)
     c, k_pe = ckv[..., : cfg.kv_lora_rank], ckv[..., cfg.kv_lora_rank:]
     return torch.cat([rms_norm(c, w.kv_norm, eps=cfg.rms_norm_eps), k_pe], dim=-1)
 
 
 def output_gate(x: torch.Tensor, w: MLAWeights) -> torch.Tensor:
     """``σ(x W_g):[..., H, Dv]`` — from the layer input, never from the attention output."""
-    return torch.sigmoid(torch.einsum("...d,dhv->...hv", x, w.w_g))
+    return torch.sigmoid(contract("...d,dhv->...hv", x, w.w_g))
 
 
 def output_projection(o: torch.Tensor, gate: torch.Tensor, w: MLAWeights) -> torch.Tensor:
     """``y = [gate ⊙ o] W_O``: ``o, gate:[..., H, Dv] -> [..., d]`` (a partial sum under TP)."""
-    return torch.einsum("...hv,hvd->...d", gate * o, w.w_o)
+    return contract("...hv,hvd->...d", gate * o, w.w_o)
 
 
 @dataclass(frozen=True)

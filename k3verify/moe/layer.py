@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from ..numerics import compute_dtype
-from ..numerics.ops import rms_norm
+from ..numerics.ops import matmul, rms_norm
 from .inputs import Dims, FormOptions, MoEConfig, MoEWeights, Routing, check_inputs, weight_shapes
 from .router import routing_for
 from .situ import activation
@@ -79,13 +79,13 @@ def active_parameters(cfg: MoEConfig) -> int:
 
 def glu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
     """``act(x W1, x W3) W2`` in the inputs' dtype (fp32 for fp32; the activation widens bf16)."""
-    h = activation(x @ w1, x @ w3, cfg.activation, beta1=cfg.beta1, beta2=cfg.beta2)
-    return h.to(x.dtype) @ w2
+    h = activation(matmul(x, w1), matmul(x, w3), cfg.activation, beta1=cfg.beta1, beta2=cfg.beta2)
+    return matmul(h.to(x.dtype), w2)
 
 
 def latent_output(u: torch.Tensor, w: MoEWeights, cfg: MoEConfig) -> torch.Tensor:
     """``y_r = RMSNorm_γ(u) W↑``: ``u:[T, Dl] -> [T, d]``."""
-    return rms_norm(u, w.latent_norm, eps=cfg.rms_norm_eps) @ w.w_latent_up
+    return matmul(rms_norm(u, w.latent_norm, eps=cfg.rms_norm_eps), w.w_latent_up)
 
 
 def shared_output(x: torch.Tensor, w: MoEWeights, cfg: MoEConfig) -> torch.Tensor:

@@ -59,3 +59,24 @@ def prefix_sum(x: torch.Tensor, dim: int, order: str = "rounded") -> torch.Tenso
         rows = torch.cat([rows[:stride], rows[stride:] + rows[:-stride]])
         stride *= 2
     return rows.movedim(0, dim)
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` as a GEMM computes it: for bf16/fp16 operands fp32 accumulation and the result
+    rounded once to their dtype (tensor cores, and torch's CPU kernels, do the same; going through
+    fp32 here also avoids CPU bf16 matmuls, 20-30x slower than fp32 on hosts without native bf16);
+    other dtypes as they are (fp64 stays fp64)."""
+    if a.dtype in _HALF and b.dtype == a.dtype:
+        return (a.float() @ b.float()).to(a.dtype)
+    return a @ b
+
+
+def contract(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.einsum(equation, a, b)`` with :func:`matmul`'s arithmetic for bf16/fp16 operands."""
+    if a.dtype in _HALF and b.dtype == a.dtype:
+        return torch.einsum(equation, a.float(), b.float()).to(a.dtype)
+    return torch.einsum(equation, a, b)
+

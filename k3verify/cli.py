@@ -411,8 +411,10 @@ def cmd_walk(args: argparse.Namespace, out: Console, err: Console) -> int:
     from .harness import decoder_walk
 
     jobs = decoder_walk.JOBS if args.jobs is None else args.jobs
-    options = decoder_walk.WalkOptions(prompt=args.prompt, decode=args.decode, dtype=args.dtype, seed=args.seed,
-                                       jobs=jobs, plant=args.plant, num_layers=args.layers)
+    options = decoder_walk.WalkOptions(config=args.config, prompt=args.prompt, decode=args.decode, dtype=args.dtype,
+                                       seed=args.seed, jobs=jobs, plant=args.plant, num_layers=args.layers,
+                                       plan=args.plan, device=args.device, experts=args.experts,
+                                       distinct_layers=args.distinct_layers)
     try:
         config = options.decoder_config()
         options.sizes()
@@ -427,12 +429,15 @@ def cmd_walk(args: argparse.Namespace, out: Console, err: Console) -> int:
             bar.update(task, current=line.rsplit("(", 1)[-1].split(",")[0])
             bar.advance(task)
 
-        results = decoder_walk.run_all(options, workers=args.workers, progress=progress)
+        # One process per device: every worker would hold its own copy of the weights there.
+        workers = args.workers if options.device == "cpu" else 1
+        results = decoder_walk.run_all(options, workers=workers, progress=progress)
     rows = [row for r in results for row in r.rows]
     study = decoder_walk.study_document(options, config, results)
     wall = time.perf_counter() - start
     run_config = {"seed": args.seed, "modules": [decoder_walk.MODULE], "wall_s": round(wall, 2),
-                  "decoder": config.describe(), "jobs": list(jobs), "workers": args.workers}
+                  "decoder": config.describe(), "jobs": list(jobs), "workers": workers,
+                  "plan": options.low().label, "device": options.device}
     return _finish(rows, run_config, out_dir, None, out, args, err=err, title="k3verify walk",
                    extra_files={decoder_walk.STUDY_FILE: study})
 
@@ -887,7 +892,8 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--out", default="reports/walk", help="report folder (default: reports/walk)")
     w.add_argument("--prompt", type=_walk_tokens, default=64, help="prompt tokens T (default: 64)")
     w.add_argument("--decode", type=_walk_decode, default=8, help="decode steps after the prompt (default: 8)")
-    w.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="the low precision (default: bf16)")
+    w.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+                   help="the low precision (default: bf16)")
     w.add_argument("--seed", type=_seed, default=0, help="seed of the weights and tokens (default: 0)")
     w.add_argument("--jobs", metavar="NAMES", type=_job_list,
                    help="comma-separated jobs (default: all): walks, attribution and the serving scenarios "
@@ -895,6 +901,16 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--workers", type=_workers, default=min(2, os.cpu_count() or 1),
                    help="worker processes (default: 2, or 1 on one core)")
     w.add_argument("--layers", type=_walk_layers, help="fewer layers than K3's 93 (a quick look; default: 93)")
+    w.add_argument("--config", choices=("cpu", "wide"), default="cpu",
+                   help="cpu: all layers at d = 256, 4 heads, 16 experts top 4 (default); wide: K3's widths "
+                        "(d 7168, 96 heads) with --experts experts and --distinct-layers weight sets, for a GPU")
+    w.add_argument("--plan", choices=("tiled", "kernels"), default="tiled",
+                   help="what runs in low precision: our tiled forms (default) or our Triton kernels (a GPU for "
+                        "bf16/fp16; fp32 runs in Triton's CPU interpreter)")
+    w.add_argument("--device", default="cpu", help="where the stack runs (default: cpu; cuda for a GPU)")
+    w.add_argument("--experts", type=_workers, default=16, help="--config wide: routed experts (default: 16)")
+    w.add_argument("--distinct-layers", type=_workers, default=2,
+                   help="--config wide: weight sets per module type, cycled over the layers (default: 2)")
     w.add_argument("--plant", type=_plant, metavar="LAYER:MODULE",
                    help="plant a bug (output × 1.001) in one sublayer of the fp64 walk and report where the "
                         "first-divergence search finds it")

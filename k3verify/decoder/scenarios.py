@@ -64,7 +64,8 @@ class RouteBook:
             for r, a, n, mine in zip(ids, starts, sizes, own):
                 if n:
                     known = self.routes[(r, layer)]
-                    parts.append(torch.full((n, known.shape[1]), -1, dtype=known.dtype) if mine else known[a : a + n])
+                    parts.append(torch.full((n, known.shape[1]), -1, dtype=known.dtype, device=known.device) if mine
+                                 else known[a : a + n])
             out[layer] = torch.cat(parts)
         return out
 

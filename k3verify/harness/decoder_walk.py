@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..decoder import Decoder, DecoderConfig, fp64_plan, naive_plan, only, tiled_plan
+from ..decoder import Decoder, DecoderConfig, Plan, fp64_plan, kernel_plan, naive_plan, only, tiled_plan
 from ..decoder.config import MODULES
 from ..decoder.scenarios import SCENARIOS, Path, RouteBook, Scenario, ScenarioSizes, agreement, check, embeddings
 from ..decoder.walks import (
@@ -50,11 +50,16 @@ LONGEST_FIRST = ("walks", "mixed_batch", "attribution", "speculative", "prefill_
                  "chunked_prefill")
 
 
+PLANS = ("tiled", "kernels")
+
+
 @dataclass(frozen=True)
 class WalkOptions:
-    """What ``k3verify walk`` runs: the configuration (``cpu``), prompt and decode sizes, the
-    low-precision dtype, the jobs, and an optional planted bug (``layer:module``) whose first
-    divergence the walks job searches."""
+    """What ``k3verify walk`` runs: the configuration (``cpu``: all 93 layers at d = 256;
+    ``wide``: K3's widths with ``experts`` experts and a pool of ``distinct_layers`` weight sets
+    per module type), prompt and decode sizes, the low-precision dtype and ``plan`` (our tiled
+    forms, or our kernels), the device, the jobs, and an optional planted bug (``layer:module``)
+    whose first divergence the walks job searches."""
 
     config: str = "cpu"
     prompt: int = 64
@@ -64,15 +69,31 @@ class WalkOptions:
     jobs: tuple[str, ...] = JOBS
     plant: tuple[int, str] | None = None
     num_layers: int | None = None
+    plan: str = "tiled"
+    device: str = "cpu"
+    experts: int = 16
+    distinct_layers: int = 2
 
     def decoder_config(self) -> DecoderConfig:
-        if self.config != "cpu":
-            raise ValueError(f"unknown decoder configuration {self.config!r} (known: cpu)")
-        cfg = DecoderConfig.cpu(seed=self.seed)
+        if self.config == "cpu":
+            cfg = DecoderConfig.cpu(seed=self.seed)
+        elif self.config == "wide":
+            cfg = DecoderConfig.wide(num_experts=self.experts, distinct_layers=self.distinct_layers, seed=self.seed)
+        else:
+            raise ValueError(f"unknown decoder configuration {self.config!r} (known: cpu, wide)")
+        if self.plan not in PLANS:
+            raise ValueError(f"unknown plan {self.plan!r} (known: {', '.join(PLANS)})")
         return cfg if self.num_layers is None else replace(cfg, num_layers=self.num_layers)
 
     def sizes(self) -> ScenarioSizes:
         return ScenarioSizes(prompt=self.prompt, decode=self.decode, seed=self.seed)
+
+    def low(self) -> Plan:
+        """The low-precision plan judged: our tiled forms or our kernels in ``dtype``."""
+        return tiled_plan(self.dtype) if self.plan == "tiled" else kernel_plan(self.dtype)
+
+    def decoder(self) -> Decoder:
+        return Decoder(self.decoder_config(), device=self.device)
 
 
 @dataclass
@@ -135,7 +156,7 @@ def run_walks(decoder: Decoder, options: WalkOptions) -> JobResult:
                  params={"forms": "chunkwise", "definition": "recurrent"}, case_params=case_params,
                  wall_s=time.perf_counter() - t0)]
     worst_h = max(rms_ratio(h, r) for h, r in zip(forms.h, definitions.h))
-    low, base = tiled_plan(dt), naive_plan(dt)
+    low, base = options.low(), naive_plan(dt)
     t1 = time.perf_counter()
     tested = walk(decoder, low, tokens, forms)
     baseline = walk(decoder, base, tokens, forms)
@@ -173,7 +194,7 @@ def run_attribution(decoder: Decoder, options: WalkOptions) -> JobResult:
     tokens = embeddings(decoder, options.prompt, seed=options.seed + 100)
     base = fp64_plan("chunkwise")
     reference = reference_walk(decoder, base, tokens)
-    low = tiled_plan(options.dtype)
+    low = options.low()
     fp8 = replace(low, label=f"{low.label}, fp8 e4m3 latent cache", kv_storage="fp8_e4m3")
     table = attribute(decoder, tokens, low, base, reference, extra={"mla fp8 cache": only("mla", fp8, base)},
                       modules=MODULES)
@@ -200,11 +221,11 @@ def run_scenario(decoder: Decoder, scenario: Scenario, options: WalkOptions) -> 
                  case_params=case_params, wall_s=time.perf_counter() - t0, explanation=explanation)]
     t1 = time.perf_counter()
     pinned = RouteBook(record=False, routes=checked.book.routes)
-    low = scenario.served(decoder, tiled_plan(dt), pinned, sizes)
+    low = scenario.served(decoder, options.low(), pinned, sizes)
     base = scenario.definition(decoder, naive_plan(dt), pinned, sizes)
     rows.append(_row(form=f"serving/{scenario.name}", dtype=dt, case=scenario.name,
                      outputs={"y": _baseline(low.out, definition.out, base.out, dt)},
-                     params={"plan": tiled_plan(dt).label, "baseline": naive_plan(dt).label,
+                     params={"plan": options.low().label, "baseline": naive_plan(dt).label,
                              "routing": "pinned to fp64"},
                      case_params=case_params, wall_s=time.perf_counter() - t1))
     study: dict[str, Any] = {"evaluations": served.evaluations + definition.evaluations + low.evaluations
@@ -224,7 +245,7 @@ def _decode_curve(low: Path, base: Path, definition: Path, options: WalkOptions)
 
 def run_job(name: str, options: WalkOptions, decoder: Decoder | None = None) -> JobResult:
     """Run job ``name`` (``walks`` or a scenario's name) with a decoder made here if not given."""
-    decoder = decoder or Decoder(options.decoder_config())
+    decoder = decoder or options.decoder()
     with torch.inference_mode(False):
         if name == "walks":
             return run_walks(decoder, options)
@@ -257,7 +278,7 @@ def run_all(options: WalkOptions, *, workers: int = 1, progress: Progress | None
     say = progress or (lambda _: None)
     names = [j for j in JOBS if j in options.jobs]
     if workers <= 1:
-        decoder = Decoder(options.decoder_config())
+        decoder = options.decoder()
         out = []
         for i, name in enumerate(names):
             out.append(run_job(name, options, decoder))

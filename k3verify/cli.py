@@ -47,7 +47,7 @@ from .harness.environment import code_version, environment
 from .harness.files import UsageError, check_output_folder, hold_output_folder, json_safe
 from .harness.map_files import check_maps_folder, default_maps_folder, write_map
 from .harness.overflow_map import MapOptions, agreement, sweep_map
-from .harness.render import render_report, write_report
+from .harness.render import render_report, report_markdown, write_report
 from .harness.text import terminal_text
 from .harness.tp_rows import BACKENDS, MAX_TIMEOUT_S, MAX_WORLD_SIZE, SIZES, TPOptions, check_machine, default_backend
 from .numerics import EXPECTED_NONFINITE, FAIL, PASS, UNAVAILABLE
@@ -328,7 +328,7 @@ def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path
     failed = doc["summary"]["fail"]
     _ci_outputs(args, ci_output.rows_suite(rows, title), ci_output.run_summary(title, doc))
     if args.format != "table":  # verbatim: no markup, no wrapping
-        text = _strict_json(doc) if args.format == "json" else report.markdown(doc)
+        text = _strict_json(doc) if args.format == "json" else report_markdown(doc, extra_files)
         out.file.write(text + "\n")
         return 1 if failed else 0
     if not args.quiet:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import math
 import re
 import warnings
@@ -32,10 +33,11 @@ matplotlib.use("Agg")  # headless: CI machines and GPU hosts have no display
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap, LogNorm
+from matplotlib.ticker import MaxNLocator
 from PIL import Image
 
 from .overflow_map import MapResult
-from .text import plot_text
+from .text import PLOT_TEXT_LIMIT, plot_text
 
 # A map figure is about 1 500 x 1 000 pixels; a PNG from disk above this is not decoded.
 MAX_PIXELS = 40_000_000
@@ -457,4 +459,132 @@ def series_figure(doc: dict[str, Any], title: str) -> Any | None:
     ax.set_title(plot_text(title), fontsize=11)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return fig
+
+
+# --- the decoder walk (decoder_walk.json) ---------------------------------------------------
+
+# Plans one depth-drift figure draws, points per curve, and AttnRes blocks marked at most.
+MAX_WALK_LINES, MAX_WALK_POINTS, MAX_WALK_BOUNDARIES = 8, 8192, 64
+# Positions further from 0 are not drawn where they are (the index is): an axis of 1e300 does not draw.
+MAX_POSITION = 1e9
+# Errors a log axis draws (beyond them its margins and ticks overflow); the tables show any value.
+WALK_RANGE = (1e-200, 1e200)
+
+
+def _walk_errors(values: list[Any]) -> np.ndarray:
+    """An error curve for a log axis: NaN where a value is missing, not a number or outside
+    :data:`WALK_RANGE`."""
+    y = _positive(values)
+    y[~((y >= WALK_RANGE[0]) & (y <= WALK_RANGE[1]))] = np.nan
+    return y
+
+
+def _integer(value: Any, low: int, high: int) -> int | None:
+    """``value`` as an integer in [low, high], or ``None``."""
+    return int(value) if _number(value) and low <= value <= high and value == int(value) else None
+
+
+def _legend_label(value: Any, limit: int = PLOT_TEXT_LIMIT) -> str:
+    """A label from a file for a legend entry: ``plot_text``, and never one matplotlib hides
+    (empty, or starting with an underscore)."""
+    text = plot_text(value, limit)
+    return f" {text}" if text.startswith("_") else text or "(no name)"
+
+
+def walk_depth_figure(drift: dict[str, Any], title: str) -> Any | None:
+    """The depth-drift curves of ``decoder_walk.json``: the residual stream's error after each
+    sublayer call, one line per plan (the first :data:`MAX_WALK_LINES`), a marker per sublayer
+    module, dotted lines at the AttnRes block boundaries (every ``block_sublayers`` calls),
+    log y axis. ``None`` without a curve; ``ValueError`` when no curve has a positive number."""
+    curves = drift.get("curves") if isinstance(drift.get("curves"), dict) else {}
+    lines = [(label, values[:MAX_WALK_POINTS]) for label, values in curves.items()
+             if isinstance(values, list) and values]
+    if not lines:
+        return None
+    if len(lines) > MAX_WALK_LINES:
+        title += f" (the first {MAX_WALK_LINES} of {len(lines)} plans)"
+        lines = lines[:MAX_WALK_LINES]
+    if max(len(curves[label]) for label, _ in lines) > MAX_WALK_POINTS:
+        title += f" (the first {MAX_WALK_POINTS} sublayer calls)"
+    series = [(label, _walk_errors(values)) for label, values in lines]
+    if not any(np.isfinite(y).any() for _, y in series):
+        raise ValueError(f"no curve holds a number in [{WALK_RANGE[0]:g}, {WALK_RANGE[1]:g}] to draw on a log axis")
+    n = max(len(y) for _, y in series)
+    modules = drift.get("sublayers")
+    modules = [_legend_label(m, 24) for m in modules[:n]] if isinstance(modules, list) and len(modules) >= n else None
+    kinds = dict(zip(dict.fromkeys(modules), "os^Dv")) if modules and len(set(modules)) <= 5 else {}
+    fig, ax = plt.subplots(figsize=(11, 3.8), layout="constrained")
+    for (label, y), color in zip(series, matplotlib.colormaps["tab10"].colors):
+        x = np.arange(len(y))
+        ax.plot(x, y, color=color, lw=1.1, label=_legend_label(label))
+        for kind, marker in kinds.items():
+            idx = [i for i in range(len(y)) if modules[i] == kind]
+            ax.scatter(x[idx], y[idx], color=color, marker=marker, s=9)
+    for kind, marker in kinds.items():  # one legend entry per sublayer module, in grey
+        ax.scatter([], [], color="grey", marker=marker, s=9, label=kind)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    block = _integer(drift.get("block_sublayers"), 1, 10**9)
+    if block is not None and n / block <= MAX_WALK_BOUNDARIES:
+        for k, start in enumerate(range(0, n, block)):
+            if start:
+                ax.axvline(start - 0.5, color="grey", ls=":", lw=0.9)
+            if n / block <= 16:  # room to name each block
+                ax.text(start + min(block, n - start) / 2 - 0.5, 1.01, f"block {k + 1}", fontsize=7, ha="center",
+                        va="bottom", color="grey", transform=ax.get_xaxis_transform())
+        if 1 < n / block <= 16:  # ticks at the block starts
+            ax.set_xticks(range(0, n, block))
+    ax.set_yscale("log")
+    ax.set_xlim(-0.5, n - 0.5)
+    ax.set_xlabel("sublayer call (dotted: AttnRes block boundaries)")
+    ax.set_ylabel("rms(h − h_fp64) / rms(h_fp64)", fontsize=8)
+    ax.set_title(plot_text(title), fontsize=11, pad=14)
+    ax.grid(True, which="major", axis="y", alpha=0.3)  # the block boundaries are the vertical guides
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return fig
+
+
+def walk_decode_figure(steps: dict[str, Any], title: str) -> Any | None:
+    """The decode-step curves of ``decoder_walk.json``: each token position's error, served
+    (prefill, then one decode step per token) and baseline (the naive same-dtype definition),
+    the decode steps shaded and marked, log y axis. ``None`` without a curve; ``ValueError``
+    when no curve has a positive number."""
+    curves = [(key, steps[key]) for key in ("served", "baseline") if isinstance(steps.get(key), list) and steps[key]]
+    if not curves:
+        return None
+    n = max(len(v) for _, v in curves)
+    if n > MAX_WALK_POINTS:
+        title += f" (the first {MAX_WALK_POINTS} of {n} positions)"
+        n = MAX_WALK_POINTS
+    positions = steps.get("positions")
+    # Positions where they are numbers in step with the curve (one per value, increasing), else the index.
+    usable = isinstance(positions, list) and len(positions) >= n and all(
+        _number(p) and abs(p) <= MAX_POSITION for p in positions[:n]) and all(
+        a < b for a, b in itertools.pairwise(positions[:n]))
+    x_all = np.asarray(positions[:n] if usable else range(n), dtype=float)
+    series = [(key, _walk_errors(values[:n])) for key, values in curves]
+    if not any(np.isfinite(y).any() for _, y in series):
+        raise ValueError(f"no curve holds a number in [{WALK_RANGE[0]:g}, {WALK_RANGE[1]:g}] to draw on a log axis")
+    prompt = steps.get("prompt")
+    first = int(np.searchsorted(x_all, prompt)) if _number(prompt) and abs(prompt) <= MAX_POSITION else n
+    fig, ax = plt.subplots(figsize=(11, 3.6), layout="constrained")
+    if first < n:
+        ax.axvspan(x_all[first] - 0.5, x_all[-1] + 0.5, color="#efe6f7", zorder=0, label="decode steps")
+    styles = {"served": dict(color="#1f77b4", ls="-", label="served: prefill, then decode steps"),
+              "baseline": dict(color="#555555", ls="--", label="baseline: naive same-dtype definition")}
+    for key, y in series:
+        style = styles[key]
+        x = x_all[: len(y)]
+        ax.plot(x, y, color=style["color"], ls=style["ls"], lw=1.1, label=style["label"])
+        ax.scatter(x[:first], y[:first], color=style["color"], marker=".", s=10)
+        ax.scatter(x[first:], y[first:], color=style["color"], marker="D", s=18)
+    ax.scatter([], [], color="grey", marker=".", s=10, label="prompt position (prefill)")
+    ax.scatter([], [], color="grey", marker="D", s=18, label="decode step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_yscale("log")
+    ax.set_xlabel("token position")
+    ax.set_ylabel("rms(o_t − ref_t) / rms(ref_t)", fontsize=8)
+    ax.set_title(plot_text(title), fontsize=11)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return fig

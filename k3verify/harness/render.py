@@ -2,12 +2,13 @@
 
 Sections: summary, verdict table with margins, then per module the error against token
 position, the ULP histograms and the overflow maps with their analytic frontiers; then the
-curve files found next to the maps (AttnRes error against depth, MoE routing flips), the
-nightly worst-case search and the notes. Whatever lies outside ``report.json`` is gathered
-by :func:`collect_extras`, so a page can be re-rendered from a report and a maps folder.
+decoder walk (``decoder_walk.json`` of ``k3verify walk``), the curve files found next to the
+maps (AttnRes error against depth, MoE routing flips), the nightly worst-case search and the
+notes. Whatever lies outside ``report.json`` is gathered by :func:`collect_extras`, so a page
+can be re-rendered from a report, the files beside it and a maps folder.
 
-A report, its ``nightly.json`` and a maps folder are untrusted input (a CI artifact of someone's
-pull request): every string from them reaches the page through
+A report, its ``nightly.json`` and ``decoder_walk.json`` and a maps folder are untrusted input
+(a CI artifact of someone's pull request): every string from them reaches the page through
 :func:`k3verify.harness.text.html_text` (``report.md`` through ``md_text``, figures through
 ``plot_text``), and the maps folder is read through
 :class:`k3verify.harness.map_files.MapsFolder`: no symlink, only regular files of known names,
@@ -59,7 +60,27 @@ from .report import (
     speed_rows,
     unavailable_groups,
 )
-from .text import html_text
+from .text import html_text, md_text
+from .walk_page import (
+    ATTRIBUTION_HEADER,
+    ATTRIBUTION_NOTE,
+    DECODE_HEADER,
+    GROWTH_NOTE,
+    JOB_HEADER,
+    ROUTING_HEADER,
+    ROUTING_NOTE,
+    WALK_FILE,
+    attribution_table,
+    check_walk,
+    decode_table,
+    describe,
+    divergence_rows,
+    fp64_text,
+    growth_table,
+    job_rows,
+    routing_rows,
+    walk_markdown,
+)
 
 NIGHTLY = "nightly.json"
 MAX_NIGHTLY_BYTES = 4 * 1024 * 1024
@@ -80,6 +101,7 @@ class Extras:
     curves: dict[str, Any] = field(default_factory=dict)  # curve file name -> its JSON
     curve_dirs: dict[str, Path] = field(default_factory=dict)  # curve file name -> the folder it came from
     nightly: dict[str, Any] | None = None
+    walk: dict[str, Any] | None = None  # decoder_walk.json (k3verify walk), checked
     not_shown: list[str] = field(default_factory=list)  # "<path>: <why>", one per file left out
 
 
@@ -93,16 +115,22 @@ def study_owners() -> dict[str, str]:
     return {name: entry.name for entry in registry.select(None) for name in entry.studies}
 
 
-def collect_extras(report_dir: Path, maps_dir: Path | None, fallbacks: Sequence[Path] = ()) -> Extras:
+def collect_extras(report_dir: Path, maps_dir: Path | None, fallbacks: Sequence[Path] = (),
+                   walk: Any = None) -> Extras:
     """Overflow-map PNGs (or, lacking them, maps drawn from ``<module>_overflow_map.json``),
     map agreement counts, the registered modules' studies from ``maps_dir``, and
-    ``nightly.json`` from ``report_dir``; then, module by module and study by study, what
-    ``maps_dir`` lacks from each of ``fallbacks`` in turn (``extras.map_dirs`` says which folder
-    each module's maps came from). A file that cannot be shown is named in ``not_shown``; no
-    file other than these is opened."""
+    ``nightly.json`` and ``decoder_walk.json`` from ``report_dir`` (``walk`` instead of the
+    latter when given: a document about to be written there); then, module by module and study
+    by study, what ``maps_dir`` lacks from each of ``fallbacks`` in turn (``extras.map_dirs``
+    says which folder each module's maps came from). A file that cannot be shown is named in
+    ``not_shown``; no file other than these is opened."""
     extras = Extras(maps_dir=maps_dir)
     if os.path.lexists(report_dir / NIGHTLY):
         _shown(extras, lambda: _read_nightly(report_dir, extras))
+    if walk is not None:
+        _shown(extras, lambda: _take_walk(walk, report_dir / WALK_FILE, extras))
+    elif os.path.lexists(report_dir / WALK_FILE):
+        _shown(extras, lambda: _read_walk(report_dir, extras))
     for path in [p for p in (maps_dir, *fallbacks) if p is not None]:
         try:
             folder = MapsFolder(path)
@@ -174,6 +202,30 @@ def _read_nightly(report_dir: Path, extras: Extras) -> None:
         if not isinstance(m, dict) or not isinstance(m.get("worst") or {}, dict):
             raise UsageError(f"{path}: nightly results of module {name[:40]!r} are not an object with a 'worst' object")
     extras.nightly = doc
+
+
+def _read_walk(report_dir: Path, extras: Extras) -> None:
+    """``decoder_walk.json`` beside the report: bounded and nested like a study, then checked."""
+    with MapsFolder(report_dir, "report folder") as folder:
+        doc = folder.read_json(WALK_FILE, MAX_STUDY_BYTES, "decoder walk")
+    if _depth(doc) > MAX_STUDY_DEPTH:
+        raise UsageError(f"{report_dir / WALK_FILE}: decoder walk is nested deeper than {MAX_STUDY_DEPTH} levels")
+    extras.walk = check_walk(doc, report_dir / WALK_FILE)
+
+
+def _take_walk(doc: Any, path: Path, extras: Extras) -> None:
+    """A decoder walk handed over in memory, held to the bounds of one read from ``path``: as it
+    will be written (non-finite numbers as null), at most as large and as deeply nested."""
+    try:
+        text = json.dumps(json_safe(doc), indent=1, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise UsageError(f"{path}: decoder walk is not a JSON document: {str(exc)[:200]}") from None
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_STUDY_BYTES:
+        raise UsageError(f"{path}: decoder walk has more than the {MAX_STUDY_BYTES} bytes allowed")
+    doc = json.loads(text)
+    if _depth(doc) > MAX_STUDY_DEPTH:
+        raise UsageError(f"{path}: decoder walk is nested deeper than {MAX_STUDY_DEPTH} levels")
+    extras.walk = check_walk(doc, path)
 
 
 def _read_summary(folder: MapsFolder, name: str, extras: Extras, keep: set[str] | None = None) -> None:
@@ -346,6 +398,9 @@ def html_page(doc: dict[str, Any], extras: Extras) -> str:
     for module in modules:
         module_rows = [r for r in doc["rows"] if r["module"] == module]
         parts.append(_module_section(module, module_rows, extras, commit if isinstance(commit, str) else None))
+    if extras.walk is not None:
+        shown = walk_shown(doc)
+        parts.append(_walk_section(extras.walk) if shown else f"<p class='muted'>{html_text(WALK_LEFT_OUT)}</p>")
     for name, study in studies.items():
         parts.append(_curve_section(name, curve_title(name, study), study, extras.curve_dirs.get(name)))
     if extras.nightly:
@@ -539,6 +594,98 @@ def _curve_section(name: str, title: str, doc: Any, maps_dir: Path | None) -> st
     return "\n".join(parts)
 
 
+WALK_MODULE = "decoder"  # the module of k3verify walk's rows
+WALK_LEFT_OUT = f"{WALK_FILE} beside the report is left out: this report is not one of k3verify walk."
+
+
+def walk_shown(doc: dict[str, Any]) -> bool:
+    """Whether a report is one of ``k3verify walk`` (its rows' module, or its config's when a
+    walk of the study jobs alone has no rows), whose pages show ``decoder_walk.json``: another
+    command writing into the folder keeps the file but does not show it as its own."""
+    modules = (doc.get("config") or {}).get("modules")
+    ran = isinstance(modules, list) and WALK_MODULE in modules
+    return ran or any(r["module"] == WALK_MODULE for r in doc["rows"])
+
+
+def _walk_figure(make: Callable[[], Any], alt: str, caption: str) -> str:
+    """A figure of the decoder walk, or why it is not drawn."""
+    try:
+        fig = make()
+    except ValueError as exc:
+        return f"<p class='muted'>{html_text(alt)}: not drawn: {html_text(exc)}</p>"
+    return _figure(fig, alt, caption)
+
+
+def _walk_section(walk: dict[str, Any]) -> str:
+    """The decoder walk: the fp64 agreement, the depth-drift and decode-step curves with their
+    tables, the attribution, the routing flips, the first divergence and the jobs' times."""
+    parts = ["<section id='decoder-walk'><h2>Decoder walk</h2>",
+             f"<p class='muted'>From {html_text(WALK_FILE)}: {html_text(describe(walk))}</p>"]
+    fp64 = fp64_text(walk)
+    if fp64:
+        parts.append(f"<h3>fp64 agreement</h3><p>{html_text(fp64)}</p>")
+    drift, growth = walk.get("depth_drift"), growth_table(walk)
+    if isinstance(drift, dict):
+        parts.append("<h3>Depth drift</h3>")
+        parts.append(_walk_figure(
+            lambda: plots.walk_depth_figure(drift, "Decoder walk: the residual stream's error against depth"),
+            "decoder walk depth drift",
+            "RMS ratio of the residual stream against the fp64 walk after every sublayer call, one line per plan "
+            "(markers: the sublayer's module); dotted lines: AttnRes block boundaries."))
+    if growth:
+        header, rows, note = growth
+        parts.append(f"<p class='muted'>{html_text(GROWTH_NOTE + note)}</p>" + _table(header, rows))
+    steps, decode = walk.get("decode_steps"), decode_table(walk)
+    if isinstance(steps, dict):
+        parts.append("<h3>Decode steps</h3>")
+        parts.append(_walk_figure(
+            lambda: plots.walk_decode_figure(steps, "Decoder walk: error per token, prefill then decode"),
+            "decoder walk decode steps",
+            "RMS ratio of each token's output against the fp64 definition (prefill of the whole sequence): the served "
+            "low-precision path (prefill of the prompt, then one decode step per token, caches carried) and the naive "
+            "same-dtype definition as baseline; shaded, diamonds: decode steps."))
+    if decode:
+        parts.append(_table(DECODE_HEADER, decode))
+    attribution = attribution_table(walk)
+    if attribution:
+        rows, note = attribution
+        parts.append(f"<h3>Attribution</h3><p class='muted'>{html_text(ATTRIBUTION_NOTE + note)}</p>"
+                     + _table(ATTRIBUTION_HEADER, rows))
+    routing = routing_rows(walk)
+    if routing:
+        parts.append(f"<h3>Routing flips</h3><p class='muted'>{html_text(ROUTING_NOTE)}</p>"
+                     + _table(ROUTING_HEADER, routing))
+    divergence = divergence_rows(walk)
+    if divergence:
+        parts.append("<h3>First divergence</h3>" + _table(["search", "result"], divergence))
+    jobs = job_rows(walk)
+    if jobs:
+        rows, note = jobs
+        parts.append("<h3>Job times</h3>" + (f"<p class='muted'>{html_text(note.strip())}</p>" if note else "")
+                     + _table(JOB_HEADER, rows))
+    parts.append("</section>")
+    return "\n".join(p for p in parts if p)
+
+
+def markdown_page(doc: dict[str, Any], extras: Extras) -> str:
+    """``report.md``: the report's Markdown with the nightly results, the decoder walk and the
+    files left out of ``extras``."""
+    walk: list[str] = []
+    if extras.walk is not None:
+        walk = walk_markdown(extras.walk) if walk_shown(doc) else [md_text(WALK_LEFT_OUT), ""]
+    return markdown(doc, nightly=extras.nightly, not_shown=extras.not_shown, sections=walk)
+
+
+def report_markdown(doc: dict[str, Any], extra_files: dict[str, Any] | None = None) -> str:
+    """The Markdown a command prints for a report about to be written with ``extra_files``
+    (``--format md``): that of ``report.md``, the decoder walk included, without the files
+    beside an existing folder."""
+    extras = Extras()
+    if WALK_FILE in (extra_files or {}):
+        _shown(extras, lambda: _take_walk(extra_files[WALK_FILE], Path(WALK_FILE), extras))
+    return markdown_page(doc, extras)
+
+
 def _nightly_section(nightly: dict[str, Any]) -> str:
     rows = []
     for module, m in (nightly.get("modules") or {}).items():
@@ -586,7 +733,8 @@ def render_report(out_dir: Path, *, maps_dir: Path | None = None, not_shown: Not
                   map_fallbacks: Sequence[Path] = ()) -> list[Path]:
     """(Re)write ``report.md`` and ``report.html`` in ``out_dir`` from its ``report.json``.
 
-    The pages also show what sits beside the report: ``nightly.json`` in ``out_dir``, and the
+    The pages also show what sits beside the report: ``nightly.json`` and ``decoder_walk.json``
+    (``k3verify walk``'s study document) in ``out_dir``, and the
     overflow maps and curve files (``attnres_depth_drift.json``, ``moe_routing_flips.json``) in
     ``maps_dir``; ``not_shown`` is called with one line per file they leave out.
     """
@@ -597,9 +745,8 @@ def render_report(out_dir: Path, *, maps_dir: Path | None = None, not_shown: Not
 def _write_set(out_dir: Path, doc: dict[str, Any], maps_dir: Path | None, *, with_json: bool,
                not_shown: NotShown | None, fallbacks: Sequence[Path] = (),
                extra_files: dict[str, Any] | None = None) -> list[Path]:
-    extras = collect_extras(out_dir, maps_dir, fallbacks)
-    pages = {REPORT_MD: markdown(doc, nightly=extras.nightly, not_shown=extras.not_shown),
-             REPORT_HTML: html_page(doc, extras)}
+    extras = collect_extras(out_dir, maps_dir, fallbacks, walk=(extra_files or {}).get(WALK_FILE))
+    pages = {REPORT_MD: markdown_page(doc, extras), REPORT_HTML: html_page(doc, extras)}
     if with_json:
         pages[REPORT_JSON] = json.dumps(json_safe(doc), indent=1, allow_nan=False) + "\n"
     for name, extra in (extra_files or {}).items():

@@ -260,10 +260,12 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     return [[c.cell(r) for c in TABLE_COLUMNS] for r in rows]
 
 
-def markdown(doc: dict[str, Any], *, nightly: dict[str, Any] | None = None, not_shown: Sequence[str] = ()) -> str:
+def markdown(doc: dict[str, Any], *, nightly: dict[str, Any] | None = None, not_shown: Sequence[str] = (),
+             sections: Sequence[str] = ()) -> str:
     """Human-readable report: environment, summary, one table row per verified configuration,
-    error against position, the nightly search's maxima (when given), the files beside the
-    report that were left out (``not_shown``) and notes. Every value is escaped (``md_text``)."""
+    error against position, the nightly search's maxima (when given), ``sections`` (lines of
+    Markdown, escaped by their writer: the decoder walk's), the files beside the report that
+    were left out (``not_shown``) and notes. Every value is escaped (``md_text``)."""
     env = doc.get("environment") or {}
     command = doc.get("command", [])
     command = " ".join(map(str, command)) if isinstance(command, list) else command
@@ -318,6 +320,7 @@ def markdown(doc: dict[str, Any], *, nightly: dict[str, Any] | None = None, not_
              for m, v in (nightly.get("modules") or {}).items()],
         )
         lines.append("")
+    lines += sections
     if not_shown:
         lines += ["## Not shown", "", "Files beside the report that the pages leave out:", ""]
         lines += [f"- {md_text(item)}" for item in not_shown]

@@ -1,12 +1,13 @@
 """A report is untrusted input (a CI artifact of someone's pull request), and so are
-``nightly.json``, a maps folder and its map, summary and study files. Whatever their strings
-hold, they reach ``report.html``, ``report.md``, ``report compare --format md`` and the terminal
-as text: the page's tag and attribute skeleton and the Markdown's token skeleton are those of the
-same document with a neutral token in that field; no script, event handler or ``javascript:``
-URL appears; the terminal gets no control or invisible character but the newline; rich markup
-and mathtext in a field are text. A maps folder is read without following a symlink, only
-regular files of known names, each bounded; a file it refuses is named under "Not shown" and
-never blocks, and a refused folder is a usage error before any computation.
+``nightly.json`` and ``decoder_walk.json`` beside it, a maps folder and its map, summary and
+study files. Whatever their strings hold, they reach ``report.html``, ``report.md``, ``report
+compare --format md`` and the terminal as text: the page's tag and attribute skeleton and the
+Markdown's token skeleton are those of the same document with a neutral token in that field; no
+script, event handler or ``javascript:`` URL appears; the terminal gets no control or invisible
+character but the newline; rich markup and mathtext in a field are text. A maps folder (and a
+file beside the report) is read without following a symlink, only regular files of known names,
+each bounded; a file it refuses is named under "Not shown" and never blocks, and a refused
+folder is a usage error before any computation.
 
 Rules: structural. The fuzz tests fix their example count (``FUZZ_EXAMPLES`` of
 ``test_fuzz.py``, derandomised); ``K3V_FUZZ_EXAMPLES=N`` runs N fresh random examples each.
@@ -23,7 +24,7 @@ import signal
 import struct
 import unicodedata
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,13 @@ from hypothesis import strategies as st
 from markdown_it import MarkdownIt
 from PIL import Image
 from test_fuzz import _small_report, fuzz
+from test_walk_report import WALK
 
 from k3verify import cli
 from k3verify.cli import main
 from k3verify.harness import golden, plots, registry, report, runner
 from k3verify.harness.text import html_text, md_text, plot_text, terminal_text
+from k3verify.harness.walk_page import WALK_FILE
 
 # Payloads for every sink: HTML, Markdown (CommonMark and GitHub's), terminals, rich markup and
 # matplotlib's mathtext; the fuzz mixes them with each other and with arbitrary text.
@@ -227,25 +230,30 @@ def test_the_escapers_leave_nothing_invisible_or_active(text: str) -> None:
 
 
 def _bundle() -> dict[str, Any]:
-    """The report and the files beside it, as fresh copies (tests edit them in place)."""
-    return copy.deepcopy({"report": _small_report(), "nightly": NIGHTLY, "summary": SUMMARY, "study": STUDY,
-                          "map": MAP})
+    """The report and the files beside it, as fresh copies (tests edit them in place); the
+    report says it covers the decoder too, so its pages show the decoder walk beside it."""
+    report_doc = _small_report()
+    report_doc["config"]["modules"] = [*report_doc["config"]["modules"], "decoder"]
+    return copy.deepcopy({"report": report_doc, "nightly": NIGHTLY, "summary": SUMMARY, "study": STUDY,
+                          "map": MAP, "walk": WALK})
 
 
 def _bundle_targets(bundle: dict[str, Any]) -> list[tuple[tuple, str]]:
     out = [(("report", *p), k) for p, k in _report_targets(bundle["report"])]
-    for name in ("nightly", "summary", "study", "map"):
+    for name in ("nightly", "summary", "study", "map", "walk"):
         out += [((name, *p), k) for p, k in _targets(bundle[name])]
     return out
 
 
 def _write_bundle(bundle: dict[str, Any], root: Path) -> tuple[Path, Path]:
-    """The report (with its nightly results) and a maps folder (summary, study, map JSON, one map PNG)."""
+    """The report (with its nightly results and decoder walk) and a maps folder (summary, study,
+    map JSON, one map PNG)."""
     report_dir, maps = root / "report", root / "maps"
     report_dir.mkdir(parents=True)
     maps.mkdir()
     (report_dir / "report.json").write_text(json.dumps(bundle["report"]))
     (report_dir / "nightly.json").write_text(json.dumps(bundle["nightly"]))
+    (report_dir / WALK_FILE).write_text(json.dumps(bundle["walk"]))
     (maps / "summary.json").write_text(json.dumps(bundle["summary"]))
     (maps / STUDY_NAME).write_text(json.dumps(bundle["study"]))
     (maps / MAP_NAME).write_text(json.dumps(bundle["map"]))
@@ -257,7 +265,8 @@ def _write_bundle(bundle: dict[str, Any], root: Path) -> tuple[Path, Path]:
 def no_figures(monkeypatch: pytest.MonkeyPatch) -> None:
     """The report's figures left out (matplotlib takes most of a render; what a figure draws from
     a field is tested with figures on, below)."""
-    for name in ("position_figure", "ulp_figure", "depth_figure", "series_figure"):
+    for name in ("position_figure", "ulp_figure", "depth_figure", "series_figure", "walk_depth_figure",
+                 "walk_decode_figure"):
         monkeypatch.setattr(plots, name, lambda *args, **kwargs: None)
     monkeypatch.delenv("FORCE_COLOR", raising=False)
 
@@ -279,9 +288,13 @@ def test_render_of_the_neutral_bundle_shows_every_part(no_figures: None, tmp_pat
     code, err, page, md = _render(_bundle(), tmp_path, capsys)
     assert code == 0 and err == "", err
     for text in ("Nightly worst-case search", "Overflow map", "Block AttnRes: error against depth",
-                 "attnres/k3verify:tiled[bf16]", "Analytic prediction against observation", "Notes"):
+                 "attnres/k3verify:tiled[bf16]", "Analytic prediction against observation", "Notes", "Decoder walk",
+                 "fp64 chunkwise, kda as tiled bf16", "first divergence at sublayer 3", "prefill_decode"):
         assert text in page, text
     assert "Not shown" not in page and "## Nightly worst-case search" in md
+    for heading in ("Decoder walk", "Depth drift", "Decode steps", "Attribution", "Routing flips", "First divergence",
+                    "Job times"):
+        assert f"{heading}</h" in page and f"# {heading}\n" in md, heading
 
 
 @fuzz
@@ -303,6 +316,48 @@ def test_a_payload_in_any_field_keeps_the_pages_skeleton(data: st.DataObject, pa
         assert html_skeleton(page_p) == html_skeleton(page), path
         assert md_skeleton(md_p) == md_skeleton(md), path
         assert md_skeleton(md_p)[1] == [], path
+
+
+# The decoder walk's objects keyed by names of the walk (plans, jobs, scenarios), not of its format.
+WALK_NAMED_KEYS = {("depth_drift", "curves"), ("depth_drift", "y_curves"), ("depth_drift", "block_growth"),
+                   ("depth_drift", "growth_per_block"), ("seconds",), ("scenarios",)}
+
+
+def _every_walk_string(text: Callable[[int], str]) -> dict[str, Any]:
+    """:data:`WALK` with every string and every name it keys an object by replaced, the i-th
+    distinct one by ``text(i)`` wherever it occurs (a plan's curve and its growth keep one name)."""
+    names: dict[str, str] = {}
+
+    def new(value: str) -> str:
+        return names.setdefault(value, text(len(names)))
+
+    def replaced(value: Any, path: tuple) -> Any:
+        if isinstance(value, dict):
+            return {new(k) if path in WALK_NAMED_KEYS else k: replaced(v, (*path, k)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [replaced(v, path) for v in value]
+        return new(value) if isinstance(value, str) else value
+
+    return replaced(WALK, ())
+
+
+@pytest.mark.parametrize("order", ["as listed", "reversed"])
+def test_payloads_in_every_string_of_the_decoder_walk_stay_text(order: str, no_figures: None, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Rule: structural. Every payload at once in every string of ``decoder_walk.json`` and
+    every plan, job and scenario name (the fuzz above puts one in one field): the walk's section
+    has the tag and Markdown skeleton it has with neutral tokens there, and no raw HTML."""
+    payload = "".join(PAYLOADS if order == "as listed" else reversed(PAYLOADS))
+    results = []
+    for name, token in (("neutral", "neutral"), ("payload", payload)):
+        bundle = _bundle()
+        bundle["walk"] = _every_walk_string(lambda i, token=token: _field(f"{token}{i}"))
+        results.append(_render(bundle, tmp_path / name, capsys))
+    (code, err, page, md), (code_p, err_p, page_p, md_p) = results
+    assert code == code_p == 0 and err == err_p == "", err_p
+    assert page_p.count("<section id='decoder-walk'>") == 1 and md_p.count("## Decoder walk\n") == 1
+    assert html_skeleton(page_p) == html_skeleton(page)
+    assert md_skeleton(md_p) == md_skeleton(md) and md_skeleton(md_p)[1] == []
 
 
 # --- report compare --format md, and the terminal ----------------------------------------------------
@@ -464,8 +519,8 @@ def test_the_progress_bar_shows_a_label_as_text() -> None:
 @pytest.mark.parametrize("payload", ["$^$ $\\frac$ $x_$ \x00\x1b[2J\u202e \ud800", "long" * 5000 + "\n" * 500],
                          ids=["mathtext and controls", "20 000 characters"])
 def test_figures_draw_any_text_as_text(payload: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Rule: structural. The payload in every string and key of the report's rows, the study and
-    a map drawn from its JSON (no PNG beside it), with figures on: the page renders (exit 0,
+    """Rule: structural. The payload in every string and key of the report's rows, the study,
+    the decoder walk and a map drawn from its JSON (no PNG beside it), with figures on: the page renders (exit 0,
     every figure embedded) instead of stopping at matplotlib's mathtext parser or growing a
     figure past the pixels a page embeds (a 20 000-character label)."""
     bundle, text = _bundle(), _field(payload)
@@ -478,6 +533,7 @@ def test_figures_draw_any_text_as_text(payload: str, tmp_path: Path, capsys: pyt
                 "baseline_error_by_position": [1e-3, 1e-3, 1e-3],
                 "ulp_histogram": {"edges": [0, 0.5, 1, None], "counts": [5, 3, 1], "dtype": "bf16"}}
     bundle["study"] |= {"title": text, "metric": text, "sublayer": [text, "mlp", text], f"error_{text}": [1, 2, 3]}
+    bundle["walk"] = _every_walk_string(lambda i: f"{text}{i}")
     bundle["map"]["spec"] |= {"title": text, "x_label": text, "y_label": text, "operating_label": text,
                               "operating_point": [["g", 1]]}
     for cell in bundle["map"]["cells"]:
@@ -489,8 +545,8 @@ def test_figures_draw_any_text_as_text(payload: str, tmp_path: Path, capsys: pyt
     assert not invisible(captured.out + captured.err) and "not shown" not in captured.err, captured.err
     page = (report_dir / "report.html").read_text()
     assert "not drawn" not in page and "Not shown" not in page
-    # position, ULP histograms, the map drawn from JSON, the depth-drift study
-    assert page.count('src="data:image/png;base64,') == 4, page.count("<img")
+    # position, ULP histograms, the map drawn from JSON, the depth-drift study, the walk's two curves
+    assert page.count('src="data:image/png;base64,') == 6, page.count("<img")
 
 
 # --- the maps folder: only regular files of known names, inside it, bounded ------------------------------
@@ -652,15 +708,26 @@ MALFORMED = {
     "map rms_ratio text": ("maps", MAP_NAME, json.dumps(MAP | {"cells": [MAP["cells"][0] | {"rms_ratio": "x"}]})),
     "map grid too large": ("maps", MAP_NAME, json.dumps(MAP | {"cells": [
         MAP["cells"][0] | {"g": i, "tile": i} for i in range(500)]})),
+    "decoder walk not JSON": ("report", WALK_FILE, "{"),
+    "decoder walk a list": ("report", WALK_FILE, "[1, 2]"),
+    "decoder walk with NaN": ("report", WALK_FILE, '{"fp64": {"worst_h": NaN}}'),
+    "decoder walk nested too deep": ("report", WALK_FILE, '{"x": ' + "[" * 200 + "]" * 200 + "}"),
+    "decoder walk too large": ("report", WALK_FILE, json.dumps({"x": "y" * (4 * 1024 * 1024)})),
+    "decoder walk curves a list": ("report", WALK_FILE, json.dumps(
+        WALK | {"depth_drift": WALK["depth_drift"] | {"curves": [[1e-3]]}})),
+    "decoder walk curve a number": ("report", WALK_FILE, json.dumps(
+        WALK | {"depth_drift": WALK["depth_drift"] | {"curves": {"\x1b[2J<b>": 3}}})),
+    "decoder walk attribution of numbers": ("report", WALK_FILE, json.dumps(WALK | {"attribution": [1, 2]})),
+    "decoder walk decode steps text": ("report", WALK_FILE, json.dumps(WALK | {"decode_steps": "<script>"})),
 }
 
 
 @pytest.mark.parametrize("case", list(MALFORMED))
 def test_a_malformed_file_beside_a_report_is_a_note(case: str, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    """Rule: structural. Malformed nightly results, map summaries, studies and maps: the page is
-    written without them (exit 0) and says which file and field in one line, on the page and on
-    stderr; never a traceback."""
+    """Rule: structural. Malformed nightly results, map summaries, studies, maps and decoder
+    walks: the page is written without them (exit 0) and says which file and field in one line,
+    on the page and on stderr (no control character); never a traceback."""
     where, name, text = MALFORMED[case]
     report_dir = _checkout(tmp_path)
     maps = tmp_path / "maps"
@@ -668,8 +735,32 @@ def test_a_malformed_file_beside_a_report_is_a_note(case: str, tmp_path: Path,
     (report_dir if where == "report" else maps).joinpath(name).write_text(text)
     assert main(["report", "render", str(report_dir), "--maps", str(maps)]) == 0
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert name in line and "not shown" in line and "Traceback" not in line, line
+    assert name in line and "not shown" in line and "Traceback" not in line and not invisible(line), line
     assert name in (report_dir / "report.html").read_text().split("Not shown", 1)[1]
+
+
+@pytest.mark.parametrize("kind", ["symlink", "FIFO", "folder"])
+def test_a_decoder_walk_that_is_not_a_regular_file_is_refused(kind: str, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Rule: structural. ``decoder_walk.json`` beside a report is read like ``nightly.json``: a
+    symlink (to a credentials file), a FIFO or a folder is named under "Not shown", never followed,
+    never waited on."""
+    report_dir = _checkout(tmp_path)
+    (tmp_path / "maps").mkdir()
+    walk = report_dir / WALK_FILE
+    if kind == "symlink":
+        walk.symlink_to(tmp_path / "credentials.json")
+    elif kind == "FIFO":
+        os.mkfifo(walk)
+    else:
+        walk.mkdir()
+    with _deadline(60):
+        assert main(["report", "render", str(report_dir), "--maps", str(tmp_path / "maps")]) == 0
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert WALK_FILE in line and "not shown" in line, line
+    assert SECRET not in _rendered(report_dir) + captured.out + captured.err
+    assert WALK_FILE in (report_dir / "report.html").read_text().split("Not shown", 1)[1]
 
 
 def test_a_study_of_another_shape_still_shows_as_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -517,7 +517,7 @@ def walk_depth_figure(drift: dict[str, Any], title: str) -> Any | None:
     fig, ax = plt.subplots(figsize=(11, 3.8), layout="constrained")
     for (label, y), color in zip(series, matplotlib.colormaps["tab10"].colors):
         x = np.arange(len(y))
-        ax.plot(x, y, color=color, lw=1.1, label=_legend_label(label))
+        ax.plot(x, y, color=color, lw=1.1, label=_legend_label(label, 60))  # the legend stays beside the axes
         for kind, marker in kinds.items():
             idx = [i for i in range(len(y)) if modules[i] == kind]
             ax.scatter(x[idx], y[idx], color=color, marker=marker, s=9)

@@ -1,7 +1,8 @@
 """``report.html`` in a real browser, for a failing MLA-only run: headless Chromium loads the
 page, every image decodes, the failure comes first and links to its row, only the module that ran
 is drawn, its maps fall back to the baseline's module by module, the page stays short, and the
-screenshot is not blank.
+screenshot is not blank. For a ``k3verify walk`` of two layers: the Decoder walk section's
+figures decode and are laid out, and each of its tables shows its rows.
 
 Rule: structural. Needs Chromium (Debian's ``chromium`` package, which ``.ci/run`` installs);
 skipped, with that reason, where it is missing.
@@ -37,6 +38,8 @@ window.addEventListener('load', () => {
   const out = document.createElement('pre');
   out.id = 'k3v-probe';
   const rows = [...document.querySelectorAll('tbody tr[id^="row-"]')];
+  const walk = document.getElementById('decoder-walk');
+  const cells = r => [...r.cells].map(c => c.textContent);
   out.textContent = JSON.stringify({
     images: images.length,
     alts: images.map(i => i.alt),
@@ -50,6 +53,13 @@ window.addEventListener('load', () => {
       return {text: a.textContent, target: target ? target.className : null};
     }),
     height: document.documentElement.scrollHeight,
+    walk: walk && {
+      headings: [...walk.querySelectorAll('h2, h3')].map(h => h.textContent),
+      images: [...walk.querySelectorAll('img')].map(i => ({alt: i.alt, width: i.naturalWidth,
+                                                            shown: i.getBoundingClientRect().width})),
+      tables: [...walk.querySelectorAll('table')].map(t => ({header: cells(t.tHead.rows[0]),
+        rows: [...t.tBodies[0].rows].map(cells), height: t.getBoundingClientRect().height})),
+    },
   });
   document.body.appendChild(out);
 });
@@ -89,18 +99,37 @@ def page(tmp_path_factory: pytest.TempPathFactory) -> Path:
         finally:
             mp.undo()
             registry.reload_plugins()
-    probe = out / "probe.html"
-    probe.write_text((out / "r" / "report.html").read_text().replace("</body>", PROBE, 1))
+    return _probe(out / "r")
+
+
+def _probe(report_dir: Path) -> Path:
+    """The report's page with :data:`PROBE` added, beside it."""
+    probe = report_dir.parent / f"{report_dir.name}-probe.html"
+    probe.write_text((report_dir / "report.html").read_text().replace("</body>", PROBE, 1))
     return probe
 
 
-@pytest.fixture(scope="module")
-def seen(page: Path) -> dict:
+def _seen(page: Path) -> dict:
     """What the probe saw in Chromium."""
     done = _chromium("--dump-dom", page.as_uri())
     found = re.search(r'<pre id="k3v-probe">(.*?)</pre>', done.stdout, re.S)
     assert found, f"the page did not finish loading in Chromium: {done.stderr[-1500:]}"
     return json.loads(html.unescape(found.group(1)))
+
+
+@pytest.fixture(scope="module")
+def seen(page: Path) -> dict:
+    return _seen(page)
+
+
+@pytest.fixture(scope="module")
+def walk_seen(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """What the probe saw of a ``k3verify walk`` report: two layers, every job, a bug planted in
+    layer 1's MoE for the first-divergence search (about 3 s)."""
+    out = tmp_path_factory.mktemp("browser-walk") / "walk"
+    assert main(["walk", "--layers", "2", "--prompt", "8", "--decode", "1", "--workers", "1", "--plant", "1:moe",
+                 "--quiet", "--out", str(out)]) == 0
+    return _seen(_probe(out))
 
 
 def test_every_image_loads_and_only_the_module_that_ran_is_shown(seen: dict) -> None:
@@ -114,6 +143,27 @@ def test_every_image_loads_and_only_the_module_that_ran_is_shown(seen: dict) -> 
     alts = seen["alts"]
     assert len(alts) == 9 and sum(a.startswith("mla_overflow_map_") for a in alts) == 7, alts
     assert not [h for h in headings if "AttnRes" in h or "LatentMoE" in h or h == "kda"], headings
+
+
+def test_the_decoder_walk_section_shows_its_figures_and_tables(walk_seen: dict, seen: dict) -> None:
+    """The walk's two figures decode and are laid out at a readable width; its six tables show
+    their rows (the attribution one row per module type, all, and the fp8 cache); an MLA run's
+    page has no such section."""
+    assert walk_seen["broken"] == [], f"images that did not decode: {walk_seen['broken']}"
+    walk = walk_seen["walk"]
+    assert walk["headings"] == ["Decoder walk", "fp64 agreement", "Depth drift", "Decode steps", "Attribution",
+                                "Routing flips", "First divergence", "Job times"], walk["headings"]
+    assert [i["alt"] for i in walk["images"]] == ["decoder walk depth drift", "decoder walk decode steps"]
+    assert all(i["width"] > 500 and i["shown"] > 500 for i in walk["images"]), walk["images"]
+    firsts = [t["header"][0] for t in walk["tables"]]  # growth, decode steps, attribution, flips, divergence, jobs
+    assert firsts == ["plan", "curve", "module", "plan", "search", "job"], firsts
+    assert all(t["rows"] and t["height"] > 20 for t in walk["tables"]), walk["tables"]
+    attribution = next(t for t in walk["tables"] if t["header"][:2] == ["module", "plan"])
+    assert [r[0] for r in attribution["rows"]] == ["kda", "mla", "dense", "moe", "attnres", "all", "mla fp8 cache"]
+    assert all(r[3].endswith(" %") for r in attribution["rows"][:5]), attribution["rows"]
+    divergence = dict(next(t for t in walk["tables"] if t["header"] == ["search", "result"])["rows"])
+    assert divergence["found"] == "yes" and divergence["where"] == "sublayer call 3: layer 1 moe", divergence
+    assert seen["walk"] is None
 
 
 def test_failures_come_first_linked_to_their_rows_with_reasons(seen: dict) -> None:

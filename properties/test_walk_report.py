@@ -95,7 +95,7 @@ def test_a_walk_shows_every_part_of_its_study_document(walked: Path) -> None:
     for heading in ("fp64 agreement", "Depth drift", "Decode steps", "Attribution", "Routing flips",
                     "First divergence", "Job times"):
         assert f"### {heading}\n" in md, heading
-    assert "2 layers (hidden 256), a prompt of 8 tokens then 1 decode steps, low precision bf16" in md
+    assert "2 layers (hidden 256), a prompt of 8 tokens then 1 decode step, low precision bf16" in md
     assert f"normwise relative max error {report.fmt(doc['fp64']['forms_vs_definitions'])}" in md
     # Depth drift: one row per plan; two layers are one block, so no growth per block (null in the file).
     growth = {r[0]: r for r in _md_rows(md, "Depth drift")}

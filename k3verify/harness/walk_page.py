@@ -111,9 +111,10 @@ def _cut(items: list[Any], limit: int, what: str) -> tuple[list[Any], str]:
 
 def describe(doc: dict[str, Any]) -> str:
     """One sentence: the stack's size, the request and the precision walked."""
-    cfg = _part(doc, "config")
+    cfg, decode = _part(doc, "config"), doc.get("decode")
+    steps = "decode step" if decode == 1 and not isinstance(decode, bool) else "decode steps"
     return (f"K3's decoder stack at {cell(cfg.get('num_layers'))} layers (hidden {cell(cfg.get('hidden'))}), "
-            f"a prompt of {cell(doc.get('prompt'))} tokens then {cell(doc.get('decode'))} decode steps, "
+            f"a prompt of {cell(doc.get('prompt'))} tokens then {cell(decode)} {steps}, "
             f"low precision {cell(doc.get('dtype'))}; every error is an RMS ratio against the fp64 walk "
             "(rms(x − x_fp64) / rms(x_fp64)).")
 

@@ -414,10 +414,11 @@ def cmd_walk(args: argparse.Namespace, out: Console, err: Console) -> int:
     options = decoder_walk.WalkOptions(config=args.config, prompt=args.prompt, decode=args.decode, dtype=args.dtype,
                                        seed=args.seed, jobs=jobs, plant=args.plant, num_layers=args.layers,
                                        plan=args.plan, device=args.device, experts=args.experts,
-                                       distinct_layers=args.distinct_layers)
+                                       distinct_layers=args.distinct_layers, use=tuple(args.use or ()))
     try:
         config = options.decoder_config()
         options.sizes()
+        options.low()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     out_dir = Path(args.out)
@@ -908,6 +909,9 @@ def parser() -> argparse.ArgumentParser:
                    help="what runs in low precision: our tiled forms (default) or our Triton kernels (a GPU for "
                         "bf16/fp16; fp32 runs in Triton's CPU interpreter)")
     w.add_argument("--device", default="cpu", help="where the stack runs (default: cpu; cuda for a GPU)")
+    w.add_argument("--use", action="append", metavar="LABEL",
+                   help="a registered kda, mla or moe implementation (its label in `k3verify list`, plugins "
+                        "included) in place of that module's form in the low-precision plan; repeatable")
     w.add_argument("--experts", type=_workers, default=16, help="--config wide: routed experts (default: 16)")
     w.add_argument("--distinct-layers", type=_workers, default=2,
                    help="--config wide: weight sets per module type, cycled over the layers (default: 2)")

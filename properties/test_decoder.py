@@ -258,3 +258,21 @@ def test_pooled_weights_repeat_and_the_wide_config_has_k3s_widths() -> None:
     assert d.weights.layers[4][KDA] is d.weights.layers[0][KDA]
     with pytest.raises(ValueError, match="width"):
         replace(DecoderConfig.cpu(), hidden=128)
+
+
+def test_a_registered_implementation_runs_in_the_stack(tmp_path) -> None:
+    """fla-core's chunkwise KDA (fp32, CPU) in every KDA layer of the low-precision plan, judged
+    by the baseline rule against the fp64 walk like our own forms; an unknown label is refused
+    with the known ones listed."""
+    from k3verify.cli import main
+    from k3verify.harness.decoder_walk import WalkOptions
+
+    label = "kda/fla-core 0.6.0:chunkwise[fp32]"
+    pytest.importorskip("fla")
+    out = tmp_path / "w"
+    assert main(["walk", "--layers", "4", "--prompt", "8", "--decode", "1", "--dtype", "fp32", "--workers", "1",
+                 "--jobs", "walks", "--use", label, "--out", str(out), "--quiet"]) == 0
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    assert [(r["form"], r["status"]) for r in rows if r["dtype"] == "fp32"] == [(f"walk/tiled fp32 + {label}", "pass")]
+    with pytest.raises(ValueError, match=r"no such implementation of kda; known: .*fla-core"):
+        WalkOptions(use=("kda/nope",)).low()

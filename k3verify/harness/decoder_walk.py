@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..decoder import Decoder, DecoderConfig, Plan, fp64_plan, kernel_plan, naive_plan, only, tiled_plan
+from ..decoder import Decoder, DecoderConfig, Form, Plan, fp64_plan, kernel_plan, naive_plan, only, tiled_plan
 from ..decoder.config import MODULES
 from ..decoder.scenarios import SCENARIOS, Path, RouteBook, Scenario, ScenarioSizes, agreement, check, embeddings
 from ..decoder.walks import (
@@ -39,7 +39,10 @@ from ..decoder.walks import (
     rms_ratio,
     walk,
 )
+from ..numerics import resolve_dtype
 from ..numerics.policy import BASELINE_RULE, FAIL, PASS, POLICY, Verdict
+from . import registry
+from .registry import Case, Implementation
 from .rows import Row
 
 MODULE = "decoder"
@@ -73,6 +76,7 @@ class WalkOptions:
     device: str = "cpu"
     experts: int = 16
     distinct_layers: int = 2
+    use: tuple[str, ...] = ()
 
     def decoder_config(self) -> DecoderConfig:
         if self.config == "cpu":
@@ -89,8 +93,13 @@ class WalkOptions:
         return ScenarioSizes(prompt=self.prompt, decode=self.decode, seed=self.seed)
 
     def low(self) -> Plan:
-        """The low-precision plan judged: our tiled forms or our kernels in ``dtype``."""
-        return tiled_plan(self.dtype) if self.plan == "tiled" else kernel_plan(self.dtype)
+        """The low-precision plan judged: our tiled forms or our kernels in ``dtype``, with the
+        registered implementations of ``use`` in place of their modules' forms."""
+        plan = tiled_plan(self.dtype) if self.plan == "tiled" else kernel_plan(self.dtype)
+        if not self.use:
+            return plan
+        forms = dict(registered_form(label) for label in self.use)
+        return plan.with_forms(f"{plan.label} + {', '.join(self.use)}", **forms)
 
     def decoder(self) -> Decoder:
         return Decoder(self.decoder_config(), device=self.device)
@@ -305,3 +314,69 @@ def _one_thread() -> None:
 
 
 __all__ = ["JOBS", "STUDY_FILE", "JobResult", "WalkOptions", "run_all", "run_job", "study_document"]
+
+
+# --- registered implementations in a plan ------------------------------------------------------
+
+BRIDGED = ("kda", "mla", "moe")
+
+
+def registered_form(label: str) -> tuple[str, Form]:
+    """``(module, Form)`` running the registered implementation ``label`` (as ``k3verify list``
+    prints it: ``kda/<implementation>:<form>[<dtype> ...]``; plugins included, in their own
+    process) wherever the stack runs that module. Each call becomes a case of the module's
+    entry (fp64 copies of the inputs on the CPU, as every case is) and the implementation's
+    outputs come back in the form's dtype on the stack's device: KDA's ``(o, final_state)``,
+    MLA's ``o`` (the layer writes the cache itself), MoE's ``y`` (routed by the entry's router
+    on the input it is given, as the implementation's rows are)."""
+    module = label.split("/", 1)[0]
+    if module not in BRIDGED:
+        raise ValueError(f"--use {label!r}: a plan takes registered kda, mla or moe implementations")
+    found = [i for i in registry.get(module).implementations() if i.label == label]
+    if not found:
+        known = ", ".join(i.label for i in registry.get(module).implementations())
+        raise ValueError(f"--use {label!r}: no such implementation of {module}; known: {known}")
+    impl = found[0]
+    reason = impl.unavailable()
+    if reason:
+        raise ValueError(f"--use {label!r} is unavailable here: {reason}")
+    dtype = resolve_dtype(impl.dtype)
+    if module == "kda":
+        return module, Form(label, dtype, _kda_bridge(impl), fp32_state=True)
+    if module == "mla":
+        return module, Form(label, dtype, _mla_bridge(impl))
+    return module, Form(label, dtype, _moe_bridge(impl))
+
+
+def _fp64_cpu(t: Any) -> Any:
+    return t.detach().to("cpu", torch.float64) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
+def _kda_bridge(impl: Implementation) -> Callable[..., Any]:
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+           initial_state: torch.Tensor, output_final_state: bool = True, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = {n: _fp64_cpu(t) for n, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
+                                               ("initial_state", initial_state))}
+        out = impl.run(Case("decoder", inputs))
+        return out["o"].to(q.device, q.dtype), out["final_state"].to(q.device, torch.float32)
+    return fn
+
+
+def _mla_bridge(impl: Implementation) -> Callable[..., Any]:
+    def fn(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: Any, w_uk: torch.Tensor, w_uv: torch.Tensor,
+           **_: Any) -> torch.Tensor:
+        cpu = cache.to(torch.float64) if not cache.quantized else cache
+        cpu = type(cache)(*(None if t is None else t.to("cpu") for t in (cpu.pool, cpu.block_table, cpu.seq_lens,
+                                                                         cpu.scales)))
+        inputs = {"q_nope": _fp64_cpu(q_nope), "q_pe": _fp64_cpu(q_pe), "cache": cpu, "w_uk": _fp64_cpu(w_uk),
+                  "w_uv": _fp64_cpu(w_uv)}
+        return impl.run(Case("decoder", inputs))["o"].to(q_nope.device, q_nope.dtype)
+    return fn
+
+
+def _moe_bridge(impl: Implementation) -> Callable[..., Any]:
+    def fn(x: torch.Tensor, weights: Any, config: Any, **_: Any) -> torch.Tensor:
+        fp64 = type(weights)(**{n: _fp64_cpu(t) for n, t in weights.tensors().items()})
+        return impl.run(Case("decoder", {"x": _fp64_cpu(x), "weights": fp64, "config": config}))["y"].to(
+            x.device, x.dtype)
+    return fn

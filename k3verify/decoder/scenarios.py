@@ -21,6 +21,7 @@ not a top-k choice that rounding flipped (the flips are counted apart).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -446,11 +447,13 @@ def check(scenario: Scenario, decoder: Decoder, sizes: ScenarioSizes, *, served_
           served_plan: Plan | None = None, rollback: Rollback | None = None) -> Check:
     """``scenario`` in fp64: the definition by ``decoder`` (fp64 chunkwise forms, its MoE choices
     recorded), the served path by ``served_decoder`` / ``served_plan`` / ``rollback`` when given
-    (a planted bug), else the same."""
+    (a planted bug; ``rollback`` reaches only a scenario that rolls back), else the same."""
     plan = fp64_plan("chunkwise")
     book = RouteBook()
     definition = scenario.definition(decoder, plan, book, sizes)
-    served_fn = scenario.served if rollback is None else partial(scenario.served, rollback=rollback)
+    # A rollback only exists where the served path rolls back (speculative decoding).
+    rolls_back = rollback is not None and "rollback" in inspect.signature(scenario.served).parameters
+    served_fn = partial(scenario.served, rollback=rollback) if rolls_back else scenario.served
     served = served_fn(served_decoder or decoder, served_plan or plan, book, sizes)
     y = agreement(served.out, definition.out, bitwise=scenario.bitwise)
     state = agreement(served.state, definition.state, bitwise=scenario.bitwise)

@@ -257,16 +257,23 @@ def first_divergence(decoder: Decoder, tokens: torch.Tensor, test: Plan, referen
                 return Divergence(s, s // 2, decoder.config.module_of(s), v, spent(runs), checked)
         return Divergence(None, None, None, None, spent(runs), checked)
     good = [r.snapshot() for r in runs]  # the last agreeing point (nothing run yet)
-    lo, hi, bad_verdict, used = 0, None, None, 0
-    position = 0
+    used = 0
+
+    def probe(position: int) -> tuple[list[Pass], Verdict]:
+        """Copies of the walks at the last agreeing point, advanced to ``position`` and judged."""
+        nonlocal used
+        trial = [r.snapshot() for r in good]
+        before = spent(trial)
+        verdict = advance_to(trial, position)
+        used += spent(trial) - before
+        return trial, verdict
+
+    lo, hi, bad_verdict, position = 0, None, None, 0
     while position < total:
         position = min(position + stride, total)
-        current = [r.snapshot() for r in good]
-        before = spent(current)
-        v = advance_to(current, position)
-        used += spent(current) - before
+        trial, v = probe(position)
         if v.passed:
-            good, lo = current, position
+            good, lo = trial, position
         else:
             hi, bad_verdict = position, v
             break
@@ -274,10 +281,7 @@ def first_divergence(decoder: Decoder, tokens: torch.Tensor, test: Plan, referen
         return Divergence(None, None, None, None, used, checked)
     while hi - lo > 1:  # the first position p whose last sublayer (p - 1) diverged is in (lo, hi]
         mid = (lo + hi) // 2
-        trial = [r.snapshot() for r in good]
-        before = spent(trial)
-        v = advance_to(trial, mid)
-        used += spent(trial) - before
+        trial, v = probe(mid)
         if v.passed:
             good, lo = trial, mid
         else:

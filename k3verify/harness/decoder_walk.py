@@ -49,7 +49,7 @@ MODULE = "decoder"
 STUDY_FILE = "decoder_walk.json"
 JOBS = ("walks", "attribution", *SCENARIOS)
 # Measured order of the jobs' lengths at the CPU configuration, for packing them on few workers.
-LONGEST_FIRST = ("walks", "mixed_batch", "attribution", "speculative", "prefill_decode", "page_placement",
+LONGEST_FIRST = ("speculative", "mixed_batch", "prefill_decode", "page_placement", "walks", "attribution",
                  "chunked_prefill")
 
 
@@ -254,13 +254,26 @@ def _decode_curve(low: Path, base: Path, definition: Path, options: WalkOptions)
 
 def run_job(name: str, options: WalkOptions, decoder: Decoder | None = None) -> JobResult:
     """Run job ``name`` (``walks`` or a scenario's name) with a decoder made here if not given."""
-    decoder = decoder or options.decoder()
+    decoder = decoder or _worker_decoder(options)
     with torch.inference_mode(False):
         if name == "walks":
             return run_walks(decoder, options)
         if name == "attribution":
             return run_attribution(decoder, options)
         return run_scenario(decoder, SCENARIOS[name], options)
+
+
+# The decoder a worker process made, by configuration and device: its weights are drawn once
+# per process (3 s at the CPU configuration), not once per job.
+_DECODERS: dict[tuple[DecoderConfig, str], Decoder] = {}
+
+
+def _worker_decoder(options: WalkOptions) -> Decoder:
+    key = (options.decoder_config(), options.device)
+    if key not in _DECODERS:
+        _DECODERS.clear()  # one stack per process: a wide one holds tens of GB
+        _DECODERS[key] = options.decoder()
+    return _DECODERS[key]
 
 
 def study_document(options: WalkOptions, config: DecoderConfig, results: Sequence[JobResult]) -> dict[str, Any]:
@@ -287,7 +300,7 @@ def run_all(options: WalkOptions, *, workers: int = 1, progress: Progress | None
     say = progress or (lambda _: None)
     names = [j for j in JOBS if j in options.jobs]
     if workers <= 1:
-        decoder = options.decoder()
+        decoder = _worker_decoder(options)
         out = []
         for i, name in enumerate(names):
             out.append(run_job(name, options, decoder))

@@ -49,10 +49,12 @@ def passing_rows(module: str, report: Path | None = None) -> list[dict[str, Any]
     return rows
 
 
-def quick_map(module: str) -> MapResult:
-    """``module``'s quick overflow map, after the checks every map must pass."""
+def quick_map(module: str, options: MapOptions | None = None, entry: Any = None) -> MapResult:
+    """``module``'s quick overflow map (``options``: the quick grid unless given; ``entry``: the
+    registry's unless given), after the checks every map must pass."""
     calls = []
-    result = sweep_map(registry.get(module), MapOptions(quick=True), lambda done, total: calls.append((done, total)))
+    result = sweep_map(entry or registry.get(module), options or MapOptions(quick=True),
+                       lambda done, total: calls.append((done, total)))
     result.check()
     assert calls and calls[-1][0] == calls[-1][1] and result.cells
     spec = result.spec

@@ -12,25 +12,34 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from registry_contract import quick_map
 from strategies.attnres import one_thread  # noqa: F401  (autouse fixture)
 
 from k3verify.attnres import samples
-from k3verify.harness import plots, registry, render
+from k3verify.harness import environment, plots, registry, render
 from k3verify.harness.files import json_safe
 from k3verify.harness.map_files import write_map
-from k3verify.harness.overflow_map import MapOptions
+from k3verify.harness.overflow_map import MapOptions, MapResult
 
 DEPTH_DRIFT = "attnres_depth_drift.json"  # the file name the report has always read
 
 
-def test_quick_map_agrees_with_its_prediction(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def quick_result() -> MapResult:
+    """The quick map, made once: the map test reads its cells, the study test its depth-drift
+    curve (a study takes 8 s here, most of it the fp32 kernel's walk under the interpreter)."""
+    with environment.one_thread():
+        return quick_map("attnres")
+
+
+def test_quick_map_agrees_with_its_prediction(quick_result: MapResult, tmp_path: Path) -> None:
     """Prediction vs observation: no disagreement away from the frontier; the no-max softmax
     overflows past ln(max fp32) with fp32 logits and past ln(65504) with fp16 ones, and not
     below; with max subtraction only fp16 logits overflow (past 65504); bf16 logits fail the
     baseline rule somewhere in a bf16 stream and fp32 logits nowhere. JSON + PNG are written,
     and the depth-drift study beside them."""
-    result = quick_map("attnres")
+    result = quick_result
     # Every point swept (the shared check: progress reaches its total), each with every form of
     # ours and every kernel that runs here (the fp32 one under the interpreter), nothing else;
     # the kernels' cells agree with the prediction like the forms' (quick_map checks all cells).
@@ -63,7 +72,7 @@ def test_quick_map_agrees_with_its_prediction(tmp_path: Path) -> None:
     assert DEPTH_DRIFT in {p.name for p in paths}  # the study, written beside the map
 
 
-def test_depth_drift_study(tmp_path: Path) -> None:
+def test_depth_drift_study(quick_result: MapResult, tmp_path: Path) -> None:
     """Structural: the study is listed under its file name; one entry per call (186 sublayers +
     the output); the first call (the embedding alone, bf16-representable) is exact; a bf16 stream
     is worse than an fp32 one at every other call; the JSON carries the keys the report reads, the
@@ -71,7 +80,7 @@ def test_depth_drift_study(tmp_path: Path) -> None:
     studies = registry.get("attnres").studies
     assert set(studies) == {DEPTH_DRIFT}
     drift = studies[DEPTH_DRIFT](0, False)
-    assert studies[DEPTH_DRIFT](0, True) == drift  # the quick map asks for the same curve
+    assert quick_result.meta["curves"][DEPTH_DRIFT] == drift  # the quick map asks for the same curve
     n = 187
     assert len(drift["layers"]) == len(drift["sublayer"]) == len(drift["error_bf16"]) == len(drift["error_fp32"]) == n
     assert drift["layers"][0] == 1 and drift["layers"][-1] == 93 and drift["sublayer"][-1] == "output"

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import pytest
 from registry_contract import quick_map
 
 from k3verify.harness import registry
@@ -18,22 +20,25 @@ from k3verify.harness.map_files import write_map
 from k3verify.harness.overflow_map import MapDefinition, MapOptions, sweep_map
 
 
+def _kernels() -> list[Any]:
+    """Our kernels that join MLA's map and run here (the fp16 decode kernel under the
+    interpreter; bf16 and the fp8 cache too on a GPU)."""
+    return [i for i in registry.get("mla").own_implementations() if i.in_map and i.unavailable() is None]
+
+
 def test_quick_overflow_map_agrees_with_its_prediction(tmp_path: Path) -> None:
     """Prediction vs observation: no disagreement away from the frontier; both outcomes present
     for the no-max softmax and for fp16 operands; the correct softmax in bf16 and with the fp8
     cache never overflows on the grid; every cell keeps the old map's keys (the prediction's
-    score statistics among them); JSON + PNG are written from the MapSpec."""
-    assert isinstance(registry.get("mla").overflow_map, MapDefinition)
-    result = quick_map("mla")
+    score statistics among them); JSON + PNG are written from the MapSpec. The tiled form's
+    cells, every one of the quick grid; our kernels' cells beside them are the next test's."""
+    entry = registry.get("mla")
+    assert isinstance(entry.overflow_map, MapDefinition)
+    kernels = {i.label for i in _kernels()}
+    result = quick_map("mla", entry=replace(entry, own_implementations=lambda: [
+        i for i in entry.own_implementations() if i.label not in kernels]))
     own = [c for c in result.cells if c["implementation"] == "k3verify tiled"]
     assert len(own) == 2 * 4 * 4 * 3 * 2 * 2  # contexts x q x latent scales x dtypes x variants x tiles
-    # Our decode kernel's rows that run here (fp16 under the interpreter; bf16 and the fp8 cache
-    # on a GPU): one cell per point each, predicted like the tiled form.
-    kernels = [i for i in registry.get("mla").implementations() if i.in_map and i.unavailable() is None]
-    assert {i.form for i in kernels} <= {"kernel:decode"}
-    points = {(c["context"], c["log2_q_scale"], c["log2_latent_scale"]) for c in own}
-    taken = [p for p in points if all(i.map_points({"context": p[0]}) for i in kernels)]
-    assert len(result.cells) - len(own) == len(taken) * len(kernels) and (not kernels or taken)
     keys = {"operand_dtype", "context", "variant", "setting", "log2_q_scale", "log2_latent_scale", "q_scale",
             "latent_scale", "max_score", "score_bound", "min_row_max", "max_lse", "binding", "headroom",
             "explanation"}
@@ -50,6 +55,38 @@ def test_quick_overflow_map_agrees_with_its_prediction(tmp_path: Path) -> None:
     assert any(c["frontier_adjacent"] for c in result.cells)
     paths = write_map(result, tmp_path, {"test": True})
     assert paths[0].suffix == ".json" and any(p.suffix == ".png" for p in paths)
+
+
+# Under Triton's CPU interpreter a kernel cell costs seconds (9 of the quick grid's 16 kernel cells
+# launch it: 25 s of CPU), so CI takes the query scale 2^0 alone: cells finite away from the
+# frontier and at it, and one refused for its non-finite cache (both outcomes), three launches.
+# The whole quick grid runs under ``-m slow`` (nox -s thorough), and on a GPU in every module
+# session's quick map (nox -s gpu-mla).
+KERNEL_GRIDS = [pytest.param([0], id="query scale 2^0"),
+                pytest.param(None, id="the quick grid", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("q_exps", KERNEL_GRIDS)
+def test_our_kernels_cells_sit_at_every_point_they_run_and_agree(q_exps: list[float] | None) -> None:
+    """Our decode kernel's rows that run here: one cell per point each (under the interpreter at
+    the smallest context only), predicted like the tiled form, with no disagreement away from the
+    frontier (``quick_map`` checks every cell) and both outcomes among them."""
+    entry = registry.get("mla")
+    kernels = _kernels()
+    assert {i.form for i in kernels} <= {"kernel:decode"}
+    result = quick_map("mla", MapOptions(quick=True, x_values=q_exps),
+                       entry=replace(entry, own_implementations=lambda: kernels))
+    own = [c for c in result.cells if c["implementation"] == "k3verify tiled"]
+    theirs = [c for c in result.cells if c["implementation"] != "k3verify tiled"]
+    points = {(c["context"], c["log2_q_scale"], c["log2_latent_scale"]) for c in own}
+    assert len(points) == 2 * (len(q_exps) if q_exps else 4) * 4
+    taken = [p for p in points if all(i.map_points({"context": p[0]}) for i in kernels)]
+    assert len(theirs) == len(taken) * len(kernels) and (not kernels or taken)
+    assert {(c["context"], c["log2_q_scale"], c["log2_latent_scale"]) for c in theirs} <= points
+    assert all("overflow" in c for c in theirs if not c["finite"])
+    if kernels:
+        assert {c["finite"] for c in theirs} == {True, False}
+        assert any(not c["frontier_adjacent"] for c in theirs if c["finite"])
 
 
 def test_a_registered_in_map_implementation_joins_the_quick_map() -> None:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from interpreted import few
 from verdicts import assert_verdict
 
 from k3verify import attnres
@@ -27,8 +28,7 @@ FP32_REASON = kernels.unavailable_reason(torch.float32)
 BF16_REASON = kernels.unavailable_reason(torch.bfloat16)
 needs_fp32 = pytest.mark.skipif(FP32_REASON is not None, reason=str(FP32_REASON))
 needs_bf16 = pytest.mark.skipif(BF16_REASON is not None, reason=str(BF16_REASON))
-# The interpreter runs every program in numpy: few examples there; the profile decides on a GPU.
-FEW = settings(max_examples=4, deadline=None) if kernels.interpreted() else settings(deadline=None)
+FEW = few(deadline=None)  # a few examples under the interpreter (interpreted.py)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

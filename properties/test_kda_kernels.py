@@ -22,6 +22,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from interpreted import few
 from verdicts import assert_identical
 
 from k3verify import kda
@@ -34,10 +35,9 @@ FP32_REASON = kernels.unavailable_reason(torch.float32)
 BF16_REASON = kernels.unavailable_reason(torch.bfloat16)
 needs_fp32 = pytest.mark.skipif(FP32_REASON is not None, reason=str(FP32_REASON))
 needs_bf16 = pytest.mark.skipif(BF16_REASON is not None, reason=str(BF16_REASON))
-# The interpreter runs every program in numpy, about a second per small launch: few examples.
-# The interpreter runs a few examples (CPU time); on a GPU the profile decides (``gpu``: 100
-# derandomised, ``gpu-explore``: 1000 fresh ones).
-FEW = settings(max_examples=4) if kernels.interpreted() else settings()
+# The interpreter runs every program in numpy, about a second per small launch: few examples
+# (interpreted.py); on a GPU the profile decides.
+FEW = few()
 
 
 @st.composite

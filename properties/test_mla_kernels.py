@@ -19,8 +19,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from interpreted import few
 from verdicts import assert_identical, assert_verdict
 
 from k3verify import mla
@@ -29,7 +30,7 @@ from k3verify.mla.cache import LatentCache, live_slots
 from k3verify.numerics import baseline_rule, compare, is_float8, noise_floor
 
 REASONS = {d: kernels.unavailable_reason(d) for d in ("fp32", "fp16", "bf16")}
-FEW = settings(max_examples=4, deadline=None) if kernels.interpreted() else settings(deadline=None)
+FEW = few(deadline=None)  # a few examples under the interpreter (interpreted.py)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

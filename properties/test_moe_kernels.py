@@ -23,8 +23,9 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from interpreted import few
 from verdicts import assert_verdict
 
 from k3verify import moe
@@ -35,7 +36,7 @@ from k3verify.numerics import baseline_rule, compare, noise_floor
 
 REASON = kernels.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=str(REASON))
-FEW = settings(max_examples=4, deadline=None) if kernels.interpreted() else settings(deadline=None)
+FEW = few(deadline=None)  # a few examples under the interpreter (interpreted.py)
 # fp32 logits of width-d products differ between summation orders by about sqrt(d) 2^-24 of the
 # largest |x_i w_i| sum, and tf32x3 products (the GPU) by about 2^-21 of it; sigmoid's slope is
 # at most 1/4. Here w ~ N(0, 1/d) and x ~ N(0, 1): that sum is about 0.64 sqrt(d) < 7 (d <= 100),

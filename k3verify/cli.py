@@ -467,6 +467,7 @@ def _plant(text: str) -> tuple[int, str]:
     return index, module
 
 
+@_writes("out", "--out")
 def cmd_overflow_map(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Sweep the overflow map of each selected module (``all``: every module that has one) and
     write its JSON, PNGs and studies; 1 if any cell disagrees with its prediction away from the frontier.

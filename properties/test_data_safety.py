@@ -46,7 +46,7 @@ from safetensors.torch import save as save_tensors
 
 from k3verify import cli
 from k3verify.cli import main
-from k3verify.harness import files, golden, registry, runner, tp_rows
+from k3verify.harness import decoder_walk, files, golden, registry, runner, tp_rows
 from k3verify.harness.files import StagingError, UsageError, remove_tree, staged_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +84,7 @@ def _refuse_computing(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("the computation started before the folder was checked and locked")
 
     for owner, name in ((runner, "run"), (golden, "generate"), (golden, "snapshot"), (cli, "render_report"),
-                        (cli, "sweep_map")):
+                        (cli, "sweep_map"), (decoder_walk, "run_all")):
         monkeypatch.setattr(owner, name, refuse)
 
 
@@ -374,6 +374,7 @@ COMMANDS = {
     "golden verify --out": lambda d: ["golden", "verify", "--modules", "mla", "--out", str(d)],
     "report render": lambda d: ["report", "render", str(d)],
     "overflow-map": lambda d: ["overflow-map", "--module", "kda", "--out", str(d)],
+    "walk": lambda d: ["walk", "--layers", "4", "--out", str(d)],
 }
 
 

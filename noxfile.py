@@ -97,8 +97,14 @@ def tests(session: nox.Session) -> None:
     _install(session, "test,fla,dask")
     # One worker per core (pytest-xdist; the conftest gives each its share of torch's threads);
     # the 20 slowest tests in every log, where the suite's time on CI's two cores is watched.
-    session.run("pytest", "-m", "not slow and not nightly", "-n", "auto", "--dist", "loadfile", "--durations=20",
-                *session.posargs, env={"HYPOTHESIS_PROFILE": "ci", "K3V_MODULE_ROWS": "opt-in"})
+    session.run("pytest", "-m", "not slow and not nightly and not dask_cluster", "-n", "auto", "--dist", "loadfile",
+                "--durations=20", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci", "K3V_MODULE_ROWS": "opt-in"})
+    # The Dask engine's tests start worker processes of their own and plant crashes and hangs in
+    # them: beside a busy xdist worker on two cores, a worker that dies took a finished cell's
+    # result with it and was not replaced in time (seen in CI), so they run alone, after the pass.
+    if not session.posargs:
+        session.run("pytest", "-m", "dask_cluster and not slow and not nightly", "-p", "no:cacheprovider", "-q",
+                    "properties/test_dask_engine.py", env={"HYPOTHESIS_PROFILE": "ci"})
     # ``golden verify`` and the runs each keep about one core busy (small tensors, Python-bound):
     # on CI's two cores they run side by side, one intra-op thread each (two each oversubscribe
     # the cores: measured 96 s one after the other, 68 s side by side with one thread each), the

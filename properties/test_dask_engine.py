@@ -31,6 +31,10 @@ from k3verify.harness.overflow_map import MapOptions, sweep_map
 pytest.importorskip("distributed", reason="dask is not installed: pip install 'k3verify[dask]'")
 cloudpickle = pytest.importorskip("cloudpickle")
 
+# nox -s tests runs this file alone, after the parallel pass (its workers are processes of
+# their own; noxfile.py says why).
+pytestmark = pytest.mark.dask_cluster
+
 MODULE = "attnres_backward"
 QUICK = MapOptions(quick=True)
 # Planted entries reach the workers pickled by value, this helper module included.

@@ -101,10 +101,11 @@ def tests(session: nox.Session) -> None:
                 "--durations=20", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci", "K3V_MODULE_ROWS": "opt-in"})
     # The Dask engine's tests start worker processes of their own and plant crashes and hangs in
     # them: beside a busy xdist worker on two cores, a worker that dies took a finished cell's
-    # result with it and was not replaced in time (seen in CI), so they run alone, after the pass.
+    # result with it and was not replaced in time (seen in CI), so they run alone, after the pass,
+    # with one intra-op thread as under xdist (their local rows must equal the workers' bit for bit).
     if not session.posargs:
         session.run("pytest", "-m", "dask_cluster and not slow and not nightly", "-p", "no:cacheprovider", "-q",
-                    "properties/test_dask_engine.py", env={"HYPOTHESIS_PROFILE": "ci"})
+                    "properties/test_dask_engine.py", env={"HYPOTHESIS_PROFILE": "ci", "OMP_NUM_THREADS": "1"})
     # ``golden verify`` and the runs each keep about one core busy (small tensors, Python-bound):
     # on CI's two cores they run side by side, one intra-op thread each (two each oversubscribe
     # the cores: measured 96 s one after the other, 68 s side by side with one thread each), the

@@ -42,10 +42,18 @@ cloudpickle.register_pickle_by_value(dask_planted)
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[Any]:
+def cluster_client() -> Iterator[Any]:
     """A client of a LocalCluster of two single-threaded worker processes, for the whole file."""
     with dask_engine.dask_client(dask_engine.DaskOptions(workers=2)) as c:
         yield c
+
+
+@pytest.fixture
+def client(cluster_client: Any) -> Any:
+    """The file's client once both workers are registered: a worker that an earlier test killed
+    comes back through its nanny, seconds later, and a test must not start with half a cluster."""
+    cluster_client.wait_for_workers(2, timeout=120)
+    return cluster_client
 
 
 def as_json(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:

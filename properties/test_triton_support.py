@@ -1,0 +1,108 @@
+"""Triton's CPU interpreter, patched once per launch (:func:`k3verify.triton_support._patch_once_per_launch`):
+the kernels give Triton's own bits, and a helper call inside a launch no longer swaps
+``triton.language`` again.
+
+Rules: bitwise (the same kernel on the same inputs under the same interpreter, with and without
+the patch, on one host) and a count (real swaps per launch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from k3verify import triton_support
+from k3verify.kda import kernels as kda_kernels
+from k3verify.kda.samples import make_problem
+from k3verify.mla import kernels as mla_kernels
+from k3verify.mla import samples as mla_samples
+from k3verify.mla.cache import LatentCache
+
+pytestmark = pytest.mark.skipif(not triton_support.interpreted(), reason="a CUDA device: the kernels are compiled")
+
+
+@contextmanager
+def triton_as_shipped() -> Iterator[None]:
+    """Triton's interpreter without the patch, for the block."""
+    from triton.runtime import interpreter
+
+    patched, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    interpreter._patch_lang, interpreter.GridExecutor.__call__ = patched.real, launch.real
+    try:
+        yield
+    finally:
+        interpreter._patch_lang, interpreter.GridExecutor.__call__ = patched, launch
+
+
+@contextmanager
+def counted_swaps() -> Iterator[dict[str, int]]:
+    """Counts of real ``triton.language`` swaps and of launches in the block."""
+    from triton.runtime import interpreter
+
+    counts = {"swaps": 0, "launches": 0}
+    real, launch = interpreter._patch_lang.real, interpreter.GridExecutor.__call__.real
+
+    def swap(fn: Any) -> Any:
+        counts["swaps"] += 1
+        return real(fn)
+
+    def launched(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counts["launches"] += 1
+        return launch(self, *args, **kwargs)
+
+    interpreter._patch_lang.real, interpreter.GridExecutor.__call__.real = swap, launched
+    try:
+        yield counts
+    finally:
+        interpreter._patch_lang.real, interpreter.GridExecutor.__call__.real = real, launch
+
+
+def _kda() -> torch.Tensor:
+    p = make_problem(1, 40, 2, 16, 16, g_min=-3.0, seed=3, initial_state=True)
+    out, state = kda_kernels.chunk(*p.args(), initial_state=p.state(), operand_dtype=torch.float32,
+                                   output_final_state=True)
+    return torch.cat([out.flatten(), state.flatten()])
+
+
+def _mla() -> torch.Tensor:
+    x = mla_samples.layer_inputs(mla_samples.CONFIG, (5, 19), 1, seed=4)
+    cache = x["cache"]
+    cache = LatentCache(cache.pool.float(), cache.block_table, cache.seq_lens, cache.scales)
+    args = [x["q_nope"].float(), x["q_pe"].float(), cache, x["w_uk"].float(), x["w_uv"].float()]
+    return mla_kernels.decode(*args, num_splits=3).flatten()
+
+
+KERNELS: dict[str, Callable[[], torch.Tensor]] = {"kda chunk": _kda, "mla decode": _mla}
+
+
+def test_the_patch_is_in_force_under_the_pinned_triton() -> None:
+    """constraints.txt pins a Triton whose interpreter has both hooks: a CI run without the patch
+    would be slower, not wrong, so this says so instead of passing in silence."""
+    assert triton_support.PATCHED_ONCE_PER_LAUNCH
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_kernels_give_tritons_own_bits(kernel: str) -> None:
+    ours = KERNELS[kernel]()
+    with triton_as_shipped():
+        shipped = KERNELS[kernel]()
+    assert torch.equal(ours, shipped)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_one_swap_per_launch(kernel: str) -> None:
+    """At most two swaps per launch: the kernel's ``triton.language`` and, at the first call of
+    one of Triton's library helpers (``tl.sum``, ``tl.max``: their module sees
+    ``triton.language.core``), that module. The count that bites: as shipped, every helper call
+    swaps again."""
+    with counted_swaps() as counts:
+        KERNELS[kernel]()
+    assert counts["launches"] >= 1
+    assert counts["swaps"] <= 2 * counts["launches"], counts
+    with counted_swaps() as counts, triton_as_shipped():
+        KERNELS[kernel]()
+    assert counts["swaps"] > 10 * counts["launches"], counts

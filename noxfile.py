@@ -45,6 +45,8 @@ GPU_MODULES: dict[str, tuple[tuple[str, ...], str]] = {
 # draws alike).
 WITHOUT_MAP = ("mla_backward", "kda_backward", "moe_backward", "attnres_backward")
 LATEST = "reports/latest"
+# The sharded run's report: a folder of its own, written while the run still writes LATEST.
+LATEST_TP = "reports/latest-tp8"
 
 
 def _install(session: nox.Session, extras: str) -> None:
@@ -107,20 +109,31 @@ def tests(session: nox.Session) -> None:
         session.run("pytest", "-m", "dask_cluster and not slow and not nightly", "-p", "no:cacheprovider", "-q",
                     "properties/test_dask_engine.py", env={"HYPOTHESIS_PROFILE": "ci", "OMP_NUM_THREADS": "1"})
     # ``golden verify`` and the runs each keep about one core busy (small tensors, Python-bound):
-    # on CI's two cores they run side by side, one intra-op thread each (two each oversubscribe
-    # the cores: measured 96 s one after the other, 68 s side by side with one thread each), the
-    # verify's output printed when it ends. (The sharded run beside them too saves 3 s of 95:
-    # the three are bound by the two cores.)
+    # on CI's two cores the verify and the run start side by side, one intra-op thread each (two
+    # each oversubscribe the cores), and the sharded run takes the verify's core when it ends
+    # (the run takes longest: measured 101 s, the verify 61 s, the sharded run 13 s). Each one's
+    # output is printed when it ends; the run's rows are judged after it (its compare, then
+    # test_module_rows.py on its report). A run whose verdicts fail exits 1: the compare names
+    # what got worse and decides; one that could not complete exits 3, which stops the session.
     one_thread = {"OMP_NUM_THREADS": "1"}
+    _fresh(LATEST)
     golden = _beside(session, one_thread, "k3verify", "golden", "verify")
+    run = None
     try:
-        _run_and_compare(session, env=one_thread)
+        run = _beside(session, one_thread, "k3verify", "run", "--out", LATEST)
+        _joined(session, *golden)
+        golden = None
+        _run_and_compare(session, TP_BASELINE, LATEST_TP, "--tp", "8", "--tp-backend", "gloo", "--quiet",
+                         env=one_thread)
+        _joined(session, *run, ok=(0, 1))
+        run = None
+        session.run("k3verify", "report", "compare", BASELINE, LATEST)
         session.run("pytest", "properties/test_module_rows.py", "-p", "no:cacheprovider", "-q", "-rs",
                     env={"K3V_MODULE_ROWS": f"{LATEST}/report.json"})
-        _run_and_compare(session, TP_BASELINE, f"{LATEST}/tp8", "--tp", "8", "--tp-backend", "gloo", "--quiet",
-                         env=one_thread)
     finally:
-        _joined(session, *golden)
+        for proc in (golden, run):
+            if proc is not None:
+                _joined(session, *proc, ok=None)
 
 
 def _beside(session: nox.Session, env: dict[str, str], command: str, *args: str
@@ -135,15 +148,20 @@ def _beside(session: nox.Session, env: dict[str, str], command: str, *args: str
     return proc, log, label
 
 
-def _joined(session: nox.Session, proc: subprocess.Popen, log: IO[bytes], label: str) -> None:
-    """Wait for a :func:`_beside` command, print its output and fail the session if it failed."""
+def _joined(session: nox.Session, proc: subprocess.Popen, log: IO[bytes], label: str,
+            ok: tuple[int, ...] | None = (0,)) -> None:
+    """Wait for a :func:`_beside` command, print its output and fail the session if its exit
+    status is not in ``ok`` (``None``: a session already failing, which only ends it: the
+    command is stopped, its output printed)."""
+    if ok is None and proc.poll() is None:
+        proc.terminate()
     code = proc.wait()
     log.seek(0)
     session.log(f"{label} ended (exit {code}):")
     sys.stdout.write(log.read().decode(errors="replace"))
     sys.stdout.flush()
     log.close()
-    if code != 0:
+    if ok is not None and code not in ok:
         session.error(f"{label} failed (exit {code})")
 
 

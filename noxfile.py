@@ -203,8 +203,9 @@ def nightly(session: nox.Session) -> None:
     """Worst-case search: profile ``nightly``, ``hypothesis.target`` climbs toward each module's
     largest err/limit within the time budget (``-- --nightly-budget SECONDS``, default 1800 for
     all modules); the maxima and replay commands go to reports/latest/nightly.json and into a
-    fresh report there."""
-    _install(session, "test,fla")
+    fresh report there. ``-- --nightly-engine dask --nightly-workers N`` (or
+    ``--nightly-scheduler ADDRESS``) searches the modules side by side on a Dask cluster."""
+    _install(session, "test,fla,dask")
     _fresh(LATEST)
     session.run("k3verify", "run", "--out", LATEST, success_codes=[0, 1])
     try:

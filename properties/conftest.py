@@ -70,10 +70,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          f"default {NIGHTLY_BUDGET_S:g})")
     group.addoption("--nightly-out", default=None,
                     help=f"where the search writes its maxima (env K3V_NIGHTLY_OUT; default {NIGHTLY_OUT})")
+    group.addoption("--nightly-engine", choices=("local", "dask"), default="local",
+                    help="local: one module after the other in this process (default); dask: one task per module "
+                         "on a Dask cluster, all at once, each with the budget's share of its worker")
+    group.addoption("--nightly-scheduler", default=None, metavar="ADDRESS",
+                    help="with --nightly-engine dask: the scheduler of an existing cluster")
+    group.addoption("--nightly-workers", type=int, default=None, metavar="N",
+                    help="with --nightly-engine dask: a LocalCluster of N workers (default: one per core)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "nightly: the budgeted worst-case search (nox -s nightly); not run in CI")
+    engine = config.getoption("--nightly-engine")
+    scheduler, workers = config.getoption("--nightly-scheduler"), config.getoption("--nightly-workers")
+    if engine != "dask" and (scheduler is not None or workers is not None):
+        raise pytest.UsageError("--nightly-scheduler and --nightly-workers: only with --nightly-engine dask")
+    if scheduler is not None and workers is not None:
+        raise pytest.UsageError("--nightly-scheduler or --nightly-workers, not both")
+    if workers is not None and workers < 1:
+        raise pytest.UsageError(f"--nightly-workers: at least 1, not {workers}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -22,6 +22,8 @@ from typing import Any
 
 import dask_planted
 import pytest
+import worst_case
+from hypothesis import settings
 
 from k3verify import cli
 from k3verify.harness import dask_engine, dask_run, registry, runner
@@ -246,3 +248,19 @@ def test_the_engine_options_of_run_and_what_dask_does_not_run(tmp_path: Path, mo
     assert cli.main([*args, "--engine", "dask"]) == 2
     assert "pip install 'k3verify[dask]'" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_worst_case_search_on_dask_equals_the_local_search(client: Any) -> None:
+    """``nox -s nightly -- --nightly-engine dask``: a module's search as a Dask task draws the
+    same examples and finds the same maxima as in this process (rule: bitwise, one host, one
+    intra-op thread on both sides); a search that fails comes back with its reason as text."""
+    local = worst_case.search("kda", budget_s=60, run_seed=0, max_examples=2)
+    futures = worst_case.submit_searches(client, ["kda", "no_such_module"], budget_s=60, run_seed=0,
+                                         profile=settings.default, max_examples=2)
+    remote = futures["kda"].result()
+    assert remote["error"] is None
+    assert {k: v for k, v in remote["result"].items() if k != "wall_s"} == {
+        k: v for k, v in local.items() if k != "wall_s"}
+    assert remote["result"]["examples"] == 2 and remote["result"]["worst"] is not None
+    failed = futures["no_such_module"].result()
+    assert failed["error"].startswith("UnknownModuleError: unknown module 'no_such_module'")

@@ -13,6 +13,7 @@ import dataclasses
 import datetime as dt
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,19 +47,48 @@ def write_nightly(path: Path, module: str, result: dict[str, Any], *, budget_s: 
     path.write_text(json.dumps(json_safe(doc), indent=1) + "\n")
 
 
+@pytest.fixture(scope="session")
+def remote_searches(request: pytest.FixtureRequest, nightly_budget_s: float,
+                    nightly_seed: int) -> Iterator[dict[str, Any] | None]:
+    """With ``--nightly-engine dask``: every module's search submitted at once, one Dask task each
+    (the futures by module), for the session; ``None`` on the local engine. The modules share the
+    budget as on the local engine, but side by side: each gets the budget times the workers over
+    the modules (at most the whole budget), so the search's wall time stays about the budget."""
+    if request.config.getoption("--nightly-engine") != "dask":
+        yield None
+        return
+    from k3verify.harness import dask_engine
+
+    options = dask_engine.DaskOptions(scheduler=request.config.getoption("--nightly-scheduler"),
+                                      workers=request.config.getoption("--nightly-workers"))
+    modules = registry.module_names()
+    with dask_engine.dask_client(options) as client:
+        workers = max(1, len(client.nthreads()))
+        share = nightly_budget_s * min(workers, len(modules)) / len(modules)
+        yield worst_case.submit_searches(client, modules, budget_s=share, run_seed=nightly_seed,
+                                         profile=settings.default)
+
+
 @pytest.mark.nightly
 @pytest.mark.parametrize("module", registry.module_names())
-def test_worst_case_search(module: str, nightly_budget_s: float, nightly_out: Path, nightly_seed: int) -> None:
+def test_worst_case_search(module: str, nightly_budget_s: float, nightly_out: Path, nightly_seed: int,
+                           remote_searches: dict[str, Any] | None) -> None:
     """Climb toward the module's largest err/limit; every verdict on the way must pass."""
-    share = nightly_budget_s / len(registry.module_names())
+    error = None
     try:
-        result = worst_case.search(module, budget_s=share, run_seed=nightly_seed)
+        if remote_searches is None:
+            share = nightly_budget_s / len(registry.module_names())
+            result = worst_case.search(module, budget_s=share, run_seed=nightly_seed)
+        else:
+            outcome = remote_searches[module].result()
+            result, error = outcome["result"], outcome["error"]
     except Exception as exc:
         result = getattr(exc, "search_result", {})
         raise
     finally:
         worst_case.RESULTS[module] = result
         write_nightly(nightly_out, module, result, budget_s=nightly_budget_s, run_seed=nightly_seed)
+    assert error is None, error
     assert result["examples"] > 0
 
 

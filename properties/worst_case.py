@@ -134,14 +134,16 @@ def _label(row: dict[str, Any], impls: list[Implementation]) -> str:
            f" ({row['case']})"
 
 
-def search(module: str, *, budget_s: float, run_seed: int, max_examples: int | None = None) -> dict[str, Any]:
+def search(module: str, *, budget_s: float, run_seed: int, max_examples: int | None = None,
+           profile: settings | None = None) -> dict[str, Any]:
     """Climb toward ``module``'s largest error ratio for ``budget_s`` seconds of work.
 
     Returns ``{"examples", "wall_s", "budget_s", "hypothesis_seed", "failures", "worst",
     "per_implementation": {label: {"ratio", "err", "limit", "metric", "status", "params",
-    "replay"}}}``; ``worst`` is the entry with the largest ratio. The Hypothesis settings are the
-    loaded profile's, with ``max_examples`` overridden when given. Raises the first failure
-    (after shrinking), with the partial result attached as ``exc.search_result``.
+    "replay"}}}``; ``worst`` is the entry with the largest ratio. The Hypothesis settings are
+    ``profile``'s (default: the loaded profile's), with ``max_examples`` overridden when given.
+    Raises the first failure (after shrinking), with the partial result attached as
+    ``exc.search_result``.
     """
     entry = registry.get(module)
     impls = [i for i in entry.implementations() if i.unavailable() is None]
@@ -181,7 +183,7 @@ def search(module: str, *, budget_s: float, run_seed: int, max_examples: int | N
         assert not failed, f"{module} {params}: " + "; ".join(failed)
 
     overrides = {} if max_examples is None else {"max_examples": max_examples}
-    run = seed(run_seed)(settings(settings.default, database=None, **overrides)(given(space.params)(probe)))
+    run = seed(run_seed)(settings(profile or settings.default, database=None, **overrides)(given(space.params)(probe)))
     result: dict[str, Any] = {}
     try:
         run()
@@ -200,6 +202,38 @@ def search(module: str, *, budget_s: float, run_seed: int, max_examples: int | N
             per_implementation=dict(sorted(best.items(), key=lambda kv: -kv[1]["ratio"])),
         )
     return result
+
+
+def search_or_error(module: str, *, budget_s: float, run_seed: int, profile: settings,
+                    max_examples: int | None = None) -> dict[str, Any]:
+    """:func:`search` as a Dask task runs it: ``{"result", "error"}``, ``error`` ``None`` or the
+    failure as one line of text (an exception's attached partial result would not survive the
+    trip back to the client). ``profile``: the client's Hypothesis settings (a worker has loaded
+    no profile of its own)."""
+    try:
+        return {"result": search(module, budget_s=budget_s, run_seed=run_seed, max_examples=max_examples,
+                                 profile=profile), "error": None}
+    except Exception as exc:
+        return {"result": getattr(exc, "search_result", {}), "error": f"{type(exc).__name__}: {exc}"}
+
+
+def submit_searches(client: Any, modules: list[str], *, budget_s: float, run_seed: int, profile: settings,
+                    max_examples: int | None = None) -> dict[str, Any]:
+    """One Dask task per module on ``client``'s cluster, each :func:`search_or_error` with its own
+    ``budget_s``: the futures by module. On a cluster of GPU workers (resource ``GPU``, as
+    ``k3verify.harness.dask_engine`` starts them on a CUDA machine) each search holds one device.
+    This file travels to the workers by value (they need k3verify and Hypothesis installed,
+    not this checkout's ``properties`` folder)."""
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    gpus = any("GPU" in w.get("resources", {}) for w in client.scheduler_info()["workers"].values())
+    return {
+        module: client.submit(search_or_error, module, budget_s=budget_s, run_seed=run_seed, profile=profile,
+                              max_examples=max_examples, key=f"worst-case-search-{module}-{run_seed}", pure=False,
+                              resources={"GPU": 1} if gpus else None)
+        for module in modules
+    }
 
 
 if __name__ == "__main__":

@@ -226,12 +226,14 @@ def submit_searches(client: Any, modules: list[str], *, budget_s: float, run_see
     not this checkout's ``properties`` folder)."""
     import cloudpickle
 
+    from k3verify.harness.dask_engine import task_resources
+
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    gpus = any("GPU" in w.get("resources", {}) for w in client.scheduler_info()["workers"].values())
+    resources = task_resources(client)
     return {
         module: client.submit(search_or_error, module, budget_s=budget_s, run_seed=run_seed, profile=profile,
                               max_examples=max_examples, key=f"worst-case-search-{module}-{run_seed}", pure=False,
-                              resources={"GPU": 1} if gpus else None)
+                              resources=resources)
         for module in modules
     }
 

@@ -464,6 +464,13 @@ and reference builds included)."""
     return result
 
 
+def task_resources(client: Any) -> dict[str, int] | None:
+    """What one task asks of a worker on ``client``'s cluster: one ``GPU`` where the workers
+    declare GPUs (as :func:`dask_client` starts them on a CUDA machine), else nothing."""
+    workers = client.scheduler_info()["workers"].values()
+    return {"GPU": 1} if any("GPU" in w.get("resources", {}) for w in workers) else None
+
+
 def run_tasks(client: Any, tasks: Sequence[Any], job: Callable[[Any, str], Any], fn: Callable[[Any], Any], *,
               group: str, name: str, retries: int, timeout: float | None, st: SweepStatus,
               computed: Callable[[Any, Any], None], failed: Callable[[Any, str], None],
@@ -482,8 +489,7 @@ def run_tasks(client: Any, tasks: Sequence[Any], job: Callable[[Any, str], Any],
         allowed = int(client.run_on_scheduler(_allowed_failures))
     except Exception:  # a scheduler that refuses run_on_scheduler: assume Dask's default
         allowed = 3
-    uses_gpu = any("GPU" in w.get("resources", {}) for w in client.scheduler_info()["workers"].values())
-    resources = {"GPU": 1} if uses_gpu else None
+    resources = task_resources(client)
 
     pending = collections.deque(tasks)
     deaths: dict[int, int] = collections.Counter()
@@ -515,7 +521,7 @@ def run_tasks(client: Any, tasks: Sequence[Any], job: Callable[[Any, str], Any],
                 no_workers_since = (no_workers_since or now) if slots == 0 else None
                 if no_workers_since is not None and now - no_workers_since > NO_WORKERS_S:
                     raise RuntimeError(f"the Dask cluster has had no worker for {NO_WORKERS_S:g} s")
-            while pending and len(running) < slots * (1 if uses_gpu else QUEUED_PER_THREAD):
+            while pending and len(running) < slots * (1 if resources else QUEUED_PER_THREAD):
                 task = pending.popleft()
                 submitted += 1
                 attempt = f"{group}-{submitted}"

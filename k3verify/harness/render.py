@@ -208,9 +208,7 @@ def _read_walk(report_dir: Path, extras: Extras) -> None:
     """``decoder_walk.json`` beside the report: bounded and nested like a study, then checked."""
     with MapsFolder(report_dir, "report folder") as folder:
         doc = folder.read_json(WALK_FILE, MAX_STUDY_BYTES, "decoder walk")
-    if _depth(doc) > MAX_STUDY_DEPTH:
-        raise UsageError(f"{report_dir / WALK_FILE}: decoder walk is nested deeper than {MAX_STUDY_DEPTH} levels")
-    extras.walk = check_walk(doc, report_dir / WALK_FILE)
+    extras.walk = _checked_walk(doc, report_dir / WALK_FILE)
 
 
 def _take_walk(doc: Any, path: Path, extras: Extras) -> None:
@@ -222,10 +220,15 @@ def _take_walk(doc: Any, path: Path, extras: Extras) -> None:
         raise UsageError(f"{path}: decoder walk is not a JSON document: {str(exc)[:200]}") from None
     if len(text.encode("utf-8", "surrogatepass")) > MAX_STUDY_BYTES:
         raise UsageError(f"{path}: decoder walk has more than the {MAX_STUDY_BYTES} bytes allowed")
-    doc = json.loads(text)
+    extras.walk = _checked_walk(json.loads(text), path)
+
+
+def _checked_walk(doc: Any, path: Path) -> dict[str, Any]:
+    """A decoder walk read from ``path`` (or to be written there), nested at most as a study, and
+    checked by :func:`~k3verify.harness.walk_page.check_walk`."""
     if _depth(doc) > MAX_STUDY_DEPTH:
         raise UsageError(f"{path}: decoder walk is nested deeper than {MAX_STUDY_DEPTH} levels")
-    extras.walk = check_walk(doc, path)
+    return check_walk(doc, path)
 
 
 def _read_summary(folder: MapsFolder, name: str, extras: Extras, keep: set[str] | None = None) -> None:
@@ -607,13 +610,17 @@ def walk_shown(doc: dict[str, Any]) -> bool:
     return ran or any(r["module"] == WALK_MODULE for r in doc["rows"])
 
 
-def _walk_figure(make: Callable[[], Any], alt: str, caption: str) -> str:
-    """A figure of the decoder walk, or why it is not drawn."""
+def _walk_curve(heading: str, curve: Any, draw: Callable[[dict[str, Any], str], Any], title: str, alt: str,
+                caption: str) -> str:
+    """A curve of the decoder walk under its heading: ``draw(curve, title)``, or why it is not
+    drawn; nothing when ``curve`` is not an object."""
+    if not isinstance(curve, dict):
+        return ""
     try:
-        fig = make()
+        figure = _figure(draw(curve, title), alt, caption)
     except ValueError as exc:
-        return f"<p class='muted'>{html_text(alt)}: not drawn: {html_text(exc)}</p>"
-    return _figure(fig, alt, caption)
+        figure = f"<p class='muted'>{html_text(alt)}: not drawn: {html_text(exc)}</p>"
+    return f"<h3>{heading}</h3>\n{figure}"
 
 
 def _walk_section(walk: dict[str, Any]) -> str:
@@ -624,26 +631,22 @@ def _walk_section(walk: dict[str, Any]) -> str:
     fp64 = fp64_text(walk)
     if fp64:
         parts.append(f"<h3>fp64 agreement</h3><p>{html_text(fp64)}</p>")
-    drift, growth = walk.get("depth_drift"), growth_table(walk)
-    if isinstance(drift, dict):
-        parts.append("<h3>Depth drift</h3>")
-        parts.append(_walk_figure(
-            lambda: plots.walk_depth_figure(drift, "Decoder walk: the residual stream's error against depth"),
-            "decoder walk depth drift",
-            "RMS ratio of the residual stream against the fp64 walk after every sublayer call, one line per plan "
-            "(markers: the sublayer's module); dotted lines: AttnRes block boundaries."))
+    parts.append(_walk_curve(
+        "Depth drift", walk.get("depth_drift"), plots.walk_depth_figure,
+        "Decoder walk: the residual stream's error against depth", "decoder walk depth drift",
+        "RMS ratio of the residual stream against the fp64 walk after every sublayer call, one line per plan "
+        "(markers: the sublayer's module); dotted lines: AttnRes block boundaries."))
+    growth = growth_table(walk)
     if growth:
         header, rows, note = growth
         parts.append(f"<p class='muted'>{html_text(GROWTH_NOTE + note)}</p>" + _table(header, rows))
-    steps, decode = walk.get("decode_steps"), decode_table(walk)
-    if isinstance(steps, dict):
-        parts.append("<h3>Decode steps</h3>")
-        parts.append(_walk_figure(
-            lambda: plots.walk_decode_figure(steps, "Decoder walk: error per token, prefill then decode"),
-            "decoder walk decode steps",
-            "RMS ratio of each token's output against the fp64 definition (prefill of the whole sequence): the served "
-            "low-precision path (prefill of the prompt, then one decode step per token, caches carried) and the naive "
-            "same-dtype definition as baseline; shaded, diamonds: decode steps."))
+    parts.append(_walk_curve(
+        "Decode steps", walk.get("decode_steps"), plots.walk_decode_figure,
+        "Decoder walk: error per token, prefill then decode", "decoder walk decode steps",
+        "RMS ratio of each token's output against the fp64 definition (prefill of the whole sequence): the served "
+        "low-precision path (prefill of the prompt, then one decode step per token, caches carried) and the naive "
+        "same-dtype definition as baseline; shaded, diamonds: decode steps."))
+    decode = decode_table(walk)
     if decode:
         parts.append(_table(DECODE_HEADER, decode))
     attribution = attribution_table(walk)

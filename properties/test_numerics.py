@@ -89,6 +89,33 @@ def test_fast_rounding_matches_reference_at_every_tie(name: str, overflow: str) 
     assert bool(same.all()), f"{int((~same).sum())} mismatches, first at {x[~same][:4].tolist()}"
 
 
+def _fp64_probes(dtype: torch.dtype) -> torch.Tensor:
+    """In fp64: every representable value of ``dtype``, every tie, the fp64 neighbours of each tie,
+    the overflow edge's neighbours, and 20,000 seeded random bit patterns (every exponent, NaNs
+    and infinities among them)."""
+    vals = _all_finite_values(dtype)
+    mids = (vals[1:] + vals[:-1]) / 2  # exact in fp64
+    f = facts(dtype)
+    edge = torch.tensor([f.overflow_threshold, -f.overflow_threshold, f.max, f.smallest_normal], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.randint(-(2**63), 2**63 - 1, (20_000,), generator=gen, dtype=torch.int64).view(torch.float64)
+    inf, ninf = torch.tensor(math.inf, dtype=torch.float64), torch.tensor(-math.inf, dtype=torch.float64)
+    near = [torch.nextafter(t, inf) for t in (mids, edge)] + [torch.nextafter(t, ninf) for t in (mids, edge)]
+    return torch.cat([vals, mids, edge, *near, noise])
+
+
+@pytest.mark.parametrize("name", NARROW)
+@pytest.mark.parametrize("overflow", ["nonfinite", "saturate"])
+def test_fp64_rounding_matches_reference_at_every_tie(name: str, overflow: str) -> None:
+    """Rule: bit for bit. round_to's fp64 path (integer rounding of the bit pattern where the
+    result is normal) against the reference, signs of zeros included."""
+    x = _fp64_probes(resolve_dtype(name))
+    fast = round_to(x, name, overflow=overflow)
+    ref = round_to_reference(x, name, overflow=overflow)
+    same = ((fast == ref) & (torch.signbit(fast) == torch.signbit(ref))) | (torch.isnan(fast) & torch.isnan(ref))
+    assert bool(same.all()), f"{int((~same).sum())} mismatches, first at {x[~same][:4].tolist()}"
+
+
 def test_reference_rounds_fp64_once() -> None:
     """1 + 2^-8 + 2^-40 is above the bf16 tie; rounding through fp32 first would hit the tie."""
     x = torch.tensor([1 + 2**-8 + 2**-40], dtype=torch.float64)

@@ -9,6 +9,8 @@ logits bounded by :attr:`DecoderConfig.attnres_logit_scale`.
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -82,17 +84,19 @@ class DecoderWeights:
 
 def init_weights(cfg: DecoderConfig) -> DecoderWeights:
     """Deterministic weights for ``cfg`` (from ``cfg.seed``), bf16-representable, fp64."""
-    pool: dict[tuple[str, int], object] = {}
-    layers = []
-    for layer in range(cfg.num_layers):
-        entry = {}
-        for module in (cfg.token_mixer(layer), cfg.channel_mixer(layer)):
-            index = cfg.pool_index(layer)
-            if (module, index) not in pool:
-                seed = cfg.seed * 100_003 + 1_009 * index + hash_module(module)
-                pool[(module, index)] = _make(cfg, module, seed=seed)
-            entry[module] = pool[(module, index)]
-        layers.append(entry)
+    sets = {(module, cfg.pool_index(layer)): None for layer in range(cfg.num_layers)
+            for module in (cfg.token_mixer(layer), cfg.channel_mixer(layer))}
+
+    def make(key: tuple[str, int]) -> object:
+        module, index = key
+        return _make(cfg, module, seed=cfg.seed * 100_003 + 1_009 * index + hash_module(module))
+
+    # Each set has its own seeded generator, so drawing them side by side gives the same values;
+    # torch's CPU generator draws on one core, and the wide stack's 1.5e9 values took minutes.
+    with concurrent.futures.ThreadPoolExecutor(min(len(sets), os.cpu_count() or 1)) as pool:
+        made = dict(zip(sets, pool.map(make, sets), strict=True))
+    layers = [{module: made[(module, cfg.pool_index(layer))]
+               for module in (cfg.token_mixer(layer), cfg.channel_mixer(layer))} for layer in range(cfg.num_layers)]
     attnres = attnres_init(cfg.schedule, cfg.hidden, logit_scale=cfg.attnres_logit_scale, seed=cfg.seed + 17,
                            representable=REPRESENTABLE)
     return DecoderWeights(cfg, layers, attnres)

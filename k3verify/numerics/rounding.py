@@ -48,7 +48,7 @@ def round_to(
         # torch's fp32 casts round to nearest-even; properties/test_numerics.py checks that
         # this fast path is bit-identical to the reference on every binade boundary.
         return _round_native(x, target, overflow)
-    return round_to_reference(x, target, overflow=overflow)
+    return _round_fp64(x, target, overflow)
 
 
 def storage_for(dtype: torch.dtype | str) -> torch.dtype:
@@ -117,6 +117,33 @@ def round_to_reference(
     else:
         r = torch.where(too_big, _nonfinite(f, xd), r)
     return r.to(x.dtype)
+
+
+def _round_fp64(x: torch.Tensor, dtype: torch.dtype, overflow: Overflow) -> torch.Tensor:
+    """fp64 ``x`` rounded to ``dtype``'s values, kept fp64: the reference where the result may be
+    subnormal, overflow or is not finite; elsewhere one integer rounding of the bit pattern.
+
+    Why not torch's cast: fp64 to bf16 goes through fp32, a double rounding (see
+    ``test_reference_rounds_fp64_once``). Why not the reference everywhere: its divide and
+    ``torch.round`` cost ten times as much, and drawing the wide decoder's weights (10^9
+    values, each rounded to bf16) spent most of its time there. For a normal result the
+    dropped fraction bits round to nearest, ties to even, by adding ``half - 1`` plus the kept
+    last bit, a carry running into the exponent where the binade ends; the sign bit is never
+    reached for finite values. properties/test_numerics.py checks the two paths bit for bit.
+    """
+    f = facts(dtype)
+    a = x.abs()
+    fast = ((a >= f.smallest_normal) & (a <= f.max)) | (a == 0)
+    drop = 53 - f.digits  # fp64 keeps 53 significant bits, the format ``digits``
+    bits = x.view(torch.int64)  # same element size: any strides, which the result keeps
+    kept_last = (bits >> drop) & 1
+    rounded = ((bits + ((1 << (drop - 1)) - 1) + kept_last) & ~((1 << drop) - 1)).view(torch.float64)
+    if bool(fast.all()):
+        return rounded
+    out = rounded.clone()
+    slow = ~fast
+    out[slow] = round_to_reference(x[slow], dtype, overflow=overflow)
+    return out
 
 
 def _nonfinite(f: DTypeFacts, like: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ from .harness.environment import code_version, environment
 from .harness.files import UsageError, check_output_folder, hold_output_folder, json_safe
 from .harness.map_files import check_maps_folder, default_maps_folder, write_map
 from .harness.overflow_map import MapOptions, agreement, sweep_map
+from .harness.partial import partial_path, remove_partial
 from .harness.render import render_report, report_markdown, write_report
 from .harness.text import terminal_text
 from .harness.tp_rows import BACKENDS, MAX_TIMEOUT_S, MAX_WORLD_SIZE, SIZES, TPOptions, check_machine, default_backend
@@ -432,15 +433,20 @@ def cmd_walk(args: argparse.Namespace, out: Console, err: Console) -> int:
 
         # One process per device: every worker would hold its own copy of the weights there.
         workers = args.workers if options.device == "cpu" else 1
-        results = decoder_walk.run_all(options, workers=workers, progress=progress)
+        # Each finished job is kept in the partial file until the report is written: a rerun
+        # after an interrupt (or a device call's time limit) runs only the jobs that are missing.
+        results = decoder_walk.run_all(options, workers=workers, progress=progress,
+                                       partial=partial_path(out_dir, decoder_walk.MODULE), commit=code_version())
     rows = [row for r in results for row in r.rows]
     study = decoder_walk.study_document(options, config, results)
     wall = time.perf_counter() - start
     run_config = {"seed": args.seed, "modules": [decoder_walk.MODULE], "wall_s": round(wall, 2),
                   "decoder": config.describe(), "jobs": list(jobs), "workers": workers,
                   "plan": options.low().label, "device": options.device}
-    return _finish(rows, run_config, out_dir, None, out, args, err=err, title="k3verify walk",
-                   extra_files={decoder_walk.STUDY_FILE: study})
+    status = _finish(rows, run_config, out_dir, None, out, args, err=err, title="k3verify walk",
+                     extra_files={decoder_walk.STUDY_FILE: study})
+    remove_partial(out_dir, decoder_walk.MODULE)
+    return status
 
 
 def _job_list(text: str) -> tuple[str, ...]:
@@ -537,11 +543,11 @@ def _overflow_maps_on_dask(args: argparse.Namespace, entries: list, engine: Any,
                 task = bar.add_task(f"{entry.name} overflow map", total=None, current="")
                 result = dask_engine.run_sweep(
                     entry, MapOptions(quick=args.quick, seed=args.seed), client, retries=engine.retries,
-                    cell_timeout=engine.task_timeout, partial=dask_engine.partial_path(out_dir, entry.name),
+                    cell_timeout=engine.task_timeout, partial=partial_path(out_dir, entry.name),
                     commit=code_version(), status=_dask_status(bar, task, err, f"{entry.name} overflow map"))
             result.meta["wall_s"] = round(time.perf_counter() - start, 2)
             paths = write_map(result, out_dir, environment())
-            dask_engine.remove_partial(out_dir, entry.name)
+            remove_partial(out_dir, entry.name)
             counts = agreement(result.cells)
             failed |= counts["disagree_away"] > 0
             e = result.meta["engine"]

@@ -29,6 +29,7 @@ from k3verify import cli
 from k3verify.harness import dask_engine, dask_run, registry, runner
 from k3verify.harness.files import json_safe
 from k3verify.harness.overflow_map import MapOptions, sweep_map
+from k3verify.harness.partial import partial_path
 
 pytest.importorskip("distributed", reason="dask is not installed: pip install 'k3verify[dask]'")
 cloudpickle = pytest.importorskip("cloudpickle")
@@ -123,7 +124,7 @@ def test_an_aborting_cell_and_a_hanging_cell_fail_with_their_reasons(client: Any
 
 def test_an_interrupted_sweep_resumes_with_the_missing_cells_only(client: Any, tmp_path: Path) -> None:
     entry = dask_planted.planted_entry(registry.get(MODULE), 10)
-    partial = dask_engine.partial_path(tmp_path, MODULE)
+    partial = partial_path(tmp_path, MODULE)
     total = len(entry.overflow_map.points(QUICK)) * len(entry.overflow_map.forms(QUICK))
 
     def interrupt_halfway(status: dask_engine.SweepStatus) -> None:

@@ -230,6 +230,35 @@ def test_walk_writes_its_rows_and_study(tmp_path, four: Decoder) -> None:
     assert study["first_divergence"]["layer"] == 2 and study["first_divergence"]["module"] == "moe"
     assert len(study["depth_drift"]["curves"]["tiled bf16"]) == 8
     assert len(study["decode_steps"]["served"]) == 9
+    assert not (out / ".partial").exists()  # the finished jobs' file goes once the report is written
+
+
+def test_an_interrupted_walk_resumes_with_the_missing_jobs_only(tmp_path) -> None:
+    """Rule: bit for bit (same host, same code): the jobs read back from the partial file are
+    the ones computed before the interrupt, and the resumed walk's rows equal an uninterrupted
+    walk's. Another code version takes nothing from the file."""
+    from k3verify.harness.decoder_walk import WalkOptions, run_all
+
+    options = WalkOptions(num_layers=4, prompt=8, decode=1, jobs=("prefill_decode", "mixed_batch", "speculative"))
+    partial = tmp_path / ".partial" / "decoder.jsonl"
+    said: list[str] = []
+
+    def stop_after_one(line: str) -> None:
+        said.append(line)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_all(options, partial=partial, commit="c1", progress=stop_after_one)
+    assert len(partial.read_text().splitlines()) == 1 and "prefill_decode" in said[0]
+    said.clear()
+    resumed = run_all(options, partial=partial, commit="c1", progress=said.append)
+    assert [line.endswith("from the partial file)") for line in said] == [True, False, False]
+    fresh = run_all(options)
+    verdicts = lambda results: [(r.name, [(row["form"], row["verdict"]) for row in r.rows]) for r in results]  # noqa: E731
+    assert verdicts(resumed) == verdicts(fresh)
+    said.clear()
+    run_all(replace(options, jobs=("prefill_decode",)), partial=partial, commit="c2", progress=said.append)
+    assert not said[0].endswith("from the partial file)")
 
 
 @pytest.mark.parametrize("args,message", [

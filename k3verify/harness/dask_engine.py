@@ -42,13 +42,13 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .contract import identity
-from .files import UsageError, json_safe
+from .files import UsageError
 from .overflow_map import (
     MapDefinition,
     MapOptions,
@@ -62,6 +62,7 @@ from .overflow_map import (
     registered_at,
     registered_base,
 )
+from .partial import append_piece, as_json, open_sink, piece_key, read_partial
 
 INSTALL_HINT = "pip install 'k3verify[dask]'"
 DEFAULT_RETRIES = 2
@@ -175,7 +176,7 @@ def plan(entry: Any, options: MapOptions, commit: str | None) -> list[CellTask]:
             what = {"module": entry.name, "index": index, "point": point, "form": form, "implementation": impl,
                     "base": base, "seed": options.seed, "quick": options.quick,
                     "x_values": None if options.x_values is None else list(options.x_values), "commit": commit}
-            key = hashlib.sha256(json.dumps(json_safe(what), sort_keys=True, default=str).encode()).hexdigest()
+            key = piece_key(what)
             tasks.append(CellTask(index, p, point, form, impl, base, key))
     return tasks
 
@@ -389,29 +390,6 @@ def dask_client(options: DaskOptions) -> Iterator[Any]:
         yield client
 
 
-def read_partial(path: Path | None, keys: Mapping[str, int]) -> dict[int, dict[str, Any]]:
-    """The finished cells a partial file holds for this sweep: task index -> cell, for the lines
-    whose key is one of ``keys`` (key -> task index). A line cut short by an interrupted write,
-    or any line that is not such a record, is skipped."""
-    found: dict[int, dict[str, Any]] = {}
-    if path is None or not path.is_file():
-        return found
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and record.get("key") in keys and isinstance(record.get("cell"), dict):
-                found[keys[record["key"]]] = record["cell"]
-    return found
-
-
-def _as_json(cell: dict[str, Any]) -> dict[str, Any]:
-    """``cell`` as it reads back from JSON, so that computed and resumed cells are alike."""
-    return json.loads(json.dumps(json_safe(cell), allow_nan=False))
-
-
 def run_sweep(entry: Any, options: MapOptions, client: Any, *, retries: int = DEFAULT_RETRIES,
               cell_timeout: float | None = None, partial: Path | None = None, commit: str | None = None,
               status: StatusCallback = lambda s: None) -> MapResult:
@@ -427,22 +405,17 @@ and reference builds included)."""
     st = SweepStatus(total=len(tasks), done=len(cells), resumed=len(cells))
     measured = {"builds": 0, "cell_s": 0.0}
     workers = len(client.nthreads())
-    if partial is not None:
-        partial.parent.mkdir(parents=True, exist_ok=True)
-    sink = partial.open("a", encoding="utf-8") if partial is not None else None
+    sink = open_sink(partial)
     log.info("%s overflow map: %d cells, %d found in %s", entry.name, len(tasks), len(cells), partial)
 
     def computed(task: CellTask, result: dict[str, Any]) -> None:
         measured["builds"] += bool(result["built_case"])
         measured["cell_s"] += result["seconds"]
-        cells[task.index] = _as_json(result["cell"])
-        if sink is not None:  # a line per cell, flushed: an interrupt keeps every finished cell
-            sink.write(json.dumps({"key": task.key, "index": task.index, "cell": cells[task.index]},
-                                  allow_nan=False) + "\n")
-            sink.flush()
+        cells[task.index] = as_json(result["cell"])
+        append_piece(sink, task.key, task.index, cells[task.index])
 
     def failed(task: CellTask, reason: str) -> None:
-        cells[task.index] = _as_json(failed_cell(task, reason))
+        cells[task.index] = as_json(failed_cell(task, reason))
 
     try:
         run_tasks(client, [t for t in tasks if t.index not in cells],
@@ -607,17 +580,3 @@ def sweep_map_dask(entry: Any, options: MapOptions, dask_options: DaskOptions, *
         return run_sweep(entry, options, client, **kwargs)
     with dask_client(dask_options) as opened:
         return run_sweep(entry, options, opened, **kwargs)
-
-
-def partial_path(out_dir: Path, module: str) -> Path:
-    """Where the cells of ``module``'s map are kept until the map is written."""
-    return out_dir / ".partial" / f"{module}.jsonl"
-
-
-def remove_partial(out_dir: Path, module: str) -> None:
-    """Remove ``module``'s partial file (its map is written), and the partial folder once empty."""
-    path = partial_path(out_dir, module)
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-    with contextlib.suppress(OSError):
-        path.parent.rmdir()

@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path as FilePath
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ from ..decoder.walks import (
 from ..numerics import resolve_dtype
 from ..numerics.policy import BASELINE_RULE, FAIL, PASS, POLICY, Verdict
 from . import registry
+from .partial import append_piece, as_json, open_sink, piece_key, read_partial
 from .registry import Case, Implementation
 from .rows import Row
 
@@ -294,32 +296,59 @@ def study_document(options: WalkOptions, config: DecoderConfig, results: Sequenc
 Progress = Callable[[str], None]
 
 
-def run_all(options: WalkOptions, *, workers: int = 1, progress: Progress | None = None) -> list[JobResult]:
+def job_key(options: WalkOptions, name: str, commit: str | None) -> str:
+    """The key job ``name``'s result is kept under in a partial file: every option but the job
+    list, the job, and the code's version (``commit``)."""
+    return piece_key({"options": asdict(replace(options, jobs=())), "job": name, "commit": commit})
+
+
+def run_all(options: WalkOptions, *, workers: int = 1, progress: Progress | None = None,
+            partial: FilePath | None = None, commit: str | None = None) -> list[JobResult]:
     """Every job of ``options``: in this process (``workers`` 1) or in worker processes; results
-    in job order whatever the completion order."""
+    in job order whatever the completion order. With a ``partial`` file (see
+    :mod:`~k3verify.harness.partial`), each finished job is appended to it and a job it already
+    holds for these options and this code (``commit``) is read back instead of run: a walk cut
+    off at width keeps the jobs it finished."""
     say = progress or (lambda _: None)
     names = [j for j in JOBS if j in options.jobs]
-    if workers <= 1:
-        decoder = _worker_decoder(options)
-        out = []
-        for i, name in enumerate(names):
-            out.append(run_job(name, options, decoder))
-            say(f"decoder walk: {i + 1}/{len(names)} jobs done ({name}, {out[-1].seconds:.1f} s)")
-        return out
+    keys = {job_key(options, n, commit): i for i, n in enumerate(names)}
+    done = {names[i]: JobResult(**piece) for i, piece in read_partial(partial, keys).items()}
+    for name in done:
+        say(f"decoder walk: {len(done)}/{len(names)} jobs done ({name}, from the partial file)")
+    sink = open_sink(partial)
+
+    def finished(name: str, result: JobResult) -> None:
+        done[name] = JobResult(**as_json(asdict(result)))
+        append_piece(sink, job_key(options, name, commit), names.index(name), asdict(done[name]))
+        say(f"decoder walk: {len(done)}/{len(names)} jobs done ({name}, {result.seconds:.1f} s)")
+
+    todo = [n for n in names if n not in done]
+    try:
+        if workers <= 1:
+            decoder = _worker_decoder(options) if todo else None
+            for name in todo:
+                finished(name, run_job(name, options, decoder))
+        else:
+            _run_in_workers(options, todo, workers, finished)
+    finally:
+        if sink is not None:
+            sink.close()
+    return [done[n] for n in names]
+
+
+def _run_in_workers(options: WalkOptions, names: list[str], workers: int,
+                    finished: Callable[[str, JobResult], None]) -> None:
+    """Jobs ``names`` in ``workers`` spawned processes, ``finished`` called as each one ends."""
     import concurrent.futures
     import multiprocessing
 
     # The longest jobs first: the walks, then the scenarios with the most steps.
     order = sorted(names, key=lambda n: LONGEST_FIRST.index(n) if n in LONGEST_FIRST else len(LONGEST_FIRST))
-    done: dict[str, JobResult] = {}
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_one_thread) as pool:
         futures = {pool.submit(run_job, n, options): n for n in order}
         for f in concurrent.futures.as_completed(futures):
-            name = futures[f]
-            done[name] = f.result()
-            say(f"decoder walk: {len(done)}/{len(names)} jobs done ({name}, {done[name].seconds:.1f} s)")
-    return [done[n] for n in names]
+            finished(futures[f], f.result())
 
 
 def _one_thread() -> None:

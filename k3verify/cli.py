@@ -324,7 +324,7 @@ def _finish(rows: list[dict], config: dict, out_dir: Path | None, maps_dir: Path
     doc = report.build(rows, environment=environment(), config=config, command=["k3verify", *sys.argv[1:]])
     paths = write_report(doc, out_dir, maps_dir=maps_dir, not_shown=_not_shown_printer(err or out),
                          map_fallbacks=_map_fallbacks(getattr(args, "maps", None), maps_dir),
-                         extra_files=extra_files) \
+                         extra_files=extra_files, figures=getattr(args, "figures", True)) \
         if out_dir is not None else []
     failed = doc["summary"]["fail"]
     _ci_outputs(args, ci_output.rows_suite(rows, title), ci_output.run_summary(title, doc))
@@ -869,6 +869,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="reports/latest", help="report folder (default: reports/latest)")
     r.add_argument("--seed", type=_seed, default=0, help="seed of the generated cases (default: 0)")
     r.add_argument("--maps", help=MAPS_HELP)
+    r.add_argument("--no-figures", dest="figures", action="store_false",
+                   help="write report.html without figures or map images (drawing them is about a third of a "
+                        "default run on two cores); `k3verify report render` on the folder draws them later")
     r.add_argument("--direction", choices=("forward", "backward", "both"), default="both",
                    help="the forward outputs, the gradients of the backward passes (kda_backward, mla_backward, "
                         "attnres_backward, moe_backward), or both (default)")

@@ -383,6 +383,22 @@ def test_a_map_json_without_its_png_is_drawn(maps_dir: Path, mla_report: Path, t
     assert "kda_overflow_map_input-worst.png" in page and "Overflow map" in page
 
 
+def test_a_run_without_figures_says_so_and_render_draws_them(mla_report: Path, maps_dir: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run --no-figures``: the same verdicts, a page with no image that says how to draw them,
+    and ``report render`` on the folder then draws what the default run draws."""
+    out = tmp_path / "r"
+    without_kernels(monkeypatch, "mla")
+    assert main(["run", "--modules", "mla", "--out", str(out), "--maps", str(maps_dir), "--no-figures"]) == 0
+    page = (out / "report.html").read_text()
+    assert "data:image/png" not in page and "k3verify report render on this folder draws them" in page
+    verdicts = lambda doc: [(r["form"], r["dtype"], r["case"], r["status"]) for r in doc["rows"]]  # noqa: E731
+    assert verdicts(_doc(out)) == verdicts(_doc(mla_report))
+    assert main(["report", "render", str(out), "--maps", str(maps_dir)]) == 0
+    page = (out / "report.html").read_text()
+    assert page.count('src="data:image/png;base64,') == 2 and "were not drawn" not in page
+
+
 def test_render_without_a_report_is_a_usage_error(tmp_path: Path) -> None:
     assert main(["report", "render", str(tmp_path)]) == 2
 

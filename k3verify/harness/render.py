@@ -24,6 +24,7 @@ import math
 import os
 import tempfile
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,19 @@ class Extras:
     not_shown: list[str] = field(default_factory=list)  # "<path>: <why>", one per file left out
 
 
+# Whether the pages being written draw their figures (``k3verify run --no-figures`` writes them
+# without: drawing is about a third of a default run on two cores, and a CI job that only
+# compares reports reads none of them).
+_FIGURES: ContextVar[bool] = ContextVar("figures", default=True)
+NO_FIGURES_NOTE = ("Figures were not drawn (k3verify run --no-figures): k3verify report render on this folder "
+                   "draws them.")
+
+
+def _draw(make: Callable[..., Any], *args: Any) -> Any:
+    """``make(*args)`` (a figure), or ``None`` when the pages are written without figures."""
+    return make(*args) if _FIGURES.get() else None
+
+
 def study_names() -> set[str]:
     """The study files registered modules write beside their maps (``ModuleEntry.studies``)."""
     return set(study_owners())
@@ -156,7 +170,7 @@ def _read_maps_folder(folder: MapsFolder, path: Path, extras: Extras, *, first: 
 
     for name in entries["png"]:
         module = MAP_PNG.match(name)["module"]
-        if wanted(module):
+        if wanted(module) and _FIGURES.get():
             _shown(extras, lambda n=name, m=module: extras.map_images.setdefault(m, []).append(
                 (n, _read_png(folder, n))))
     for name in entries["summary"]:  # one file for every module: only the modules wanted are merged
@@ -266,7 +280,7 @@ def _read_map(folder: MapsFolder, name: str, extras: Extras) -> None:
                       "overflow map")
     extras.map_agreement[module] = meta.get("agreement") or {}
     extras.map_commits[module] = (doc.get("environment") or {}).get("git_commit")
-    if module not in extras.map_images:
+    if module not in extras.map_images and _FIGURES.get():
         extras.map_images[module] = _draw_map_doc(drawable_map(doc, path), path)
 
 
@@ -372,6 +386,7 @@ def html_page(doc: dict[str, Any], extras: Extras) -> str:
         _failures(doc["rows"]),
         _environment(doc),
         _not_shown(extras.not_shown),
+        "" if _FIGURES.get() else f"<p class='muted'>{html_text(NO_FIGURES_NOTE)}</p>",
         "<h2>Verdicts</h2>",
         "<p>Rules: <b>fp64-agreement</b>: normwise relative max error ≤ 1e-10 against the fp64 oracle; "
         "<b>baseline</b>: rms_ratio ≤ 2 × (same-dtype naive baseline's rms_ratio) + noise floor; "
@@ -523,14 +538,14 @@ def _verdicts(rows: list[dict[str, Any]]) -> str:
 def _module_section(module: str, rows: list[dict[str, Any]], extras: Extras, report_commit: str | None) -> str:
     parts = [f"<h2 id='module-{html_text(module)}'>{html_text(module)}</h2>"]
     parts.append(_figure(
-        plots.position_figure(rows, f"{module}: error against token position"),
+        _draw(plots.position_figure, rows, f"{module}: error against token position"),
         f"{module} error against position",
         "RMS ratio of each position's output against the fp64 oracle; dashed, in colours of their own: the "
         "same-dtype naive baselines the baseline rule compares against. fp64 rows and single-token cases are left out.",
         "Error against token position",
     ))
     parts.append(_figure(
-        plots.ulp_figure(rows, f"{module}: ULP histograms"),
+        _draw(plots.ulp_figure, rows, f"{module}: ULP histograms"),
         f"{module} ULP histograms",
         "Share of outputs per band of |error| in ULPs of the row's dtype at the oracle value (fp64 rows count "
         "fp64 ULPs). Rows with non-finite outputs have no histogram.",
@@ -584,7 +599,7 @@ def _curve_section(name: str, title: str, doc: Any, maps_dir: Path | None) -> st
     if isinstance(doc, dict):
         try:
             # Curves against depth (a "layers" axis) are drawn as such; any other study as its series.
-            fig = plots.depth_figure(doc, title) if "layers" in doc else plots.series_figure(doc, title)
+            fig = _draw(plots.depth_figure if "layers" in doc else plots.series_figure, doc, title)
         except ValueError as exc:  # a curve file of another shape still shows as data
             parts.append(f"<p class='muted'>not drawn: {html_text(exc)}</p>")
     parts.append(_figure(fig, title, html_text(name)))
@@ -617,7 +632,7 @@ def _walk_curve(heading: str, curve: Any, draw: Callable[[dict[str, Any], str], 
     if not isinstance(curve, dict):
         return ""
     try:
-        figure = _figure(draw(curve, title), alt, caption)
+        figure = _figure(_draw(draw, curve, title), alt, caption)
     except ValueError as exc:
         figure = f"<p class='muted'>{html_text(alt)}: not drawn: {html_text(exc)}</p>"
     return f"<h3>{heading}</h3>\n{figure}"
@@ -719,17 +734,22 @@ def _notes(rows: list[dict[str, Any]]) -> str:
 
 def write_report(doc: dict[str, Any], out_dir: Path, *, maps_dir: Path | None = None,
                  not_shown: NotShown | None = None, map_fallbacks: Sequence[Path] = (),
-                 extra_files: dict[str, Any] | None = None) -> list[Path]:
+                 extra_files: dict[str, Any] | None = None, figures: bool = True) -> list[Path]:
     """Write ``report.json``, ``report.md`` and ``report.html`` into ``out_dir`` as one set (the
     folder is swapped in whole: an interrupt leaves the previous three); return the paths.
     ``extra_files`` (name → JSON document, e.g. ``decoder_walk.json``) join the same set.
 
     ``maps_dir`` is where overflow maps and curve files are looked for (see :func:`render_report`),
     then ``map_fallbacks`` for the modules and studies it lacks; ``not_shown`` is called with one
-    line per file the pages leave out.
+    line per file the pages leave out. ``figures=False`` writes the pages without figures or map
+    images (they say so); ``report render`` draws them later from the same files.
     """
-    return _write_set(out_dir, doc, maps_dir, with_json=True, not_shown=not_shown, fallbacks=map_fallbacks,
-                      extra_files=extra_files)
+    token = _FIGURES.set(figures)
+    try:
+        return _write_set(out_dir, doc, maps_dir, with_json=True, not_shown=not_shown, fallbacks=map_fallbacks,
+                          extra_files=extra_files)
+    finally:
+        _FIGURES.reset(token)
 
 
 def render_report(out_dir: Path, *, maps_dir: Path | None = None, not_shown: NotShown | None = None,

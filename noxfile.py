@@ -108,38 +108,42 @@ def tests(session: nox.Session) -> None:
     of the run's modules are computed once, by that run: ``properties/test_module_rows.py`` judges
     them on its report afterwards (and the opt-in modules' rows in the first pass)."""
     _install(session, "test,fla,dask")
+    if _install_only(session):  # the background commands below are not session.run's, which skips itself
+        return
     # One worker per core (pytest-xdist; the conftest gives each its share of torch's threads);
     # the 20 slowest tests in every log, where the suite's time on CI's two cores is watched.
     session.run("pytest", "-m", "not slow and not nightly and not dask_cluster", "-n", "auto", "--dist", "loadfile",
                 "--durations=20", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci", "K3V_MODULE_ROWS": "opt-in"})
-    # The Dask engine's tests start worker processes of their own and plant crashes and hangs in
-    # them: beside a busy xdist worker on two cores, a worker that dies took a finished cell's
-    # result with it and was not replaced in time (seen in CI), so they run alone, after the pass,
-    # with one intra-op thread as under xdist (their local rows must equal the workers' bit for bit).
-    if not session.posargs:
-        session.run("pytest", "-m", "dask_cluster and not slow and not nightly", "-p", "no:cacheprovider", "-q",
-                    "properties/test_dask_engine.py", env={"HYPOTHESIS_PROFILE": "ci", "OMP_NUM_THREADS": "1"})
-    # ``golden verify`` and the runs each keep about one core busy (small tensors, Python-bound):
-    # on CI's two cores the verify and the run start side by side, one intra-op thread each (two
-    # each oversubscribe the cores), and the sharded run takes the verify's core when it ends
-    # (the run takes longest: measured 101 s, the verify 61 s, the sharded run 13 s). Each one's
-    # output is printed when it ends; the run's rows are judged after it (its compare, then
-    # test_module_rows.py on its report). A run whose verdicts fail exits 1: the compare names
-    # what got worse and decides; one that could not complete exits 3, which stops the session.
+    # ``golden verify`` and the runs each keep about one core busy (small tensors, Python-bound,
+    # one intra-op thread each). The run, the longest (measured 55-62 s of rows, the verify 37 s,
+    # the sharded run 4 s), starts first, beside the Dask engine's tests, which leave the two
+    # cores about 40 % idle (58 CPU-s in 46 s; the run beside them ends about 20 s after them);
+    # the verify follows the Dask tests, and the sharded run takes the run's core when it ends.
+    # Each one's output is printed when it ends; the run's rows are judged after it (its compare,
+    # then test_module_rows.py on its report). A run whose verdicts fail exits 1: the compare
+    # names what got worse and decides; one that could not complete exits 3, which stops the
+    # session.
     one_thread = {"OMP_NUM_THREADS": "1"}
     _fresh(LATEST)
-    golden = _beside(session, one_thread, "k3verify", "golden", "verify")
-    run = None
+    golden = run = None
     try:
         # --no-figures: the session reads the report's verdicts, not its pictures (drawing them was
         # 25 of the run's 90 s here); `k3verify report render reports/latest` draws them.
         run = _beside(session, one_thread, "k3verify", "run", "--out", LATEST, "--no-figures")
-        _joined(session, *golden)
-        golden = None
-        _run_and_compare(session, TP_BASELINE, LATEST_TP, "--tp", "8", "--tp-backend", "gloo", "--quiet",
-                         env=one_thread)
+        # The Dask engine's tests start worker processes of their own and plant crashes and hangs
+        # in them: beside two busy xdist workers, a worker that died took a finished cell's result
+        # with it and was not replaced in time (seen in CI), so they run after the pass, with one
+        # intra-op thread as under xdist (their local rows must equal the workers' bit for bit).
+        if not session.posargs:
+            session.run("pytest", "-m", "dask_cluster and not slow and not nightly", "-p", "no:cacheprovider", "-q",
+                        "properties/test_dask_engine.py", env={"HYPOTHESIS_PROFILE": "ci", "OMP_NUM_THREADS": "1"})
+        golden = _beside(session, one_thread, "k3verify", "golden", "verify")
         _joined(session, *run, ok=(0, 1))
         run = None
+        _run_and_compare(session, TP_BASELINE, LATEST_TP, "--tp", "8", "--tp-backend", "gloo", "--quiet",
+                         env=one_thread)
+        _joined(session, *golden)
+        golden = None
         session.run("k3verify", "report", "compare", BASELINE, LATEST)
         session.run("pytest", "properties/test_module_rows.py", "-p", "no:cacheprovider", "-q", "-rs",
                     env={"K3V_MODULE_ROWS": f"{LATEST}/report.json"})
@@ -147,6 +151,11 @@ def tests(session: nox.Session) -> None:
         for proc in (golden, run):
             if proc is not None:
                 _joined(session, *proc, ok=None)
+
+
+def _install_only(session: nox.Session) -> bool:
+    """Whether nox runs with ``--install-only``: ``session.run`` then runs nothing and returns None."""
+    return session.run("python", "-c", "", silent=True) is None
 
 
 def _beside(session: nox.Session, env: dict[str, str], command: str, *args: str

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ def cluster_client() -> Iterator[Any]:
 def client(cluster_client: Any) -> Any:
     """The file's client once both workers are registered: a worker that an earlier test killed
     comes back through its nanny, seconds later, and a test must not start with half a cluster."""
+    dask_engine.revive(cluster_client)
     cluster_client.wait_for_workers(2, timeout=120)
     return cluster_client
 
@@ -102,6 +104,25 @@ def test_a_worker_killed_mid_sweep_loses_no_cell(client: Any, tmp_path: Path) ->
     first_form = [c for c in local if c["implementation"] == local[0]["implementation"]
                   and c.get("stream_dtype") == local[0].get("stream_dtype")]
     assert [c | {"implementation": "-"} for c in planted] == [c | {"implementation": "-"} for c in first_form]
+
+
+def test_a_worker_whose_nanny_gave_up_is_started_again(client: Any) -> None:
+    """A nanny closes when its worker dies while starting (it restarts only a running one); for a
+    LocalCluster it made, the engine starts a worker again under that name (a GPU worker's
+    device follows its name), and the sweep ends with both workers there."""
+    cluster = client.cluster
+    name = sorted(cluster.workers)[0]
+    cluster.sync(cluster.workers[name].close)
+    deadline = time.monotonic() + 30
+    while len(client.nthreads()) > 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(client.nthreads()) == 1
+    entry = dask_planted.planted_entry(registry.get(MODULE), 6)
+    result = dask_engine.run_sweep(entry, QUICK, client)
+    assert result.meta["engine"]["failed"] == 0 and len(result.cells) == len(dask_engine.plan(entry, QUICK, None))
+    client.wait_for_workers(2, timeout=60)
+    names = sorted(w["name"] for w in client.scheduler_info()["workers"].values())
+    assert names == sorted(cluster.worker_spec)
 
 
 def test_an_aborting_cell_and_a_hanging_cell_fail_with_their_reasons(client: Any) -> None:

@@ -359,6 +359,34 @@ class OneDevice(_WorkerPlugin):  # type: ignore[misc,valid-type]
             torch.cuda.set_device(worker.name % torch.cuda.device_count())
 
 
+def revive(client: Any) -> int:
+    """Start again the workers of a LocalCluster made in this process whose nanny gave up;
+    return how many. A nanny restarts a worker process that dies, but not one that dies while
+    it starts (a cell that crashes at once, sent to the fresh worker the moment it registers:
+    a wider window on a loaded machine): the nanny closes, and 15 s later the cluster drops it
+    without starting another. A cluster this process did not start (``--scheduler``) is left
+    to whoever runs it."""
+    cluster = getattr(client, "cluster", None)
+    workers, spec = getattr(cluster, "workers", None), getattr(cluster, "worker_spec", None)
+    if not isinstance(workers, dict) or not isinstance(spec, dict):
+        return 0
+    from distributed.core import Status
+
+    ended = (Status.closing, Status.closed, Status.failed)
+    closed = [n for n, w in list(workers.items()) if getattr(w, "status", None) in ended]
+    missing = [name for name in spec if name not in workers or name in closed]
+    if missing:
+        log.info("starting again the workers whose nanny gave up: %s", missing)
+
+        def forget() -> None:  # on the cluster's own loop, which reads its workers there
+            for name in closed:
+                workers.pop(name, None)
+
+        cluster.loop.add_callback(forget)
+        cluster.scale(len(spec))  # then, on that loop, a nanny for every spec without one
+    return len(missing)
+
+
 # --- the client ------------------------------------------------------------------------------
 
 
@@ -490,6 +518,7 @@ def run_tasks(client: Any, tasks: Sequence[Any], job: Callable[[Any, str], Any],
         while pending or running:
             now = time.perf_counter()
             if now - slots_at > 1.0:  # the cluster's threads, as workers die and come back
+                revive(client)
                 slots, slots_at = sum(client.nthreads().values()), now
                 no_workers_since = (no_workers_since or now) if slots == 0 else None
                 if no_workers_since is not None and now - no_workers_since > NO_WORKERS_S:

@@ -109,6 +109,27 @@ def test_decode_within_policy(dtype: str, p) -> None:
     assert_verdict(verdict, got, ref, f"heads, lengths, T, splits, seed = {p}")
 
 
+# heads: one block of 32 and a partial second; two blocks of 64 and a partial third of 32.
+wide_head_problems = _sized(_pairs((33, 65), (1, 3)), (3, 45), splits=[1, 2, 5])
+
+
+@pytest.mark.parametrize("heads_per_program", [32, 64])
+@FEW
+@given(wide_head_problems)
+def test_decode_with_larger_head_blocks_within_policy(heads_per_program: int, p) -> None:
+    """Rule baseline (fp32, faithful under the interpreter): a program carrying 32 or 64 heads
+    (fewer programs sharing each cache tile; the masked rows of a last, partial block) meets
+    the policy as the 16-head block does."""
+    heads, lengths, T, splits, seed = p
+    x = _problem(heads, lengths, T, seed)
+    ref = mla.expanded(x["q_nope"], x["q_pe"], x["cache"], x["w_uk"], x["w_uv"])
+    base = mla.naive_baseline(x["q_nope"], x["q_pe"], x["cache"], x["w_uk"], x["w_uv"], dtype="fp32")
+    got = kernels.decode(*_on(x, "fp32"), num_splits=splits, heads_per_program=heads_per_program).cpu()
+    verdict = baseline_rule(compare(got, ref, ulp_dtype=got.dtype), compare(base, ref, ulp_dtype=got.dtype),
+                            noise_floor(ref, got.dtype))
+    assert_verdict(verdict, got, ref, f"heads_per_program = {heads_per_program}; heads, lengths, T, splits, seed = {p}")
+
+
 # new tokens: one, under, at and over a query block; context lengths in one batch.
 prefill_problems = _sized(_pairs((1, 3, 17), (1, 7, 16, 40)), (1, 90))
 
@@ -204,6 +225,9 @@ def test_bad_arguments_are_named() -> None:
                         args[2].to(torch.float64), args[3].double(), args[4].double())  # fmt: skip
     with pytest.raises(ValueError, match="num_splits"):
         kernels.decode(*args, num_splits=0)
+    for block in (8, 48, 16.0, True):
+        with pytest.raises(ValueError, match="heads_per_program must be one of"):
+            kernels.decode(*args, heads_per_program=block)
     bad = args[0].clone()
     bad[0, 0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="q_nope"):

@@ -54,7 +54,8 @@ __all__ = ["decode", "expanded_operands", "interpreted", "latent_attention", "pr
 
 OPERAND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KEYS = 64  # key positions per decode tile
-HEADS = 16  # heads per decode program (a tl.dot side)
+HEADS = 16  # heads per decode program (a tl.dot side), unless the caller asks for another block
+HEAD_BLOCKS = (16, 32, 64)  # the head blocks a decode program may take: tl.dot sides up to a wgmma's 64 rows
 # Prefill tiles (16 x 16 under the interpreter, where size is time), the fastest of those timed on
 # an H200 at K3's widths (benchmarks/mla_gpu.py): 128 queries by 64 keys, 8 warps, 3 stages.
 # The query block must be a multiple of the key block (the diagonal's tiles start on it).
@@ -287,10 +288,12 @@ def decode(
     *,
     scale: float | None = None,
     num_splits: int = 1,
+    heads_per_program: int = HEADS,
 ) -> torch.Tensor:
     """Absorbed attention over the paged cache (the common MLA signature): ``o:[B, T, H, Dv]``
     in the operand dtype. ``num_splits`` splits each query's keys into that many ranges, merged
-    by their fp32 log-sum-exp (split-KV)."""
+    by their fp32 log-sum-exp (split-KV); ``heads_per_program`` (one of :data:`HEAD_BLOCKS`) is
+    how many heads one program carries over the cache tiles it reads."""
     _, scale = check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
     reason = unavailable_reason(q_nope.dtype)
     if reason is not None:
@@ -298,16 +301,21 @@ def decode(
     dev = device_for(q_nope, "the MLA kernels")
     op = q_nope.dtype
     q_lat = absorb_query(q_nope.to(dev, torch.float32), w_uk.to(dev, torch.float32)).to(op)
-    o_lat = latent_attention(q_lat, q_pe.to(dev), cache, scale=scale, num_splits=num_splits)
+    o_lat = latent_attention(q_lat, q_pe.to(dev), cache, scale=scale, num_splits=num_splits,
+                             heads_per_program=heads_per_program)
     return absorb_output(o_lat.transpose(1, 2), w_uv.to(dev, torch.float32)).to(op)
 
 
 def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache, *, scale: float,
-                     num_splits: int = 1) -> torch.Tensor:  # fmt: skip
+                     num_splits: int = 1, heads_per_program: int = HEADS) -> torch.Tensor:  # fmt: skip
     """The kernel alone: ``q_lat:[B, T, H, R]``, ``q_pe:[B, T, H, Dr]`` (operand dtype) over the
     cache -> the latent output ``o_lat:[B, T, H, R]`` in fp32, splits merged. Arguments are
-    taken as :func:`decode` checked them."""
+    taken as :func:`decode` checked them. A larger head block reads (and, for an fp8 cache,
+    dequantises) each cache tile in fewer programs: at 96 heads, 6 programs of 16 share a tile."""
     require_block("num_splits", num_splits)
+    if isinstance(heads_per_program, bool) or not isinstance(heads_per_program, int) \
+            or heads_per_program not in HEAD_BLOCKS:
+        raise ValueError(f"heads_per_program must be one of {HEAD_BLOCKS}, got {heads_per_program!r}")
     B, T, H, R = q_lat.shape
     Dr = q_pe.shape[-1]
     dev = q_lat.device
@@ -319,11 +327,11 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache
     scales = cache.scales.to(dev, torch.float32).contiguous() if cache.quantized else pool
     BR = block(R)
     chunks = 4 if BR >= 64 else 2 if BR >= 32 else 1  # a chunk is at least 16 wide (a tl.dot side)
-    head_blocks = triton.cdiv(H, HEADS)
+    head_blocks = triton.cdiv(H, heads_per_program)
     _decode_kernel[(BT * num_splits * head_blocks,)](
         q_lat.contiguous(), q_pe.contiguous(), pool, scales, table, cache.seq_lens.to(dev).contiguous(),
         o_part, lse, T, H, R, Dr, R + Dr, cache.page_size, table.shape[1], BT, float(scale), num_splits, head_blocks,
-        BH=HEADS, BC=BR // chunks, NC=chunks, BDR=block(Dr), BN=KEYS, QUANT=cache.quantized,
+        BH=heads_per_program, BC=BR // chunks, NC=chunks, BDR=block(Dr), BN=KEYS, QUANT=cache.quantized,
         IEEE=q_lat.dtype == torch.float32, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
     )  # fmt: skip
     weights = torch.softmax(lse, dim=0)  # e^{lse_s - LSE}; an empty split's -inf gets 0

@@ -23,6 +23,7 @@ from typing import Any
 
 import dask_planted
 import pytest
+import torch
 import worst_case
 from hypothesis import settings
 
@@ -47,9 +48,17 @@ cloudpickle.register_pickle_by_value(dask_planted)
 
 @pytest.fixture(scope="module")
 def cluster_client() -> Iterator[Any]:
-    """A client of a LocalCluster of two single-threaded worker processes, for the whole file."""
-    with dask_engine.dask_client(dask_engine.DaskOptions(workers=2)) as c:
-        yield c
+    """A client of a LocalCluster of two single-threaded worker processes, for the whole file.
+    This process computes with one intra-op thread too while the file runs: its local rows and
+    cells are compared with the workers' bit for bit (a sum split over two threads rounds
+    otherwise), whatever OMP_NUM_THREADS says."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with dask_engine.dask_client(dask_engine.DaskOptions(workers=2)) as c:
+            yield c
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture

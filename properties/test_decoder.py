@@ -261,6 +261,29 @@ def test_an_interrupted_walk_resumes_with_the_missing_jobs_only(tmp_path) -> Non
     assert not said[0].endswith("from the partial file)")
 
 
+@pytest.mark.parametrize("tamper", [
+    lambda p: p | {"extra": 1},
+    lambda p: p | {"rows": "not a list"},
+    lambda p: p | {"rows": [{"module": "decoder"}]},
+    lambda p: p | {"seconds": True},
+    lambda p: p | {"name": "speculative"},
+])
+def test_a_partial_line_that_is_not_a_job_result_runs_the_job_again(tmp_path, tamper) -> None:
+    """The partial file is untrusted input: a line under the job's key whose fields, rows or name
+    are not a job result's is not taken (the job runs again, its rows the computed ones)."""
+    from k3verify.harness.decoder_walk import WalkOptions, run_all
+
+    options = WalkOptions(num_layers=4, prompt=8, decode=1, jobs=("prefill_decode",))
+    partial = tmp_path / "decoder.jsonl"
+    first = run_all(options, partial=partial, commit="c")
+    record = json.loads(partial.read_text())
+    partial.write_text(json.dumps(record | {"cell": tamper(record["cell"])}) + "\n")
+    said: list[str] = []
+    again = run_all(options, partial=partial, commit="c", progress=said.append)
+    assert not said[0].endswith("from the partial file)")
+    assert [row["verdict"] for row in again[0].rows] == [row["verdict"] for row in first[0].rows]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--plant", "5:nope"], "the module is one of"),
     (["--jobs", "walks,nope"], "unknown job"),

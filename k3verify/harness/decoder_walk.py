@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path as FilePath
 from typing import Any
 
@@ -45,7 +45,7 @@ from ..numerics.policy import BASELINE_RULE, FAIL, PASS, POLICY, Verdict
 from . import registry
 from .partial import append_piece, as_json, open_sink, piece_key, read_partial
 from .registry import Case, Implementation
-from .rows import Row
+from .rows import Row, RowError
 
 MODULE = "decoder"
 STUDY_FILE = "decoder_walk.json"
@@ -312,7 +312,8 @@ def run_all(options: WalkOptions, *, workers: int = 1, progress: Progress | None
     say = progress or (lambda _: None)
     names = [j for j in JOBS if j in options.jobs]
     keys = {job_key(options, n, commit): i for i, n in enumerate(names)}
-    done = {names[i]: JobResult(**piece) for i, piece in read_partial(partial, keys).items()}
+    found = {names[i]: _resumed(piece, names[i]) for i, piece in read_partial(partial, keys).items()}
+    done = {name: result for name, result in found.items() if result is not None}
     for name in done:
         say(f"decoder walk: {len(done)}/{len(names)} jobs done ({name}, from the partial file)")
     sink = open_sink(partial)
@@ -334,6 +335,20 @@ def run_all(options: WalkOptions, *, workers: int = 1, progress: Progress | None
         if sink is not None:
             sink.close()
     return [done[n] for n in names]
+
+
+def _resumed(piece: dict[str, Any], name: str) -> JobResult | None:
+    """Job ``name``'s result as a partial file holds it, or ``None`` (the job runs again) when the
+    line under its key is not one: other fields, or a row the report schema refuses."""
+    if set(piece) != {f.name for f in fields(JobResult)} or piece["name"] != name \
+            or not isinstance(piece["rows"], list) or not isinstance(piece["study"], dict) \
+            or isinstance(piece["seconds"], bool) or not isinstance(piece["seconds"], (int, float)):
+        return None
+    try:
+        rows = [Row.from_json(row, where=f"resumed row of {name}", strict=True).to_json() for row in piece["rows"]]
+    except RowError:
+        return None
+    return JobResult(name, rows, piece["study"], float(piece["seconds"]))
 
 
 def _run_in_workers(options: WalkOptions, names: list[str], workers: int,

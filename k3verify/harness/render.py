@@ -635,7 +635,7 @@ def _walk_curve(heading: str, curve: Any, draw: Callable[[dict[str, Any], str], 
         figure = _figure(_draw(draw, curve, title), alt, caption)
     except ValueError as exc:
         figure = f"<p class='muted'>{html_text(alt)}: not drawn: {html_text(exc)}</p>"
-    return f"<h3>{heading}</h3>\n{figure}"
+    return f"<h3>{html_text(heading)}</h3>\n{figure}"
 
 
 def _walk_section(walk: dict[str, Any]) -> str:

@@ -27,6 +27,7 @@ from k3verify.numerics import relative_max_error
 
 NEW_KDA_ROWS = {"kernel:flash_kda": "tokenspeed-flashkda", "kernel:cutedsl_kda": "tokenspeed-cutedsl-kda"}
 NEW_MLA_ROWS = {"tokenspeed-flashmla", "tokenspeed-mla", "tokenspeed-fa3"}
+NEW_MOE_ROWS = {"tokenspeed-deepgemm"}
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: the rows may run")
 
 
@@ -36,10 +37,10 @@ def _rows(module: str) -> dict[str, registry.Implementation]:
 
 @no_gpu
 def test_new_rows_are_listed_unavailable_with_their_reason(capsys: pytest.CaptureFixture[str]) -> None:
-    """``k3verify list --modules kda,mla`` shows each new row, ``available: no`` and why."""
-    assert cli.main(["list", "--modules", "kda,mla"]) == 0
+    """``k3verify list --modules kda,mla,moe`` shows each new row, ``available: no`` and why."""
+    assert cli.main(["list", "--modules", "kda,mla,moe"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    for package in [*NEW_KDA_ROWS.values(), *NEW_MLA_ROWS]:
+    for package in [*NEW_KDA_ROWS.values(), *NEW_MLA_ROWS, *NEW_MOE_ROWS]:
         (line,) = [ln for ln in lines if f" {package} " in ln and "available:" in ln and ln.split()[1] == package]
         reason = line.split("available: ", 1)[1]
         assert reason.startswith("no: ") and package in reason, line
@@ -63,11 +64,10 @@ def test_installed_wheels_without_a_gpu_say_so(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_every_wheel_row_is_unavailable_and_never_called() -> None:
-    """TokenSpeed's wheels other than FlashKDA are listed only: their rows never claim to run."""
-    rows = {**_rows("kda"), **_rows("mla")}
+    """TokenSpeed's wheels other than FlashKDA are listed only: their rows never claim to run
+    (DeepGEMM's under MoE, beside torch's grouped GEMMs)."""
+    rows = {**_rows("kda"), **_rows("mla"), **_rows("moe")}
     for wheel in tokenspeed.WHEELS.values():
-        if wheel.distribution == "tokenspeed-deepgemm":
-            continue  # a MoE peer: the moe entry lists it (docs/modules/kda.md, "Production kernels")
         row = next(r for name, r in rows.items() if name.startswith(wheel.distribution + " "))
         assert row.unavailable() == tokenspeed.unavailable_reason(wheel.distribution)
         with pytest.raises(NotImplementedError):

@@ -74,7 +74,8 @@ WHEELS = {
               "DeepGEMM: grouped bf16/fp8/fp4 GEMMs (MoE experts), JIT-compiled at first call",
               "SM90/SM100; links libtorch 2.14.0 and libcudart.so.13; compiles kernels with the CUDA toolkit",
               (9, 10), "2.14.0",
-              "a MoE row belongs in the moe module's entry; its grouped-GEMM layout is not mapped yet"),
+              "its grouped layout (tokens contiguous per expert, rows padded to its M alignment, a per-row "
+              "expert index) has no adapter yet"),
     )
 }  # fmt: skip
 

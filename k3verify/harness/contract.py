@@ -159,6 +159,23 @@ def unavailable_as(reason: Callable[[], str | None]) -> Callable[[], tuple[bool,
     return probe
 
 
+def listed(module: str, implementation: str, form: str, dtype: str, reason: Callable[[], str],
+           cases: tuple[str, ...], *, params: Mapping[str, Any] | None = None, rule: str = BASELINE_RULE,
+           baseline: str = "recurrent") -> Implementation:
+    """A row for a kernel k3verify knows of but does not call (a production wheel built for
+    another GPU or torch, or with no adapter yet): always ``unavailable``, ``reason()`` saying
+    why, so a report shows the gap instead of leaving it out. ``run`` raises with that reason."""
+
+    def not_called(case: Case) -> Outputs:
+        raise NotImplementedError(reason())
+
+    return Implementation(
+        module=module, implementation=implementation, form=form, dtype=dtype, params=dict(params or {}),
+        rule=rule, run=not_called, cases=cases, baseline=baseline,
+        source=f"{implementation} (listed: k3verify does not call it)", is_available=lambda: (False, reason()),
+    )
+
+
 @dataclass(frozen=True)
 class ErrorSamples:
     """How many independent rounding errors an output holds, for each statistic of the baseline

@@ -45,6 +45,7 @@ from .contract import (  # noqa: F401
     default_error_samples,
     golden_case_kind,
     identity,
+    listed,
     memoized_on_case,
     placeholder,
     product_error_samples,

@@ -32,6 +32,7 @@ from ..registry import (
     Prediction,
     ShardedForm,
     cases_from,
+    listed,
     register,
     unavailable_as,
 )
@@ -242,17 +243,9 @@ def _production_implementations() -> list[Implementation]:
         source=f"{name} (adapter: flash_kda.fwd, SM90 CUTLASS; state transposed from [B, H, V, K])",
         is_available=unavailable_as(flash_kda.unavailable_reason),
     )
-    cutedsl = tokenspeed.WHEELS["tokenspeed-cutedsl-kda"]
-
-    def not_called(case: Case) -> Outputs:
-        raise NotImplementedError(tokenspeed.unavailable_reason(cutedsl.distribution))
-
-    blackwell = Implementation(
-        module="kda", implementation=cutedsl.name, form="kernel:cutedsl_kda", dtype="bf16",
-        params={"lower_bound": G_MIN}, rule=BASELINE_RULE, run=not_called, cases=("default", "saturated"),
-        baseline="chunkwise", source=f"{cutedsl.name} (listed: k3verify does not call it)",
-        is_available=lambda: (False, tokenspeed.unavailable_reason(cutedsl.distribution)),
-    )
+    blackwell = listed("kda", tokenspeed.WHEELS["tokenspeed-cutedsl-kda"].name, "kernel:cutedsl_kda", "bf16",
+                       partial(tokenspeed.unavailable_reason, "tokenspeed-cutedsl-kda"), ("default", "saturated"),
+                       params={"lower_bound": G_MIN}, baseline="chunkwise")
     return [flash, blackwell]
 
 

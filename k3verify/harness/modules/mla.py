@@ -29,6 +29,7 @@ from ..registry import (
     Prediction,
     ShardedForm,
     cases_from,
+    listed,
     register,
     unavailable_as,
 )
@@ -213,16 +214,8 @@ PRODUCTION = (("tokenspeed-flashmla", "kernel:decode", ("default", "decode", "ho
 def _production(distribution: str, form: str, cases: tuple[str, ...]) -> Implementation:
     """A production kernel's row, always ``unavailable`` with the reason (not installed, no GPU it
     is built for, another torch, or no adapter yet): k3verify does not call these kernels."""
-    wheel = tokenspeed.WHEELS[distribution]
-
-    def not_called(case: Case) -> Outputs:
-        raise NotImplementedError(tokenspeed.unavailable_reason(distribution))
-
-    return Implementation(
-        module="mla", implementation=wheel.name, form=form, dtype="bf16", params={}, rule=BASELINE_RULE,
-        run=not_called, cases=cases, source=f"{wheel.name} (listed: k3verify does not call it)",
-        is_available=lambda: (False, tokenspeed.unavailable_reason(distribution)),
-    )
+    return listed("mla", tokenspeed.WHEELS[distribution].name, form, "bf16",
+                  partial(tokenspeed.unavailable_reason, distribution), cases)
 
 
 def own_implementations() -> list[Implementation]:

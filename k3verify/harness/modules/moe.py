@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ... import moe
-from ...adapters import torch_grouped_mm
+from ...adapters import tokenspeed, torch_grouped_mm
 from ...moe import kernels, samples, studies
 from ...numerics import compute_dtype, dtype_name, resolve_dtype, rule_for
 from ..environment import one_thread
@@ -39,6 +39,7 @@ from ..registry import (
     ShardedForm,
     as_outputs,
     cases_from,
+    listed,
     register,
     unavailable_as,
 )
@@ -189,6 +190,13 @@ def _torch_grouped_mm() -> Implementation:
     )  # fmt: skip
 
 
+def _deep_gemm() -> Implementation:
+    """DeepGEMM's grouped bf16 expert GEMMs (``tokenspeed-deepgemm``), the production peer of
+    ``kernel:grouped``: a row that says why it does not run (:mod:`k3verify.adapters.tokenspeed`)."""
+    return listed("moe", tokenspeed.WHEELS["tokenspeed-deepgemm"].name, "kernel:grouped", "bf16",
+                  partial(tokenspeed.unavailable_reason, "tokenspeed-deepgemm"), ALL_CASES)
+
+
 def own_implementations() -> list[Implementation]:
     """What ``k3verify run`` verifies for Stable LatentMoE."""
     return [
@@ -210,6 +218,7 @@ def own_implementations() -> list[Implementation]:
         # predicts and shows that overflow).
         _grouped_kernel("fp16", ("default", "decode", "skewed", "scaled")),
         _torch_grouped_mm(),
+        _deep_gemm(),
     ]
 
 

@@ -328,3 +328,20 @@ def test_a_registered_implementation_runs_in_the_stack(tmp_path) -> None:
     assert [(r["form"], r["status"]) for r in rows if r["dtype"] == "fp32"] == [(f"walk/tiled fp32 + {label}", "pass")]
     with pytest.raises(ValueError, match=r"no such implementation of kda; known: .*fla-core"):
         WalkOptions(use=("kda/nope",)).low()
+
+
+def test_a_registered_kda_implementation_runs_the_decode_steps_too(tmp_path) -> None:
+    """A bf16 implementation in place of KDA takes every call of the served path, one-token decode
+    steps included, with the state handed over in fp32 as to a kernel (the decode steps once fell
+    back to our recurrence with a bf16/fp32 mix and a TypeError). Rule: baseline, as every bf16 row."""
+    from k3verify.cli import main
+    from k3verify.harness.decoder_walk import WalkOptions
+
+    label = "kda/k3verify:recurrent[bf16]"
+    plan = WalkOptions(use=(label,)).low()
+    assert plan.forms[KDA].decode is plan.forms[KDA].fn
+    out = tmp_path / "w"
+    assert main(["walk", "--layers", "4", "--prompt", "8", "--decode", "2", "--workers", "1",
+                 "--jobs", "prefill_decode", "--use", label, "--out", str(out), "--quiet"]) == 0
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    assert [r["status"] for r in rows if r["dtype"] == "bf16"] == ["pass"]

@@ -399,7 +399,9 @@ def registered_form(label: str) -> tuple[str, Form]:
         raise ValueError(f"--use {label!r} is unavailable here: {reason}")
     dtype = resolve_dtype(impl.dtype)
     if module == "kda":
-        return module, Form(label, dtype, _kda_bridge(impl), fp32_state=True)
+        bridge = _kda_bridge(impl)
+        # one-token decode steps too: the implementation runs every KDA call of the stack
+        return module, Form(label, dtype, bridge, decode=bridge, fp32_state=True)
     if module == "mla":
         return module, Form(label, dtype, _mla_bridge(impl))
     return module, Form(label, dtype, _moe_bridge(impl))

@@ -594,9 +594,9 @@ def cmd_list(args: argparse.Namespace, out: Console, err: Console) -> int:
     impls = [impl for entry in registry.select(selected) for impl in entry.implementations()]
     if selected is None:
         impls += registry.orphan_implementations()
-    listed = [{"module": i.module, "implementation": i.implementation, "form": i.form, "dtype": i.dtype,
-               "params": {k: str(v) for k, v in i.params.items()}, "cases": list(i.cases), "rule": i.rule,
-               "source": i.source, "available": i.unavailable() is None, "reason": i.unavailable()}
+    listed = [{"label": i.label, "module": i.module, "implementation": i.implementation, "form": i.form,
+               "dtype": i.dtype, "params": {k: str(v) for k, v in i.params.items()}, "cases": list(i.cases),
+               "rule": i.rule, "source": i.source, "available": i.unavailable() is None, "reason": i.unavailable()}
               for i in impls]
     if args.json:
         print(json.dumps(listed, indent=1))
@@ -920,8 +920,9 @@ def parser() -> argparse.ArgumentParser:
                         "bf16/fp16; fp32 runs in Triton's CPU interpreter)")
     w.add_argument("--device", default="cpu", help="where the stack runs (default: cpu; cuda for a GPU)")
     w.add_argument("--use", action="append", metavar="LABEL",
-                   help="a registered kda, mla or moe implementation (its label in `k3verify list`, plugins "
-                        "included) in place of that module's form in the low-precision plan; repeatable")
+                   help="a registered kda, mla or moe implementation (its label, as `k3verify list --json` "
+                        "gives it, plugins included) in place of that module's form in the low-precision plan, "
+                        "every call of it; repeatable")
     w.add_argument("--experts", type=_workers, default=16, help="--config wide: routed experts (default: 16)")
     w.add_argument("--distinct-layers", type=_workers, default=2,
                    help="--config wide: weight sets per module type, cycled over the layers (default: 2)")

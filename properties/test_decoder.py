@@ -312,15 +312,18 @@ def test_pooled_weights_repeat_and_the_wide_config_has_k3s_widths() -> None:
         replace(DecoderConfig.cpu(), hidden=128)
 
 
-def test_a_registered_implementation_runs_in_the_stack(tmp_path) -> None:
-    """fla-core's chunkwise KDA (fp32, CPU) in every KDA layer of the low-precision plan, judged
-    by the baseline rule against the fp64 walk like our own forms; an unknown label is refused
-    with the known ones listed."""
+def test_a_registered_implementation_runs_in_the_stack(tmp_path, capsys) -> None:
+    """fla-core's chunkwise KDA (fp32, CPU), its label as `list --json` gives it, in every KDA layer
+    of the low-precision plan, judged by the baseline rule against the fp64 walk like our own
+    forms; an unknown label is refused with the known ones listed."""
     from k3verify.cli import main
     from k3verify.harness.decoder_walk import WalkOptions
 
-    label = "kda/fla-core 0.6.0:chunkwise[fp32]"
     pytest.importorskip("fla")
+    assert main(["list", "--modules", "kda", "--json"]) == 0
+    (label,) = [i["label"] for i in json.loads(capsys.readouterr().out)
+                if i["implementation"].startswith("fla-core ") and i["form"] == "chunkwise"]
+    assert label == "kda/fla-core 0.6.0:chunkwise[fp32]"
     out = tmp_path / "w"
     assert main(["walk", "--layers", "4", "--prompt", "8", "--decode", "1", "--dtype", "fp32", "--workers", "1",
                  "--jobs", "walks", "--use", label, "--out", str(out), "--quiet"]) == 0
@@ -328,6 +331,28 @@ def test_a_registered_implementation_runs_in_the_stack(tmp_path) -> None:
     assert [(r["form"], r["status"]) for r in rows if r["dtype"] == "fp32"] == [(f"walk/tiled fp32 + {label}", "pass")]
     with pytest.raises(ValueError, match=r"no such implementation of kda; known: .*fla-core"):
         WalkOptions(use=("kda/nope",)).low()
+
+
+def test_a_call_the_used_implementation_refuses_is_a_usage_error(tmp_path, monkeypatch, capsys) -> None:
+    """A plugin's KDA kernel built for other head dims (as FlashKDA is for K = V = 128) refuses the
+    stack's first call: the walk ends with exit 2 and one line naming the implementation, the
+    call's shapes and the kernel's own reason, not as an internal error (exit 3)."""
+    from k3verify.cli import main
+    from k3verify.harness import registry
+
+    def refuse(case):
+        raise ValueError(f"built for K = V = 128; got K = {case.inputs['q'].shape[-1]}")
+
+    fake = registry.Implementation(module="kda", implementation="vendor-kda 1.0", form="kernel:chunk",
+                                   dtype="bf16", params={}, rule=registry.BASELINE_RULE, run=refuse,
+                                   source="vendor-kda 1.0 (plugin)")
+    monkeypatch.setattr(registry, "plugin_implementations", lambda m: [fake] if m == "kda" else [])
+    code = main(["walk", "--layers", "4", "--prompt", "8", "--decode", "1", "--workers", "1",
+                 "--jobs", "prefill_decode", "--use", fake.label, "--out", str(tmp_path / "w"), "--quiet"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2, err
+    assert f"--use '{fake.label}' refused a call of the stack" in err and "got K = 32" in err, err
+    assert "internal error" not in err
 
 
 def test_a_registered_kda_implementation_runs_the_decode_steps_too(tmp_path) -> None:

@@ -43,6 +43,7 @@ from ..decoder.walks import (
 from ..numerics import resolve_dtype
 from ..numerics.policy import BASELINE_RULE, FAIL, PASS, POLICY, Verdict
 from . import registry
+from .files import UsageError
 from .partial import append_piece, as_json, open_sink, piece_key, read_partial
 from .registry import Case, Implementation
 from .rows import Row, RowError
@@ -407,6 +408,17 @@ def registered_form(label: str) -> tuple[str, Form]:
     return module, Form(label, dtype, _moe_bridge(impl))
 
 
+def _call(impl: Implementation, inputs: dict[str, Any]) -> Any:
+    """``impl.run`` on one call of the stack; an input it refuses (``ValueError``/``TypeError``,
+    the adapters' way of naming a shape, dtype or value they do not compute) ends the walk as a
+    usage error naming the implementation and the call, not as k3verify's own failure."""
+    try:
+        return impl.run(Case("decoder", inputs))
+    except (ValueError, TypeError) as exc:
+        shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in inputs.items() if isinstance(t, torch.Tensor))
+        raise UsageError(f"--use {impl.label!r} refused a call of the stack ({shapes}): {exc}") from exc
+
+
 def _fp64_cpu(t: Any) -> Any:
     return t.detach().to("cpu", torch.float64) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
@@ -416,7 +428,7 @@ def _kda_bridge(impl: Implementation) -> Callable[..., Any]:
            initial_state: torch.Tensor, output_final_state: bool = True, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = {n: _fp64_cpu(t) for n, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
                                                ("initial_state", initial_state))}
-        out = impl.run(Case("decoder", inputs))
+        out = _call(impl, inputs)
         return out["o"].to(q.device, q.dtype), out["final_state"].to(q.device, torch.float32)
     return fn
 
@@ -429,13 +441,12 @@ def _mla_bridge(impl: Implementation) -> Callable[..., Any]:
                                                                          cpu.scales)))
         inputs = {"q_nope": _fp64_cpu(q_nope), "q_pe": _fp64_cpu(q_pe), "cache": cpu, "w_uk": _fp64_cpu(w_uk),
                   "w_uv": _fp64_cpu(w_uv)}
-        return impl.run(Case("decoder", inputs))["o"].to(q_nope.device, q_nope.dtype)
+        return _call(impl, inputs)["o"].to(q_nope.device, q_nope.dtype)
     return fn
 
 
 def _moe_bridge(impl: Implementation) -> Callable[..., Any]:
     def fn(x: torch.Tensor, weights: Any, config: Any, **_: Any) -> torch.Tensor:
         fp64 = type(weights)(**{n: _fp64_cpu(t) for n, t in weights.tensors().items()})
-        return impl.run(Case("decoder", {"x": _fp64_cpu(x), "weights": fp64, "config": config}))["y"].to(
-            x.device, x.dtype)
+        return _call(impl, {"x": _fp64_cpu(x), "weights": fp64, "config": config})["y"].to(x.device, x.dtype)
     return fn

@@ -14,7 +14,9 @@ the TP-local expert hidden 384 (3072 / 8) at T = 4096 and 16384 tokens, and the 
   (``P = T k`` rows) against the bf16 matmul peak measured in the same run (an 8192³
   ``torch.matmul``).
 - layer: the time of each part of our path — router, dispatch (sort and counts), ``z = x W↓``,
-  the expert GEMMs, the combine (each token's rows summed) — and of the whole.
+  the expert GEMMs, the combine (each token's rows summed) — and of the whole, with the GEMMs
+  outside the experts in fp32 torch operations and (``production=True``) in our launches with
+  bf16 operands.
 
 Ratios are ``peer time / our time`` (> 1: ours is faster). Writes ``moe_gpu.json``,
 ``moe_gpu.md`` and ``moe_gpu_benchmark.json`` (pytest-benchmark's shape) under ``--out``.
@@ -101,6 +103,8 @@ def shape_rows(T: int, H: int, peak: float, log) -> list[dict[str, Any]]:
         "latent down-projection": lambda: x.bfloat16() @ w.w_latent_down,
         "combine": lambda: out[slot_rows].reshape(T, cfg.top_k, -1).sum(1),
         "layer": partial(kernels.grouped, x.bfloat16(), w, cfg, routing=r),
+        # every GEMM in our launches with bf16 operands (x W↓, RMSNorm(u) W↑, the shared MLP)
+        "layer, production dtype": partial(kernels.grouped, x.bfloat16(), w, cfg, routing=r, production=True),
     }
     rows.append(dict(kind="layer", T=T, H=H, part="expert GEMMs", ms=ours))  # timed above
     for name, fn in parts.items():

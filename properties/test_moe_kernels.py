@@ -129,6 +129,49 @@ def test_grouped_experts_within_policy(dtype: str, activation: str, ek, T: int, 
     assert_verdict(verdict, got, ref, f"activation, (E, k), T, skewed, seed = {activation, ek, T, skewed, seed}")
 
 
+def _production_case(activation: str, skewed: bool):
+    cfg = MoEConfig(hidden_size=64, num_experts=8, top_k=2, latent_size=40, expert_hidden=24, activation=activation)
+    w = init_weights(cfg, seed=3)
+    x = torch.randn(33, cfg.hidden_size, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    r = router.route(x, w.w_router, w.bias, cfg)
+    if skewed:
+        r = Routing(torch.arange(2).repeat(33, 1), torch.full((33, 2), 0.5, dtype=torch.float64))
+    return cfg, w, x, r
+
+
+@pytest.mark.parametrize(("dtype", "activation", "skewed"), [("fp16", "situ", False), ("fp32", "swiglu", True)])
+def test_production_layer_within_policy(dtype: str, activation: str, skewed: bool) -> None:
+    """Rule baseline: ``production=True`` (x W↓, RMSNorm(u) W↑ and the shared MLP in our launches,
+    operands in the layer's dtype, as the tiled form models them). The path is taken (its result
+    is not the fp32-host path's), and a planted bug of its own (the shared MLP's W1 and W3
+    swapped) fails the same rule."""
+    dt = DTYPES[dtype]
+    if EXPERT_REASONS[dtype] is not None:
+        pytest.skip(EXPERT_REASONS[dtype])
+    cfg, w, x, r = _production_case(activation, skewed)
+    ref = moe.recurrent(x, w, cfg, routing=r)
+    base = moe.naive_baseline(x, w, cfg, dtype=dtype, routing=r)
+
+    def verdict(got: torch.Tensor):
+        return baseline_rule(compare(got, ref, ulp_dtype=dt), compare(base, ref, ulp_dtype=dt), noise_floor(ref, dt))
+
+    got = kernels.grouped(x.to(dt), w.to(dt), cfg, routing=r, production=True).cpu()
+    assert_verdict(verdict(got), got, ref, f"{dtype} {activation} skewed={skewed}")
+    assert not torch.equal(got, kernels.grouped(x.to(dt), w.to(dt), cfg, routing=r).cpu())
+    real = kernels.kernel_dense
+
+    def swapped(config):
+        d = real(config)
+        return kernels.Dense(d.matmul, lambda x_, w1, w3, w2: d.shared(x_, w3, w1, w2))
+
+    kernels.kernel_dense = swapped
+    try:
+        bad = kernels.grouped(x.to(dt), w.to(dt), cfg, routing=r, production=True).cpu()
+    finally:
+        kernels.kernel_dense = real
+    assert verdict(bad).status == "fail"
+
+
 @pytest.mark.skipif(EXPERT_REASONS["fp32"] is not None, reason=str(EXPERT_REASONS["fp32"]))
 def test_grouped_experts_name_bad_arguments() -> None:
     """Structural: a dtype the kernels do not take is named; the common checks come from the

@@ -26,7 +26,9 @@ sort and its counts on the host):
   fp32; each token then sums its ``k`` rows in slot order on the host (deterministic, no atomics).
 
 The router (the reference's fp32 router, or the routing given), ``z = x W↓``, ``RMSNorm_γ(u) W↑``
-and the shared MLP run on the host in fp32. Operands are ``x``'s dtype: bf16 or fp16 on a GPU,
+and the shared MLP run in fp32 torch operations; with ``grouped(..., production=True)`` the last
+three run in the same launches with operands in the layer's dtype (one expert holding every row),
+as the production layer runs them. Operands are ``x``'s dtype: bf16 or fp16 on a GPU,
 fp32 anywhere Triton runs.
 """
 
@@ -38,6 +40,7 @@ from functools import partial
 
 import torch
 
+from ..numerics.ops import rms_norm
 from ..numerics.validate import require_finite, require_float, require_shape, require_tensor
 from ..triton_support import block, device_for, dot, dot_fp32, interpreted, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
@@ -67,6 +70,8 @@ EXPERT_DOWN_COLS = 128
 EXPERT_DEPTH = 64
 EXPERT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 EXPERT_MATRICES = ("w1", "w3", "w2")
+# The layer's GEMMs outside the experts: latent down and up projections, the shared MLP.
+DENSE_MATRICES = ("w_latent_down", "w_latent_up", "shared_w1", "shared_w3", "shared_w2")
 
 
 def unavailable_reason(dtype: torch.dtype | str = torch.float32) -> str | None:
@@ -258,64 +263,128 @@ def _moved(weights: MoEWeights, names: Sequence[str], dev: torch.device, dtype: 
 
 
 def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config: MoEConfig, routing: Routing | None,
-                 dev: torch.device) -> torch.Tensor:  # fmt: skip
+                 dev: torch.device, *, dense: Dense | None = None) -> torch.Tensor:  # fmt: skip
     """The layer ``y:[T, d]`` in ``x``'s dtype with its routed experts computed by ``experts``:
-    the routing (given, or the fp32 router on ``x``), ``z = x W↓`` (fp32, then ``x``'s dtype)
-    and the expert-sorted order on ``dev``; ``experts(z, dispatch, p, weights)`` returns each
+    the routing (given, or the fp32 router on ``x``), ``z = x W↓`` rounded to ``x``'s dtype and
+    the expert-sorted order on ``dev``; ``experts(z, dispatch, p, weights)`` returns each
     sorted row's weighted expert output ``p · E_e(z)`` ``[T k, Dl]`` in fp32 (``p:[T k]`` fp32 in
     sorted order, the expert matrices ``w1, w3, w2`` of ``weights`` in ``x``'s dtype on ``dev``);
-    each token's rows are summed in slot order, and ``RMSNorm_γ(u) W↑`` plus the shared MLP
-    taken in fp32."""
+    each token's rows are summed in slot order (fp32), then ``RMSNorm_γ(u) W↑`` plus the shared
+    MLP. Without ``dense`` the layer's other GEMMs run in fp32 on the host's torch; with it they
+    take operands in ``x``'s dtype, as the production layer does and the tiled form models
+    (``z`` and ``RMSNorm_γ(u)`` rounded as operands, fp32 accumulation, the shared hidden stored
+    in ``x``'s dtype): ``dense.matmul(a, w)`` and ``dense.shared(x, w1, w3, w2)`` return fp32."""
     dims = check_inputs(x, weights, config, routing)
     op = x.dtype
     # The expert matrices (most of the layer: 59 GB in bf16 at K3's full hidden size) reach the
-    # experts in x's dtype only; everything else runs in fp32.
+    # experts in x's dtype only; the router and the norm's scale stay fp32.
     others = [n for n in weights.tensors() if n not in EXPERT_MATRICES]
     w32 = _moved(weights, others, dev, torch.float32)
     x32 = x.to(dev, torch.float32)
     r = routing_for(x32, w32, config, None if routing is None else routing.to(torch.float32), torch.float32)
     d = dispatch(r.indices.to(dev), dims.E)
-    z = (x32 @ w32.w_latent_down).to(op).contiguous()
+    if dense is None:
+        z = (x32 @ w32.w_latent_down).to(op).contiguous()
+    else:
+        wop = _moved(weights, DENSE_MATRICES, dev, op)
+        xop = x.to(dev, op).contiguous()
+        z = dense.matmul(xop, wop.w_latent_down).to(op).contiguous()
     p = r.weights.to(dev).reshape(-1)[d.order].contiguous()
     out = experts(z, d, p, _moved(weights, EXPERT_MATRICES, dev, op))
     slot_rows = torch.empty_like(d.order)
     slot_rows[d.order] = torch.arange(d.order.numel(), device=dev)
     u = out[slot_rows].reshape(dims.T, dims.k, dims.Dl).sum(1)  # slot order, as the recurrent form
-    return layer_output(u, x32, w32, config).to(op)
+    if dense is None:
+        return layer_output(u, x32, w32, config).to(op)
+    normed = rms_norm(u, w32.latent_norm, eps=config.rms_norm_eps).to(op)
+    y = dense.matmul(normed, wop.w_latent_up) + dense.shared(xop, wop.shared_w1, wop.shared_w3, wop.shared_w2)
+    return y.to(op)
 
 
-def _grouped_experts(z: torch.Tensor, d: Dispatch, p: torch.Tensor, w: MoEWeights, config: MoEConfig) -> torch.Tensor:
-    """The two grouped launches on the sorted rows: ``p · SiTU(z W1_e, z W3_e) W2_e``, fp32."""
-    P, (Dl, H) = d.order.numel(), w.w1.shape[1:]
-    dev, op = z.device, z.dtype
-    bm = 16 if interpreted() else EXPERT_ROWS
-    bn_up = 16 if interpreted() else EXPERT_UP_COLS
-    bn_down = 16 if interpreted() else EXPERT_DOWN_COLS
-    bk = 16 if interpreted() else EXPERT_DEPTH
-    tile_expert, tile_row = _tile_table(d.offsets, bm, dev)
-    offsets = torch.tensor(d.offsets, dtype=torch.int32, device=dev)
-    h = torch.empty(P, H, dtype=op, device=dev)
-    out = torch.empty(P, Dl, dtype=torch.float32, device=dev)
-    tiles = tile_expert.numel()
-    if tiles:
-        exact = op == torch.float32
-        _up_kernel[(tiles, triton.cdiv(H, bn_up))](
-            z, d.token.to(torch.int32), w.w1.contiguous(), w.w3.contiguous(), h, tile_expert, tile_row, offsets, Dl,
-            H, float(config.beta1), float(config.beta2), BM=bm, BN=bn_up, BK=bk, SWIGLU=config.activation == "swiglu",
-            IEEE=exact,
+def _tiles() -> tuple[int, int, int, int]:
+    """Rows, up columns, down columns and depth of a grouped launch (16 under the interpreter)."""
+    if interpreted():
+        return 16, 16, 16, 16
+    return EXPERT_ROWS, EXPERT_UP_COLS, EXPERT_DOWN_COLS, EXPERT_DEPTH
+
+
+def _up(z: torch.Tensor, token: torch.Tensor, offsets: list[int], w1: torch.Tensor, w3: torch.Tensor,
+        config: MoEConfig) -> torch.Tensor:  # fmt: skip
+    """``h = act(z[token] W1_e, z[token] W3_e)`` ``[P, F]`` in ``z``'s dtype for the sorted rows of
+    each expert ``e`` (``offsets``: ``E + 1`` row starts; ``w1, w3:[E, Dl, F]``)."""
+    P, (Dl, F) = token.numel(), w1.shape[1:]
+    bm, bn, _, bk = _tiles()
+    tile_expert, tile_row = _tile_table(offsets, bm, z.device)
+    h = torch.empty(P, F, dtype=z.dtype, device=z.device)
+    if tile_expert.numel():
+        _up_kernel[(tile_expert.numel(), triton.cdiv(F, bn))](
+            z, token.to(torch.int32), w1.contiguous(), w3.contiguous(), h, tile_expert, tile_row,
+            torch.tensor(offsets, dtype=torch.int32, device=z.device), Dl, F, float(config.beta1),
+            float(config.beta2), BM=bm, BN=bn, BK=bk, SWIGLU=config.activation == "swiglu",
+            IEEE=z.dtype == torch.float32,
         )  # fmt: skip
-        _down_kernel[(tiles, triton.cdiv(Dl, bn_down))](
-            h, w.w2.contiguous(), p, out, tile_expert, tile_row, offsets, H, Dl, BM=bm, BN=bn_down, BK=bk,
-            IEEE=exact,
+    return h
+
+
+def _down(h: torch.Tensor, offsets: list[int], w2: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``p · (h W2_e)`` ``[P, Dl]`` in fp32 for the sorted rows of each expert (``w2:[E, F, Dl]``)."""
+    P, (F, Dl) = h.shape[0], w2.shape[1:]
+    bm, _, bn, bk = _tiles()
+    tile_expert, tile_row = _tile_table(offsets, bm, h.device)
+    out = torch.empty(P, Dl, dtype=torch.float32, device=h.device)
+    if tile_expert.numel():
+        _down_kernel[(tile_expert.numel(), triton.cdiv(Dl, bn))](
+            h, w2.contiguous(), p, out, tile_expert, tile_row,
+            torch.tensor(offsets, dtype=torch.int32, device=h.device), F, Dl, BM=bm, BN=bn, BK=bk,
+            IEEE=h.dtype == torch.float32,
         )  # fmt: skip
     return out
 
 
-def grouped(x: torch.Tensor, weights: MoEWeights, config: MoEConfig, *, routing: Routing | None = None) -> torch.Tensor:
+def _grouped_experts(z: torch.Tensor, d: Dispatch, p: torch.Tensor, w: MoEWeights, config: MoEConfig) -> torch.Tensor:
+    """The two grouped launches on the sorted rows: ``p · SiTU(z W1_e, z W3_e) W2_e``, fp32."""
+    return _down(_up(z, d.token, d.offsets, w.w1, w.w3, config), d.offsets, w.w2, p)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """The layer's GEMMs outside the experts, operands in their dtype, results in fp32:
+    ``matmul(a:[M, K], w:[K, N])`` and ``shared(x, w1, w3, w2)``, the shared MLP."""
+
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    shared: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _one_expert(rows: int, dev: torch.device) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Every row as the only expert's: its token order, row starts and unit weights."""
+    return torch.arange(rows, device=dev), [0, rows], torch.ones(rows, dtype=torch.float32, device=dev)
+
+
+def kernel_dense(config: MoEConfig) -> Dense:
+    """:class:`Dense` on our grouped launches with one expert: a plain GEMM is the down launch,
+    the shared MLP the up launch (its activation fused) then the down launch."""
+
+    def matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        _, offsets, ones = _one_expert(a.shape[0], a.device)
+        return _down(a.contiguous(), offsets, w[None], ones)
+
+    def shared(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        token, offsets, ones = _one_expert(x.shape[0], x.device)
+        return _down(_up(x, token, offsets, w1[None], w3[None], config), offsets, w2[None], ones)
+
+    return Dense(matmul, shared)
+
+
+def grouped(x: torch.Tensor, weights: MoEWeights, config: MoEConfig, *, routing: Routing | None = None,
+            production: bool = False) -> torch.Tensor:  # fmt: skip
     """The layer ``y:[T, d]`` in ``x``'s dtype with the routed experts in the grouped kernels
-    (module docstring); ``routing`` as the forms take it (default: the fp32 router on ``x``)."""
+    (module docstring); ``routing`` as the forms take it (default: the fp32 router on ``x``).
+    ``production``: the layer's other GEMMs (``x W↓``, ``RMSNorm_γ(u) W↑``, the shared MLP) in
+    the same kernels with operands in ``x``'s dtype, as the production layer runs them, instead
+    of fp32 torch operations."""
     reason = experts_unavailable_reason(x.dtype)
     if reason is not None:
         raise RuntimeError(reason)
     experts = partial(_grouped_experts, config=config)
-    return routed_layer(experts, x, weights, config, routing, device_for(x, "the MoE expert kernels"))
+    dense = kernel_dense(config) if production else None
+    return routed_layer(experts, x, weights, config, routing, device_for(x, "the MoE expert kernels"), dense=dense)

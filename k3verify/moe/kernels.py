@@ -308,42 +308,45 @@ def _tiles() -> tuple[int, int, int, int]:
     return EXPERT_ROWS, EXPERT_UP_COLS, EXPERT_DOWN_COLS, EXPERT_DEPTH
 
 
-def _up(z: torch.Tensor, token: torch.Tensor, offsets: list[int], w1: torch.Tensor, w3: torch.Tensor,
+def _row_tiles(offsets: list[int], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What both grouped launches read: every row tile's expert and first row, and the experts' row
+    starts (``offsets``, ``E + 1`` of them), int32 on ``dev``; built once for the pair."""
+    expert, first = _tile_table(offsets, _tiles()[0], dev)
+    return expert, first, torch.tensor(offsets, dtype=torch.int32, device=dev)
+
+
+def _up(z: torch.Tensor, token: torch.Tensor, tiles: tuple[torch.Tensor, ...], w1: torch.Tensor, w3: torch.Tensor,
         config: MoEConfig) -> torch.Tensor:  # fmt: skip
     """``h = act(z[token] W1_e, z[token] W3_e)`` ``[P, F]`` in ``z``'s dtype for the sorted rows of
-    each expert ``e`` (``offsets``: ``E + 1`` row starts; ``w1, w3:[E, Dl, F]``)."""
+    each expert ``e`` (``tiles`` from :func:`_row_tiles`; ``w1, w3:[E, Dl, F]``)."""
     P, (Dl, F) = token.numel(), w1.shape[1:]
     bm, bn, _, bk = _tiles()
-    tile_expert, tile_row = _tile_table(offsets, bm, z.device)
     h = torch.empty(P, F, dtype=z.dtype, device=z.device)
-    if tile_expert.numel():
-        _up_kernel[(tile_expert.numel(), triton.cdiv(F, bn))](
-            z, token.to(torch.int32), w1.contiguous(), w3.contiguous(), h, tile_expert, tile_row,
-            torch.tensor(offsets, dtype=torch.int32, device=z.device), Dl, F, float(config.beta1),
+    if tiles[0].numel():
+        _up_kernel[(tiles[0].numel(), triton.cdiv(F, bn))](
+            z, token.to(torch.int32), w1.contiguous(), w3.contiguous(), h, *tiles, Dl, F, float(config.beta1),
             float(config.beta2), BM=bm, BN=bn, BK=bk, SWIGLU=config.activation == "swiglu",
             IEEE=z.dtype == torch.float32,
         )  # fmt: skip
     return h
 
 
-def _down(h: torch.Tensor, offsets: list[int], w2: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def _down(h: torch.Tensor, tiles: tuple[torch.Tensor, ...], w2: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """``p · (h W2_e)`` ``[P, Dl]`` in fp32 for the sorted rows of each expert (``w2:[E, F, Dl]``)."""
     P, (F, Dl) = h.shape[0], w2.shape[1:]
     bm, _, bn, bk = _tiles()
-    tile_expert, tile_row = _tile_table(offsets, bm, h.device)
     out = torch.empty(P, Dl, dtype=torch.float32, device=h.device)
-    if tile_expert.numel():
-        _down_kernel[(tile_expert.numel(), triton.cdiv(Dl, bn))](
-            h, w2.contiguous(), p, out, tile_expert, tile_row,
-            torch.tensor(offsets, dtype=torch.int32, device=h.device), F, Dl, BM=bm, BN=bn, BK=bk,
-            IEEE=h.dtype == torch.float32,
+    if tiles[0].numel():
+        _down_kernel[(tiles[0].numel(), triton.cdiv(Dl, bn))](
+            h, w2.contiguous(), p, out, *tiles, F, Dl, BM=bm, BN=bn, BK=bk, IEEE=h.dtype == torch.float32,
         )  # fmt: skip
     return out
 
 
 def _grouped_experts(z: torch.Tensor, d: Dispatch, p: torch.Tensor, w: MoEWeights, config: MoEConfig) -> torch.Tensor:
     """The two grouped launches on the sorted rows: ``p · SiTU(z W1_e, z W3_e) W2_e``, fp32."""
-    return _down(_up(z, d.token, d.offsets, w.w1, w.w3, config), d.offsets, w.w2, p)
+    tiles = _row_tiles(d.offsets, z.device)
+    return _down(_up(z, d.token, tiles, w.w1, w.w3, config), tiles, w.w2, p)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,22 +358,20 @@ class Dense:
     shared: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _one_expert(rows: int, dev: torch.device) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-    """Every row as the only expert's: its token order, row starts and unit weights."""
-    return torch.arange(rows, device=dev), [0, rows], torch.ones(rows, dtype=torch.float32, device=dev)
-
-
 def kernel_dense(config: MoEConfig) -> Dense:
-    """:class:`Dense` on our grouped launches with one expert: a plain GEMM is the down launch,
-    the shared MLP the up launch (its activation fused) then the down launch."""
+    """:class:`Dense` on our grouped launches with one expert holding every row: a plain GEMM is
+    the down launch with unit weights, the shared MLP the up launch (its activation fused) and
+    then the down launch."""
 
     def matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        _, offsets, ones = _one_expert(a.shape[0], a.device)
-        return _down(a.contiguous(), offsets, w[None], ones)
+        ones = torch.ones(a.shape[0], dtype=torch.float32, device=a.device)
+        return _down(a.contiguous(), _row_tiles([0, a.shape[0]], a.device), w[None], ones)
 
     def shared(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        token, offsets, ones = _one_expert(x.shape[0], x.device)
-        return _down(_up(x, token, offsets, w1[None], w3[None], config), offsets, w2[None], ones)
+        rows = x.shape[0]
+        tiles = _row_tiles([0, rows], x.device)
+        h = _up(x, torch.arange(rows, device=x.device), tiles, w1[None], w3[None], config)
+        return _down(h, tiles, w2[None], torch.ones(rows, dtype=torch.float32, device=x.device))
 
     return Dense(matmul, shared)
 

@@ -594,10 +594,11 @@ def cmd_list(args: argparse.Namespace, out: Console, err: Console) -> int:
     impls = [impl for entry in registry.select(selected) for impl in entry.implementations()]
     if selected is None:
         impls += registry.orphan_implementations()
+    # One availability probe each: some call their kernel once (FlashKDA's), on the device.
     listed = [{"label": i.label, "module": i.module, "implementation": i.implementation, "form": i.form,
                "dtype": i.dtype, "params": {k: str(v) for k, v in i.params.items()}, "cases": list(i.cases),
-               "rule": i.rule, "source": i.source, "available": i.unavailable() is None, "reason": i.unavailable()}
-              for i in impls]
+               "rule": i.rule, "source": i.source, "available": reason is None, "reason": reason}
+              for i, reason in ((i, i.unavailable()) for i in impls)]
     if args.json:
         print(json.dumps(listed, indent=1))
         return 0

@@ -140,7 +140,8 @@ def _production_case(activation: str, skewed: bool):
 
 
 @pytest.mark.parametrize(("dtype", "activation", "skewed"), [("fp16", "situ", False), ("fp32", "swiglu", True)])
-def test_production_layer_within_policy(dtype: str, activation: str, skewed: bool) -> None:
+def test_production_layer_within_policy(dtype: str, activation: str, skewed: bool,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Rule baseline: ``production=True`` (x W↓, RMSNorm(u) W↑ and the shared MLP in our launches,
     operands in the layer's dtype, as the tiled form models them). The path is taken (its result
     is not the fp32-host path's), and a planted bug of its own (the shared MLP's W1 and W3
@@ -164,11 +165,8 @@ def test_production_layer_within_policy(dtype: str, activation: str, skewed: boo
         d = real(config)
         return kernels.Dense(d.matmul, lambda x_, w1, w3, w2: d.shared(x_, w3, w1, w2))
 
-    kernels.kernel_dense = swapped
-    try:
-        bad = kernels.grouped(x.to(dt), w.to(dt), cfg, routing=r, production=True).cpu()
-    finally:
-        kernels.kernel_dense = real
+    monkeypatch.setattr(kernels, "kernel_dense", swapped)
+    bad = kernels.grouped(x.to(dt), w.to(dt), cfg, routing=r, production=True).cpu()
     assert verdict(bad).status == "fail"
 
 

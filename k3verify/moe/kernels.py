@@ -277,8 +277,10 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
     dims = check_inputs(x, weights, config, routing)
     op = x.dtype
     # The expert matrices (most of the layer: 59 GB in bf16 at K3's full hidden size) reach the
-    # experts in x's dtype only; the router and the norm's scale stay fp32.
-    others = [n for n in weights.tensors() if n not in EXPERT_MATRICES]
+    # experts in x's dtype only, and with ``dense`` the other GEMMs' matrices too; the router and
+    # the norm's scale stay fp32.
+    in_op = EXPERT_MATRICES + (DENSE_MATRICES if dense is not None else ())
+    others = [n for n in weights.tensors() if n not in in_op]
     w32 = _moved(weights, others, dev, torch.float32)
     x32 = x.to(dev, torch.float32)
     r = routing_for(x32, w32, config, None if routing is None else routing.to(torch.float32), torch.float32)
@@ -363,15 +365,24 @@ def kernel_dense(config: MoEConfig) -> Dense:
     the down launch with unit weights, the shared MLP the up launch (its activation fused) and
     then the down launch."""
 
+    # Every GEMM of a layer call has the same T rows: their tile table is built once.
+    made: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
+
+    def rows_of(a: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        key = (a.shape[0], a.device)
+        if key not in made:
+            made[key] = _row_tiles([0, a.shape[0]], a.device), torch.ones(a.shape[0], dtype=torch.float32,
+                                                                          device=a.device)
+        return made[key]
+
     def matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        ones = torch.ones(a.shape[0], dtype=torch.float32, device=a.device)
-        return _down(a.contiguous(), _row_tiles([0, a.shape[0]], a.device), w[None], ones)
+        tiles, ones = rows_of(a)
+        return _down(a.contiguous(), tiles, w[None], ones)
 
     def shared(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        tiles = _row_tiles([0, rows], x.device)
-        h = _up(x, torch.arange(rows, device=x.device), tiles, w1[None], w3[None], config)
-        return _down(h, tiles, w2[None], torch.ones(rows, dtype=torch.float32, device=x.device))
+        tiles, ones = rows_of(x)
+        h = _up(x, torch.arange(x.shape[0], device=x.device), tiles, w1[None], w3[None], config)
+        return _down(h, tiles, w2[None], ones)
 
     return Dense(matmul, shared)
 

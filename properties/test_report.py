@@ -643,3 +643,22 @@ def test_maps_fall_back_module_by_module(tmp_path: Path) -> None:
     assert [name for name, _ in extras.map_images["kda"]] == [worst]  # the baseline's other KDA figure stays out
     only_fresh = collect_extras(tmp_path, fresh)
     assert set(only_fresh.map_dirs) == {"kda"} and not only_fresh.curves
+
+
+def test_a_report_figure_is_its_canvas_in_at_most_256_colours() -> None:
+    """Rule: structural. A page figure is drawn once at 100 dpi: its PNG is exactly the canvas
+    (no tight bounding box re-measured around it) and carries a palette of at most 256 colours."""
+    import io
+
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from k3verify.harness import plots
+
+    fig, ax = plt.subplots(figsize=(3.2, 2.1), layout="constrained")
+    ax.imshow([[0.0, 1.0], [2.0, 3.0]], cmap="magma")
+    ax.set_title("a title")
+    image = Image.open(io.BytesIO(plots.png_bytes(fig)))
+    assert image.size == (320, 210)
+    assert image.mode == "P" and len(image.getcolors(256) or []) >= 2
+    assert not plt.get_fignums(), "the figure is closed"

@@ -176,3 +176,41 @@ def test_production_sizes() -> None:
     assert active == counts["router"] + counts["latent_projections"] + 16 * 3 * 3584 * 3072 + counts["shared"]
     assert dataclasses.replace(cfg, beta1=4.0, beta2=25.0) == cfg
     assert moe.situ(torch.tensor([1e30]), torch.tensor([1e30])).item() == cfg.beta1 * cfg.beta2
+
+
+@given(p=moe_problems(bias_scale=biases), n=st.integers(1, 24), seed=st.integers(0, 2**16))
+def test_token_sums_add_in_a_fixed_order_without_atomics(p: MoEProblem, n: int, seed: int) -> None:
+    """Rule: bitwise (the same IEEE additions in the same order, equal on any host). The
+    un-permute sums each token's rows in dispatch order with the very bits ``index_add_`` gives
+    on the host, and never
+    through an accumulating scatter: on a CUDA device ``index_add_`` adds with atomics whose order
+    changes between runs, and the fp64 definition must give the same bits every run (the
+    ``page_placement`` serving check compares two walks bit for bit)."""
+    from k3verify.moe.chunkwise import dispatch, token_sums
+
+    x, w, cfg = p.args()
+    d = dispatch(moe.route(x, w.w_router, w.bias, cfg).indices, cfg.num_experts)
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(d.token.numel(), n, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(
+        -8, 9, (d.token.numel(), 1), generator=g)
+    T = x.shape[0]
+    assert_identical(token_sums(rows, d, T), torch.zeros(T, n, dtype=torch.float64).index_add_(0, d.token, rows))
+
+
+def test_the_fp64_forms_use_no_accumulating_scatter(monkeypatch) -> None:
+    """Rule: structural. The chunkwise forward and backward run with ``index_add_`` and
+    ``scatter_add_`` refused (both add with atomics on a CUDA device)."""
+    from k3verify.moe.chunkwise import chunkwise_backward
+
+    p = make_problem(12, E=8, k=3, d=16, H=8)
+    x, w, cfg = p.args()
+    expected = moe.chunkwise(x, w, cfg)
+    indices = moe.route(x, w.w_router, w.bias, cfg).indices
+
+    def refused(*args, **kwargs):
+        raise AssertionError("an accumulating scatter: its order on a CUDA device changes between runs")
+
+    monkeypatch.setattr(torch.Tensor, "index_add_", refused)
+    monkeypatch.setattr(torch.Tensor, "scatter_add_", refused)
+    assert_identical(moe.chunkwise(x, w, cfg), expected)
+    chunkwise_backward(x, w, cfg, dy=torch.ones_like(expected), indices=indices)

@@ -7,7 +7,7 @@ What a dispatching MoE does (vLLM's fused MoE, expert-parallel all-to-all):
 2. each expert multiplies its contiguous block of latent rows ``z`` — one code path for any
    load: an expert with no tokens multiplies an empty ``[0, Dl]`` block;
 3. every output row is scaled by its mixture weight and added back to its token
-   (``index_add``), which sums a token's ``k`` contributions in expert order rather than in
+   (:func:`token_sums`), which sums a token's ``k`` contributions in expert order rather than in
    selection order — the only difference from the recurrent form, a rounding one.
 """
 
@@ -58,6 +58,25 @@ def dispatch(indices: torch.Tensor, num_experts: int) -> Dispatch:
     return Dispatch(order, order // indices.shape[1], flat[order], counts, offsets)
 
 
+def token_sums(rows: torch.Tensor, d: Dispatch, num_tokens: int) -> torch.Tensor:
+    """Each token's sum of its permuted ``rows:[P, n]`` in dispatch (expert) order: ``[T, n]``
+    in ``rows``' dtype, ``P = T k``.
+
+    The rows are added one after another from zero, as ``index_add_`` does on the host (the same
+    bits there), but in a fixed order on every device: ``index_add_`` on a CUDA device adds with
+    atomics, whose order — and so the last bits of an fp64 sum — changes from run to run, and a
+    bit-for-bit check (``page_placement``) cannot rely on it.
+    """
+    total = torch.zeros(num_tokens, rows.shape[1], dtype=rows.dtype, device=rows.device)
+    if not num_tokens:
+        return total
+    k = rows.shape[0] // num_tokens
+    grouped = rows[torch.sort(d.token, stable=True).indices].reshape(num_tokens, k, -1)
+    for slot in range(k):  # one addition at a time: a reduction over the slots may pair them
+        total = total + grouped[:, slot]
+    return total
+
+
 def chunkwise(
     x: torch.Tensor,
     weights: MoEWeights,
@@ -87,7 +106,7 @@ def chunkwise(
             block = slice(d.offsets[e], d.offsets[e + 1])
             out[block] = glu(rows[block], w.w1[e], w.w3[e], w.w2[e], config)
     weighted = out * r.weights.reshape(-1)[d.order, None]
-    u = torch.zeros(dims.T, dims.Dl, dtype=xw.dtype, device=x.device).index_add_(0, d.token, weighted)
+    u = token_sums(weighted, d, dims.T)
     return layer_output(u, xw, w, config).to(x.dtype)
 
 
@@ -183,7 +202,7 @@ def backward_pass(x: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, dy: torc
     grads["dw1"] = cast.output("gradient dW1", torch.stack([mm(zr[b].T, dg[b]) for b in blocks]))
     grads["dw3"] = cast.output("gradient dW3", torch.stack([mm(zr[b].T, du_[b]) for b in blocks]))
     dzr = torch.cat([mm(dg[b], w["w1"][e].T) + mm(du_[b], w["w3"][e].T) for e, b in enumerate(blocks)])
-    dz = cast.operand("gradient dz", torch.zeros_like(z).index_add_(0, d.token, dzr))
+    dz = cast.operand("gradient dz", token_sums(dzr, d, T))
     grads["dw_latent_down"] = cast.output("gradient dW↓", mm(xo.T, dz))
     dx = mm(dz, w["w_latent_down"].T)
 

@@ -77,40 +77,73 @@ def _module_list(values: Sequence[str] | None) -> list[str] | None:
 
 
 class LineProgress:
-    """Progress for logs (stderr not a terminal): one plain line per 10% step, with elapsed time.
+    """Progress for logs (stderr not a terminal): one plain line per 10% step, with elapsed time,
+    and a line saying the command is still running after every ``quiet_s`` seconds without one
+    (a wide walk's job, a map's first cells compiling: minutes in which a log showed nothing).
 
     Offers the subset of ``rich.progress.Progress`` the commands use.
     """
 
     STEP = 0.1
+    QUIET_S = 60.0
 
-    def __init__(self, console: Console):
+    def __init__(self, console: Console, quiet_s: float = QUIET_S):
         self.console = console
         self.tasks: dict[int, dict] = {}
+        self.quiet_s = quiet_s
+        self._lock = threading.Lock()  # a line at a time: the heartbeat prints from its own thread
+        self._stop = threading.Event()
+        self._last_line = time.perf_counter()
+        self._heartbeat: threading.Thread | None = None
 
     def __enter__(self) -> LineProgress:
+        self._heartbeat = threading.Thread(target=self._beat, name="k3verify-progress", daemon=True)
+        self._heartbeat.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
         return None
 
+    def _beat(self) -> None:
+        """Every unfinished task's count, once ``quiet_s`` has passed without a line."""
+        while not self._stop.wait(min(1.0, self.quiet_s / 4)):
+            with self._lock:
+                if time.perf_counter() - self._last_line < self.quiet_s:
+                    continue
+                for t in list(self.tasks.values()):
+                    if t["total"] and t["completed"] < t["total"]:
+                        self._line(t, "still running")
+                self._last_line = time.perf_counter()
+
+    def _line(self, t: dict, note: str = "") -> None:
+        fraction = t["completed"] / t["total"]
+        elapsed = time.perf_counter() - t["start"]
+        _say(self.console, f"{t['description']}: {t['completed']:.0f}/{t['total']:.0f} "
+                           f"({100 * fraction:.0f}%) after {elapsed:.1f} s" + (f", {note}" if note else ""))
+        self._last_line = time.perf_counter()
+
     def add_task(self, description: str, total: float | None = None, **fields: object) -> int:
-        self.tasks[len(self.tasks)] = dict(
-            description=description, total=total, completed=0, shown=-1.0, start=time.perf_counter(), current=""
-        )
-        return len(self.tasks) - 1
+        with self._lock:
+            self.tasks[len(self.tasks)] = dict(
+                description=description, total=total, completed=0, shown=-1.0, start=time.perf_counter(), current=""
+            )
+            return len(self.tasks) - 1
 
     def update(
         self, task: int, *, completed: float | None = None, total: float | None = None, current: str | None = None
     ) -> None:
-        t = self.tasks[task]
-        if total is not None:
-            t["total"] = total
-        if completed is not None:
-            t["completed"] = completed
-        if current is not None:
-            t["current"] = current
-        self._maybe_print(t)
+        with self._lock:
+            t = self.tasks[task]
+            if total is not None:
+                t["total"] = total
+            if completed is not None:
+                t["completed"] = completed
+            if current is not None:
+                t["current"] = current
+            self._maybe_print(t)
 
     def advance(self, task: int, amount: float = 1) -> None:
         self.update(task, completed=self.tasks[task]["completed"] + amount)
@@ -121,9 +154,7 @@ class LineProgress:
         fraction = t["completed"] / t["total"]
         if fraction - t["shown"] >= self.STEP or (fraction >= 1 and t["shown"] < 1):
             t["shown"] = fraction
-            elapsed = time.perf_counter() - t["start"]
-            _say(self.console, f"{t['description']}: {t['completed']:.0f}/{t['total']:.0f} "
-                               f"({100 * fraction:.0f}%) after {elapsed:.1f} s")
+            self._line(t)
 
 
 class _CurrentColumn(ProgressColumn):

@@ -183,3 +183,30 @@ def test_implementation_names_the_dtypes_it_casts_to() -> None:
         implementation("mla", mla.recurrent, name="x", dtype="fp8_e4m3")
     assert [implementation("mla", mla.recurrent, name="x", dtype=d).dtype for d in IMPLEMENTATION_DTYPES] == list(
         IMPLEMENTATION_DTYPES)
+
+
+def test_a_log_hears_from_a_long_step_and_nothing_after_the_command() -> None:
+    """Rule: structural. In a log (no terminal) a step that prints nothing for ``quiet_s`` gets a
+    "still running" line with its count, a finished task none, and the heartbeat ends with the
+    command (no line after it)."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from k3verify.cli import LineProgress
+
+    buf = io.StringIO()
+    with LineProgress(Console(file=buf, width=200), quiet_s=0.2) as bar:
+        slow = bar.add_task("walking", total=5)
+        bar.advance(slow)
+        done = bar.add_task("drawing", total=1)
+        bar.advance(done)
+        time.sleep(0.7)
+    after = buf.getvalue()
+    time.sleep(0.5)
+    assert buf.getvalue() == after, "a line after the command ended"
+    lines = after.splitlines()
+    still = [line for line in lines if line.endswith("still running")]
+    assert still and all(line.startswith("walking: 1/5 (20%) after ") for line in still), lines
+    assert not any(line.startswith("drawing") and "still" in line for line in lines), lines

@@ -207,7 +207,7 @@ def png_bytes(fig: Any) -> bytes:
         height, width = pixels.shape[:2]
         if width * height > MAX_PIXELS:
             raise ValueError(f"a figure of {width} x {height} pixels, more than the {MAX_PIXELS} allowed")
-        image = Image.fromarray(pixels[..., :3].copy(), mode="RGB")
+        image = Image.fromarray(np.ascontiguousarray(pixels[..., :3]))  # RGBA -> RGB, uint8
     finally:
         plt.close(fig)
     return _palette_png(image)

@@ -355,6 +355,77 @@ def test_a_call_the_used_implementation_refuses_is_a_usage_error(tmp_path, monke
     assert "internal error" not in err
 
 
+def test_held_casts_are_made_once_and_again_after_any_write() -> None:
+    """Rule: bit for bit (same process: a cast's values are its source's, cast). ``Casts`` makes a
+    cast once per source; a write into the source or into the cast (an implementation scribbling
+    on its inputs) makes the next call get a fresh one; with ``copy`` a source already in the
+    dtype is copied, never handed over; inference tensors are cast every time. ``cast_once``
+    keeps casts only inside ``held_casts``."""
+    from k3verify.numerics import Casts, cast_once, held_casts
+
+    held = Casts(copy=True)
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    first = held(w, torch.float64)
+    assert first.dtype == torch.float64 and torch.equal(first, w.double()) and held(w, torch.float64) is first
+    first.mul_(0)  # the implementation wrote into its input
+    second = held(w, torch.float64)
+    assert second is not first and torch.equal(second, w.double())
+    w.add_(1)  # the source changed
+    third = held(w, torch.float64)
+    assert third is not second and torch.equal(third, w.double())
+    w64 = torch.ones(3, dtype=torch.float64)
+    own = held(w64, torch.float64, "cpu")
+    assert torch.equal(own, w64) and own.data_ptr() != w64.data_ptr()
+    with torch.inference_mode():
+        frozen = torch.ones(3, dtype=torch.bfloat16)
+    assert held(frozen, torch.float64) is not held(frozen, torch.float64)
+    assert cast_once(w, torch.float32) is not cast_once(w, torch.float32)  # outside: every time
+    with held_casts():
+        assert cast_once(w, torch.float32) is cast_once(w, torch.float32)
+        assert cast_once(w64, torch.float64) is w64  # nothing to make: as .to
+    assert cast_once(w, torch.float32) is not cast_once(w, torch.float32)
+
+
+def test_a_used_moe_implementation_gets_each_weight_set_copied_once(tmp_path, monkeypatch) -> None:
+    """A used MoE implementation (ours in bf16 behind a plugin's label) gets the same fp64 copies
+    of a layer's weights at every call of the walk (one copy per weight set, not per call: at K3's
+    widths a copy is 3.6 GB), and scribbling on them after each call changes nothing for the next
+    (each call sees its layer's weights as the stack holds them; the row passes). Rule: baseline,
+    as every bf16 row; bit for bit for the weights seen (same process)."""
+    from k3verify.cli import main
+    from k3verify.harness import registry
+
+    label = "moe/k3verify:tiled[bf16 tile_m=16 tile_k=16]"
+    (ours,) = [i for i in registry.get("moe").implementations() if i.label == label]
+    seen: list[dict[str, torch.Tensor]] = []  # kept alive: the ids stay unique
+    by_value: dict[float, list[dict[str, torch.Tensor]]] = {}  # a layer's weights, told by their sum
+
+    def scribbling(case):
+        weights = case.inputs["weights"].tensors()
+        seen.append(weights)
+        by_value.setdefault(float(sum(t.sum() for t in weights.values())), []).append(weights)
+        out = ours.run(case)
+        if len(seen) == 1:
+            for t in weights.values():
+                t.mul_(0)
+        return out
+
+    fake = registry.Implementation(module="moe", implementation="vendor-moe 1.0", form="kernel:grouped",
+                                   dtype="bf16", params={}, rule=registry.BASELINE_RULE, run=scribbling,
+                                   source="vendor-moe 1.0 (plugin)")
+    monkeypatch.setattr(registry, "plugin_implementations", lambda m: [fake] if m == "moe" else [])
+    out = tmp_path / "w"
+    assert main(["walk", "--layers", "4", "--prompt", "8", "--decode", "2", "--workers", "1",
+                 "--jobs", "prefill_decode", "--use", fake.label, "--out", str(out), "--quiet"]) == 0
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    assert [r["status"] for r in rows if r["dtype"] == "bf16"] == ["pass"]
+    # three MoE layers with weights of their own, each called at the prefill and two decode steps;
+    # the scribbled-on set never came back (no sum of 0, no fourth set)
+    assert len(seen) == 9 and sorted(len(calls) for calls in by_value.values()) == [3, 3, 3], by_value.keys()
+    copies = sorted(len({id(w["w_router"]) for w in calls}) for calls in by_value.values())
+    assert copies == [1, 1, 2], copies  # one copy per set, and one more after the scribbling
+
+
 def test_a_registered_kda_implementation_runs_the_decode_steps_too(tmp_path) -> None:
     """A bf16 implementation in place of KDA takes every call of the served path, one-token decode
     steps included, with the state handed over in fp32 as to a kernel (the decode steps once fell

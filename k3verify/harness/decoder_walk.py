@@ -40,7 +40,7 @@ from ..decoder.walks import (
     rms_ratio,
     walk,
 )
-from ..numerics import resolve_dtype
+from ..numerics import Casts, held_casts, resolve_dtype
 from ..numerics.policy import BASELINE_RULE, FAIL, PASS, POLICY, Verdict
 from . import registry
 from .files import UsageError
@@ -258,7 +258,9 @@ def _decode_curve(low: Path, base: Path, definition: Path, options: WalkOptions)
 def run_job(name: str, options: WalkOptions, decoder: Decoder | None = None) -> JobResult:
     """Run job ``name`` (``walks`` or a scenario's name) with a decoder made here if not given."""
     decoder = decoder or _worker_decoder(options)
-    with torch.inference_mode(False):
+    # held casts: the weights' casts inside the MoE layers (to the operand dtype, to the device)
+    # are made once per job, not at each of its hundreds of calls
+    with torch.inference_mode(False), held_casts():
         if name == "walks":
             return run_walks(decoder, options)
         if name == "attribution":
@@ -433,20 +435,31 @@ def _kda_bridge(impl: Implementation) -> Callable[..., Any]:
     return fn
 
 
+def _held(held: Casts, t: torch.Tensor) -> torch.Tensor:
+    """A weight ``t`` as an fp64 CPU copy made once (:class:`~k3verify.numerics.Casts`): the stack
+    hands the same weights to every call, and a wide MoE layer's are 3.6 GB in fp64, which copied
+    at every one of a scenario's hundreds of MoE calls kept a walk on the host for tens of minutes."""
+    return held(t, torch.float64, "cpu") if t.is_floating_point() else t
+
+
 def _mla_bridge(impl: Implementation) -> Callable[..., Any]:
+    held = Casts(copy=True)
+
     def fn(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: Any, w_uk: torch.Tensor, w_uv: torch.Tensor,
            **_: Any) -> torch.Tensor:
         cpu = cache.to(torch.float64) if not cache.quantized else cache
         cpu = type(cache)(*(None if t is None else t.to("cpu") for t in (cpu.pool, cpu.block_table, cpu.seq_lens,
                                                                          cpu.scales)))
-        inputs = {"q_nope": _fp64_cpu(q_nope), "q_pe": _fp64_cpu(q_pe), "cache": cpu, "w_uk": _fp64_cpu(w_uk),
-                  "w_uv": _fp64_cpu(w_uv)}
+        inputs = {"q_nope": _fp64_cpu(q_nope), "q_pe": _fp64_cpu(q_pe), "cache": cpu, "w_uk": _held(held, w_uk),
+                  "w_uv": _held(held, w_uv)}
         return _call(impl, inputs)["o"].to(q_nope.device, q_nope.dtype)
     return fn
 
 
 def _moe_bridge(impl: Implementation) -> Callable[..., Any]:
+    held = Casts(copy=True)
+
     def fn(x: torch.Tensor, weights: Any, config: Any, **_: Any) -> torch.Tensor:
-        fp64 = type(weights)(**{n: _fp64_cpu(t) for n, t in weights.tensors().items()})
+        fp64 = type(weights)(**{n: _held(held, t) for n, t in weights.tensors().items()})
         return _call(impl, {"x": _fp64_cpu(x), "weights": fp64, "config": config})["y"].to(x.device, x.dtype)
     return fn

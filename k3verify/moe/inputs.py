@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..numerics import compute_dtype, dtype_name, is_float8, resolve_dtype
+from ..numerics import cast_once, compute_dtype, dtype_name, is_float8, resolve_dtype
 from ..numerics.ops import RMS_NORM_EPS
 from ..numerics.rounding import OVERFLOW_MODES
 from ..numerics.validate import (
@@ -149,8 +149,8 @@ class MoEWeights:
     shared_w2: torch.Tensor
 
     def to(self, dtype: torch.dtype) -> MoEWeights:
-        """Every tensor cast to ``dtype``."""
-        return MoEWeights(**{f.name: getattr(self, f.name).to(dtype) for f in fields(self)})
+        """Every tensor cast to ``dtype`` (kept for the next call inside :func:`~k3verify.numerics.held_casts`)."""
+        return MoEWeights(**{f.name: cast_once(getattr(self, f.name), dtype) for f in fields(self)})
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Name -> tensor, in declaration order."""

@@ -40,6 +40,7 @@ from functools import partial
 
 import torch
 
+from ..numerics import cast_once
 from ..numerics.ops import rms_norm
 from ..numerics.validate import require_finite, require_float, require_shape, require_tensor
 from ..triton_support import block, device_for, dot, dot_fp32, interpreted, tl, triton
@@ -258,8 +259,9 @@ def _tile_table(offsets: list[int], rows: int, dev: torch.device) -> tuple[torch
 
 
 def _moved(weights: MoEWeights, names: Sequence[str], dev: torch.device, dtype: torch.dtype) -> MoEWeights:
-    """``weights`` with the tensors ``names`` on ``dev`` in ``dtype`` (the others as they are)."""
-    return dataclasses.replace(weights, **{n: getattr(weights, n).to(dev, dtype) for n in names})
+    """``weights`` with the tensors ``names`` on ``dev`` in ``dtype`` (the others as they are; kept
+    for the next call inside :func:`~k3verify.numerics.held_casts`)."""
+    return dataclasses.replace(weights, **{n: cast_once(getattr(weights, n), dtype, dev) for n in names})
 
 
 def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config: MoEConfig, routing: Routing | None,

@@ -38,7 +38,7 @@ from .policy import (
     term_floor,
 )
 from .rounding import OVERFLOW_MODES, round_to, round_to_reference, rounder, spacing, storage_for
-from .tensors import cast_floats, map_tensors, named_tensors
+from .tensors import Casts, cast_floats, cast_once, held_casts, map_tensors, named_tensors
 
 __all__ = [
     "ACCUMULATOR_ROUNDOFF",
@@ -56,6 +56,7 @@ __all__ = [
     "STATUSES",
     "UNAVAILABLE",
     "VERDICT_STATUSES",
+    "Casts",
     "DTypeFacts",
     "Judgement",
     "Metrics",
@@ -65,6 +66,7 @@ __all__ = [
     "all_reduce",
     "baseline_rule",
     "cast_floats",
+    "cast_once",
     "compare",
     "compute_dtype",
     "dtype_name",
@@ -76,6 +78,7 @@ __all__ = [
     "facts",
     "fp64_agreement",
     "headroom",
+    "held_casts",
     "is_float8",
     "ln_max",
     "map_tensors",

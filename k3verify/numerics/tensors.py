@@ -4,7 +4,9 @@ devices. Non-tensor leaves are returned as they are."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -50,3 +52,56 @@ def named_tensors(value: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             yield from named_tensors(v, f"{name}[{i}]")
+
+
+class Casts:
+    """``t.to(device, dtype)`` made once per source tensor and kept while the source lives: for
+    values handed unchanged to call after call (a walk's weights). A cast is made again when its
+    source or the cast itself was written in place (either's version counter moved), so a caller
+    that scribbles on what it was given never hands the next call its leftovers. With ``copy`` a
+    source already in that dtype and place is copied too (a result never aliases its source);
+    else it is returned as ``.to`` would. Inference tensors (no version counter) are cast every
+    time, and a tensor that requires grad is cast as ``.to`` casts it (its graph kept)."""
+
+    def __init__(self, *, copy: bool = False) -> None:
+        self.copy = copy
+        # (id(source), dtype, device) -> (weak source, its version, the cast, the cast's version)
+        self._made: dict[tuple[int, torch.dtype, torch.device], tuple[weakref.ref, int, torch.Tensor, int]] = {}
+
+    def __call__(self, t: torch.Tensor, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+        """``t`` on ``device`` (default: its own) in ``dtype``."""
+        device = t.device if device is None else torch.device(device)
+        if not self.copy and t.dtype == dtype and t.device == device:
+            return t  # as .to: nothing to make
+        if t.is_inference() or t.requires_grad:  # no version to trust; a graph to keep
+            return t.to(device, dtype, copy=self.copy)
+        key = (id(t), dtype, device)
+        kept = self._made.get(key)
+        if kept is not None and kept[0]() is t and kept[1] == t._version and kept[3] == kept[2]._version:
+            return kept[2]
+        out = t.detach().to(device, dtype, copy=self.copy)
+        made = self._made
+        self._made[key] = (weakref.ref(t, lambda _, k=key: made.pop(k, None)), t._version, out, out._version)
+        return out
+
+
+_HELD: list[Casts] = []
+
+
+@contextlib.contextmanager
+def held_casts() -> Iterator[Casts]:
+    """Within: :func:`cast_once` keeps its casts (one :class:`Casts` for the block, dropped on
+    leaving). Outside, it casts every time, as ``.to`` does: a row's case and its casts go
+    together, and a map at K3's widths must not keep every case's device copies."""
+    _HELD.append(Casts())
+    try:
+        yield _HELD[-1]
+    finally:
+        _HELD.pop()
+
+
+def cast_once(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+    """``t.to(device, dtype)``; inside :func:`held_casts`, made once per unchanged source."""
+    if _HELD:
+        return _HELD[-1](t, dtype, device)
+    return t.to(t.device if device is None else device, dtype)

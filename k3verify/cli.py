@@ -78,8 +78,9 @@ def _module_list(values: Sequence[str] | None) -> list[str] | None:
 
 class LineProgress:
     """Progress for logs (stderr not a terminal): one plain line per 10% step, with elapsed time,
-    and a line saying the command is still running after every ``quiet_s`` seconds without one
-    (a wide walk's job, a map's first cells compiling: minutes in which a log showed nothing).
+    and a line saying the command is still running, and on what (the task's ``current``), after
+    every ``quiet_s`` seconds without one (a wide walk's job, a map's first cells compiling:
+    minutes in which a log showed nothing).
 
     Offers the subset of ``rich.progress.Progress`` the commands use.
     """
@@ -115,7 +116,7 @@ class LineProgress:
                     continue
                 for t in list(self.tasks.values()):
                     if t["total"] and t["completed"] < t["total"]:
-                        self._line(t, "still running")
+                        self._line(t, "still running" + (f": {t['current']}" if t["current"] else ""))
                 self._last_line = time.perf_counter()
 
     def _line(self, t: dict, note: str = "") -> None:
@@ -467,7 +468,8 @@ def cmd_walk(args: argparse.Namespace, out: Console, err: Console) -> int:
         # Each finished job is kept in the partial file until the report is written: a rerun
         # after an interrupt (or a device call's time limit) runs only the jobs that are missing.
         results = decoder_walk.run_all(options, workers=workers, progress=progress,
-                                       partial=partial_path(out_dir, decoder_walk.MODULE), commit=code_version())
+                                       partial=partial_path(out_dir, decoder_walk.MODULE), commit=code_version(),
+                                       doing=lambda what: bar.update(task, current=what))
     rows = [row for r in results for row in r.rows]
     study = decoder_walk.study_document(options, config, results)
     wall = time.perf_counter() - start

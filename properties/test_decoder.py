@@ -261,6 +261,35 @@ def test_an_interrupted_walk_resumes_with_the_missing_jobs_only(tmp_path) -> Non
     assert not said[0].endswith("from the partial file)")
 
 
+def test_a_walk_in_this_process_says_which_sublayer_runs_in_which_form() -> None:
+    """Rule: structural. ``run_all``'s ``doing`` hears the weights being drawn, then before every
+    sublayer call the job, the plan and the sublayer (1-based, of the schedule's count) with its
+    module and form: every plan the scenario runs passes every sublayer, in order. The cached
+    decoder tells no one afterwards (it outlives the command)."""
+    import re
+
+    from k3verify.decoder.model import naive_plan
+    from k3verify.harness.decoder_walk import _DECODERS, WalkOptions, run_all
+
+    options = WalkOptions(num_layers=4, prompt=8, decode=1, jobs=("page_placement",))
+    said: list[str] = []
+    run_all(options, doing=said.append)
+    assert said[0] == "drawing the weights (cpu)", said[:2]
+    line = re.compile(r"page_placement, (?P<plan>.+): sublayer (?P<s>\d+)/(?P<n>\d+) \((?P<module>\w+), (?P<form>.+)\)")
+    calls = [line.fullmatch(text) for text in said[1:]]
+    assert all(calls), [t for t, c in zip(said[1:], calls) if not c]
+    n = options.decoder_config().schedule.num_sublayers
+    assert {int(c["n"]) for c in calls} == {n}
+    runs: dict[str, list[int]] = {}
+    for c in calls:
+        runs.setdefault(c["plan"], []).append(int(c["s"]))
+        assert c["module"] in c["form"], c.group(0)  # the form's label names its module
+    assert {"fp64 chunkwise", options.low().label, naive_plan(options.dtype).label} <= set(runs), runs.keys()
+    for plan, order in runs.items():  # whole passes, sublayer 1 to n each
+        assert order == list(range(1, n + 1)) * (len(order) // n), (plan, order)
+    assert all(decoder.doing is None for decoder in _DECODERS.values())
+
+
 @pytest.mark.parametrize("tamper", [
     lambda p: p | {"extra": 1},
     lambda p: p | {"rows": "not a list"},

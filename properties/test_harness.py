@@ -187,8 +187,8 @@ def test_implementation_names_the_dtypes_it_casts_to() -> None:
 
 def test_a_log_hears_from_a_long_step_and_nothing_after_the_command() -> None:
     """Rule: structural. In a log (no terminal) a step that prints nothing for ``quiet_s`` gets a
-    "still running" line with its count, a finished task none, and the heartbeat ends with the
-    command (no line after it)."""
+    "still running" line with its count and what it runs now (escaped), a finished task none, and
+    the heartbeat ends with the command (no line after it)."""
     import io
     import time
 
@@ -196,17 +196,28 @@ def test_a_log_hears_from_a_long_step_and_nothing_after_the_command() -> None:
 
     from k3verify.cli import LineProgress
 
+    def wait_for(seen, limit_s: float = 30.0) -> None:
+        end = time.perf_counter() + limit_s
+        while not seen() and time.perf_counter() < end:
+            time.sleep(0.05)
+
     buf = io.StringIO()
     with LineProgress(Console(file=buf, width=200), quiet_s=0.2) as bar:
         slow = bar.add_task("walking", total=5)
         bar.advance(slow)
         done = bar.add_task("drawing", total=1)
         bar.advance(done)
-        time.sleep(0.7)
+        wait_for(lambda: "still running" in buf.getvalue())
+        # what runs now may come from a plugin's label: said, with its control characters visible
+        bar.update(slow, current="kernels bf16: sublayer 3/8 (kda, x\x1b[2Jy)")
+        wait_for(lambda: "still running: " in buf.getvalue())
     after = buf.getvalue()
     time.sleep(0.5)
     assert buf.getvalue() == after, "a line after the command ended"
     lines = after.splitlines()
-    still = [line for line in lines if line.endswith("still running")]
+    still = [line for line in lines if "still running" in line]
     assert still and all(line.startswith("walking: 1/5 (20%) after ") for line in still), lines
+    assert still[0].endswith("still running"), lines
+    assert still[-1].endswith("still running: kernels bf16: sublayer 3/8 (kda, x\\x1b[2Jy)"), lines
+    assert "\x1b" not in after
     assert not any(line.startswith("drawing") and "still" in line for line in lines), lines

@@ -227,6 +227,9 @@ class Decoder:
     config: DecoderConfig
     weights: DecoderWeights | None = None
     device: torch.device | str = "cpu"
+    # Told, before every sublayer call, which one runs and in which form (``"kernels bf16:
+    # sublayer 95/186 (kda, ...)"``): a long walk's progress says where it is.
+    doing: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.weights is None:
@@ -295,6 +298,10 @@ class Decoder:
         Tokens whose input is not finite (an overflow, or a broken implementation upstream) are
         not computed: their outputs are NaN, so it shows where it went; a token mixer leaves such a
         request out whole (its state as it was), a channel mixer only those tokens."""
+        if self.doing is not None:
+            module = self.config.module_of(s)
+            self.doing(f"{run.plan.label}: sublayer {s + 1}/{self.config.schedule.num_sublayers} "
+                       f"({module}, {run.plan.form(s // 2, module).label})")
         bad = ~torch.isfinite(x).all(-1)
         if bool(bad.any()):
             return self._around_nonfinite(s, x, run, bad)

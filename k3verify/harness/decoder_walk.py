@@ -306,12 +306,15 @@ def job_key(options: WalkOptions, name: str, commit: str | None) -> str:
 
 
 def run_all(options: WalkOptions, *, workers: int = 1, progress: Progress | None = None,
-            partial: FilePath | None = None, commit: str | None = None) -> list[JobResult]:
+            partial: FilePath | None = None, commit: str | None = None,
+            doing: Progress | None = None) -> list[JobResult]:
     """Every job of ``options``: in this process (``workers`` 1) or in worker processes; results
     in job order whatever the completion order. With a ``partial`` file (see
     :mod:`~k3verify.harness.partial`), each finished job is appended to it and a job it already
     holds for these options and this code (``commit``) is read back instead of run: a walk cut
-    off at width keeps the jobs it finished."""
+    off at width keeps the jobs it finished. In this process, ``doing`` hears what runs now (the
+    weights being drawn, then the job, plan and sublayer before every sublayer call); worker
+    processes keep that to themselves."""
     say = progress or (lambda _: None)
     names = [j for j in JOBS if j in options.jobs]
     keys = {job_key(options, n, commit): i for i, n in enumerate(names)}
@@ -329,15 +332,30 @@ def run_all(options: WalkOptions, *, workers: int = 1, progress: Progress | None
     todo = [n for n in names if n not in done]
     try:
         if workers <= 1:
-            decoder = _worker_decoder(options) if todo else None
-            for name in todo:
-                finished(name, run_job(name, options, decoder))
+            _in_this_process(options, todo, finished, doing)
         else:
             _run_in_workers(options, todo, workers, finished)
     finally:
         if sink is not None:
             sink.close()
     return [done[n] for n in names]
+
+
+def _in_this_process(options: WalkOptions, names: list[str], finished: Callable[[str, JobResult], None],
+                     doing: Progress | None) -> None:
+    """Jobs ``names`` one after another on this process's decoder, ``doing`` told what runs."""
+    if not names:
+        return
+    if doing is not None:
+        doing(f"drawing the weights ({options.device})")
+    decoder = _worker_decoder(options)
+    try:
+        for name in names:
+            if doing is not None:
+                decoder.doing = lambda what, job=name: doing(f"{job}, {what}")
+            finished(name, run_job(name, options, decoder))
+    finally:
+        decoder.doing = None  # the decoder outlives the command (:data:`_DECODERS`)
 
 
 def _resumed(piece: dict[str, Any], name: str) -> JobResult | None:

@@ -23,7 +23,6 @@ from typing import Any
 
 from .files import MAX_JSON_BYTES, UsageError, json_safe, parse_json, read_json, require_keys, staged_folder
 from .overflow_map import MAP_SCHEMA_VERSION, MapResult, MapSpec
-from .plots import draw_map
 
 MAP_SUMMARY = "summary.json"
 MAP_JSON = re.compile(r"^(?P<module>[A-Za-z0-9][A-Za-z0-9_.-]*?)_overflow_map\.json$")
@@ -55,6 +54,8 @@ def write_map(result: MapResult, out_dir: Path, environment: dict[str, Any]) -> 
     with staged_folder(out_dir, carry=lambda name: not name.startswith(prefix) and name not in texts) as stage:
         for name, content in texts.items():
             (stage / name).write_text(json.dumps(json_safe(content), indent=1, allow_nan=False) + "\n")
+        from .plots import draw_map  # matplotlib: imported when a map is drawn, not at every start
+
         images = [out_dir / p.name for p in draw_map(result, stage)]
     return [*(out_dir / name for name in texts), *images]
 

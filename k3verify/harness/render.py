@@ -27,10 +27,11 @@ from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from ..numerics import FAIL, UNAVAILABLE
-from . import plots, registry
+from . import registry
 from .files import UsageError, json_safe, staged_folder
 from .map_files import (
     MAP_JSON,
@@ -82,6 +83,15 @@ from .walk_page import (
     routing_rows,
     walk_markdown,
 )
+
+
+def _plots() -> ModuleType:
+    """:mod:`~k3verify.harness.plots`, imported on first use: matplotlib is half a second of
+    every command's start (0.47 s of ``k3verify list``'s 2.8 s here), and most commands draw
+    nothing."""
+    from . import plots
+
+    return plots
 
 NIGHTLY = "nightly.json"
 MAX_NIGHTLY_BYTES = 4 * 1024 * 1024
@@ -198,7 +208,7 @@ def _read_png(folder: MapsFolder, name: str) -> bytes:
     naming it when it is refused or does not decode within the pixel bound."""
     data = folder.read(name, MAX_PNG_BYTES, "map image")
     try:
-        return plots.compact_png(data)
+        return _plots().compact_png(data)
     except ValueError as exc:
         raise UsageError(f"{folder.path / name}: map image is {exc}") from None
 
@@ -314,7 +324,7 @@ def _draw_map_doc(result: Any, path: Path) -> list[tuple[str, bytes]]:
     ``UsageError`` naming ``path`` when a figure is larger than a page embeds."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            return [(p.name, plots.compact_png(p.read_bytes())) for p in plots.draw_map(result, Path(tmp))]
+            return [(p.name, _plots().compact_png(p.read_bytes())) for p in _plots().draw_map(result, Path(tmp))]
         except ValueError as exc:
             raise UsageError(f"{path}: overflow map drawn too large: {exc}") from None
 
@@ -331,7 +341,7 @@ def _figure(fig: Any, alt: str, caption: str, heading: str = "") -> str:
         return ""
     head = f"<h3>{html_text(heading)}</h3>" if heading else ""
     try:
-        png = plots.png_bytes(fig)
+        png = _plots().png_bytes(fig)
     except ValueError as exc:  # a figure larger than a page embeds (a report with thousands of rows in a case)
         return f"{head}<p class='muted'>{html_text(alt)}: not drawn: {html_text(exc)}</p>"
     return f"{head}<figure>{_img(png, alt)}<figcaption>{caption}</figcaption></figure>"
@@ -538,14 +548,14 @@ def _verdicts(rows: list[dict[str, Any]]) -> str:
 def _module_section(module: str, rows: list[dict[str, Any]], extras: Extras, report_commit: str | None) -> str:
     parts = [f"<h2 id='module-{html_text(module)}'>{html_text(module)}</h2>"]
     parts.append(_figure(
-        _draw(plots.position_figure, rows, f"{module}: error against token position"),
+        _draw(_plots().position_figure, rows, f"{module}: error against token position"),
         f"{module} error against position",
         "RMS ratio of each position's output against the fp64 oracle; dashed, in colours of their own: the "
         "same-dtype naive baselines the baseline rule compares against. fp64 rows and single-token cases are left out.",
         "Error against token position",
     ))
     parts.append(_figure(
-        _draw(plots.ulp_figure, rows, f"{module}: ULP histograms"),
+        _draw(_plots().ulp_figure, rows, f"{module}: ULP histograms"),
         f"{module} ULP histograms",
         "Share of outputs per band of |error| in ULPs of the row's dtype at the oracle value (fp64 rows count "
         "fp64 ULPs). Rows with non-finite outputs have no histogram.",
@@ -599,7 +609,7 @@ def _curve_section(name: str, title: str, doc: Any, maps_dir: Path | None) -> st
     if isinstance(doc, dict):
         try:
             # Curves against depth (a "layers" axis) are drawn as such; any other study as its series.
-            fig = _draw(plots.depth_figure if "layers" in doc else plots.series_figure, doc, title)
+            fig = _draw(_plots().depth_figure if "layers" in doc else _plots().series_figure, doc, title)
         except ValueError as exc:  # a curve file of another shape still shows as data
             parts.append(f"<p class='muted'>not drawn: {html_text(exc)}</p>")
     parts.append(_figure(fig, title, html_text(name)))
@@ -647,7 +657,7 @@ def _walk_section(walk: dict[str, Any]) -> str:
     if fp64:
         parts.append(f"<h3>fp64 agreement</h3><p>{html_text(fp64)}</p>")
     parts.append(_walk_curve(
-        "Depth drift", walk.get("depth_drift"), plots.walk_depth_figure,
+        "Depth drift", walk.get("depth_drift"), _plots().walk_depth_figure,
         "Decoder walk: the residual stream's error against depth", "decoder walk depth drift",
         "RMS ratio of the residual stream against the fp64 walk after every sublayer call, one line per plan "
         "(markers: the sublayer's module); dotted lines: AttnRes block boundaries."))
@@ -656,7 +666,7 @@ def _walk_section(walk: dict[str, Any]) -> str:
         header, rows, note = growth
         parts.append(f"<p class='muted'>{html_text(GROWTH_NOTE + note)}</p>" + _table(header, rows))
     parts.append(_walk_curve(
-        "Decode steps", walk.get("decode_steps"), plots.walk_decode_figure,
+        "Decode steps", walk.get("decode_steps"), _plots().walk_decode_figure,
         "Decoder walk: error per token, prefill then decode", "decoder walk decode steps",
         "RMS ratio of each token's output against the fp64 definition (prefill of the whole sequence): the served "
         "low-precision path (prefill of the prompt, then one decode step per token, caches carried) and the naive "

@@ -80,6 +80,8 @@ class Casts:
         if kept is not None and kept[0]() is t and kept[1] == t._version and kept[3] == kept[2]._version:
             return kept[2]
         out = t.detach().to(device, dtype, copy=self.copy)
+        if not self.copy and out.data_ptr() == t.data_ptr():
+            return t  # already there ("cuda" names the tensor's "cuda:0"): nothing was made
         made = self._made
         self._made[key] = (weakref.ref(t, lambda _, k=key: made.pop(k, None)), t._version, out, out._version)
         return out

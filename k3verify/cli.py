@@ -77,10 +77,10 @@ def _module_list(values: Sequence[str] | None) -> list[str] | None:
 
 
 class LineProgress:
-    """Progress for logs (stderr not a terminal): one plain line per 10% step, with elapsed time,
-    and a line saying the command is still running, and on what (the task's ``current``), after
-    every ``quiet_s`` seconds without one (a wide walk's job, a map's first cells compiling:
-    minutes in which a log showed nothing).
+    """Progress for logs (stderr not a terminal): one plain line per 10% step, with elapsed time
+    (and the task's ``detail``), and a line saying the command is still running, and on what
+    (the task's ``current``), after every ``quiet_s`` seconds without one (a wide walk's job, a
+    map's first cells compiling: minutes in which a log showed nothing).
 
     Offers the subset of ``rich.progress.Progress`` the commands use.
     """
@@ -122,28 +122,32 @@ class LineProgress:
     def _line(self, t: dict, note: str = "") -> None:
         fraction = t["completed"] / t["total"]
         elapsed = time.perf_counter() - t["start"]
-        _say(self.console, f"{t['description']}: {t['completed']:.0f}/{t['total']:.0f} "
-                           f"({100 * fraction:.0f}%) after {elapsed:.1f} s" + (f", {note}" if note else ""))
+        unit = f" {t['unit']}s" if t["unit"] else ""
+        detail = f"; {t['detail']}" if t["detail"] else ""
+        _say(self.console, f"{t['description']}: {t['completed']:.0f}/{t['total']:.0f}{unit} "
+                           f"({100 * fraction:.0f}%) after {elapsed:.1f} s{detail}" + (f", {note}" if note else ""))
         self._last_line = time.perf_counter()
 
     def add_task(self, description: str, total: float | None = None, **fields: object) -> int:
         with self._lock:
             self.tasks[len(self.tasks)] = dict(
-                description=description, total=total, completed=0, shown=-1.0, start=time.perf_counter(), current=""
+                description=description, total=total, completed=0, shown=-1.0, start=time.perf_counter(), current="",
+                unit="", detail="",
             )
             return len(self.tasks) - 1
 
     def update(
-        self, task: int, *, completed: float | None = None, total: float | None = None, current: str | None = None
+        self, task: int, *, completed: float | None = None, total: float | None = None, current: str | None = None,
+        unit: str | None = None, detail: str | None = None,
     ) -> None:
+        """New counts and texts: ``current`` what runs now (said by the heartbeat), ``unit`` what
+        is counted (``cell``: "12/80 cells"), ``detail`` a note for every line (failed, ETA)."""
         with self._lock:
             t = self.tasks[task]
-            if total is not None:
-                t["total"] = total
-            if completed is not None:
-                t["completed"] = completed
-            if current is not None:
-                t["current"] = current
+            for name, value in (("total", total), ("completed", completed), ("current", current), ("unit", unit),
+                                ("detail", detail)):
+                if value is not None:
+                    t[name] = value
             self._maybe_print(t)
 
     def advance(self, task: int, amount: float = 1) -> None:
@@ -153,7 +157,8 @@ class LineProgress:
         if not t["total"]:
             return
         fraction = t["completed"] / t["total"]
-        if fraction - t["shown"] >= self.STEP or (fraction >= 1 and t["shown"] < 1):
+        # 1e-9: 12/40 - 8/40 is a hair under 0.1 in floating point, and its line came one task late
+        if fraction - t["shown"] >= self.STEP - 1e-9 or (fraction >= 1 and t["shown"] < 1):
             t["shown"] = fraction
             self._line(t)
 
@@ -598,22 +603,17 @@ def _dask_status(bar: Progress | LineProgress, task: int, err: Console, what: st
                  label: Callable[[int], str] | None = None) -> Callable[[Any], None]:
     """The Dask run's status on ``bar`` (tasks done of all, cells or rows as ``status.unit``
     says; failed, retried and the ETA beside it), each failed task as a line (``label(index)``
-    names it; default: its unit and index), and in a log (``bar`` a :class:`LineProgress`) one
-    line per 10% of the tasks with the same counts."""
-    shown = {"fraction": -1.0, "failures": 0}
+    names it; default: its unit and index); in a log (``bar`` a :class:`LineProgress`) its lines,
+    one per 10% of the tasks with the same counts, and "still running" while none ends."""
+    shown = {"failures": 0}
 
     def update(status: Any) -> None:
         for index, reason in status.failures[shown["failures"]:]:
             _say(err, f"{what}: {label(index) if label else f'{status.unit} {index}'} failed: {reason}",
                  style="yellow")
         shown["failures"] = len(status.failures)
-        if isinstance(bar, LineProgress):
-            fraction = status.done / status.total if status.total else 1.0
-            if fraction - shown["fraction"] >= LineProgress.STEP or (fraction >= 1 and shown["fraction"] < 1):
-                shown["fraction"] = fraction
-                extra = status.text()
-                _say(err, f"{what}: {status.done}/{status.total} {status.unit}s ({100 * fraction:.0f}%) after "
-                          f"{status.elapsed_s:.1f} s" + (f"; {extra}" if extra else ""))
+        if isinstance(bar, LineProgress):  # its lines, and its "still running" while no cell ends
+            bar.update(task, completed=status.done, total=status.total, unit=status.unit, detail=status.text())
             return
         bar.update(task, completed=status.done, total=status.total, current=status.text())
 

@@ -79,6 +79,46 @@ def test_unknown_module_is_a_clear_error(capsys) -> None:
     assert "no module name given" in capsys.readouterr().err
 
 
+def test_a_dask_log_counts_its_cells_and_hears_from_a_long_first_cell() -> None:
+    """Rule: structural. In a log the Dask engine's status goes through :class:`LineProgress`:
+    lines per 10% of the tasks with their unit and the engine's note (failed, ETA), a line per
+    failed task, and a "still running" line with the counts while no task ends (a GPU map's
+    first cells compile for minutes)."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from k3verify.cli import LineProgress, _dask_status
+    from k3verify.harness.dask_engine import SweepStatus
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=200)
+    with LineProgress(console, quiet_s=0.2) as bar:
+        task = bar.add_task("kda overflow map", total=None)
+        update = _dask_status(bar, task, console, "kda overflow map")
+        status = SweepStatus(total=40)
+        update(status)
+        end = time.perf_counter() + 30
+        while "still running" not in buf.getvalue() and time.perf_counter() < end:
+            time.sleep(0.05)
+        for done in range(1, 41):
+            status.done = status.computed = done
+            status.elapsed_s = done * 0.5
+            if done == 7:
+                status.failed, status.failures = 1, [(6, "worker died 3 times running this cell")]
+            update(status)
+    lines = buf.getvalue().splitlines()
+    assert any(line.startswith("kda overflow map: 0/40 cells (0%) after ") and line.endswith(", still running")
+               for line in lines), lines
+    assert "kda overflow map: cell 6 failed: worker died 3 times running this cell" in lines, lines
+    steps = [line for line in lines if "still" not in line and "failed:" not in line]
+    assert [line.split(" after ")[0] for line in steps] == [
+        f"kda overflow map: {n}/40 cells ({100 * n // 40}%)" for n in (0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40)], steps
+    assert steps[2].endswith("; 1 failed, ETA 0:16"), steps[2]  # 32 left at 0.5 s each
+    assert steps[-1].endswith("s; 1 failed"), steps[-1]  # done: no ETA
+
+
 def test_a_command_that_draws_nothing_starts_without_matplotlib() -> None:
     """Rule: structural. The CLI and every module's registration import no plotting library:
     matplotlib is imported when a figure is drawn (0.7 s of every ``k3verify`` start measured

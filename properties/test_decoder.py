@@ -412,6 +412,7 @@ def test_held_casts_are_made_once_and_again_after_any_write() -> None:
     with held_casts():
         assert cast_once(w, torch.float32) is cast_once(w, torch.float32)
         assert cast_once(w64, torch.float64) is w64  # nothing to make: as .to
+        assert cast_once(w64, torch.float64, torch.device("cpu", 0)) is w64  # the same place, named otherwise
     assert cast_once(w, torch.float32) is not cast_once(w, torch.float32)
 
 

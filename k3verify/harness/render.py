@@ -86,9 +86,9 @@ from .walk_page import (
 
 
 def _plots() -> ModuleType:
-    """:mod:`~k3verify.harness.plots`, imported on first use: matplotlib is half a second of
-    every command's start (0.47 s of ``k3verify list``'s 2.8 s here), and most commands draw
-    nothing."""
+    """:mod:`~k3verify.harness.plots`, imported on first use: matplotlib and Pillow were 0.7 s of
+    every command's start (``k3verify list``: 3.05 s without them, 3.75 s with, on the 2-core
+    development machine), and most commands draw nothing."""
     from . import plots
 
     return plots

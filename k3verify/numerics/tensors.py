@@ -70,7 +70,7 @@ class Casts:
 
     def __call__(self, t: torch.Tensor, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
         """``t`` on ``device`` (default: its own) in ``dtype``."""
-        device = t.device if device is None else torch.device(device)
+        device = _place(t, device)
         if not self.copy and t.dtype == dtype and t.device == device:
             return t  # as .to: nothing to make
         if t.is_inference() or t.requires_grad:  # no version to trust; a graph to keep
@@ -80,11 +80,21 @@ class Casts:
         if kept is not None and kept[0]() is t and kept[1] == t._version and kept[3] == kept[2]._version:
             return kept[2]
         out = t.detach().to(device, dtype, copy=self.copy)
-        if not self.copy and out.data_ptr() == t.data_ptr():
-            return t  # already there ("cuda" names the tensor's "cuda:0"): nothing was made
         made = self._made
         self._made[key] = (weakref.ref(t, lambda _, k=key: made.pop(k, None)), t._version, out, out._version)
         return out
+
+
+def _place(t: torch.Tensor, device: torch.device | str | None) -> torch.device:
+    """``device`` as the tensor's own device when it names the same place (``"cuda"`` for a
+    tensor on ``cuda:0``: ``torch.device`` equality says they differ), else as given."""
+    if device is None:
+        return t.device
+    device = torch.device(device)
+    same_type = device.type == t.device.type
+    if same_type and (device.index is None or t.device.index is None or device.index == t.device.index):
+        return t.device
+    return device
 
 
 _HELD: list[Casts] = []

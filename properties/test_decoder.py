@@ -362,6 +362,57 @@ def test_a_registered_implementation_runs_in_the_stack(tmp_path, capsys) -> None
         WalkOptions(use=("kda/nope",)).low()
 
 
+def test_a_used_moe_implementation_computes_the_stacks_pinned_choices(tmp_path) -> None:
+    """A walk pins every low-precision run's expert choices to the fp64 run's; a registered MoE
+    implementation used in it gets those choices with each call. Rule: bit for bit (same process)
+    for the call given choices unlike its own router's: it equals the form run on those choices;
+    the baseline rule for the walk's row. The bridge that let the implementation route again on
+    the bf16 input failed this row at 0.41 against a limit of 0.11 (the flipped tokens) and
+    fails the first check."""
+    from k3verify import moe
+    from k3verify.cli import main
+    from k3verify.harness.decoder_walk import registered_form
+
+    label = "moe/k3verify:tiled[bf16 tile_m=16 tile_k=16]"
+    _, form = registered_form(label)
+    cfg = DecoderConfig.cpu().moe
+    w = moe.init_weights(cfg, seed=3)
+    x = torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    own = moe.route(x, w.w_router, w.bias, cfg)
+    other = moe.Routing((own.indices + 1) % cfg.num_experts, own.weights.flip(-1))  # never the router's choice
+    y = form.fn(x.to(torch.bfloat16), w.to(torch.bfloat16), cfg, routing=other)
+    want = moe.tiled(x.to(torch.bfloat16).double(), w.to(torch.bfloat16).to(torch.float64), cfg, routing=other,
+                     tile_m=16, tile_k=16, operand_dtype=torch.bfloat16).to(torch.bfloat16)
+    assert torch.equal(y, want)
+
+    out = tmp_path / "w"
+    assert main(["walk", "--layers", "8", "--prompt", "16", "--decode", "2", "--workers", "1",
+                 "--jobs", "prefill_decode", "--use", label, "--out", str(out), "--quiet"]) == 0
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    assert [(r["dtype"], r["status"], r["params"]["routing"]) for r in rows if r["dtype"] == "bf16"] == [
+        ("bf16", "pass", "pinned to fp64")]
+
+
+def test_a_used_moe_implementation_that_routes_itself_is_a_usage_error() -> None:
+    """Our Triton router kernel chooses its experts itself: handed a call whose pinned choices
+    are not its own, it cannot stand in a walk, and the error names it and the tokens that
+    differ instead of judging other experts' arithmetic as its own. Rule: structural."""
+    from k3verify import moe
+    from k3verify.harness.decoder_walk import registered_form
+    from k3verify.harness.files import UsageError
+
+    label = "moe/k3verify:kernel:router[fp32]"
+    _, form = registered_form(label)
+    cfg = DecoderConfig.cpu().moe
+    w = moe.init_weights(cfg, seed=3, dtype=torch.float32)
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    own = moe.route(x, w.w_router, w.bias, cfg)
+    assert form.fn(x, w, cfg, routing=own).shape == x.shape
+    other = moe.Routing((own.indices + 1) % cfg.num_experts, own.weights)
+    with pytest.raises(UsageError, match=r"kernel:router\[fp32\]' chose its own experts for 5 of 5 tokens"):
+        form.fn(x, w, cfg, routing=other)
+
+
 def test_a_call_the_used_implementation_refuses_is_a_usage_error(tmp_path, monkeypatch, capsys) -> None:
     """A plugin's KDA kernel built for other head dims (as FlashKDA is for K = V = 128) refuses the
     stack's first call: the walk ends with exit 2 and one line naming the implementation, the

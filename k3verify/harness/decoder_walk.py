@@ -475,9 +475,22 @@ def _mla_bridge(impl: Implementation) -> Callable[..., Any]:
 
 
 def _moe_bridge(impl: Implementation) -> Callable[..., Any]:
+    """The stack's MoE call as a case that carries the stack's ``routing`` (pinned to the fp64
+    run's choices in every low-precision run): without it the implementation's entry would route
+    again on the low-precision input, and the tokens whose choices flip (O(1) each, compounding
+    down the stack) would be charged to the implementation's arithmetic. One that routes itself
+    and meets other experts cannot stand in a pinned walk: a usage error says so."""
     held = Casts(copy=True)
 
-    def fn(x: torch.Tensor, weights: Any, config: Any, **_: Any) -> torch.Tensor:
+    def fn(x: torch.Tensor, weights: Any, config: Any, *, routing: Any, **_: Any) -> torch.Tensor:
         fp64 = type(weights)(**{n: _held(held, t) for n, t in weights.tensors().items()})
-        return _call(impl, {"x": _fp64_cpu(x), "weights": fp64, "config": config})["y"].to(x.device, x.dtype)
+        pinned = type(routing)(routing.indices.cpu(), *(_fp64_cpu(t) for t in (routing.weights, routing.scores)))
+        out = _call(impl, {"x": _fp64_cpu(x), "weights": fp64, "config": config, "routing": pinned})
+        chosen = out["experts"].sort(-1).values
+        flipped = int((chosen != pinned.indices.sort(-1).values).any(-1).sum())
+        if flipped:
+            raise UsageError(f"--use {impl.label!r} chose its own experts for {flipped} of {x.shape[0]} tokens of a "
+                             "call: a walk pins every run's expert choices to the fp64 run's (docs/decoder.md), "
+                             "so an implementation that routes itself cannot stand in it")
+        return out["y"].to(x.device, x.dtype)
     return fn

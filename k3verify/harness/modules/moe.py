@@ -72,6 +72,10 @@ def call(fn: Callable[..., Any], case: Case, dtype: torch.dtype, *, router_dtype
     For fp64 and fp32 inputs (every built-in row) this is the routing the form makes itself, bit
     for bit: the router casts to ``router_dtype`` first.
 
+    A case whose inputs hold a ``routing`` (a :class:`~k3verify.moe.Routing`: a decoder walk's
+    MoE call, whose choices are pinned to the fp64 run's, docs/decoder.md) passes that one in
+    instead: the stack decided which experts each token meets, the function computes them.
+
     With ``kernel_routes`` the function routes itself (the router GEMM, the balancing bias in the
     selection and the renormalised weights are then its own): it is called without ``routing``
     and must return ``(y, experts)``; its experts are judged by their mismatch with the oracle's.
@@ -86,7 +90,9 @@ def call(fn: Callable[..., Any], case: Case, dtype: torch.dtype, *, router_dtype
         return {"y": out["y"], "experts": expert_sets(out["experts"])}
     if router_dtype is None:
         router_dtype = compute_dtype(resolve_dtype(options.get("operand_dtype", dtype)))
-    routing = moe.routing_for(given["x"], given["weights"], cfg, None, router_dtype)
+    routing = given.get("routing")
+    if routing is None:
+        routing = moe.routing_for(given["x"], given["weights"], cfg, None, router_dtype)
     result = checked_call(fn, (x, w, cfg), ("x", "weights", "config"), dict(routing=routing, **options),
                           returnable=("routing",))
     out = as_outputs(result, OUTPUTS, getattr(fn, "__name__", repr(fn)))

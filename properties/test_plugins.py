@@ -69,14 +69,16 @@ def _k3verify(site: Path, *args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, timeout=600)
 
 
-@pytest.fixture
-def plugged(site: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The plugins discovered in this process (the site on sys.path), forgotten afterwards."""
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setenv("K3V_EXAMPLE_COMPILE_BACKEND", "eager")
-    registry.reload_plugins()
-    yield registry
-    monkeypatch.undo()
+@pytest.fixture(scope="module")
+def plugged(site: Path) -> Any:
+    """The plugins discovered in this process (the site on sys.path), forgotten after this
+    file's tests. Shared by them: each discovery starts the plugins' worker processes (about
+    4 s of a CPU each), and the tests only read what was discovered."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(site))
+        patch.setenv("K3V_EXAMPLE_COMPILE_BACKEND", "eager")
+        registry.reload_plugins()
+        yield registry
     registry.reload_plugins()
 
 

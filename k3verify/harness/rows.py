@@ -200,62 +200,98 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+@functools.cache
+def _fields(cls: type) -> tuple[tuple[str, bool, Any, tuple[tuple[type, ...], bool, str] | None], ...]:
+    """Per field of dataclass ``cls``: ``(name, required, hint, scalar)`` (:func:`_scalar` of the
+    hint), worked out once: a report's rows are read field by field, hundreds of thousands of them."""
+    return tuple((f.name, f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                  _hints(cls)[f.name], _scalar(_hints(cls)[f.name])) for f in dataclasses.fields(cls))
+
+
 def _record(cls: type, value: Any, where: str, strict: bool) -> Any:
     """An instance of dataclass ``cls`` from JSON object ``value``, each field checked."""
     if not isinstance(value, dict):
         raise RowError(f"{where} is a {type(value).__name__}, not an object")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = _fields(cls)
     if strict:
-        unknown = sorted(str(k) for k in value if k not in fields)
+        known = {name for name, *_ in fields}
+        unknown = sorted(str(k) for k in value if k not in known)
         if unknown:
             raise RowError(f"{where} has keys no reader knows: {', '.join(unknown)[:200]} (declare them in "
                            f"k3verify/harness/rows.py)")
     kwargs = {}
-    for name, f in fields.items():
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    for name, required, hint, scalar in fields:
         if name not in value:
             if required:
                 raise RowError(f"{where} has no {name!r}")
             continue
-        kwargs[name] = _typed(value[name], _hints(cls)[name], f"{where}'s {name}" if cls is Row else f"{where}.{name}",
-                              strict)
+        item = value[name]
+        if scalar is not None and _fits(item, scalar):  # most fields; the place is named only on error
+            kwargs[name] = item
+        else:
+            kwargs[name] = _typed(item, hint, f"{where}'s {name}" if cls is Row else f"{where}.{name}", strict)
         if required and kwargs[name] is None:
             raise RowError(f"{where} has a null {name!r}")
     return cls(**kwargs)
 
 
+@functools.cache
+def _shape(hint: Any) -> tuple[Any, ...]:
+    """What :func:`_typed` checks for ``hint``, unpacked once per hint."""
+    if hint is Any:
+        return ("any",)
+    scalar = _scalar(hint)
+    if scalar is not None:
+        return ("scalar", scalar)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return ("union", type(None) in args, inner[0] if len(inner) == 1 else None)
+    if dataclasses.is_dataclass(hint):
+        return ("record",)
+    if origin is list:
+        item = _scalar(args[0])
+        exact = None if item is None else frozenset(k for k in item[0] + ((type(None),) if item[1] else ()))
+        return ("list", args[0], item, exact)
+    if origin is dict:
+        return ("dict", args[1])
+    return ("unknown",)
+
+
 def _typed(value: Any, hint: Any, where: str, strict: bool) -> Any:
     """``value`` checked against type ``hint`` (a scalar, ``list[X]``, ``dict[str, X]``, a record,
     ``X | None``); ``None`` passes wherever the hint allows it. A bool is never a number."""
-    if hint is Any:
+    shape = _shape(hint)
+    kind = shape[0]
+    if kind == "any":
         return value
-    scalar = _scalar(hint)
-    if scalar is not None:  # most fields: a number, a text or a flag, checked without unpacking the hint
-        if not _fits(value, scalar):
-            raise RowError(f"{where} is a {type(value).__name__}, not a {scalar[2]}")
+    if kind == "scalar":  # a number, a text or a flag, checked without unpacking the hint
+        if not _fits(value, shape[1]):
+            raise RowError(f"{where} is a {type(value).__name__}, not a {shape[1][2]}")
         return value
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
+    if kind == "union":
+        if value is None and shape[1]:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _typed(value, inner, where, strict)
-    if dataclasses.is_dataclass(hint):
+        if shape[2] is None:
+            raise ValueError(f"rows.py declares {where} as {hint!r}, a union of several types")
+        return _typed(value, shape[2], where, strict)
+    if kind == "record":
         return _record(hint, value, where, strict)
-    if origin is list:
+    if kind == "list":
         if not isinstance(value, list):
             raise RowError(f"{where} is a {type(value).__name__}, not a list")
-        item = _scalar(args[0])
+        _, item_hint, item, exact = shape
         if item is not None:  # a long list of numbers (errors by position): one pass, no recursion
-            bad = next((i for i, v in enumerate(value) if not _fits(v, item)), None)
+            # exact builtin types first (what JSON gives); anything else (a bool, a subclass) by the rule
+            bad = next((i for i, v in enumerate(value) if type(v) not in exact and not _fits(v, item)), None)
             if bad is not None:
                 raise RowError(f"{where}[{bad}] is a {type(value[bad]).__name__}, not a {item[2]}")
             return list(value)
-        return [_typed(v, args[0], f"{where}[{i}]", strict) for i, v in enumerate(value)]
-    if origin is dict:
+        return [_typed(v, item_hint, f"{where}[{i}]", strict) for i, v in enumerate(value)]
+    if kind == "dict":
         if not isinstance(value, dict):
             raise RowError(f"{where} is a {type(value).__name__}, not an object")
-        return {k: _typed(v, args[1], f"{where}[{str(k)[:40]!r}]", strict) for k, v in value.items()}
+        return {k: _typed(v, shape[1], f"{where}[{str(k)[:40]!r}]", strict) for k, v in value.items()}
     raise TypeError(f"rows.py declares {where} as {hint!r}, a type it cannot check")
 
 

@@ -467,6 +467,71 @@ def test_held_casts_are_made_once_and_again_after_any_write() -> None:
     assert cast_once(w, torch.float32) is not cast_once(w, torch.float32)
 
 
+def _write_unseen(t: torch.Tensor) -> None:
+    """Change one element of CPU tensor ``t`` through its memory, as a kernel writes through a
+    pointer: torch's version counter does not move."""
+    t.view(torch.int16 if t.element_size() == 2 else torch.int64).numpy().reshape(-1)[0] += 1
+
+
+def test_a_held_cast_is_checked_once_at_the_end_not_around_each_call() -> None:
+    """Rule: structural. Inside held_casts a function handed a kept cast is not guarded by a copy
+    per call (a wide MoE layer's weights are 448 M values); the block's end finds a cast written
+    behind torch's back, and only such a one (a write torch saw gets the next call a fresh cast).
+    Outside, the per-call guard still names the write."""
+    from k3verify.harness.guard import InputMutated, checked_call
+    from k3verify.numerics import cast_once, held, held_casts
+
+    source = torch.randn(8, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with held_casts() as casts:
+        cast = cast_once(source, torch.bfloat16)
+        assert held(cast) and casts.changed() == []
+        checked_call(_write_unseen, (cast,), ("w",), {})
+        assert casts.changed() == ["the bfloat16 [8, 8] copy on cpu"]
+    with held_casts() as casts:
+        cast = cast_once(source, torch.bfloat16)
+        cast.mul_(2)
+        assert not held(cast) and casts.changed() == [] and cast_once(source, torch.bfloat16) is not cast
+    with pytest.raises(InputMutated, match=r"modified its input w in place \(1 of 64"):
+        checked_call(_write_unseen, (cast_once(source, torch.bfloat16),), ("w",), {})
+
+
+def test_a_used_implementation_writing_into_its_weights_unseen_ends_the_walk(tmp_path, monkeypatch, capsys) -> None:
+    """A used MoE implementation that writes into the weights it computes with, through their
+    memory (no in-place operation torch records), would have later calls compute with other
+    weights: the job's end finds it and the walk ends with exit 2 naming the implementation.
+    Rule: structural."""
+    from k3verify import moe
+    from k3verify.cli import main
+    from k3verify.harness import registry
+    from k3verify.harness.modules.moe import call
+
+    def writing(x, w, cfg, *, routing):
+        _write_unseen(w.w_latent_up)
+        return moe.chunkwise(x.float(), w.to(torch.float32), cfg, routing=routing)
+
+    def writing_x(x, w, cfg, *, routing):
+        x.mul_(2)
+        return moe.chunkwise(x.float(), w.to(torch.float32), cfg, routing=routing)
+
+    fake = registry.Implementation(module="moe", implementation="vendor-moe 1.0", form="kernel:grouped",
+                                   dtype="bf16", params={}, rule=registry.BASELINE_RULE,
+                                   run=lambda case: call(writing, case, torch.bfloat16),
+                                   source="vendor-moe 1.0 (plugin)")
+    monkeypatch.setattr(registry, "plugin_implementations", lambda m: [fake] if m == "moe" else [])
+    code = main(["walk", "--layers", "4", "--prompt", "8", "--decode", "1", "--workers", "1",
+                 "--jobs", "prefill_decode", "--use", fake.label, "--out", str(tmp_path / "w"), "--quiet"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2, err
+    assert f"prefill_decode: --use '{fake.label}' wrote into weights given to them" in err, err
+    assert "the bfloat16 [" in err and "internal error" not in err
+    # a write into the activations is named at the call, as every row's guard names it
+    fake = replace(fake, run=lambda case: call(writing_x, case, torch.bfloat16))
+    code = main(["walk", "--layers", "4", "--prompt", "8", "--decode", "1", "--workers", "1",
+                 "--jobs", "prefill_decode", "--use", fake.label, "--out", str(tmp_path / "x"), "--quiet"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and f"--use '{fake.label}' modified its input x in place" in err, err
+
+
 def test_a_used_moe_implementation_gets_each_weight_set_copied_once(tmp_path, monkeypatch) -> None:
     """A used MoE implementation (ours in bf16 behind a plugin's label) gets the same fp64 copies
     of a layer's weights at every call of the walk (one copy per weight set, not per call: at K3's

@@ -44,6 +44,7 @@ from ..numerics import Casts, held_casts, resolve_dtype
 from ..numerics.policy import BASELINE_RULE, FAIL, PASS, POLICY, Verdict
 from . import registry
 from .files import UsageError
+from .guard import InputMutated
 from .partial import append_piece, as_json, open_sink, piece_key, read_partial
 from .registry import Case, Implementation
 from .rows import Row, RowError
@@ -259,13 +260,20 @@ def run_job(name: str, options: WalkOptions, decoder: Decoder | None = None) -> 
     """Run job ``name`` (``walks`` or a scenario's name) with a decoder made here if not given."""
     decoder = decoder or _worker_decoder(options)
     # held casts: the weights' casts inside the MoE layers (to the operand dtype, to the device)
-    # are made once per job, not at each of its hundreds of calls
-    with torch.inference_mode(False), held_casts():
+    # are made once per job, not at each of its hundreds of calls, and checked once at its end
+    with torch.inference_mode(False), held_casts() as casts:
         if name == "walks":
-            return run_walks(decoder, options)
-        if name == "attribution":
-            return run_attribution(decoder, options)
-        return run_scenario(decoder, SCENARIOS[name], options)
+            result = run_walks(decoder, options)
+        elif name == "attribution":
+            result = run_attribution(decoder, options)
+        else:
+            result = run_scenario(decoder, SCENARIOS[name], options)
+        written = casts.changed()
+    if written:
+        who = f"--use {', '.join(repr(u) for u in options.use)}" if options.use else "the plan's forms"
+        raise UsageError(f"{name}: {who} wrote into weights given to them, behind torch's back (no in-place "
+                         f"operation recorded), so later calls computed with other weights: {'; '.join(written)}")
+    return result
 
 
 # The decoder a worker process made, by configuration and device: its weights are drawn once
@@ -437,6 +445,8 @@ def _call(impl: Implementation, inputs: dict[str, Any]) -> Any:
     except (ValueError, TypeError) as exc:
         shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in inputs.items() if isinstance(t, torch.Tensor))
         raise UsageError(f"--use {impl.label!r} refused a call of the stack ({shapes}): {exc}") from exc
+    except InputMutated as exc:  # the implementation's failure, not k3verify's
+        raise UsageError(f"--use {impl.label!r} {exc}") from exc
 
 
 def _fp64_cpu(t: Any) -> Any:

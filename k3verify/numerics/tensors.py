@@ -84,6 +84,31 @@ class Casts:
         self._made[key] = (weakref.ref(t, lambda _, k=key: made.pop(k, None)), t._version, out, out._version)
         return out
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is one of the casts kept here, as it was made (no in-place write seen)."""
+        return any(kept[2] is t and kept[3] == t._version for kept in self._made.values())
+
+    def changed(self) -> list[str]:
+        """The kept casts whose values differ from their living source's cast although no
+        in-place write was seen (their version counter did not move): memory written behind
+        torch's back, as a kernel writes through a pointer. A write torch saw is harmless (the
+        next call gets a cast made again) and is not listed. One cast and compare per kept cast."""
+        found = []
+        for ref, version, out, out_version in list(self._made.values()):
+            source = ref()
+            if source is None or source._version != version or out._version != out_version:
+                continue
+            fresh = source.detach().to(out.device, out.dtype, copy=True)
+            if not torch.equal(_bits(fresh), _bits(out)):
+                found.append(f"the {str(out.dtype).removeprefix('torch.')} {list(out.shape)} copy on {out.device}")
+        return found
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` read as integers of its element size (a NaN equals itself, -0.0 differs from 0.0)."""
+    size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size())
+    return t.reshape(-1).view(size) if size is not None else t.reshape(-1)
+
 
 def _place(t: torch.Tensor, device: torch.device | str | None) -> torch.device:
     """``device`` as the tensor's own device when it names the same place (``"cuda"`` for a
@@ -110,6 +135,12 @@ def held_casts() -> Iterator[Casts]:
         yield _HELD[-1]
     finally:
         _HELD.pop()
+
+
+def held(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a cast kept by the innermost :func:`held_casts`, unchanged: what it is
+    handed to is checked once at the block's end (:meth:`Casts.changed`), not around each call."""
+    return bool(_HELD) and _HELD[-1].holds(t)
 
 
 def cast_once(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:

@@ -417,21 +417,13 @@ def test_a_call_the_used_implementation_refuses_is_a_usage_error(tmp_path, monke
     """A plugin's KDA kernel built for other head dims (as FlashKDA is for K = V = 128) refuses the
     stack's first call: the walk ends with exit 2 and one line naming the implementation, the
     call's shapes and the kernel's own reason, not as an internal error (exit 3)."""
-    from k3verify.cli import main
-    from k3verify.harness import registry
 
     def refuse(case):
         raise ValueError(f"built for K = V = 128; got K = {case.inputs['q'].shape[-1]}")
 
-    fake = registry.Implementation(module="kda", implementation="vendor-kda 1.0", form="kernel:chunk",
-                                   dtype="bf16", params={}, rule=registry.BASELINE_RULE, run=refuse,
-                                   source="vendor-kda 1.0 (plugin)")
-    monkeypatch.setattr(registry, "plugin_implementations", lambda m: [fake] if m == "kda" else [])
-    code = main(["walk", "--layers", "4", "--prompt", "8", "--decode", "1", "--workers", "1",
-                 "--jobs", "prefill_decode", "--use", fake.label, "--out", str(tmp_path / "w"), "--quiet"])
-    err = " ".join(capsys.readouterr().err.split())
+    code, err, label = _walk_using(monkeypatch, capsys, tmp_path / "w", "kda", "kernel:chunk", refuse)
     assert code == 2, err
-    assert f"--use '{fake.label}' refused a call of the stack" in err and "got K = 32" in err, err
+    assert f"--use '{label}' refused a call of the stack" in err and "got K = 32" in err, err
     assert "internal error" not in err
 
 
@@ -501,8 +493,6 @@ def test_a_used_implementation_writing_into_its_weights_unseen_ends_the_walk(tmp
     weights: the job's end finds it and the walk ends with exit 2 naming the implementation.
     Rule: structural."""
     from k3verify import moe
-    from k3verify.cli import main
-    from k3verify.harness import registry
     from k3verify.harness.modules.moe import call
 
     def writing(x, w, cfg, *, routing):
@@ -513,23 +503,30 @@ def test_a_used_implementation_writing_into_its_weights_unseen_ends_the_walk(tmp
         x.mul_(2)
         return moe.chunkwise(x.float(), w.to(torch.float32), cfg, routing=routing)
 
-    fake = registry.Implementation(module="moe", implementation="vendor-moe 1.0", form="kernel:grouped",
-                                   dtype="bf16", params={}, rule=registry.BASELINE_RULE,
-                                   run=lambda case: call(writing, case, torch.bfloat16),
-                                   source="vendor-moe 1.0 (plugin)")
-    monkeypatch.setattr(registry, "plugin_implementations", lambda m: [fake] if m == "moe" else [])
-    code = main(["walk", "--layers", "4", "--prompt", "8", "--decode", "1", "--workers", "1",
-                 "--jobs", "prefill_decode", "--use", fake.label, "--out", str(tmp_path / "w"), "--quiet"])
-    err = " ".join(capsys.readouterr().err.split())
+    code, err, label = _walk_using(monkeypatch, capsys, tmp_path / "w", "moe", "kernel:grouped",
+                                   lambda case: call(writing, case, torch.bfloat16))
     assert code == 2, err
-    assert f"prefill_decode: --use '{fake.label}' wrote into weights given to them" in err, err
+    assert f"prefill_decode: --use '{label}' wrote into weights given to them" in err, err
     assert "the bfloat16 [" in err and "internal error" not in err
     # a write into the activations is named at the call, as every row's guard names it
-    fake = replace(fake, run=lambda case: call(writing_x, case, torch.bfloat16))
+    code, err, label = _walk_using(monkeypatch, capsys, tmp_path / "x", "moe", "kernel:grouped",
+                                   lambda case: call(writing_x, case, torch.bfloat16))
+    assert code == 2 and f"--use '{label}' modified its input x in place" in err, err
+
+
+def _walk_using(monkeypatch, capsys, out, module: str, form: str, run) -> tuple[int, str, str]:
+    """``walk`` (4 layers, prefill_decode) using an in-process plugin's bf16 implementation of
+    ``module`` that runs ``run(case)``: (exit status, stderr on one line, its label)."""
+    from k3verify.cli import main
+    from k3verify.harness import registry
+
+    fake = registry.Implementation(module=module, implementation=f"vendor-{module} 1.0", form=form, dtype="bf16",
+                                   params={}, rule=registry.BASELINE_RULE, run=run,
+                                   source=f"vendor-{module} 1.0 (plugin)")
+    monkeypatch.setattr(registry, "plugin_implementations", lambda m: [fake] if m == module else [])
     code = main(["walk", "--layers", "4", "--prompt", "8", "--decode", "1", "--workers", "1",
-                 "--jobs", "prefill_decode", "--use", fake.label, "--out", str(tmp_path / "x"), "--quiet"])
-    err = " ".join(capsys.readouterr().err.split())
-    assert code == 2 and f"--use '{fake.label}' modified its input x in place" in err, err
+                 "--jobs", "prefill_decode", "--use", fake.label, "--out", str(out), "--quiet"])
+    return code, " ".join(capsys.readouterr().err.split()), fake.label
 
 
 def test_a_used_moe_implementation_gets_each_weight_set_copied_once(tmp_path, monkeypatch) -> None:

@@ -411,6 +411,14 @@ def test_a_used_moe_implementation_that_routes_itself_is_a_usage_error() -> None
     other = moe.Routing((own.indices + 1) % cfg.num_experts, own.weights)
     with pytest.raises(UsageError, match=r"kernel:router\[fp32\]' chose its own experts for 5 of 5 tokens"):
         form.fn(x, w, cfg, routing=other)
+    # an implementation of one's own that reports no experts is taken at its word: it used the given ones
+    from k3verify.harness import registry
+    from k3verify.harness.decoder_walk import _moe_bridge
+
+    quiet = registry.Implementation(module="moe", implementation="vendor-moe 1.0", form="kernel:grouped",
+                                    dtype="fp32", params={}, rule=registry.BASELINE_RULE,
+                                    run=lambda case: {"y": case.inputs["x"].clone()})
+    assert torch.equal(_moe_bridge(quiet)(x, w, cfg, routing=other), x)
 
 
 def test_a_call_the_used_implementation_refuses_is_a_usage_error(tmp_path, monkeypatch, capsys) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..numerics import held, named_tensors
+from ..numerics import bit_pattern, held, named_tensors
 from .contract import BUILTIN_SOURCE, Case, Implementation
 
 
@@ -50,17 +50,6 @@ class InputMutated(RuntimeError):
         self.problems = problems
 
 
-_SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` flattened and read as integers of its element size, so that a NaN equals itself and
-    -0.0 differs from 0.0: "changed" means any bit changed."""
-    flat = t.detach().reshape(-1)
-    size = t.element_size()
-    return flat.view(_SAME_SIZE_INTS[size]) if size in _SAME_SIZE_INTS else flat
-
-
 def _change(name: str, before: torch.Tensor, after: torch.Tensor) -> str | None:
     """How ``after`` differs from its copy ``before`` (taken before the call), or None."""
     if (after.shape, after.dtype, after.device) != (before.shape, before.dtype, before.device):
@@ -68,7 +57,7 @@ def _change(name: str, before: torch.Tensor, after: torch.Tensor) -> str | None:
                 f"to {after.dtype} {tuple(after.shape)} on {after.device}")
     if after.is_meta or after.numel() == 0:
         return None
-    changed = int((_bits(before) != _bits(after)).sum())
+    changed = int((bit_pattern(before) != bit_pattern(after)).sum())
     return f"modified its input {name} in place ({changed} of {after.numel()} elements changed)" if changed else None
 
 

@@ -38,7 +38,7 @@ from .policy import (
     term_floor,
 )
 from .rounding import OVERFLOW_MODES, round_to, round_to_reference, rounder, spacing, storage_for
-from .tensors import Casts, cast_floats, cast_once, held, held_casts, map_tensors, named_tensors
+from .tensors import Casts, bit_pattern, cast_floats, cast_once, held, held_casts, map_tensors, named_tensors
 
 __all__ = [
     "ACCUMULATOR_ROUNDOFF",
@@ -65,6 +65,7 @@ __all__ = [
     "Verdict",
     "all_reduce",
     "baseline_rule",
+    "bit_pattern",
     "cast_floats",
     "cast_once",
     "compare",

@@ -67,6 +67,7 @@ class Casts:
         self.copy = copy
         # (id(source), dtype, device) -> (weak source, its version, the cast, the cast's version)
         self._made: dict[tuple[int, torch.dtype, torch.device], tuple[weakref.ref, int, torch.Tensor, int]] = {}
+        self._key_of: dict[int, tuple[int, torch.dtype, torch.device]] = {}  # id(cast) -> its key in _made
 
     def __call__(self, t: torch.Tensor, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
         """``t`` on ``device`` (default: its own) in ``dtype``."""
@@ -82,11 +83,14 @@ class Casts:
         out = t.detach().to(device, dtype, copy=self.copy)
         made = self._made
         self._made[key] = (weakref.ref(t, lambda _, k=key: made.pop(k, None)), t._version, out, out._version)
+        self._key_of[id(out)] = key
         return out
 
     def holds(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is one of the casts kept here, as it was made (no in-place write seen)."""
-        return any(kept[2] is t and kept[3] == t._version for kept in self._made.values())
+        """Whether ``t`` is one of the casts kept here, as it was made (no in-place write seen).
+        Asked of every tensor a guarded call is given, so a lookup, not a scan."""
+        kept = self._made.get(self._key_of.get(id(t)))  # type: ignore[arg-type]
+        return kept is not None and kept[2] is t and kept[3] == t._version
 
     def changed(self) -> list[str]:
         """The kept casts whose values differ from their living source's cast although no
@@ -99,15 +103,20 @@ class Casts:
             if source is None or source._version != version or out._version != out_version:
                 continue
             fresh = source.detach().to(out.device, out.dtype, copy=True)
-            if not torch.equal(_bits(fresh), _bits(out)):
+            if not torch.equal(bit_pattern(fresh), bit_pattern(out)):
                 found.append(f"the {str(out.dtype).removeprefix('torch.')} {list(out.shape)} copy on {out.device}")
         return found
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` read as integers of its element size (a NaN equals itself, -0.0 differs from 0.0)."""
-    size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size())
-    return t.reshape(-1).view(size) if size is not None else t.reshape(-1)
+_SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bit_pattern(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flattened and read as integers of its element size, so that a NaN equals itself and
+    -0.0 differs from 0.0: two tensors are equal in it exactly when every bit is."""
+    flat = t.detach().reshape(-1)
+    size = t.element_size()
+    return flat.view(_SAME_SIZE_INTS[size]) if size in _SAME_SIZE_INTS else flat
 
 
 def _place(t: torch.Tensor, device: torch.device | str | None) -> torch.device:

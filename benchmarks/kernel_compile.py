@@ -47,6 +47,7 @@ class Launch:
     stages: int
     types: dict[str, str] = field(default_factory=dict)
     divisible: frozenset[str] = frozenset()
+    warps: int | None = None  # the launch's own; None: each of --warps
 
 
 def usage(launch: Launch, arch: int, warps: int, maxnreg: int | None = None) -> str:
@@ -162,20 +163,34 @@ def moe_launches() -> list[Launch]:
     select = dict(r="*fp32", bias="*fp32", idx_out="*i64", wt_out="*fp32", T=i32, E=i32, rho=f32, renorm_eps=f32)
     tables = dict(token="*i32", tile_expert="*i32", tile_row="*i32", offsets="*i32")
     up = tables | dict(Dl=i32, F=i32, beta1=f32, beta2=f32)
-    down = tables | dict(weight="*fp32", out="*fp32", F=i32, Dl=i32)
-    rows = kernels.EXPERT_ROWS
+    down = tables | dict(weight="*fp32", out="*fp32", dest="*i64", F=i32, Dl=i32)
+
+    def router(t: Any) -> Launch:
+        return Launch(f"router logits {t}", kernels._logits_kernel,
+                      dict(BT=t.rows, BE=t.cols, BD=t.depth, EXACT=False), t.stages, logits, frozenset({"D"}),
+                      t.warps)
+
+    def experts(name: str, fn: Any, t: Any, args: dict[str, str], **extra: Any) -> Launch:
+        return Launch(f"{name} {t}", fn, dict(BM=t.rows, BN=t.cols, BK=t.depth, IEEE=False, **extra), t.stages, args,
+                      frozenset({"Dl", "F"}), t.warps)
+
     return [
-        Launch("router logits", kernels._logits_kernel, dict(BT=kernels.LOGIT_TOKENS, BE=kernels.LOGIT_EXPERTS,
-                                                              BD=kernels.WIDTH, EXACT=False), 3, logits,
-               frozenset({"D"})),
+        *(router(t) for t in tile_candidates(kernels, "logits")),
         Launch("router selection", kernels._select_kernel, dict(K=16, KP=16, BT=kernels.SELECT_TOKENS, BE=1024,
                                                                 HIGHEST=False), 3, select),
-        Launch("experts up", kernels._up_kernel, dict(BM=rows, BN=kernels.EXPERT_UP_COLS, BK=kernels.EXPERT_DEPTH,
-                                                      SWIGLU=False, IEEE=False), 3, up, frozenset({"Dl", "F"})),
-        Launch("experts down", kernels._down_kernel, dict(BM=rows, BN=kernels.EXPERT_DOWN_COLS,
-                                                          BK=kernels.EXPERT_DEPTH, IEEE=False), 3, down,
-               frozenset({"Dl", "F"})),
+        *(experts("experts up", kernels._up_kernel, t, up, SWIGLU=False) for t in tile_candidates(kernels, "up")),
+        *(experts("experts down", kernels._down_kernel, t, down, SCATTER=True)
+          for t in tile_candidates(kernels, "down")),
     ]  # fmt: skip
+
+
+def tile_candidates(kernels: Any, launch: str) -> list[Any]:
+    """The shapes ``benchmarks/moe_gpu.py`` times for a MoE launch (``logits``, ``up``, ``down``):
+    the default first."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import moe_gpu
+
+    return moe_gpu.CANDIDATES[launch]
 
 
 def attnres_launches() -> list[Launch]:
@@ -213,8 +228,8 @@ def main(argv: list[str] | None = None, module: str | None = None) -> int:
     module = module or args.module
     print(f"Triton {triton.__version__}, sm_{args.arch}, {module}, bf16 operands at K3's shapes")
     for launch in MODULES[module]():
-        for warps in args.warps:
-            print(f"{launch.name:28s} {warps} warps: {usage(launch, args.arch, warps)}", flush=True)
+        for warps in [launch.warps] if launch.warps else args.warps:
+            print(f"{launch.name:40s} {warps} warps: {usage(launch, args.arch, warps)}", flush=True)
     return 0
 
 

@@ -39,6 +39,7 @@ from k3verify.moe.chunkwise import dispatch
 from k3verify.moe.inputs import MoEConfig, MoEWeights, weight_shapes
 
 SHAPES = [(4096, 384), (16384, 384), (4096, 3072)]  # (tokens, expert hidden)
+DEVICE = "cuda"
 
 
 def matmul_peak() -> float:
@@ -53,7 +54,7 @@ def _weights(cfg: MoEConfig, gen: torch.Generator) -> MoEWeights:
     scaled by ``fan_in^{-1/2}``, the bias 0, the norm gain near 1."""
     out = {}
     for name, shape in weight_shapes(cfg).items():
-        t = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+        t = torch.randn(shape, generator=gen, device=DEVICE, dtype=torch.bfloat16)
         if name == "bias":
             t.zero_()
         elif name == "latent_norm":
@@ -64,24 +65,94 @@ def _weights(cfg: MoEConfig, gen: torch.Generator) -> MoEWeights:
     return MoEWeights(**out)
 
 
+def _distinct(tiles: list[kernels.Tiles]) -> list[kernels.Tiles]:
+    """``tiles`` without repeats, in order (the default may equal a listed candidate)."""
+    return list(dict.fromkeys(tiles))
+
+
+_T = kernels.Tiles
+# Launch shapes timed per launch, the current default first; none spills registers in an
+# offline sm_90 compile (benchmarks/kernel_compile.py --module moe).
+CANDIDATES = {
+    "logits": _distinct([kernels.LOGIT_TILES, _T(64, 64, 32, 4, 3), _T(128, 128, 32, 8, 3), _T(128, 128, 32, 8, 4),
+                         _T(64, 128, 32, 8, 4), _T(128, 64, 32, 4, 3), _T(64, 128, 32, 4, 3)]),
+    "up": _distinct([kernels.UP_TILES, _T(64, 64, 64, 4, 3), _T(64, 64, 64, 4, 4), _T(64, 128, 64, 8, 3),
+                     _T(128, 64, 64, 8, 3), _T(128, 64, 64, 8, 4), _T(64, 64, 128, 4, 3)]),
+    "down": _distinct([kernels.DOWN_TILES, _T(64, 128, 64, 4, 3), _T(64, 128, 64, 4, 4), _T(128, 128, 64, 8, 3),
+                       _T(128, 128, 64, 8, 4), _T(64, 256, 64, 8, 3), _T(128, 256, 64, 8, 3)]),
+}
+CANDIDATES["dense"] = _distinct([kernels.DENSE_TILES, *CANDIDATES["down"]])
+# A shape whose result is this far from the default shape's is wrong, not faster: the shapes
+# change only the order of fp32 sums (relative differences near 1e-6).
+AGREE = 1e-3
+
+
+def sweep(launch: str, make, group: str, log) -> tuple[list[dict[str, Any]], kernels.Tiles]:
+    """Time ``make(tiles)()`` for every candidate shape of ``launch`` (the first, the default, is
+    the reference its results must agree with); the rows and the fastest agreeing shape."""
+    rows: list[dict[str, Any]] = []
+    reference = None
+    best: tuple[float, kernels.Tiles] | None = None
+    for t in CANDIDATES[launch]:
+        fn = make(t)
+        got = attempt(fn)
+        row: dict[str, Any] = dict(kind="tiles", launch=launch, group=group, tiles=str(t))
+        if isinstance(got, str):
+            rows.append(row | dict(error=got))
+            continue
+        got = got.indices.float() if isinstance(got, kernels.Routing) else got.float()
+        reference = got if reference is None else reference
+        row["difference"] = float((got - reference).abs().max() / reference.abs().max().clamp_min(1e-30))
+        if row["difference"] > AGREE:
+            rows.append(row | dict(error=f"differs from the default shape's result by {row['difference']:.2e}"))
+            continue
+        row["ms"] = ms(fn, group, f"{launch} {t}")
+        best = min(best or (row["ms"], t), (row["ms"], t), key=lambda b: b[0])
+        rows.append(row)
+    if best is None:
+        raise RuntimeError(f"no shape of the {launch} launch ran: {rows}")
+    log(f"  {launch} tiles: " + ", ".join(f"{r['tiles']} {r['ms']:.3f}" if "ms" in r else f"{r['tiles']} {r['error']}"
+                                        for r in rows) + f"; best {best[1]}")  # fmt: skip
+    return rows, best[1]
+
+
 def shape_rows(T: int, H: int, peak: float, log) -> list[dict[str, Any]]:
     cfg = MoEConfig.production(expert_hidden=H)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     w = _weights(cfg, gen)
-    x = torch.randn(T, cfg.hidden_size, generator=gen, device="cuda")
+    x = torch.randn(T, cfg.hidden_size, generator=gen, device=DEVICE)
+    xb = x.bfloat16()
     group = f"moe T={T} H={H}"
-    route = partial(kernels.route, x, w.w_router.float(), w.bias.float(), cfg)  # the fp32 router of docs/model.md §4
-    r = route()
+    w_r, bias = w.w_router.float(), w.bias.float()  # the fp32 router of docs/model.md §4
+    r = kernels.route(x, w_r, bias, cfg)
     d = dispatch(r.indices, cfg.num_experts)
-    z = (x.bfloat16() @ w.w_latent_down).contiguous()
+    z = (xb @ w.w_latent_down).contiguous()
     p = r.weights.reshape(-1)[d.order].contiguous()
     P = d.order.numel()
     flops = 6 * P * cfg.latent_size * H
-    ours = ms(partial(kernels._grouped_experts, z, d, p, w, cfg), group, "k3verify experts")
-    rows = [dict(kind="experts", T=T, H=H, implementation="k3verify", ms=ours, tflops=flops / (ours * 1e-3) / 1e12,
-                 fraction_of_peak=flops / (ours * 1e-3) / 1e12 / peak)]  # fmt: skip
-    log(f"experts T={T} H={H}: {ours:.3f} ms, {rows[-1]['tflops']:.0f} TFLOP/s "
-        f"({100 * rows[-1]['fraction_of_peak']:.0f}% of matmul peak)")  # fmt: skip
+    table = kernels._RowTables(d.offsets, z.device)
+    h = kernels._up(z, d.token, table, w.w1, w.w3, cfg)
+    dense_rows = kernels._RowTables([0, T], z.device)
+    ones = torch.ones(T, device=DEVICE)
+    rows: list[dict[str, Any]] = []
+    best: dict[str, kernels.Tiles] = {}
+    makers = {
+        "logits": lambda t: partial(kernels.route, x, w_r, bias, cfg, tiles=t),
+        "up": lambda t: partial(kernels._up, z, d.token, table, w.w1, w.w3, cfg, t),
+        "down": lambda t: partial(kernels._down, h, table, w.w2, p, t, d.order),
+        "dense": lambda t: partial(kernels._down, xb, dense_rows, w.w_latent_down[None], ones, t, dense=True),
+    }
+    for launch, make in makers.items():
+        swept, best[launch] = sweep(launch, make, group, log)
+        rows += [dict(r, T=T, H=H) for r in swept]
+    default = ms(partial(kernels._grouped_experts, z, d, p, w, cfg), group, "k3verify experts, default tiles")
+    ours = ms(partial(kernels._grouped_experts, z, d, p, w, cfg, best["up"], best["down"]), group, "k3verify experts")
+    for name, t, tiles in (("k3verify, default tiles", default, f"{kernels.UP_TILES} / {kernels.DOWN_TILES}"),
+                           ("k3verify", ours, f"{best['up']} / {best['down']}")):  # fmt: skip
+        rows.append(dict(kind="experts", T=T, H=H, implementation=name, tiles=tiles, ms=t,
+                         tflops=flops / (t * 1e-3) / 1e12, fraction_of_peak=flops / (t * 1e-3) / 1e12 / peak))
+        log(f"experts T={T} H={H} {name} ({tiles}): {t:.3f} ms, {rows[-1]['tflops']:.0f} TFLOP/s "
+            f"({100 * rows[-1]['fraction_of_peak']:.0f}% of matmul peak)")  # fmt: skip
     # The peer's fused [W1 | W3] is made inside the attempt: at the full hidden it is 39 GB beside
     # the layer's 59 GB, more than an 80 GB device holds, and that is a row, not a crash.
     peer = attempt(lambda: partial(torch_grouped_mm._experts, z, d, p, w, config=cfg,
@@ -97,23 +168,59 @@ def shape_rows(T: int, H: int, peak: float, log) -> list[dict[str, Any]]:
         log(f"  torch._grouped_mm + SiTU: {t:.3f} ms ({t / ours:.2f}x ours)")
     del peer, first  # its fused [W1 | W3] (40 GB at the full hidden) before the layer is timed
     torch.cuda.empty_cache()
-    slot_rows = torch.empty_like(d.order)
-    slot_rows[d.order] = torch.arange(P, device="cuda")
-    out = kernels._grouped_experts(z, d, p, w, cfg)
-    parts = {
-        "router": route,
-        "dispatch": partial(dispatch, r.indices, cfg.num_experts),
-        "latent down-projection": lambda: x.bfloat16() @ w.w_latent_down,
-        "combine": lambda: out[slot_rows].reshape(T, cfg.top_k, -1).sum(1),
-        "layer": partial(kernels.grouped, x.bfloat16(), w, cfg, routing=r),
-        # every GEMM in our launches with bf16 operands (x W↓, RMSNorm(u) W↑, the shared MLP)
-        "layer, production dtype": partial(kernels.grouped, x.bfloat16(), w, cfg, routing=r, production=True),
-    }
-    rows.append(dict(kind="layer", T=T, H=H, part="expert GEMMs", ms=ours))  # timed above
-    for name, fn in parts.items():
-        t = attempt(partial(ms, fn, group, name))
-        rows.append(dict(kind="layer", T=T, H=H, part=name) | (dict(error=t) if isinstance(t, str) else dict(ms=t)))
-        log(f"  {name}: " + (t if isinstance(t, str) else f"{t:.3f} ms"))
+    rows += layer_rows(T, H, cfg, w, x, r, best, ours, group, log)
+    return rows
+
+
+def layer_rows(T: int, H: int, cfg: MoEConfig, w: MoEWeights, x: torch.Tensor, r, best: dict[str, kernels.Tiles],
+               experts_ms: float, group: str, log) -> list[dict[str, Any]]:  # fmt: skip
+    """The layer's time by part with the swept shapes as the launches' defaults, and the whole
+    layer against the sum of its GEMMs (``x W↓``, the experts, ``RMSNorm(u) W↑``, the shared MLP)."""
+    tuned = dict(LOGIT_TILES=best["logits"], UP_TILES=best["up"], DOWN_TILES=best["down"], DENSE_TILES=best["dense"])
+    before = {name: getattr(kernels, name) for name in tuned}
+    for name, t in tuned.items():
+        setattr(kernels, name, t)
+    try:
+        xb = x.bfloat16()
+        d = dispatch(r.indices, cfg.num_experts)
+        z = (xb @ w.w_latent_down).contiguous()
+        p = r.weights.reshape(-1)[d.order].contiguous()
+        out = kernels._grouped_experts(z, d, p, w, cfg)
+        u = out.reshape(T, cfg.top_k, -1).sum(1)
+        normed = (u * torch.rsqrt(u.square().mean(-1, keepdim=True) + cfg.rms_norm_eps) * w.latent_norm).bfloat16()
+        dense = kernels.kernel_dense(cfg)
+        gemms = {
+            "latent down-projection": partial(dense.matmul, xb, w.w_latent_down),
+            "latent up-projection": partial(dense.matmul, normed, w.w_latent_up),
+            "shared MLP": partial(dense.shared, xb, w.shared_w1, w.shared_w3, w.shared_w2),
+        }
+        parts = {
+            "router": partial(kernels.route, x, w.w_router.float(), w.bias.float(), cfg),
+            "dispatch": partial(dispatch, r.indices, cfg.num_experts),
+            **gemms,
+            "latent down-projection, cuBLAS": lambda: xb @ w.w_latent_down,
+            "combine": lambda: out.reshape(T, cfg.top_k, -1).sum(1),
+            "layer": partial(kernels.grouped, xb, w, cfg, routing=r),
+            # every GEMM in our launches with bf16 operands (x W↓, RMSNorm(u) W↑, the shared MLP)
+            "layer, production dtype": partial(kernels.grouped, xb, w, cfg, routing=r, production=True),
+        }
+        rows = [dict(kind="layer", T=T, H=H, part="expert GEMMs", ms=experts_ms)]  # timed above
+        for name, fn in parts.items():
+            t = attempt(partial(ms, fn, group, name))
+            rows.append(dict(kind="layer", T=T, H=H, part=name) | (dict(error=t) if isinstance(t, str) else dict(ms=t)))
+            log(f"  {name}: " + (t if isinstance(t, str) else f"{t:.3f} ms"))
+    finally:
+        for name, t in before.items():
+            setattr(kernels, name, t)
+    timed = {row["part"]: row.get("ms") for row in rows}
+    parts_of_sum = ["expert GEMMs", *gemms]
+    if all(timed.get(n) for n in [*parts_of_sum, "layer, production dtype"]):
+        total = sum(timed[n] for n in parts_of_sum)
+        rows.append(dict(kind="layer", T=T, H=H, part="sum of the GEMMs", ms=total))
+        rows.append(dict(kind="layer", T=T, H=H, part="layer, production dtype / sum of the GEMMs",
+                         ratio=timed["layer, production dtype"] / total))
+        log(f"  layer / sum of its GEMMs: {timed['layer, production dtype']:.3f} / {total:.3f} ms = "
+            f"{timed['layer, production dtype'] / total:.2f}x")
     return rows
 
 
@@ -136,7 +243,15 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "| T | expert hidden | part | ms |", "|---|---|---|---|"]
     for r in result["rows"]:
         if r["kind"] == "layer":
-            lines.append(f"| {r['T']} | {r['H']} | {r['part']} | {r.get('error') or format(r['ms'], '.3f')} |")
+            value = r.get("error") or (f"{r['ratio']:.2f}x" if "ratio" in r else format(r["ms"], ".3f"))
+            lines.append(f"| {r['T']} | {r['H']} | {r['part']} | {value} |")
+    lines += ["", "Launch shapes (rows x columns x depth, warps, stages; the first is the default):", "",
+              "| T | expert hidden | launch | tiles | ms | difference from the default |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if r["kind"] == "tiles":
+            value = r.get("error") or format(r["ms"], ".3f")
+            diff = format(r["difference"], ".1e") if "difference" in r else ""
+            lines.append(f"| {r['T']} | {r['H']} | {r['launch']} | {r['tiles']} | {value} | {diff} |")
     return "\n".join(lines) + "\n"
 
 

@@ -55,11 +55,12 @@ def _problem(E: int, k: int, d: int, T: int, seed: int, tie_break: str = "lowest
 
 @FEW
 @given(st.sampled_from([(16, 4), (64, 8), (896, 16)]), st.sampled_from([24, 100]), st.integers(1, 40),
-       st.integers(0, 2**16))  # fmt: skip
-def test_router_matches_the_fp32_reference(ek, d: int, T: int, seed: int) -> None:
-    """Rule discrete on tokens with a clear top-k gap; rule baseline on the weights."""
+       st.integers(0, 2**16), st.sampled_from([None, kernels.Tiles(32, 32, 16), kernels.Tiles(16, 64, 64)]))
+def test_router_matches_the_fp32_reference(ek, d: int, T: int, seed: int, tiles: kernels.Tiles | None) -> None:
+    """Rule discrete on tokens with a clear top-k gap; rule baseline on the weights; the logits
+    launch at its default shape and at others (``tiles``, as benchmarks/moe_gpu.py sweeps)."""
     cfg, x, w_r, b = _problem(*ek, d, T, seed)
-    got = kernels.route(x.float(), w_r.float(), b.float(), cfg)
+    got = kernels.route(x.float(), w_r.float(), b.float(), cfg, tiles=tiles)
     ref32 = router.route(x.float(), w_r.float(), b.float(), cfg)
     ref64 = router.route(x, w_r, b, cfg)
     clear = router.topk_gap(ref64.scores, b, cfg.top_k, ordered=True) > GAP
@@ -198,3 +199,51 @@ def test_the_fp64_definition_gives_the_same_bits_every_run_on_the_device() -> No
     for again in runs[1:]:
         assert_identical(again, runs[0], "the same form on the same inputs and device")
     assert_fp64_agrees(runs[0].cpu(), moe.chunkwise(x, w, cfg))
+
+
+SHAPES = [(kernels.Tiles(32, 16, 16), kernels.Tiles(16, 32, 32)),
+          (kernels.Tiles(64, 32, 32), kernels.Tiles(64, 16, 16))]  # fmt: skip
+
+
+@pytest.mark.skipif(EXPERT_REASONS["fp32"] is not None, reason=str(EXPERT_REASONS["fp32"]))
+@pytest.mark.parametrize(("up", "down"), SHAPES, ids=str)
+def test_the_expert_launch_shapes_keep_the_layer_within_policy(up: kernels.Tiles, down: kernels.Tiles) -> None:
+    """Rule baseline: the layer with launch shapes other than the default (the ones
+    benchmarks/moe_gpu.py sweeps, at sizes the interpreter runs), each token's rows read where
+    the down launch stored them (its (token, slot) place). A planted down launch that stores the
+    rows in sorted order, as the gather-then-sum combine wanted, fails the same rule."""
+    cfg = MoEConfig(hidden_size=64, num_experts=8, top_k=3, latent_size=40, expert_hidden=24)
+    w = init_weights(cfg, seed=5)
+    x = torch.randn(37, cfg.hidden_size, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    r = router.route(x, w.w_router, w.bias, cfg)
+    ref = moe.recurrent(x, w, cfg, routing=r)
+    base = moe.naive_baseline(x, w, cfg, dtype="fp32", routing=r)
+
+    def layer(experts) -> torch.Tensor:
+        dev = kernels.device_for(x.float(), "the MoE expert kernels")
+        return kernels.routed_layer(experts, x.float(), w.to(torch.float32), cfg, r, dev).cpu()
+
+    def verdict(got: torch.Tensor):
+        return baseline_rule(compare(got, ref, ulp_dtype=torch.float32), compare(base, ref, ulp_dtype=torch.float32),
+                             noise_floor(ref, torch.float32))  # fmt: skip
+
+    got = layer(lambda z, d, p, ww: kernels._grouped_experts(z, d, p, ww, cfg, up, down))
+    assert_verdict(verdict(got), got, ref, f"tiles {up} / {down}")
+
+    def unplaced(z, d, p, ww):
+        table = kernels._RowTables(d.offsets, z.device)
+        return kernels._down(kernels._up(z, d.token, table, ww.w1, ww.w3, cfg, up), table, ww.w2, p, down)
+
+    assert verdict(layer(unplaced)).status == "fail"
+
+
+def test_launch_shapes_name_bad_sides() -> None:
+    """Structural: a tile side that is not a power of two of at least 16, warps or stages out of
+    range, are named."""
+    for bad, match in (((24, 16, 16), "rows"), ((16, 8, 16), "cols"), ((16, 16, 48), "depth")):
+        with pytest.raises(ValueError, match=rf"Tiles\.{match} must be a power of two"):
+            kernels.Tiles(*bad)
+    with pytest.raises(ValueError, match=r"Tiles\.warps"):
+        kernels.Tiles(16, 16, 16, warps=3)
+    with pytest.raises(ValueError, match=r"Tiles\.stages"):
+        kernels.Tiles(16, 16, 16, stages=0)

@@ -60,14 +60,16 @@ def fused_up(w: MoEWeights) -> torch.Tensor:
 
 def _experts(z: torch.Tensor, d: Dispatch, p: torch.Tensor, w: MoEWeights, config: MoEConfig,
              w13: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """``p · act(z W1_e, z W3_e) W2_e`` of the sorted rows by two ``_grouped_mm`` calls (fp32
-    out); ``w13`` is :func:`fused_up` of ``w`` when the caller made it already."""
+    """``p · act(z W1_e, z W3_e) W2_e`` of the sorted rows by two ``_grouped_mm`` calls, fp32, each
+    row put back at its (token, slot) place ``[T k, Dl]``; ``w13`` is :func:`fused_up` of ``w``
+    when the caller made it already."""
     H = w.w1.shape[-1]
     rows = z[d.token].contiguous()
     ends = torch.tensor(d.offsets[1:], dtype=torch.int32, device=z.device)
     pre = torch._grouped_mm(rows, fused_up(w) if w13 is None else w13, offs=ends)
     h = activation(pre[:, :H], pre[:, H:], config.activation, beta1=config.beta1, beta2=config.beta2).to(z.dtype)
-    return torch._grouped_mm(h.contiguous(), w.w2.contiguous(), offs=ends).float() * p[:, None]
+    sorted_out = torch._grouped_mm(h.contiguous(), w.w2.contiguous(), offs=ends).float() * p[:, None]
+    return torch.empty_like(sorted_out).index_copy_(0, d.order, sorted_out)
 
 
 def grouped(x: torch.Tensor, weights: MoEWeights, config: MoEConfig, *, routing: Routing | None = None) -> torch.Tensor:

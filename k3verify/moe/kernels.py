@@ -23,7 +23,8 @@ sort and its counts on the host):
   and ``z W3_e`` with operand-dtype tiles and fp32 accumulation, and the activation fused as
   the epilogue (SiTU in fp32 from the fp32 sums, then stored in the operand dtype);
 - *down*: ``h W2_e`` the same way, each row scaled by its routing weight (fp32) and stored in
-  fp32; each token then sums its ``k`` rows in slot order on the host (deterministic, no atomics).
+  fp32 at its (token, slot) place, so each token's ``k`` rows are then summed in slot order where
+  they lie, without a gather (deterministic, no atomics).
 
 The router (the reference's fp32 router, or the routing given), ``z = x W↓``, ``RMSNorm_γ(u) W↑``
 and the shared MLP run in fp32 torch operations; with ``grouped(..., production=True)`` the last
@@ -52,23 +53,47 @@ from .router import routing_for
 
 __all__ = ["grouped", "interpreted", "route", "routed_layer", "unavailable_reason"]
 
-# (z [T k, Dl] sorted rows, dispatch, p [T k] sorted, weights) -> p · E_e(z) [T k, Dl] fp32
+# (z [T, Dl], dispatch, p [T k] in sorted order, weights) -> p · E_e(z) [T k, Dl] fp32 in (token, slot) order
 Experts = Callable[[torch.Tensor, Dispatch, torch.Tensor, MoEWeights], torch.Tensor]
 
-TOKENS = 16  # a tl.dot side
-WIDTH = 32
-# Router: logit tiles of tokens x experts on a GPU; the selection takes a few tokens' full rows.
-LOGIT_TOKENS = 64
-LOGIT_EXPERTS = 64
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """One GEMM launch's shape on a GPU: an output tile of ``rows`` x ``cols`` per program,
+    ``depth`` of the product per loop step, ``warps`` and the pipeline's ``stages`` (Triton's
+    ``num_warps``, ``num_stages``; the interpreter ignores those two). Sides are powers of two of
+    at least 16 (a ``tl.dot`` side)."""
+
+    rows: int
+    cols: int
+    depth: int
+    warps: int = 4
+    stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "cols", "depth"):
+            n = getattr(self, name)
+            if n < 16 or n & (n - 1):
+                raise ValueError(f"Tiles.{name} must be a power of two of at least 16, got {n}")
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"Tiles.warps must be 1, 2, 4, 8 or 16, got {self.warps}")
+        if not 1 <= self.stages <= 6:
+            raise ValueError(f"Tiles.stages must be 1 to 6, got {self.stages}")
+
+    def __str__(self) -> str:
+        return f"{self.rows}x{self.cols}x{self.depth} w{self.warps} s{self.stages}"
+
+
+# Launch shapes on a GPU, timed on an H100 by benchmarks/moe_gpu.py, which sweeps them (docs/gpu.md).
+# Router: logit tiles of tokens x experts; the selection takes a few tokens' full rows.
+LOGIT_TILES = Tiles(64, 64, 32)
 SELECT_TOKENS = 4
-# Grouped expert launches: rows x columns x depth per program and step (16 under the
-# interpreter, where size is time), 4 warps, timed against torch._grouped_mm + SiTU on an H200
-# (benchmarks/moe_gpu.py; docs/gpu.md); chosen from an sm_90 compile that took the pointers as
-# unaligned, so larger tiles may now fit (benchmarks/kernel_compile.py --module moe).
-EXPERT_ROWS = 64
-EXPERT_UP_COLS = 64
-EXPERT_DOWN_COLS = 128
-EXPERT_DEPTH = 64
+# Grouped expert launches: one expert's rows x hidden (up) or latent (down) columns.
+UP_TILES = Tiles(64, 64, 64)
+DOWN_TILES = Tiles(64, 128, 64)
+# The layer's plain GEMMs (x W↓, RMSNorm(u) W↑, the shared MLP's down), the down launch over all rows.
+DENSE_TILES = Tiles(64, 128, 64)
+# Under the interpreter size is time: the smallest tiles.
+INTERPRETED_TILES = Tiles(16, 16, 16)
 EXPERT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 EXPERT_MATRICES = ("w1", "w3", "w2")
 # The layer's GEMMs outside the experts: latent down and up projections, the shared MLP.
@@ -83,8 +108,10 @@ def unavailable_reason(dtype: torch.dtype | str = torch.float32) -> str | None:
 @triton.jit
 def _logits_kernel(x, w, r, T, D, E, BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, EXACT: tl.constexpr):
     """``r = x W_r`` in fp32 for one ``BT x BE`` tile of tokens by experts."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    e = tl.program_id(1) * BE + tl.arange(0, BE)
+    # The expert tiles of one token tile are neighbours in the launch: they read the same x rows
+    # together (one read from memory, the rest from L2); all of W_r (26 MB at K3) stays in L2.
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    t = tl.program_id(1) * BT + tl.arange(0, BT)
     acc = tl.zeros([BT, BE], dtype=tl.float32)
     for d0 in range(0, D, BD):
         dd = d0 + tl.arange(0, BD)
@@ -129,9 +156,11 @@ def _select_kernel(r, bias, idx_out, wt_out, T, E, rho, renorm_eps, K: tl.conste
     tl.store(wt_out + out, weights, mask=keep)
 
 
-def route(x: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor, config: MoEConfig) -> Routing:
+def route(x: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor, config: MoEConfig, *,
+          tiles: Tiles | None = None) -> Routing:  # fmt: skip
     """The router for ``x:[T, d]`` (fp32), ``w_router:[d, E]``, ``bias:[E]``: indices ``[T, k]``
-    int64, best first, and weights ``[T, k]`` fp32, on the kernel's device."""
+    int64, best first, and weights ``[T, k]`` fp32, on the kernel's device. ``tiles``: the
+    logits launch's shape on a GPU (default :data:`LOGIT_TILES`)."""
     for name, t in (("x", x), ("w_router", w_router), ("bias", bias)):
         require_tensor(name, t)
         require_float(name, t, (torch.float32,))
@@ -154,11 +183,11 @@ def route(x: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor, config: M
         # [tokens, E] accumulator and a [depth, E] weight tile: 266 KB of shared memory at E = 896),
         # then the selection, which needs every expert of a token at once but no product.
         logits = torch.empty(T, E, dtype=torch.float32, device=dev)
-        bt = TOKENS if interpreted() else LOGIT_TOKENS
-        be = min(block(E), 16 if interpreted() else LOGIT_EXPERTS)
-        _logits_kernel[(triton.cdiv(T, bt), triton.cdiv(E, be))](
-            x.to(dev).contiguous(), w_router.to(dev).contiguous(), logits, T, d, E, BT=bt, BE=be, BD=WIDTH,
-            EXACT=interpreted(),
+        lt = _shape(tiles, LOGIT_TILES)
+        be = min(block(E), lt.cols)
+        _logits_kernel[(triton.cdiv(E, be), triton.cdiv(T, lt.rows))](
+            x.to(dev).contiguous(), w_router.to(dev).contiguous(), logits, T, d, E, BT=lt.rows, BE=be, BD=lt.depth,
+            EXACT=interpreted(), num_warps=lt.warps, num_stages=lt.stages,
         )  # fmt: skip
         _select_kernel[(triton.cdiv(T, SELECT_TOKENS),)](
             logits, bias.to(dev).contiguous(), idx, wt, T, E, float(config.routed_scaling_factor),
@@ -217,17 +246,19 @@ def _up_kernel(z, token, w1, w3, h, tile_expert, tile_row, offsets, Dl, F, beta1
         km = kk < Dl
         a = tl.load(z + src[:, None] * Dl + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
         wm = km[:, None] & cm[None, :]
-        g += dot(a, tl.load(w1_at + kk[:, None] * F + cols[None, :], mask=wm, other=0.0), IEEE)
-        u += dot(a, tl.load(w3_at + kk[:, None] * F + cols[None, :], mask=wm, other=0.0), IEEE)
+        g = dot(a, tl.load(w1_at + kk[:, None] * F + cols[None, :], mask=wm, other=0.0), IEEE, g)
+        u = dot(a, tl.load(w3_at + kk[:, None] * F + cols[None, :], mask=wm, other=0.0), IEEE, u)
     out = _activation(g, u, beta1, beta2, SWIGLU)
     tl.store(h + rows[:, None].to(tl.int64) * F + cols[None, :], out.to(h.dtype.element_ty),
              mask=rm[:, None] & cm[None, :])  # fmt: skip
 
 
 @triton.jit
-def _down_kernel(h, w2, weight, out, tile_expert, tile_row, offsets, F, Dl, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """``out = p · (h W2_e)`` for one tile of expert ``e``'s rows and ``BN`` latent columns (fp32)."""
+def _down_kernel(h, w2, weight, out, dest, tile_expert, tile_row, offsets, F, Dl, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, SCATTER: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """``out = p · (h W2_e)`` for one tile of expert ``e``'s rows and ``BN`` latent columns (fp32),
+    each row stored at row ``dest[row]`` of ``out`` with ``SCATTER`` (its token's slot), else at
+    its own row."""
     e, rows, rm = _expert_tile(tile_expert, tile_row, offsets, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     cm = cols < Dl
@@ -237,10 +268,13 @@ def _down_kernel(h, w2, weight, out, tile_expert, tile_row, offsets, F, Dl, BM: 
         kk = k0 + tl.arange(0, BK)
         km = kk < F
         a = tl.load(h + rows[:, None].to(tl.int64) * F + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-        acc += dot(a, tl.load(w2_at + kk[:, None] * Dl + cols[None, :], mask=km[:, None] & cm[None, :], other=0.0),
-                   IEEE)  # fmt: skip
+        acc = dot(a, tl.load(w2_at + kk[:, None] * Dl + cols[None, :], mask=km[:, None] & cm[None, :], other=0.0),
+                  IEEE, acc)  # fmt: skip
     p = tl.load(weight + rows, mask=rm, other=0.0)
-    tl.store(out + rows[:, None].to(tl.int64) * Dl + cols[None, :], acc * p[:, None], mask=rm[:, None] & cm[None, :])
+    at = rows.to(tl.int64)
+    if SCATTER:
+        at = tl.load(dest + rows, mask=rm, other=0).to(tl.int64)
+    tl.store(out + at[:, None] * Dl + cols[None, :], acc * p[:, None], mask=rm[:, None] & cm[None, :])
 
 
 def experts_unavailable_reason(dtype: torch.dtype | str = torch.bfloat16) -> str | None:
@@ -269,13 +303,14 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
     """The layer ``y:[T, d]`` in ``x``'s dtype with its routed experts computed by ``experts``:
     the routing (given, or the fp32 router on ``x``), ``z = x W↓`` rounded to ``x``'s dtype and
     the expert-sorted order on ``dev``; ``experts(z, dispatch, p, weights)`` returns each
-    sorted row's weighted expert output ``p · E_e(z)`` ``[T k, Dl]`` in fp32 (``p:[T k]`` fp32 in
-    sorted order, the expert matrices ``w1, w3, w2`` of ``weights`` in ``x``'s dtype on ``dev``);
-    each token's rows are summed in slot order (fp32), then ``RMSNorm_γ(u) W↑`` plus the shared
-    MLP. Without ``dense`` the layer's other GEMMs run in fp32 on the host's torch; with it they
-    take operands in ``x``'s dtype, as the production layer does and the tiled form models
-    (``z`` and ``RMSNorm_γ(u)`` rounded as operands, fp32 accumulation, the shared hidden stored
-    in ``x``'s dtype): ``dense.matmul(a, w)`` and ``dense.shared(x, w1, w3, w2)`` return fp32."""
+    (token, slot) pair's weighted expert output ``p · E_e(z)`` ``[T k, Dl]`` in fp32, row
+    ``token k + slot`` (``p:[T k]`` fp32 in sorted order, the expert matrices ``w1, w3, w2`` of
+    ``weights`` in ``x``'s dtype on ``dev``); each token's rows are summed in slot order (fp32),
+    then ``RMSNorm_γ(u) W↑`` plus the shared MLP. Without ``dense`` the layer's other GEMMs run
+    in fp32 on the host's torch; with it they take operands in ``x``'s dtype, as the production
+    layer does and the tiled form models (``z`` and ``RMSNorm_γ(u)`` rounded as operands, fp32
+    accumulation, the shared hidden stored in ``x``'s dtype): ``dense.matmul(a, w)`` and
+    ``dense.shared(x, w1, w3, w2)`` return fp32."""
     dims = check_inputs(x, weights, config, routing)
     op = x.dtype
     # The expert matrices (most of the layer: 59 GB in bf16 at K3's full hidden size) reach the
@@ -295,9 +330,7 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
         z = dense.matmul(xop, wop.w_latent_down).to(op).contiguous()
     p = r.weights.to(dev).reshape(-1)[d.order].contiguous()
     out = experts(z, d, p, _moved(weights, EXPERT_MATRICES, dev, op))
-    slot_rows = torch.empty_like(d.order)
-    slot_rows[d.order] = torch.arange(d.order.numel(), device=dev)
-    u = out[slot_rows].reshape(dims.T, dims.k, dims.Dl).sum(1)  # slot order, as the recurrent form
+    u = out.reshape(dims.T, dims.k, dims.Dl).sum(1)  # each token's rows in slot order, as the recurrent form
     if dense is None:
         return layer_output(u, x32, w32, config).to(op)
     normed = rms_norm(u, w32.latent_norm, eps=config.rms_norm_eps).to(op)
@@ -305,52 +338,74 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
     return y.to(op)
 
 
-def _tiles() -> tuple[int, int, int, int]:
-    """Rows, up columns, down columns and depth of a grouped launch (16 under the interpreter)."""
-    if interpreted():
-        return 16, 16, 16, 16
-    return EXPERT_ROWS, EXPERT_UP_COLS, EXPERT_DOWN_COLS, EXPERT_DEPTH
+def _shape(given: Tiles | None, default: Tiles) -> Tiles:
+    """The tiles ``given``, else ``default`` on a GPU and the smallest under the interpreter
+    (where size is time)."""
+    return given or (INTERPRETED_TILES if interpreted() else default)
 
 
-def _row_tiles(offsets: list[int], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What both grouped launches read: every row tile's expert and first row, and the experts' row
-    starts (``offsets``, ``E + 1`` of them), int32 on ``dev``; built once for the pair."""
-    expert, first = _tile_table(offsets, _tiles()[0], dev)
-    return expert, first, torch.tensor(offsets, dtype=torch.int32, device=dev)
+class _RowTables:
+    """What a grouped launch reads of one expert-sorted order: every row tile's expert and first
+    row, and the experts' row starts (``offsets``, ``E + 1`` of them), int32 on ``dev``; built once
+    per tile height for all the launches of a call."""
+
+    def __init__(self, offsets: list[int], dev: torch.device) -> None:
+        self.offsets, self.dev = offsets, dev
+        self.starts = torch.tensor(offsets, dtype=torch.int32, device=dev)
+        self.made: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if rows not in self.made:
+            self.made[rows] = (*_tile_table(self.offsets, rows, self.dev), self.starts)
+        return self.made[rows]
 
 
-def _up(z: torch.Tensor, token: torch.Tensor, tiles: tuple[torch.Tensor, ...], w1: torch.Tensor, w3: torch.Tensor,
-        config: MoEConfig) -> torch.Tensor:  # fmt: skip
+def _up(z: torch.Tensor, token: torch.Tensor, table: _RowTables, w1: torch.Tensor, w3: torch.Tensor,
+        config: MoEConfig, tiles: Tiles | None = None) -> torch.Tensor:  # fmt: skip
     """``h = act(z[token] W1_e, z[token] W3_e)`` ``[P, F]`` in ``z``'s dtype for the sorted rows of
-    each expert ``e`` (``tiles`` from :func:`_row_tiles`; ``w1, w3:[E, Dl, F]``)."""
+    each expert ``e`` (``w1, w3:[E, Dl, F]``; ``tiles`` the launch's shape, default
+    :data:`UP_TILES`)."""
     P, (Dl, F) = token.numel(), w1.shape[1:]
-    bm, bn, _, bk = _tiles()
+    t = _shape(tiles, UP_TILES)
     h = torch.empty(P, F, dtype=z.dtype, device=z.device)
-    if tiles[0].numel():
-        _up_kernel[(tiles[0].numel(), triton.cdiv(F, bn))](
-            z, token.to(torch.int32), w1.contiguous(), w3.contiguous(), h, *tiles, Dl, F, float(config.beta1),
-            float(config.beta2), BM=bm, BN=bn, BK=bk, SWIGLU=config.activation == "swiglu",
-            IEEE=z.dtype == torch.float32,
+    expert, first, starts = table(t.rows)
+    if expert.numel():
+        _up_kernel[(expert.numel(), triton.cdiv(F, t.cols))](
+            z, token.to(torch.int32), w1.contiguous(), w3.contiguous(), h, expert, first, starts, Dl, F,
+            float(config.beta1), float(config.beta2), BM=t.rows, BN=t.cols, BK=t.depth,
+            SWIGLU=config.activation == "swiglu", IEEE=z.dtype == torch.float32, num_warps=t.warps,
+            num_stages=t.stages,
         )  # fmt: skip
     return h
 
 
-def _down(h: torch.Tensor, tiles: tuple[torch.Tensor, ...], w2: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``p · (h W2_e)`` ``[P, Dl]`` in fp32 for the sorted rows of each expert (``w2:[E, F, Dl]``)."""
+def _down(h: torch.Tensor, table: _RowTables, w2: torch.Tensor, p: torch.Tensor, tiles: Tiles | None = None,
+          dest: torch.Tensor | None = None, *, dense: bool = False) -> torch.Tensor:  # fmt: skip
+    """``p · (h W2_e)`` ``[P, Dl]`` in fp32 for the sorted rows of each expert (``w2:[E, F, Dl]``),
+    sorted row ``r`` at row ``dest[r]`` when ``dest:[P]`` (int64) is given, else at ``r``;
+    ``tiles`` the launch's shape (default :data:`DOWN_TILES`, or :data:`DENSE_TILES` for a
+    ``dense`` GEMM: one expert holding every row)."""
     P, (F, Dl) = h.shape[0], w2.shape[1:]
-    bm, _, bn, bk = _tiles()
+    t = _shape(tiles, DENSE_TILES if dense else DOWN_TILES)
     out = torch.empty(P, Dl, dtype=torch.float32, device=h.device)
-    if tiles[0].numel():
-        _down_kernel[(tiles[0].numel(), triton.cdiv(Dl, bn))](
-            h, w2.contiguous(), p, out, *tiles, F, Dl, BM=bm, BN=bn, BK=bk, IEEE=h.dtype == torch.float32,
+    expert, first, starts = table(t.rows)
+    if expert.numel():
+        _down_kernel[(expert.numel(), triton.cdiv(Dl, t.cols))](
+            h, w2.contiguous(), p, out, p if dest is None else dest, expert, first, starts, F, Dl, BM=t.rows,
+            BN=t.cols, BK=t.depth, SCATTER=dest is not None, IEEE=h.dtype == torch.float32, num_warps=t.warps,
+            num_stages=t.stages,
         )  # fmt: skip
     return out
 
 
-def _grouped_experts(z: torch.Tensor, d: Dispatch, p: torch.Tensor, w: MoEWeights, config: MoEConfig) -> torch.Tensor:
-    """The two grouped launches on the sorted rows: ``p · SiTU(z W1_e, z W3_e) W2_e``, fp32."""
-    tiles = _row_tiles(d.offsets, z.device)
-    return _down(_up(z, d.token, tiles, w.w1, w.w3, config), tiles, w.w2, p)
+def _grouped_experts(z: torch.Tensor, d: Dispatch, p: torch.Tensor, w: MoEWeights, config: MoEConfig,
+                     up: Tiles | None = None, down: Tiles | None = None) -> torch.Tensor:  # fmt: skip
+    """The two grouped launches on the sorted rows: ``p · SiTU(z W1_e, z W3_e) W2_e`` ``[T k, Dl]``
+    fp32, each row at its (token, slot) place (the down launch stores it there: the combine
+    reads the rows in place). ``up``, ``down``: the launches' shapes (default :data:`UP_TILES`,
+    :data:`DOWN_TILES`)."""
+    table = _RowTables(d.offsets, z.device)
+    return _down(_up(z, d.token, table, w.w1, w.w3, config, up), table, w.w2, p, down, dest=d.order)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,24 +422,24 @@ def kernel_dense(config: MoEConfig) -> Dense:
     the down launch with unit weights, the shared MLP the up launch (its activation fused) and
     then the down launch."""
 
-    # Every GEMM of a layer call has the same T rows: their tile table is built once.
-    made: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
+    # Every GEMM of a layer call has the same T rows: their tile tables are built once.
+    made: dict[tuple[int, torch.device], tuple[_RowTables, torch.Tensor]] = {}
 
-    def rows_of(a: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    def rows_of(a: torch.Tensor) -> tuple[_RowTables, torch.Tensor]:
         key = (a.shape[0], a.device)
         if key not in made:
-            made[key] = _row_tiles([0, a.shape[0]], a.device), torch.ones(a.shape[0], dtype=torch.float32,
+            made[key] = _RowTables([0, a.shape[0]], a.device), torch.ones(a.shape[0], dtype=torch.float32,
                                                                           device=a.device)
         return made[key]
 
     def matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        tiles, ones = rows_of(a)
-        return _down(a.contiguous(), tiles, w[None], ones)
+        table, ones = rows_of(a)
+        return _down(a.contiguous(), table, w[None], ones, dense=True)
 
     def shared(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        tiles, ones = rows_of(x)
-        h = _up(x, torch.arange(x.shape[0], device=x.device), tiles, w1[None], w3[None], config)
-        return _down(h, tiles, w2[None], ones)
+        table, ones = rows_of(x)
+        h = _up(x, torch.arange(x.shape[0], device=x.device), table, w1[None], w3[None], config)
+        return _down(h, table, w2[None], ones, dense=True)
 
     return Dense(matmul, shared)
 

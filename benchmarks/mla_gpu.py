@@ -179,9 +179,10 @@ def markdown(result: dict[str, Any]) -> str:
             continue
         frac = f"{100 * r['fraction_of_copy']:.0f}%" if "fraction_of_copy" in r else ""
         ratio = gpu_timing.ratio_cell(r)
-        ours = f"splits {r['num_splits']}, {r.get('heads_per_program', 16)} heads a program"
-        note = (ours if "num_splits" in r else r.get("error", "")
-                or f"kernel_options {r.get('kernel_options') or 'default'}")  # fmt: skip
+        if "num_splits" in r:  # ours; a peer's row names its options or its error
+            note = f"splits {r['num_splits']}, {r.get('heads_per_program', 16)} heads a program"
+        else:
+            note = r.get("error", "") or f"kernel_options {r.get('kernel_options') or 'default'}"
         t = f"{r['ms']:.4f}" if "ms" in r else "-"
         lines.append(f"| {r['B']} | {r['context']} | {r['heads']} | {r['cache']} | {r['implementation']} | {t} | "
                      f"{frac} | {ratio} | {note} |")  # fmt: skip

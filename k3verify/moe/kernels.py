@@ -221,21 +221,26 @@ def _activation(g, u, beta1, beta2, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _expert_tile(tile_expert, tile_row, offsets, BM: tl.constexpr):
-    """The expert of tile ``program_id(0)``, its rows ``[BM]`` (sorted order) and their mask."""
-    i = tl.program_id(0)
+def _expert_tile(tile_expert, tile_row, offsets, N, BM: tl.constexpr, BN: tl.constexpr):
+    """The program's expert, its rows ``[BM]`` (sorted order) with their mask, and its ``BN``
+    output columns of ``N``. The launch is 1-D with the column tiles of one row tile side by
+    side: they read the same rows together (once from memory, then from L2), and the row tiles
+    of one expert follow each other, sharing its weights."""
+    pid = tl.program_id(0)
+    col_tiles = tl.cdiv(N, BN)
+    i = pid // col_tiles
     e = tl.load(tile_expert + i).to(tl.int64)
     rows = tl.load(tile_row + i) + tl.arange(0, BM)
-    return e, rows, rows < tl.load(offsets + e + 1)
+    cols = (pid % col_tiles) * BN + tl.arange(0, BN)
+    return e, rows, rows < tl.load(offsets + e + 1), cols
 
 
 @triton.jit
 def _up_kernel(z, token, w1, w3, h, tile_expert, tile_row, offsets, Dl, F, beta1, beta2, BM: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     """``h = act(z W1_e, z W3_e)`` for one tile of expert ``e``'s rows and ``BN`` hidden columns."""
-    e, rows, rm = _expert_tile(tile_expert, tile_row, offsets, BM)
+    e, rows, rm, cols = _expert_tile(tile_expert, tile_row, offsets, F, BM, BN)
     src = tl.load(token + rows, mask=rm, other=0)  # the token each sorted row comes from
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
     cm = cols < F
     w1_at = w1 + e * Dl * F
     w3_at = w3 + e * Dl * F
@@ -259,8 +264,7 @@ def _down_kernel(h, w2, weight, out, dest, tile_expert, tile_row, offsets, F, Dl
     """``out = p · (h W2_e)`` for one tile of expert ``e``'s rows and ``BN`` latent columns (fp32),
     each row stored at row ``dest[row]`` of ``out`` with ``SCATTER`` (its token's slot), else at
     its own row."""
-    e, rows, rm = _expert_tile(tile_expert, tile_row, offsets, BM)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    e, rows, rm, cols = _expert_tile(tile_expert, tile_row, offsets, Dl, BM, BN)
     cm = cols < Dl
     w2_at = w2 + e * F * Dl
     acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -370,7 +374,7 @@ def _up(z: torch.Tensor, token: torch.Tensor, table: _RowTables, w1: torch.Tenso
     h = torch.empty(P, F, dtype=z.dtype, device=z.device)
     expert, first, starts = table(t.rows)
     if expert.numel():
-        _up_kernel[(expert.numel(), triton.cdiv(F, t.cols))](
+        _up_kernel[(expert.numel() * triton.cdiv(F, t.cols),)](
             z, token.to(torch.int32), w1.contiguous(), w3.contiguous(), h, expert, first, starts, Dl, F,
             float(config.beta1), float(config.beta2), BM=t.rows, BN=t.cols, BK=t.depth,
             SWIGLU=config.activation == "swiglu", IEEE=z.dtype == torch.float32, num_warps=t.warps,
@@ -390,7 +394,7 @@ def _down(h: torch.Tensor, table: _RowTables, w2: torch.Tensor, p: torch.Tensor,
     out = torch.empty(P, Dl, dtype=torch.float32, device=h.device)
     expert, first, starts = table(t.rows)
     if expert.numel():
-        _down_kernel[(expert.numel(), triton.cdiv(Dl, t.cols))](
+        _down_kernel[(expert.numel() * triton.cdiv(Dl, t.cols),)](
             h, w2.contiguous(), p, out, p if dest is None else dest, expert, first, starts, F, Dl, BM=t.rows,
             BN=t.cols, BK=t.depth, SCATTER=dest is not None, IEEE=h.dtype == torch.float32, num_warps=t.warps,
             num_stages=t.stages,

@@ -1,0 +1,53 @@
+"""The GPU benchmarks' Markdown tables, built on the CPU from rows of every kind a run writes
+(ours, a peer that ran, a peer that was refused or ran out of memory, the launch-shape sweep).
+
+Rule: structural. A table that cannot be built loses the run's JSON too (it is written with
+it): every kind of row must render, with the figures and the errors it holds.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import mla_gpu
+import moe_gpu
+
+ENV = {"git_commit": "abc"}
+
+
+def test_the_mla_table_renders_ours_a_peer_and_a_refused_peer() -> None:
+    base = dict(kind="decode", B=64, context=4096, heads=96, cache="bf16")
+    rows = [
+        base | dict(implementation="k3verify", ms=0.42, num_splits=4, heads_per_program=32, fraction_of_copy=0.25),
+        base | dict(implementation="flex_attention", ms=17.9, kernel_options={"BLOCK_M": 16},
+                    ratio_peer_over_ours=42.7),
+        base | dict(implementation="flex_attention", error="OutOfMemoryError: <script>"),
+        dict(kind="prefill", T=8192, heads=12, implementation="k3verify", ms=0.52, tflops=495.0),
+        dict(kind="prefill", T=8192, heads=12, implementation="sdpa flash", error="RuntimeError: No available kernel."),
+    ]  # fmt: skip
+    table = mla_gpu.markdown(dict(device="H100", copy_tbps=3.04, rows=rows, environment=ENV))
+    assert "splits 4, 32 heads a program" in table and "42.70x" in table
+    assert "kernel_options {'BLOCK_M': 16}" in table and "OutOfMemoryError" in table
+    assert "No available kernel." in table and "495" in table
+
+
+def test_the_moe_table_renders_the_sweep_the_peer_and_the_layer() -> None:
+    rows = [
+        dict(kind="experts", T=4096, H=384, implementation="k3verify", tiles="a / b", ms=4.4, tflops=122.0,
+             fraction_of_peak=0.15),
+        dict(kind="experts", T=4096, H=384, implementation="torch._grouped_mm + SiTU", ms=6.6, tflops=81.0,
+             ratio_peer_over_ours=1.5),
+        dict(kind="experts", T=4096, H=3072, implementation="torch._grouped_mm + SiTU", error="OutOfMemoryError"),
+        dict(kind="layer", T=4096, H=384, part="combine", ms=0.34),
+        dict(kind="layer", T=4096, H=384, part="layer", error="OutOfMemoryError: 9 GiB"),
+        dict(kind="layer", T=4096, H=384, part="layer, production dtype / sum of the GEMMs", ratio=1.48),
+        dict(kind="tiles", T=4096, H=384, launch="up", tiles="64x64x64 w4 s3", ms=2.29, difference=0.0),
+        dict(kind="tiles", T=4096, H=384, launch="down", tiles="128x256x64 w8 s3", error="differs by 1e-1"),
+    ]  # fmt: skip
+    table = moe_gpu.markdown(dict(device="H100", peak_tflops=793.0, rows=rows, environment=ENV))
+    assert "| 4096 | 384 | k3verify | 4.400 | 122 | 15% |" in table and "1.50x" in table
+    assert "OutOfMemoryError: 9 GiB" in table and "| 1.48x |" in table
+    assert "| up | 64x64x64 w4 s3 | 2.290 | 0.0e+00 |" in table and "differs by 1e-1" in table

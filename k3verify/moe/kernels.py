@@ -85,13 +85,13 @@ class Tiles:
 
 # Launch shapes on a GPU, timed on an H100 by benchmarks/moe_gpu.py, which sweeps them (docs/gpu.md).
 # Router: logit tiles of tokens x experts; the selection takes a few tokens' full rows.
-LOGIT_TILES = Tiles(64, 64, 32)
+LOGIT_TILES = Tiles(128, 64, 32, warps=4, stages=3)
 SELECT_TOKENS = 4
 # Grouped expert launches: one expert's rows x hidden (up) or latent (down) columns.
-UP_TILES = Tiles(64, 64, 64)
-DOWN_TILES = Tiles(64, 128, 64)
+UP_TILES = Tiles(128, 64, 64, warps=8, stages=3)
+DOWN_TILES = Tiles(128, 128, 64, warps=8, stages=3)
 # The layer's plain GEMMs (x W↓, RMSNorm(u) W↑, the shared MLP's down), the down launch over all rows.
-DENSE_TILES = Tiles(64, 128, 64)
+DENSE_TILES = Tiles(128, 256, 64, warps=8, stages=3)
 # Under the interpreter size is time: the smallest tiles.
 INTERPRETED_TILES = Tiles(16, 16, 16)
 EXPERT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -268,3 +268,30 @@ def test_a_large_tensor_is_checked_finite_in_parts_with_the_same_verdict(shape, 
     if places:
         first = tuple(int(i) for i in (~torch.isfinite(t)).nonzero()[0])
         assert whole == f"w has {len(places)} non-finite value(s) (first at index {first})"
+
+
+def test_all_hold_raises_the_first_failing_checks_own_error() -> None:
+    """Rule: structural. The flags are read together; the full check of the first flag that does
+    not hold names the problem (later failing checks are not reached); a flag that says a check
+    fails while its full check passes is a defect, named as one."""
+    from k3verify.numerics import validate
+
+    called: list[str] = []
+
+    def full(name: str, fails: bool):
+        def check() -> None:
+            called.append(name)
+            if fails:
+                raise ValueError(f"{name} is wrong")
+
+        return check
+
+    yes, no = torch.tensor(True), torch.tensor(False)
+    validate.all_hold([(yes, full("a", False)), (yes, full("b", False))])
+    assert called == []
+    with pytest.raises(ValueError, match="b is wrong"):
+        validate.all_hold([(yes, full("a", True)), (no, full("b", True)), (no, full("c", True))])
+    assert called == ["b"]
+    with pytest.raises(RuntimeError, match="disagree"):
+        validate.all_hold([(no, full("d", False))])
+    assert bool(validate.finite(torch.ones(3, 2))) and not bool(validate.finite(torch.tensor([1.0, float("nan")])))

@@ -30,6 +30,9 @@ from ..numerics import cast_once, compute_dtype, dtype_name, is_float8, resolve_
 from ..numerics.ops import RMS_NORM_EPS
 from ..numerics.rounding import OVERFLOW_MODES
 from ..numerics.validate import (
+    Check,
+    all_hold,
+    finite,
     require_block,
     require_finite,
     require_finite_parameter,
@@ -260,13 +263,14 @@ def check_inputs(x: torch.Tensor, weights: MoEWeights, config: MoEConfig, routin
         raise ValueError(f"x has shape {list(x.shape)}; expected [T, d={d}] (layer.forward flattens leading axes)")
     for name, shape in weight_shapes(config).items():
         require_shape(f"weights.{name}", getattr(weights, name), shape, _axis_names(name))
-    require_finite("x", x)
     for name, t in named.items():
         if name != "x":
             require_finite_parameter(name, t)
     T = x.shape[0]
+    checks: list[Check] = [(finite(x), lambda: require_finite("x", x))]
     if routing is not None:
-        check_routing(routing, T, config)
+        checks += routing_checks(routing, T, config)
+    all_hold(checks)
     return Dims(T, d, config.num_experts, config.top_k, config.latent_size, config.expert_hidden, config.shared_hidden)
 
 
@@ -279,34 +283,54 @@ def _axis_names(name: str) -> str:
 
 def check_routing(routing: Routing, T: int, config: MoEConfig) -> None:
     """A given routing must name ``top_k`` distinct existing experts per token with finite weights."""
+    all_hold(routing_checks(routing, T, config))
+
+
+def routing_checks(routing: Routing, T: int, config: MoEConfig) -> list[Check]:
+    """:func:`check_routing` with its value checks deferred (:func:`~k3verify.numerics.validate.all_hold`):
+    types and shapes are checked now, the values' flags returned."""
     if not isinstance(routing, Routing):
         raise TypeError(f"routing must be a Routing or None, got {type(routing).__name__}")
-    check_selection(routing.indices, T, config, "routing.indices")
+    checks = _selection_checks(routing.indices, T, config, "routing.indices")
     wts = require_tensor("routing.weights", routing.weights)
     require_float("routing.weights", wts)
     require_shape("routing.weights", wts, (T, config.top_k), "T,k")
-    require_finite("routing.weights", wts)
-    negative = wts < 0
-    if bool(negative.any()):
+
+    def negative() -> None:
         # p = rho * s / sum(s) with sigmoid scores and rho > 0: a mixture weight is never negative.
-        t, j = (int(i) for i in negative.nonzero()[0])
-        raise ValueError(f"routing.weights has {int(negative.sum())} negative value(s) (first {float(wts[t, j]):.3g} "
-                         f"at token {t}, slot {j}); mixture weights are rho * s / sum(s) >= 0")
+        below = wts < 0
+        t, j = (int(i) for i in below.nonzero()[0])
+        raise ValueError(f"routing.weights has {int(below.sum())} negative value(s) (first {float(wts[t, j]):.3g} "
+                         f"at token {t}, slot {j}); mixture weights are rho * s / sum(s) >= 0")  # fmt: skip
+
+    return [*checks, (finite(wts), lambda: require_finite("routing.weights", wts)), (~(wts < 0).any(), negative)]
 
 
 def check_selection(indices: object, T: int, config: MoEConfig, name: str = "indices") -> torch.Tensor:
     """``indices:[T, k]`` (int64 or int32) must name ``top_k`` distinct existing experts per token."""
+    all_hold(_selection_checks(indices, T, config, name))
+    return indices  # type: ignore[return-value]  # a tensor: _selection_checks checked
+
+
+def _selection_checks(indices: object, T: int, config: MoEConfig, name: str) -> list[Check]:
+    """:func:`check_selection`'s type and shape checks now, its value checks as flags."""
     idx = require_tensor(name, indices)
     if idx.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{name} has dtype {idx.dtype}; expected torch.int64 or torch.int32")
     require_shape(name, idx, (T, config.top_k), "T,k")
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= config.num_experts):
+    if not idx.numel():
+        return []
+
+    def out_of_range() -> None:
         raise ValueError(f"{name} must lie in [0, {config.num_experts}); got [{int(idx.min())}, {int(idx.max())}]")
-    if idx.numel():
-        dup = (idx.sort(-1).values.diff(dim=-1) == 0).any(-1)
-        if bool(dup.any()):
-            raise ValueError(f"{name} repeats an expert for token {int(dup.nonzero()[0])}")
-    return idx
+
+    repeated = (idx.sort(-1).values.diff(dim=-1) == 0).any(-1)
+
+    def repeats() -> None:
+        raise ValueError(f"{name} repeats an expert for token {int(repeated.nonzero()[0])}")
+
+    in_range = (idx.min() >= 0) & (idx.max() < config.num_experts)
+    return [(in_range, out_of_range), (~repeated.any(), repeats)]
 
 
 def check_backward(x: torch.Tensor, weights: MoEWeights, config: MoEConfig, dy: object, indices: object) -> Dims:

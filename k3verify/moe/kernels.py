@@ -286,14 +286,25 @@ def experts_unavailable_reason(dtype: torch.dtype | str = torch.bfloat16) -> str
     return _unavailable("the MoE expert kernels", dtype, EXPERT_DTYPES, (torch.float32, torch.float16))
 
 
-def _tile_table(offsets: list[int], rows: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _tile_table(offsets: list[int], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(expert, first row)`` of every tile of ``rows`` sorted rows, no tile across two experts
-    (an expert with no rows has no tile), int32 on ``dev``."""
-    start = torch.tensor(offsets, dtype=torch.int64, device=dev)
+    (an expert with no rows has no tile), int32 on the host (the offsets are there already:
+    working them out on the device waited on it, for the tile count)."""
+    start = torch.tensor(offsets, dtype=torch.int64)
     tiles = (start[1:] - start[:-1] + rows - 1) // rows
-    expert = torch.repeat_interleave(torch.arange(tiles.numel(), device=dev), tiles)
-    within = torch.arange(expert.numel(), device=dev) - (torch.cumsum(tiles, 0) - tiles)[expert]
+    expert = torch.repeat_interleave(torch.arange(tiles.numel()), tiles)
+    within = torch.arange(expert.numel()) - (torch.cumsum(tiles, 0) - tiles)[expert]
     return expert.to(torch.int32), (start[expert] + within * rows).to(torch.int32)
+
+
+def _to_device(parts: Sequence[torch.Tensor], dev: torch.device) -> list[torch.Tensor]:
+    """Host tensors ``parts`` (int32) on ``dev`` in one copy; from pinned memory and without a wait
+    on a CUDA device (a copy from pageable memory waits for the work queued before it)."""
+    if dev.type == "cpu":
+        return list(parts)
+    both = torch.cat(list(parts))
+    both = both.pin_memory() if torch.cuda.is_available() else both
+    return list(both.to(dev, non_blocking=True).split([p.numel() for p in parts]))
 
 
 def _moved(weights: MoEWeights, names: Sequence[str], dev: torch.device, dtype: torch.dtype) -> MoEWeights:
@@ -323,8 +334,10 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
     in_op = EXPERT_MATRICES + (DENSE_MATRICES if dense is not None else ())
     others = [n for n in weights.tensors() if n not in in_op]
     w32 = _moved(weights, others, dev, torch.float32)
-    x32 = x.to(dev, torch.float32)
-    r = routing_for(x32, w32, config, None if routing is None else routing.to(torch.float32), torch.float32)
+    # fp32 x for the router (when no routing is given) and the fp32 host path only
+    x32 = x.to(dev, torch.float32) if routing is None or dense is None else None
+    r = routing_for(x if x32 is None else x32, w32, config, None if routing is None else routing.to(torch.float32),
+                    torch.float32)  # fmt: skip
     d = dispatch(r.indices.to(dev), dims.E)
     if dense is None:
         z = (x32 @ w32.w_latent_down).to(op).contiguous()
@@ -355,12 +368,13 @@ class _RowTables:
 
     def __init__(self, offsets: list[int], dev: torch.device) -> None:
         self.offsets, self.dev = offsets, dev
-        self.starts = torch.tensor(offsets, dtype=torch.int32, device=dev)
         self.made: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if rows not in self.made:
-            self.made[rows] = (*_tile_table(self.offsets, rows, self.dev), self.starts)
+            expert, first = _tile_table(self.offsets, rows)
+            starts = torch.tensor(self.offsets, dtype=torch.int32)
+            self.made[rows] = tuple(_to_device([expert, first, starts], self.dev))  # type: ignore[assignment]
         return self.made[rows]
 
 

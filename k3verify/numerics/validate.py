@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -70,6 +70,30 @@ def require_finite(name: str, t: torch.Tensor) -> None:
             at = [int(i) for i in bad.reshape(part.shape).nonzero()[0]]
             first = tuple([at[0] + start, *at[1:]]) if at else ()
     raise ValueError(f"{name} has {count} non-finite value(s) (first at index {first})")
+
+
+def finite(t: torch.Tensor) -> torch.Tensor:
+    """Whether ``t`` is all finite, as a 0-d bool tensor on ``t``'s device (no host wait; scanned
+    in the parts :func:`require_finite` uses)."""
+    return torch.stack([torch.isfinite(part).all() for _, part in _parts(t)]).all()
+
+
+Check = tuple[torch.Tensor, Callable[[], object]]
+
+
+def all_hold(checks: Sequence[Check]) -> None:
+    """Each check is a 0-d bool tensor (true: it holds) and the full check that names the
+    problem. The flags reach the host together, one wait on the device for all of them (each
+    ``bool()`` of a device tensor waits; a MoE layer call made about ten), then the full check of
+    the first that does not hold, in order, raises its error."""
+    if not checks:
+        return
+    held = torch.stack([flag.reshape(()) for flag, _ in checks]).tolist()
+    for ok, (_, full) in zip(held, checks):
+        if not ok:
+            full()
+    if not all(held):
+        raise RuntimeError("a check's flag and its full check disagree")  # a defect of the check itself
 
 
 # Parameters checked finite: ``id -> (weak reference, version counter at the check)``. A weight

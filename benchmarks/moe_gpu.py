@@ -209,10 +209,19 @@ def layer_rows(T: int, H: int, cfg: MoEConfig, w: MoEWeights, x: torch.Tensor, r
             t = attempt(partial(ms, fn, group, name))
             rows.append(dict(kind="layer", T=T, H=H, part=name) | (dict(error=t) if isinstance(t, str) else dict(ms=t)))
             log(f"  {name}: " + (t if isinstance(t, str) else f"{t:.3f} ms"))
+        # Device time per kernel of one production-dtype layer call: what the wall time holds
+        # beyond it is the device waiting on the host.
+        split = attempt(partial(gpu_timing.launch_split, parts["layer, production dtype"]))
+        if isinstance(split, str):
+            rows.append(dict(kind="split", T=T, H=H, kernel="(profiler)", error=split))
+        else:
+            rows += [dict(kind="split", T=T, H=H, kernel=k, ms=v) for k, v in split.items()]
+            log(f"  device busy {sum(split.values()):.3f} ms a production-dtype layer call: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in list(split.items())[:6]))  # fmt: skip
     finally:
         for name, t in before.items():
             setattr(kernels, name, t)
-    timed = {row["part"]: row.get("ms") for row in rows}
+    timed = {row["part"]: row.get("ms") for row in rows if row["kind"] == "layer"}
     parts_of_sum = ["expert GEMMs", *gemms]
     if all(timed.get(n) for n in [*parts_of_sum, "layer, production dtype"]):
         total = sum(timed[n] for n in parts_of_sum)
@@ -245,6 +254,11 @@ def markdown(result: dict[str, Any]) -> str:
         if r["kind"] == "layer":
             value = r.get("error") or (f"{r['ratio']:.2f}x" if "ratio" in r else format(r["ms"], ".3f"))
             lines.append(f"| {r['T']} | {r['H']} | {r['part']} | {value} |")
+    lines += ["", "Device time per kernel of one production-dtype layer call (torch profiler):", "",
+              "| T | expert hidden | kernel | ms |", "|---|---|---|---|"]
+    for r in result["rows"]:
+        if r["kind"] == "split":
+            lines.append(f"| {r['T']} | {r['H']} | {r['kernel']} | {r.get('error') or format(r['ms'], '.3f')} |")
     lines += ["", "Launch shapes (rows x columns x depth, warps, stages; the first is the default):", "",
               "| T | expert hidden | launch | tiles | ms | difference from the default |", "|---|---|---|---|---|---|"]
     for r in result["rows"]:

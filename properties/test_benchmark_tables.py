@@ -44,6 +44,7 @@ def test_the_moe_table_renders_the_sweep_the_peer_and_the_layer() -> None:
         dict(kind="layer", T=4096, H=384, part="combine", ms=0.34),
         dict(kind="layer", T=4096, H=384, part="layer", error="OutOfMemoryError: 9 GiB"),
         dict(kind="layer", T=4096, H=384, part="layer, production dtype / sum of the GEMMs", ratio=1.48),
+        dict(kind="split", T=4096, H=384, kernel="_up_kernel", ms=1.25),
         dict(kind="tiles", T=4096, H=384, launch="up", tiles="64x64x64 w4 s3", ms=2.29, difference=0.0),
         dict(kind="tiles", T=4096, H=384, launch="down", tiles="128x256x64 w8 s3", error="differs by 1e-1"),
     ]  # fmt: skip
@@ -51,3 +52,4 @@ def test_the_moe_table_renders_the_sweep_the_peer_and_the_layer() -> None:
     assert "| 4096 | 384 | k3verify | 4.400 | 122 | 15% |" in table and "1.50x" in table
     assert "OutOfMemoryError: 9 GiB" in table and "| 1.48x |" in table
     assert "| up | 64x64x64 w4 s3 | 2.290 | 0.0e+00 |" in table and "differs by 1e-1" in table
+    assert "| 4096 | 384 | _up_kernel | 1.250 |" in table

@@ -247,3 +247,17 @@ def test_launch_shapes_name_bad_sides() -> None:
         kernels.Tiles(16, 16, 16, warps=3)
     with pytest.raises(ValueError, match=r"Tiles\.stages"):
         kernels.Tiles(16, 16, 16, stages=0)
+
+
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.sampled_from([16, 32, 128]))
+def test_the_tile_table_covers_each_experts_rows_once(counts: list[int], rows: int) -> None:
+    """Rule: structural, against the definition written as a loop: every expert's rows are cut
+    into tiles of ``rows`` that start at its first row, none crosses into the next expert, and
+    an expert without rows has no tile."""
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    expert, first = kernels._tile_table(offsets, rows)
+    want = [(e, start) for e in range(len(counts)) for start in range(offsets[e], offsets[e + 1], rows)]
+    assert list(zip(expert.tolist(), first.tolist())) == want
+    assert expert.dtype == first.dtype == torch.int32

@@ -39,6 +39,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from functools import partial
 
+import numpy as np
 import torch
 
 from ..numerics import cast_once
@@ -290,11 +291,13 @@ def _tile_table(offsets: list[int], rows: int) -> tuple[torch.Tensor, torch.Tens
     """``(expert, first row)`` of every tile of ``rows`` sorted rows, no tile across two experts
     (an expert with no rows has no tile), int32 on the host (the offsets are there already:
     working them out on the device waited on it, for the tile count)."""
-    start = torch.tensor(offsets, dtype=torch.int64)
+    # numpy: torch.repeat_interleave on the host took 2.6 ms for 896 experts, numpy's repeat 0.03.
+    start = np.asarray(offsets, dtype=np.int64)
     tiles = (start[1:] - start[:-1] + rows - 1) // rows
-    expert = torch.repeat_interleave(torch.arange(tiles.numel()), tiles)
-    within = torch.arange(expert.numel()) - (torch.cumsum(tiles, 0) - tiles)[expert]
-    return expert.to(torch.int32), (start[expert] + within * rows).to(torch.int32)
+    expert = np.repeat(np.arange(tiles.size), tiles)
+    within = np.arange(expert.size) - (np.cumsum(tiles) - tiles)[expert]
+    first = start[expert] + within * rows
+    return torch.from_numpy(expert.astype(np.int32)), torch.from_numpy(first.astype(np.int32))
 
 
 def _to_device(parts: Sequence[torch.Tensor], dev: torch.device) -> list[torch.Tensor]:

@@ -22,8 +22,9 @@ sort and its counts on the host):
   latent ``z`` gathered by token as they load (the permutation is never materialised), ``z W1_e``
   and ``z W3_e`` with operand-dtype tiles and fp32 accumulation, and the activation fused as
   the epilogue (SiTU in fp32 from the fp32 sums, then stored in the operand dtype);
-- *down*: ``h W2_e`` the same way, each row scaled by its routing weight (fp32) and stored in
-  fp32 at its (token, slot) place, so each token's ``k`` rows are then summed in slot order where
+- *down*: ``h W2_e`` the same way, each row scaled by its routing weight in fp32 and stored in
+  the operand dtype (as a fused MoE kernel stores it; the tiled form models that rounding) at its
+  (token, slot) place, so each token's ``k`` rows are then summed in fp32, in slot order, where
   they lie, without a gather (deterministic, no atomics).
 
 The router (the reference's fp32 router, or the routing given), ``z = x W↓``, ``RMSNorm_γ(u) W↑``
@@ -54,7 +55,7 @@ from .router import routing_for
 
 __all__ = ["grouped", "interpreted", "route", "routed_layer", "unavailable_reason"]
 
-# (z [T, Dl], dispatch, p [T k] in sorted order, weights) -> p · E_e(z) [T k, Dl] fp32 in (token, slot) order
+# (z [T, Dl], dispatch, p [T k] in sorted order, weights) -> p · E_e(z) [T k, Dl] in (token, slot) order
 Experts = Callable[[torch.Tensor, Dispatch, torch.Tensor, MoEWeights], torch.Tensor]
 
 @dataclasses.dataclass(frozen=True)
@@ -262,9 +263,9 @@ def _up_kernel(z, token, w1, w3, h, tile_expert, tile_row, offsets, Dl, F, beta1
 @triton.jit
 def _down_kernel(h, w2, weight, out, dest, tile_expert, tile_row, offsets, F, Dl, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, SCATTER: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """``out = p · (h W2_e)`` for one tile of expert ``e``'s rows and ``BN`` latent columns (fp32),
-    each row stored at row ``dest[row]`` of ``out`` with ``SCATTER`` (its token's slot), else at
-    its own row."""
+    """``out = p · (h W2_e)`` for one tile of expert ``e``'s rows and ``BN`` latent columns (the
+    product and weight in fp32, stored in ``out``'s dtype), each row at row ``dest[row]`` of
+    ``out`` with ``SCATTER`` (its token's slot), else at its own row."""
     e, rows, rm, cols = _expert_tile(tile_expert, tile_row, offsets, Dl, BM, BN)
     cm = cols < Dl
     w2_at = w2 + e * F * Dl
@@ -279,7 +280,8 @@ def _down_kernel(h, w2, weight, out, dest, tile_expert, tile_row, offsets, F, Dl
     at = rows.to(tl.int64)
     if SCATTER:
         at = tl.load(dest + rows, mask=rm, other=0).to(tl.int64)
-    tl.store(out + at[:, None] * Dl + cols[None, :], acc * p[:, None], mask=rm[:, None] & cm[None, :])
+    tl.store(out + at[:, None] * Dl + cols[None, :], (acc * p[:, None]).to(out.dtype.element_ty),
+             mask=rm[:, None] & cm[None, :])  # fmt: skip
 
 
 def experts_unavailable_reason(dtype: torch.dtype | str = torch.bfloat16) -> str | None:
@@ -321,7 +323,7 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
     """The layer ``y:[T, d]`` in ``x``'s dtype with its routed experts computed by ``experts``:
     the routing (given, or the fp32 router on ``x``), ``z = x W↓`` rounded to ``x``'s dtype and
     the expert-sorted order on ``dev``; ``experts(z, dispatch, p, weights)`` returns each
-    (token, slot) pair's weighted expert output ``p · E_e(z)`` ``[T k, Dl]`` in fp32, row
+    (token, slot) pair's weighted expert output ``p · E_e(z)`` ``[T k, Dl]`` (fp32 or ``x``'s dtype), row
     ``token k + slot`` (``p:[T k]`` fp32 in sorted order, the expert matrices ``w1, w3, w2`` of
     ``weights`` in ``x``'s dtype on ``dev``); each token's rows are summed in slot order (fp32),
     then ``RMSNorm_γ(u) W↑`` plus the shared MLP. Without ``dense`` the layer's other GEMMs run
@@ -350,7 +352,8 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
         z = dense.matmul(xop, wop.w_latent_down).to(op).contiguous()
     p = r.weights.to(dev).reshape(-1)[d.order].contiguous()
     out = experts(z, d, p, _moved(weights, EXPERT_MATRICES, dev, op))
-    u = out.reshape(dims.T, dims.k, dims.Dl).sum(1)  # each token's rows in slot order, as the recurrent form
+    # each token's rows summed in fp32, in slot order, as the recurrent form
+    u = out.reshape(dims.T, dims.k, dims.Dl).sum(1, dtype=torch.float32)
     if dense is None:
         return layer_output(u, x32, w32, config).to(op)
     normed = rms_norm(u, w32.latent_norm, eps=config.rms_norm_eps).to(op)
@@ -401,14 +404,15 @@ def _up(z: torch.Tensor, token: torch.Tensor, table: _RowTables, w1: torch.Tenso
 
 
 def _down(h: torch.Tensor, table: _RowTables, w2: torch.Tensor, p: torch.Tensor, tiles: Tiles | None = None,
-          dest: torch.Tensor | None = None, *, dense: bool = False) -> torch.Tensor:  # fmt: skip
-    """``p · (h W2_e)`` ``[P, Dl]`` in fp32 for the sorted rows of each expert (``w2:[E, F, Dl]``),
-    sorted row ``r`` at row ``dest[r]`` when ``dest:[P]`` (int64) is given, else at ``r``;
-    ``tiles`` the launch's shape (default :data:`DOWN_TILES`, or :data:`DENSE_TILES` for a
-    ``dense`` GEMM: one expert holding every row)."""
+          dest: torch.Tensor | None = None, *, dense: bool = False,
+          out_dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+    """``p · (h W2_e)`` ``[P, Dl]`` in ``out_dtype`` (computed in fp32) for the sorted rows of each
+    expert (``w2:[E, F, Dl]``), sorted row ``r`` at row ``dest[r]`` when ``dest:[P]`` (int64) is
+    given, else at ``r``; ``tiles`` the launch's shape (default :data:`DOWN_TILES`, or
+    :data:`DENSE_TILES` for a ``dense`` GEMM: one expert holding every row)."""
     P, (F, Dl) = h.shape[0], w2.shape[1:]
     t = _shape(tiles, DENSE_TILES if dense else DOWN_TILES)
-    out = torch.empty(P, Dl, dtype=torch.float32, device=h.device)
+    out = torch.empty(P, Dl, dtype=out_dtype, device=h.device)
     expert, first, starts = table(t.rows)
     if expert.numel():
         _down_kernel[(expert.numel() * triton.cdiv(Dl, t.cols),)](
@@ -422,11 +426,13 @@ def _down(h: torch.Tensor, table: _RowTables, w2: torch.Tensor, p: torch.Tensor,
 def _grouped_experts(z: torch.Tensor, d: Dispatch, p: torch.Tensor, w: MoEWeights, config: MoEConfig,
                      up: Tiles | None = None, down: Tiles | None = None) -> torch.Tensor:  # fmt: skip
     """The two grouped launches on the sorted rows: ``p · SiTU(z W1_e, z W3_e) W2_e`` ``[T k, Dl]``
-    fp32, each row at its (token, slot) place (the down launch stores it there: the combine
-    reads the rows in place). ``up``, ``down``: the launches' shapes (default :data:`UP_TILES`,
-    :data:`DOWN_TILES`)."""
+    in ``z``'s dtype (the weighted product in fp32, stored rounded, as a fused MoE kernel stores
+    it and the tiled form models it), each row at its (token, slot) place (the down launch
+    stores it there: the combine reads the rows in place). ``up``, ``down``: the launches'
+    shapes (default :data:`UP_TILES`, :data:`DOWN_TILES`)."""
     table = _RowTables(d.offsets, z.device)
-    return _down(_up(z, d.token, table, w.w1, w.w3, config, up), table, w.w2, p, down, dest=d.order)
+    h = _up(z, d.token, table, w.w1, w.w3, config, up)
+    return _down(h, table, w.w2, p, down, dest=d.order, out_dtype=z.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -295,3 +295,14 @@ def test_all_hold_raises_the_first_failing_checks_own_error() -> None:
     with pytest.raises(RuntimeError, match="disagree"):
         validate.all_hold([(no, full("d", False))])
     assert bool(validate.finite(torch.ones(3, 2))) and not bool(validate.finite(torch.tensor([1.0, float("nan")])))
+
+
+@given(st.lists(st.floats(0, 1e6, allow_nan=False), min_size=1, max_size=300),
+       st.sampled_from([0.0, 0.5, 0.9, 0.99, 1.0]))  # fmt: skip
+def test_the_p99_selection_is_torch_quantile_bit_for_bit(values: list[float], q: float) -> None:
+    """Rule: same-process bitwise. ``metrics.quantile`` (two selections) equals ``torch.quantile``
+    (a sort) exactly, ties and single values included: the ``ulp_p99`` of every report is unchanged."""
+    from k3verify.numerics.metrics import quantile
+
+    v = torch.tensor(values, dtype=torch.float64)
+    assert quantile(v, q) == float(torch.quantile(v, q))

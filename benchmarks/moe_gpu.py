@@ -149,7 +149,8 @@ def shape_rows(T: int, H: int, peak: float, log) -> list[dict[str, Any]]:
         "logits": lambda t: partial(kernels.route, x, w_r, bias, cfg, tiles=t),
         "up": lambda t: partial(kernels._up, z, d.token, table, w.w1, w.w3, cfg, t),
         "down": lambda t: partial(kernels._down, h, table, w.w2, p, t, d.order),
-        "dense": lambda t: partial(kernels._down, xb, dense_rows, w.w_latent_down[None], ones, t, dense=True),
+        "dense": lambda t: partial(kernels._down, xb, dense_rows, w.w_latent_down[None], ones, t, dense=True,
+                                   out_dtype=torch.bfloat16),
     }
     for launch, make in makers.items():
         swept, best[launch] = sweep(launch, make, group, log)

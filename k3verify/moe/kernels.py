@@ -329,8 +329,9 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
     then ``RMSNorm_γ(u) W↑`` plus the shared MLP. Without ``dense`` the layer's other GEMMs run
     in fp32 on the host's torch; with it they take operands in ``x``'s dtype, as the production
     layer does and the tiled form models (``z`` and ``RMSNorm_γ(u)`` rounded as operands, fp32
-    accumulation, the shared hidden stored in ``x``'s dtype): ``dense.matmul(a, w)`` and
-    ``dense.shared(x, w1, w3, w2)`` return fp32."""
+    accumulation, the shared hidden stored in ``x``'s dtype, the routed and shared outputs each
+    stored in ``x``'s dtype and then added): ``dense.matmul(a, w)`` and ``dense.shared(x, w1, w3,
+    w2)`` return their operands' dtype."""
     dims = check_inputs(x, weights, config, routing)
     op = x.dtype
     # The expert matrices (most of the layer: 59 GB in bf16 at K3's full hidden size) reach the
@@ -349,7 +350,7 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
     else:
         wop = _moved(weights, DENSE_MATRICES, dev, op)
         xop = x.to(dev, op).contiguous()
-        z = dense.matmul(xop, wop.w_latent_down).to(op).contiguous()
+        z = dense.matmul(xop, wop.w_latent_down).contiguous()
     p = r.weights.to(dev).reshape(-1)[d.order].contiguous()
     out = experts(z, d, p, _moved(weights, EXPERT_MATRICES, dev, op))
     # each token's rows summed in fp32, in slot order, as the recurrent form
@@ -357,8 +358,7 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
     if dense is None:
         return layer_output(u, x32, w32, config).to(op)
     normed = rms_norm(u, w32.latent_norm, eps=config.rms_norm_eps).to(op)
-    y = dense.matmul(normed, wop.w_latent_up) + dense.shared(xop, wop.shared_w1, wop.shared_w3, wop.shared_w2)
-    return y.to(op)
+    return dense.matmul(normed, wop.w_latent_up) + dense.shared(xop, wop.shared_w1, wop.shared_w3, wop.shared_w2)
 
 
 def _shape(given: Tiles | None, default: Tiles) -> Tiles:
@@ -437,7 +437,8 @@ def _grouped_experts(z: torch.Tensor, d: Dispatch, p: torch.Tensor, w: MoEWeight
 
 @dataclasses.dataclass(frozen=True)
 class Dense:
-    """The layer's GEMMs outside the experts, operands in their dtype, results in fp32:
+    """The layer's GEMMs outside the experts, operands in their dtype, fp32 sums, results stored
+    in the operands' dtype (as the production layer stores them and the tiled form models it):
     ``matmul(a:[M, K], w:[K, N])`` and ``shared(x, w1, w3, w2)``, the shared MLP."""
 
     matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -461,12 +462,12 @@ def kernel_dense(config: MoEConfig) -> Dense:
 
     def matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         table, ones = rows_of(a)
-        return _down(a.contiguous(), table, w[None], ones, dense=True)
+        return _down(a.contiguous(), table, w[None], ones, dense=True, out_dtype=a.dtype)
 
     def shared(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         table, ones = rows_of(x)
         h = _up(x, torch.arange(x.shape[0], device=x.device), table, w1[None], w3[None], config)
-        return _down(h, table, w2[None], ones, dense=True)
+        return _down(h, table, w2[None], ones, dense=True, out_dtype=x.dtype)
 
     return Dense(matmul, shared)
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import gpu_timing
 import torch
-from gpu_timing import attempt, copy_bandwidth, launch_split, ms, write_results
+from gpu_timing import attempt, cell, copy_bandwidth, launch_split, ms, write_results
 
 from k3verify import attnres
 from k3verify.adapters import flash_attn_res
@@ -230,7 +230,7 @@ def accuracy_rows(log) -> list[dict[str, Any]]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = [f"# Block AttnRes kernels on {result['device']}", "",
+    lines = [f"# Block AttnRes kernels on {cell(result['device'])}", "",
              f"Copy bandwidth (read + write): {result['copy_tbps']:.2f} TB/s. Times: do_bench medians, ms. "
              f"bf16 stream, {QUERIES} queries over {STORED} stored blocks.", "",
              "| kind | phase | T | d | implementation | ms | bytes / time | of copy | peer / ours |",
@@ -239,18 +239,18 @@ def markdown(result: dict[str, Any]) -> str:
         if r["kind"] == "accuracy":
             continue
         if "error" in r:
-            lines.append(f"| {r['kind']} | {r.get('phase', '')} | {r['T']} | {r['d']} | {r['implementation']} | "
-                         f"{r['error']} | | | |")  # fmt: skip
+            lines.append(f"| {r['kind']} | {r.get('phase', '')} | {r['T']} | {r['d']} | {cell(r['implementation'])} | "
+                         f"{cell(r['error'])} | | | |")  # fmt: skip
             continue
         tb = f"{r['tbps']:.2f} TB/s" if "tbps" in r else ""
         frac = f"{100 * r['fraction_of_copy']:.0f}%" if "fraction_of_copy" in r else ""
         ratio = gpu_timing.ratio_cell(r)
-        lines.append(f"| {r['kind']} | {r.get('phase', 'all')} | {r['T']} | {r['d']} | {r['implementation']} | "
+        lines.append(f"| {r['kind']} | {r.get('phase', 'all')} | {r['T']} | {r['d']} | {cell(r['implementation'])} | "
                      f"{r['ms']:.4f} | {tb} | {frac} | {ratio} |")  # fmt: skip
     lines += ["", "| logit scale | implementation | RMS ratio vs fp64 | plain bf16 definition |", "|---|---|---|---|"]
     for r in result["rows"]:
         if r["kind"] == "accuracy":
-            lines.append(f"| {r['logit_scale']:g} | {r['implementation']} | {r['rms_ratio']:.3e} | "
+            lines.append(f"| {r['logit_scale']:g} | {cell(r['implementation'])} | {r['rms_ratio']:.3e} | "
                          f"{r['baseline_rms_ratio']:.3e} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 

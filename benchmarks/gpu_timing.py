@@ -57,28 +57,6 @@ def launch_split(fn, repeats: int = 20) -> dict[str, float]:
     return dict(sorted(split.items(), key=lambda kv: -kv[1]))
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def write_results(out: Path, stem: str, result: dict[str, Any], markdown: str) -> None:
     """``<stem>.json`` (the result), ``<stem>_benchmark.json`` (every timing's repetitions in
     pytest-benchmark's shape) and ``<stem>.md`` under ``out``; the Markdown is printed too."""
@@ -125,6 +103,15 @@ def arguments(doc: str, quick: str) -> argparse.ArgumentParser:
     parser.add_argument("--out", default="reports/latest/bench", help="output folder")
     parser.add_argument("--quick", action="store_true", help=quick)
     return parser
+
+
+def cell(value: Any) -> str:
+    """Free text for a Markdown table cell or heading, escaped (a device name, an implementation,
+    an error another library raised, a kernel name from the profiler: none may end a row or add
+    markup)."""
+    from k3verify.harness.text import md_text
+
+    return md_text(value)
 
 
 def ratio_cell(row: dict[str, Any]) -> str:

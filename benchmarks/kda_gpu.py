@@ -23,7 +23,7 @@ from typing import Any
 
 import gpu_timing
 import torch
-from gpu_timing import copy_bandwidth, launch_split, write_results
+from gpu_timing import cell, copy_bandwidth, launch_split, write_results
 from gpu_timing import ms as _ms
 
 from k3verify import kda
@@ -176,7 +176,7 @@ def accuracy_rows(log) -> list[dict[str, Any]]:
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [
-        f"# KDA kernels on {result['device']}",
+        f"# KDA kernels on {cell(result['device'])}",
         "",
         f"Copy bandwidth (read + write): {result['copy_tbps']:.2f} TB/s. Times: do_bench medians, ms; "
         "ours with validate=False (no input value scans; fla-core scans none).",
@@ -193,19 +193,19 @@ def markdown(result: dict[str, Any]) -> str:
         if "state_tbps" in r:
             extra = f" ({r['state_tbps']:.2f} TB/s, {100 * r['fraction_of_copy']:.0f}% of copy)"
         lines.append(
-            f"| {r['kind']} | {shape} | {r['ours_ms']:.4f} | {r['best_ms']:.4f} {r['best_config']}{extra} | "
-            f"{r['peer']} | {r['peer_ms']:.4f} | {r['ratio']:.2f}x | {r['ratio_best']:.2f}x |"
+            f"| {r['kind']} | {shape} | {r['ours_ms']:.4f} | {r['best_ms']:.4f} {cell(r['best_config'])}{extra} | "
+            f"{cell(r['peer'])} | {r['peer_ms']:.4f} | {r['ratio']:.2f}x | {r['ratio_best']:.2f}x |"
         )
     lines += ["", "Prefill time per launch (PyTorch profiler, ms per call):", ""]
     lines += ["| shape | implementation | launches |", "|---|---|---|"]
     for r in result["rows"]:
         if r["kind"] == "split":
-            launches = ", ".join(f"{name} {ms:.3f}" for name, ms in r["launches"].items())
-            lines.append(f"| T={r['T']}, H={r['H']} | {r['implementation']} | {launches} |")
+            launches = ", ".join(f"{cell(name)} {ms:.3f}" for name, ms in r["launches"].items())
+            lines.append(f"| T={r['T']}, H={r['H']} | {cell(r['implementation'])} | {launches} |")
     lines += ["", "| implementation | RMS ratio vs fp64 | naive chunkwise bf16 |", "|---|---|---|"]
     for r in result["rows"]:
         if r["kind"] == "accuracy":
-            lines.append(f"| {r['implementation']} | {r['rms_ratio']:.3e} | {r['baseline_rms_ratio']:.3e} |")
+            lines.append(f"| {cell(r['implementation'])} | {r['rms_ratio']:.3e} | {r['baseline_rms_ratio']:.3e} |")
     return "\n".join(lines) + "\n"
 
 

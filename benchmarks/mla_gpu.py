@@ -32,7 +32,7 @@ from typing import Any
 import gpu_timing
 import torch
 import torch.nn.functional as F
-from gpu_timing import attempt, copy_bandwidth, ms, write_results
+from gpu_timing import attempt, cell, copy_bandwidth, ms, write_results
 
 from k3verify.harness.environment import environment
 from k3verify.mla import kernels
@@ -170,7 +170,7 @@ def prefill_rows(shapes: list[tuple[int, int]], log) -> list[dict[str, Any]]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = [f"# Gated MLA kernels on {result['device']}", "",
+    lines = [f"# Gated MLA kernels on {cell(result['device'])}", "",
              f"Copy bandwidth (read + write): {result['copy_tbps']:.2f} TB/s. Times: do_bench medians, ms.", "",
              "| B | context | heads | cache | implementation | ms | of copy | peer / ours | note |",
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -182,19 +182,19 @@ def markdown(result: dict[str, Any]) -> str:
         if "num_splits" in r:  # ours; a peer's row names its options or its error
             note = f"splits {r['num_splits']}, {r.get('heads_per_program', 16)} heads a program"
         else:
-            note = r.get("error", "") or f"kernel_options {r.get('kernel_options') or 'default'}"
+            note = cell(r.get("error", "") or f"kernel_options {r.get('kernel_options') or 'default'}")
         t = f"{r['ms']:.4f}" if "ms" in r else "-"
-        lines.append(f"| {r['B']} | {r['context']} | {r['heads']} | {r['cache']} | {r['implementation']} | {t} | "
+        lines.append(f"| {r['B']} | {r['context']} | {r['heads']} | {r['cache']} | {cell(r['implementation'])} | {t} | "
                      f"{frac} | {ratio} | {note} |")  # fmt: skip
     lines += ["", "| T | heads | implementation | ms | TFLOP/s | peer / ours |", "|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if r["kind"] == "prefill":
             if "error" in r:
-                lines.append(f"| {r['T']} | {r['heads']} | {r['implementation']} | {r['error']} | | |")
+                lines.append(f"| {r['T']} | {r['heads']} | {cell(r['implementation'])} | {cell(r['error'])} | | |")
                 continue
             ratio = gpu_timing.ratio_cell(r)
-            lines.append(f"| {r['T']} | {r['heads']} | {r['implementation']} | {r['ms']:.4f} | {r['tflops']:.0f} | "
-                         f"{ratio} |")  # fmt: skip
+            lines.append(f"| {r['T']} | {r['heads']} | {cell(r['implementation'])} | {r['ms']:.4f} | "
+                         f"{r['tflops']:.0f} | {ratio} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

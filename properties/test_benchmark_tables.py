@@ -2,7 +2,9 @@
 (ours, a peer that ran, a peer that was refused or ran out of memory, the launch-shape sweep).
 
 Rule: structural. A table that cannot be built loses the run's JSON too (it is written with
-it): every kind of row must render, with the figures and the errors it holds.
+it): every kind of row must render, with the figures and the errors it holds. Free text (a
+device, an implementation, another library's error, a profiler's kernel name) is escaped: a
+``|`` or a tag in it neither ends the row nor becomes markup.
 """
 
 from __future__ import annotations
@@ -12,10 +14,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import attnres_gpu
+import kda_gpu
 import mla_gpu
 import moe_gpu
 
 ENV = {"git_commit": "abc"}
+HOSTILE = "x | <script>alert(1)</script> *y*"
+
+
+def _escaped(table: str, rows: int) -> None:
+    """The hostile text appears only escaped, and every table row kept its own cells."""
+    assert "<script>" not in table and "x \\| &lt;script&gt;" in table and "\\*y\\*" in table
+    assert sum(line.startswith("|") for line in table.splitlines()) >= rows
 
 
 def test_the_mla_table_renders_ours_a_peer_and_a_refused_peer() -> None:
@@ -30,8 +41,10 @@ def test_the_mla_table_renders_ours_a_peer_and_a_refused_peer() -> None:
     ]  # fmt: skip
     table = mla_gpu.markdown(dict(device="H100", copy_tbps=3.04, rows=rows, environment=ENV))
     assert "splits 4, 32 heads a program" in table and "42.70x" in table
-    assert "kernel_options {'BLOCK_M': 16}" in table and "OutOfMemoryError" in table
+    assert "kernel\\_options {'BLOCK\\_M': 16}" in table and "OutOfMemoryError" in table
     assert "No available kernel." in table and "495" in table
+    hostile = [dict(r, implementation=HOSTILE) | ({"error": HOSTILE} if "error" in r else {}) for r in rows]
+    _escaped(mla_gpu.markdown(dict(device=HOSTILE, copy_tbps=3.04, rows=hostile, environment=ENV)), len(rows))
 
 
 def test_the_moe_table_renders_the_sweep_the_peer_and_the_layer() -> None:
@@ -52,4 +65,20 @@ def test_the_moe_table_renders_the_sweep_the_peer_and_the_layer() -> None:
     assert "| 4096 | 384 | k3verify | 4.400 | 122 | 15% |" in table and "1.50x" in table
     assert "OutOfMemoryError: 9 GiB" in table and "| 1.48x |" in table
     assert "| up | 64x64x64 w4 s3 | 2.290 | 0.0e+00 |" in table and "differs by 1e-1" in table
-    assert "| 4096 | 384 | _up_kernel | 1.250 |" in table
+    assert "| 4096 | 384 | \\_up\\_kernel | 1.250 |" in table
+    text = ("implementation", "error", "part", "kernel", "tiles")
+    hostile = [{k: (HOSTILE if k in text else v) for k, v in r.items()} for r in rows]
+    _escaped(moe_gpu.markdown(dict(device=HOSTILE, peak_tflops=793.0, rows=hostile, environment=ENV)), len(rows))
+
+
+def test_the_kda_and_attnres_tables_escape_their_free_text() -> None:
+    kda = [dict(kind="prefill", T=8192, H=96, ours_ms=2.7, best_ms=2.6, best_config=HOSTILE, peer=HOSTILE,
+                peer_ms=3.5, ratio=1.28, ratio_best=1.3),
+           dict(kind="split", T=8192, H=96, implementation=HOSTILE, launches={HOSTILE: 0.5}),
+           dict(kind="accuracy", implementation=HOSTILE, rms_ratio=5e-3, baseline_rms_ratio=4.4e-3)]  # fmt: skip
+    _escaped(kda_gpu.markdown(dict(device=HOSTILE, copy_tbps=3.0, rows=kda, environment=ENV)), 3)
+    attnres = [dict(kind="phase", T=4096, d=7168, implementation=HOSTILE, error=HOSTILE),
+               dict(kind="phase", T=4096, d=7168, implementation=HOSTILE, ms=2.0),
+               dict(kind="accuracy", logit_scale=1.0, implementation=HOSTILE, rms_ratio=3e-3,
+                    baseline_rms_ratio=3e-3)]  # fmt: skip
+    _escaped(attnres_gpu.markdown(dict(device=HOSTILE, copy_tbps=3.0, rows=attnres, environment=ENV)), 3)

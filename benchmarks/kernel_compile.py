@@ -175,16 +175,16 @@ def moe_launches() -> list[Launch]:
                       frozenset({"Dl", "F"}), t.warps)
 
     return [
-        *(router(t) for t in tile_candidates(kernels, "logits")),
+        *(router(t) for t in tile_candidates("logits")),
         Launch("router selection", kernels._select_kernel, dict(K=16, KP=16, BT=kernels.SELECT_TOKENS, BE=1024,
                                                                 HIGHEST=False), 3, select),
-        *(experts("experts up", kernels._up_kernel, t, up, SWIGLU=False) for t in tile_candidates(kernels, "up")),
+        *(experts("experts up", kernels._up_kernel, t, up, SWIGLU=False) for t in tile_candidates("up")),
         *(experts("experts down", kernels._down_kernel, t, down, SCATTER=True)
-          for t in tile_candidates(kernels, "down")),
+          for t in tile_candidates("down")),
     ]  # fmt: skip
 
 
-def tile_candidates(kernels: Any, launch: str) -> list[Any]:
+def tile_candidates(launch: str) -> list[Any]:
     """The shapes ``benchmarks/moe_gpu.py`` times for a MoE launch (``logits``, ``up``, ``down``):
     the default first."""
     sys.path.insert(0, str(Path(__file__).parent))

@@ -30,13 +30,14 @@ from typing import Any
 
 import gpu_timing
 import torch
-from gpu_timing import attempt, ms, write_results
+from gpu_timing import attempt, cell, ms, write_results
 
 from k3verify.adapters import torch_grouped_mm
 from k3verify.harness.environment import environment
 from k3verify.moe import kernels
 from k3verify.moe.chunkwise import dispatch
 from k3verify.moe.inputs import MoEConfig, MoEWeights, weight_shapes
+from k3verify.numerics.ops import rms_norm
 
 SHAPES = [(4096, 384), (16384, 384), (4096, 3072)]  # (tokens, expert hidden)
 DEVICE = "cuda"
@@ -109,7 +110,7 @@ def sweep(launch: str, make, group: str, log) -> tuple[list[dict[str, Any]], ker
             continue
         got = got.indices if isinstance(got, kernels.Routing) else got
         limit = agreement(got.dtype)
-        got = got.double()
+        got = got.float()  # exact for 16-bit results; fp32 differences far below every limit
         reference = got if reference is None else reference
         row["difference"] = float((got - reference).abs().max() / reference.abs().max().clamp_min(1e-30))
         if row["difference"] > limit:
@@ -148,7 +149,7 @@ def shape_rows(T: int, H: int, peak: float, log) -> list[dict[str, Any]]:
     makers = {
         "logits": lambda t: partial(kernels.route, x, w_r, bias, cfg, tiles=t),
         "up": lambda t: partial(kernels._up, z, d.token, table, w.w1, w.w3, cfg, t),
-        "down": lambda t: partial(kernels._down, h, table, w.w2, p, t, d.order),
+        "down": lambda t: partial(kernels._down, h, table, w.w2, p, t, d.order, out_dtype=z.dtype),
         "dense": lambda t: partial(kernels._down, xb, dense_rows, w.w_latent_down[None], ones, t, dense=True,
                                    out_dtype=torch.bfloat16),
     }
@@ -196,8 +197,8 @@ def layer_rows(T: int, H: int, cfg: MoEConfig, w: MoEWeights, x: torch.Tensor, r
         z = (xb @ w.w_latent_down).contiguous()
         p = r.weights.reshape(-1)[d.order].contiguous()
         out = kernels._grouped_experts(z, d, p, w, cfg)
-        u = out.reshape(T, cfg.top_k, -1).sum(1)
-        normed = (u * torch.rsqrt(u.square().mean(-1, keepdim=True) + cfg.rms_norm_eps) * w.latent_norm).bfloat16()
+        u = out.reshape(T, cfg.top_k, -1).sum(1, dtype=torch.float32)
+        normed = rms_norm(u, w.latent_norm.float(), eps=cfg.rms_norm_eps).bfloat16()
         dense = kernels.kernel_dense(cfg)
         gemms = {
             "latent down-projection": partial(dense.matmul, xb, w.w_latent_down),
@@ -209,7 +210,7 @@ def layer_rows(T: int, H: int, cfg: MoEConfig, w: MoEWeights, x: torch.Tensor, r
             "dispatch": partial(dispatch, r.indices, cfg.num_experts),
             **gemms,
             "latent down-projection, cuBLAS": lambda: xb @ w.w_latent_down,
-            "combine": lambda: out.reshape(T, cfg.top_k, -1).sum(1),
+            "combine": lambda: out.reshape(T, cfg.top_k, -1).sum(1, dtype=torch.float32),  # as the layer sums
             "layer": partial(kernels.grouped, xb, w, cfg, routing=r),
             # every GEMM in our launches with bf16 operands (x W↓, RMSNorm(u) W↑, the shared MLP)
             "layer, production dtype": partial(kernels.grouped, xb, w, cfg, routing=r, production=True),
@@ -244,7 +245,7 @@ def layer_rows(T: int, H: int, cfg: MoEConfig, w: MoEWeights, x: torch.Tensor, r
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = [f"# Stable LatentMoE kernels on {result['device']}", "",
+    lines = [f"# Stable LatentMoE kernels on {cell(result['device'])}", "",
              f"bf16 matmul peak (8192³): {result['peak_tflops']:.0f} TFLOP/s. Times: do_bench medians, ms. E = 896, "
              "top 16, latent 3584, bf16 operands.", "",
              "| T | expert hidden | implementation | ms | TFLOP/s | of peak | peer / ours |",
@@ -253,29 +254,31 @@ def markdown(result: dict[str, Any]) -> str:
         if r["kind"] != "experts":
             continue
         if "error" in r:
-            lines.append(f"| {r['T']} | {r['H']} | {r['implementation']} | {r['error']} | | | |")
+            lines.append(f"| {r['T']} | {r['H']} | {cell(r['implementation'])} | {cell(r['error'])} | | | |")
             continue
         frac = f"{100 * r['fraction_of_peak']:.0f}%" if "fraction_of_peak" in r else ""
         ratio = gpu_timing.ratio_cell(r)
-        lines.append(f"| {r['T']} | {r['H']} | {r['implementation']} | {r['ms']:.3f} | {r['tflops']:.0f} | {frac} | "
-                     f"{ratio} |")  # fmt: skip
+        lines.append(f"| {r['T']} | {r['H']} | {cell(r['implementation'])} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+                     f"{frac} | {ratio} |")  # fmt: skip
     lines += ["", "| T | expert hidden | part | ms |", "|---|---|---|---|"]
     for r in result["rows"]:
         if r["kind"] == "layer":
-            value = r.get("error") or (f"{r['ratio']:.2f}x" if "ratio" in r else format(r["ms"], ".3f"))
-            lines.append(f"| {r['T']} | {r['H']} | {r['part']} | {value} |")
+            value = f"{r['ratio']:.2f}x" if "ratio" in r else format(r["ms"], ".3f") if "ms" in r else ""
+            value = cell(r["error"]) if "error" in r else value
+            lines.append(f"| {r['T']} | {r['H']} | {cell(r['part'])} | {value} |")
     lines += ["", "Device time per kernel of one production-dtype layer call (torch profiler):", "",
               "| T | expert hidden | kernel | ms |", "|---|---|---|---|"]
     for r in result["rows"]:
         if r["kind"] == "split":
-            lines.append(f"| {r['T']} | {r['H']} | {r['kernel']} | {r.get('error') or format(r['ms'], '.3f')} |")
+            value = cell(r["error"]) if "error" in r else format(r["ms"], ".3f")
+            lines.append(f"| {r['T']} | {r['H']} | {cell(r['kernel'])} | {value} |")
     lines += ["", "Launch shapes (rows x columns x depth, warps, stages; the first is the default):", "",
               "| T | expert hidden | launch | tiles | ms | difference from the default |", "|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if r["kind"] == "tiles":
-            value = r.get("error") or format(r["ms"], ".3f")
+            value = cell(r["error"]) if "error" in r else format(r["ms"], ".3f")
             diff = format(r["difference"], ".1e") if "difference" in r else ""
-            lines.append(f"| {r['T']} | {r['H']} | {r['launch']} | {r['tiles']} | {value} | {diff} |")
+            lines.append(f"| {r['T']} | {r['H']} | {r['launch']} | {cell(r['tiles'])} | {value} | {diff} |")
     return "\n".join(lines) + "\n"
 
 

@@ -261,25 +261,28 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {r['T']} | {r['H']} | {cell(r['implementation'])} | {r['ms']:.3f} | {r['tflops']:.0f} | "
                      f"{frac} | {ratio} |")  # fmt: skip
     lines += ["", "| T | expert hidden | part | ms |", "|---|---|---|---|"]
-    for r in result["rows"]:
-        if r["kind"] == "layer":
-            value = f"{r['ratio']:.2f}x" if "ratio" in r else format(r["ms"], ".3f") if "ms" in r else ""
-            value = cell(r["error"]) if "error" in r else value
-            lines.append(f"| {r['T']} | {r['H']} | {cell(r['part'])} | {value} |")
+    layer = [r for r in result["rows"] if r["kind"] == "layer"]
+    lines += [f"| {r['T']} | {r['H']} | {cell(r['part'])} | {_figure(r)} |" for r in layer]
     lines += ["", "Device time per kernel of one production-dtype layer call (torch profiler):", "",
               "| T | expert hidden | kernel | ms |", "|---|---|---|---|"]
-    for r in result["rows"]:
-        if r["kind"] == "split":
-            value = cell(r["error"]) if "error" in r else format(r["ms"], ".3f")
-            lines.append(f"| {r['T']} | {r['H']} | {cell(r['kernel'])} | {value} |")
+    split = [r for r in result["rows"] if r["kind"] == "split"]
+    lines += [f"| {r['T']} | {r['H']} | {cell(r['kernel'])} | {_figure(r)} |" for r in split]
     lines += ["", "Launch shapes (rows x columns x depth, warps, stages; the first is the default):", "",
               "| T | expert hidden | launch | tiles | ms | difference from the default |", "|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if r["kind"] == "tiles":
-            value = cell(r["error"]) if "error" in r else format(r["ms"], ".3f")
             diff = format(r["difference"], ".1e") if "difference" in r else ""
-            lines.append(f"| {r['T']} | {r['H']} | {r['launch']} | {cell(r['tiles'])} | {value} | {diff} |")
+            lines.append(f"| {r['T']} | {r['H']} | {r['launch']} | {cell(r['tiles'])} | {_figure(r)} | {diff} |")
     return "\n".join(lines) + "\n"
+
+
+def _figure(row: dict[str, Any]) -> str:
+    """A row's figure for its table cell: its error (escaped), its ratio, or its time in ms."""
+    if "error" in row:
+        return cell(row["error"])
+    if "ratio" in row:
+        return f"{row['ratio']:.2f}x"
+    return format(row["ms"], ".3f") if "ms" in row else ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -135,19 +135,16 @@ def mla_launches() -> list[Launch]:
                       dict(BM=bm, BN=bn, BDN=128, BDR=64, BDV=128, GROUP=kernels.PREFILL_GROUP, IEEE=ieee),
                       stages, scalars | operands, frozenset({"T", "L", "Dn", "Dr", "Dv"}))
 
-    def decode_launch(heads: int, quant: bool) -> Launch:
+    def decode_launch(shape: Any, quant: bool) -> Launch:
         # An fp8 cache: its codes are the pool (one byte each) and its per-token scales fp32.
         args = decode | (dict(pool="*fp8e4nv", scales="*fp32") if quant else {})
-        return Launch(f"decode heads={heads}{' fp8' if quant else ''} keys={kernels.KEYS} "
-                      f"stages={kernels.DECODE_STAGES}", kernels._decode_kernel,
-                      dict(BH=heads, BC=128, NC=4, BDR=64, BN=kernels.KEYS, QUANT=quant, IEEE=False),
-                      kernels.DECODE_STAGES, args, frozenset({"R", "Dr", "W", "page_size", "max_pages", "BT"}))
+        return Launch(f"decode {shape}{' fp8' if quant else ''}", kernels._decode_kernel,
+                      dict(BH=shape.heads, BC=128, NC=4, BDR=64, BN=shape.keys, QUANT=quant, IEEE=False),
+                      shape.stages, args, frozenset({"R", "Dr", "W", "page_size", "max_pages", "BT"}), shape.warps)
 
     return [
-        # Every head block at the bf16 cache, and the 16- and 64-head blocks at an fp8 cache.
-        *(decode_launch(heads, False) for heads in kernels.HEAD_BLOCKS),
-        decode_launch(kernels.HEADS, True),
-        decode_launch(max(kernels.HEAD_BLOCKS), True),
+        # The default shape and the ones benchmarks/mla_gpu.py sweeps, at the bf16 and fp8 caches.
+        *(decode_launch(shape, quant) for quant in (False, True) for shape in kernels.DECODE_SHAPES),
         prefill(torch.bfloat16),
         prefill(torch.float32),
     ]  # fmt: skip

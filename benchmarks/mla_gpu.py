@@ -81,25 +81,26 @@ def decode_rows(copy_tbps: float, shapes: list[tuple[int, int, int]], log) -> li
             q_pe = torch.randn(B, 1, H, DR, generator=gen, device="cuda").bfloat16()
             per_token = (R + DR) * (1 if storage == "fp8" else 2) + (4 if storage == "fp8" else 0)
             moved = B * ctx * per_token + B * H * (R + DR) * 2 + B * H * R * 4
-            best = None
-            # Every split count with every head block up to the heads there are (a block of 64
-            # at 12 heads only masks rows).
-            blocks = [hp for hp in kernels.HEAD_BLOCKS if hp == kernels.HEADS or hp // 2 < H]
+            # Every split count with every launch shape whose head block the heads need (a block
+            # of 32 or 64 at 12 heads only masks rows); the default shape's own time beside the best.
+            shapes = [s for s in kernels.DECODE_SHAPES if s.heads == kernels.DECODE_LAUNCH.heads or s.heads // 2 < H]
+            timed = {}
             for splits in SPLITS:
-                for hp in blocks:
+                for shape in shapes:
                     run = partial(kernels.latent_attention, q_lat, q_pe, cache, scale=SCALE, num_splits=splits,
-                                  heads_per_program=hp)
-                    t = ms(run)
-                    if best is None or t < best[0]:
-                        best = (t, splits, hp, run)
-            t = ms(best[3], f"mla decode B={B} ctx={ctx} H={H} {storage}", "k3verify")
+                                  launch=shape)
+                    timed[splits, shape] = (ms(run), run)
+            (splits, shape), (_, run) = min(timed.items(), key=lambda kv: kv[1][0])
+            default = kernels.decode_launch(H)
+            t = ms(run, f"mla decode B={B} ctx={ctx} H={H} {storage}", "k3verify")
             tbps = moved / (t * 1e-3) / 1e12
             row = dict(kind="decode", B=B, context=ctx, heads=H, cache=storage, implementation="k3verify", ms=t,
-                       num_splits=best[1], heads_per_program=best[2], bytes=moved, tbps=tbps,
-                       fraction_of_copy=tbps / copy_tbps)  # fmt: skip
+                       num_splits=splits, launch=str(shape), bytes=moved, tbps=tbps, fraction_of_copy=tbps / copy_tbps,
+                       default_launch_ms=min(timed[n, default][0] for n in SPLITS if (n, default) in timed),
+                       shapes={f"{s} splits {n}": round(v[0], 5) for (n, s), v in timed.items()})  # fmt: skip
             rows.append(row)
             log(f"decode B={B} ctx={ctx} H={H} {storage}: {t:.4f} ms, {100 * tbps / copy_tbps:.0f}% of copy "
-                f"(splits {best[1]}, {best[2]} heads a program)")  # fmt: skip
+                f"(splits {splits}, {shape}; the default shape at its best split {row['default_launch_ms']:.4f} ms)")
             if storage == "bf16":
                 rows.append(_flex_row(flex, cache, q_lat, q_pe, row, log))
             del cache
@@ -180,7 +181,11 @@ def markdown(result: dict[str, Any]) -> str:
         frac = f"{100 * r['fraction_of_copy']:.0f}%" if "fraction_of_copy" in r else ""
         ratio = gpu_timing.ratio_cell(r)
         if "num_splits" in r:  # ours; a peer's row names its options or its error
-            note = f"splits {r['num_splits']}, {r.get('heads_per_program', 16)} heads a program"
+            # rows from before the launch shapes name their head block only
+            shape = r.get("launch") or f"{r.get('heads_per_program', 16)} heads a program"
+            note = f"splits {r['num_splits']}, {shape}"
+            if "default_launch_ms" in r:
+                note += f"; the default shape {r['default_launch_ms']:.4f} ms"
         else:
             note = cell(r.get("error", "") or f"kernel_options {r.get('kernel_options') or 'default'}")
         t = f"{r['ms']:.4f}" if "ms" in r else "-"

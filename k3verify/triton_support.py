@@ -27,8 +27,8 @@ import triton.language as tl
 
 from .numerics import dtype_name, resolve_dtype
 
-__all__ = ["block", "device_for", "dot", "dot_fp32", "interpreted", "multiprocessors", "tl", "triton",
-           "unavailable_reason"]
+__all__ = ["block", "check_launch", "device_for", "dot", "dot_fp32", "interpreted", "multiprocessors", "tl",
+           "triton", "unavailable_reason"]
 
 
 def interpreted() -> bool:
@@ -120,6 +120,18 @@ def unavailable_reason(what: str, dtype: torch.dtype | str, dtypes: tuple[torch.
 def block(n: int) -> int:
     """Power-of-two block covering ``n``, at least 16 (the smallest ``tl.dot`` side)."""
     return max(16, triton.next_power_of_2(n))
+
+
+def check_launch(owner: str, sides: dict[str, int], warps: int, stages: int) -> None:
+    """``ValueError`` naming ``owner``'s field when a tile side is not a power of two of at least
+    16 (a ``tl.dot`` side), ``warps`` is not 1, 2, 4, 8 or 16, or ``stages`` is not 1 to 6."""
+    for name, n in sides.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 16 or n & (n - 1):
+            raise ValueError(f"{owner}.{name} must be a power of two of at least 16, got {n!r}")
+    if isinstance(warps, bool) or warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{owner}.warps must be 1, 2, 4, 8 or 16, got {warps!r}")
+    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= 6:
+        raise ValueError(f"{owner}.stages must be 1 to 6, got {stages!r}")
 
 
 def device_for(x: torch.Tensor, what: str) -> torch.device:

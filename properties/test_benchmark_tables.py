@@ -33,6 +33,8 @@ def test_the_mla_table_renders_ours_a_peer_and_a_refused_peer() -> None:
     base = dict(kind="decode", B=64, context=4096, heads=96, cache="bf16")
     rows = [
         base | dict(implementation="k3verify", ms=0.42, num_splits=4, heads_per_program=32, fraction_of_copy=0.25),
+        base | dict(implementation="k3verify", ms=0.31, num_splits=2, launch="64 heads x 32 keys w8 s2",
+                    default_launch_ms=0.4, fraction_of_copy=0.33),
         base | dict(implementation="flex_attention", ms=17.9, kernel_options={"BLOCK_M": 16},
                     ratio_peer_over_ours=42.7),
         base | dict(implementation="flex_attention", error="OutOfMemoryError: <script>"),
@@ -41,6 +43,7 @@ def test_the_mla_table_renders_ours_a_peer_and_a_refused_peer() -> None:
     ]  # fmt: skip
     table = mla_gpu.markdown(dict(device="H100", copy_tbps=3.04, rows=rows, environment=ENV))
     assert "splits 4, 32 heads a program" in table and "42.70x" in table
+    assert "splits 2, 64 heads x 32 keys w8 s2; the default shape 0.4000 ms" in table
     assert "kernel\\_options {'BLOCK\\_M': 16}" in table and "OutOfMemoryError" in table
     assert "No available kernel." in table and "495" in table
     hostile = [dict(r, implementation=HOSTILE) | ({"error": HOSTILE} if "error" in r else {}) for r in rows]

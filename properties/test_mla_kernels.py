@@ -53,12 +53,12 @@ def _on(x: dict, dtype: str) -> tuple:
             x["w_uv"].to(DEVICE, dt))  # fmt: skip
 
 
-def _verdict(x: dict, dtype: str, num_splits: int, kind: str = "decode"):
+def _verdict(x: dict, dtype: str, num_splits: int, kind: str = "decode", launch: kernels.DecodeLaunch | None = None):
     ref = mla.expanded(x["q_nope"], x["q_pe"], x["cache"], x["w_uk"], x["w_uv"])
     exact = (x["q_nope"], x["q_pe"], mla.quantize(x["cache"], dtype) if is_float8(dtype) else x["cache"],
              x["w_uk"], x["w_uv"])  # fmt: skip
     base = mla.naive_baseline(*exact, dtype="bf16" if is_float8(dtype) else dtype)
-    options = dict(num_splits=num_splits) if kind == "decode" else {}
+    options = dict(num_splits=num_splits, launch=launch) if kind == "decode" else {}
     got = getattr(kernels, kind)(*_on(x, dtype), **options).cpu()
     out_dtype = got.dtype
     return baseline_rule(compare(got, ref, ulp_dtype=out_dtype), compare(base, ref, ulp_dtype=out_dtype),
@@ -111,23 +111,30 @@ def test_decode_within_policy(dtype: str, p) -> None:
 
 # heads: one block of 32 and a partial second; two blocks of 64 and a partial third of 32.
 wide_head_problems = _sized(_pairs((33, 65), (1, 3)), (3, 45), splits=[1, 2, 5])
+# The launch shapes besides the default. Under the interpreter warps and stages are not modelled:
+# there, one shape per (head block, key tile) other than the default's; on a GPU every shape.
+OTHER_SHAPES = [s for s in kernels.DECODE_SHAPES if s != kernels.DECODE_LAUNCH]
+if kernels.interpreted():
+    _sides = {(kernels.DECODE_LAUNCH.heads, kernels.DECODE_LAUNCH.keys)}
+    OTHER_SHAPES = [s for s in OTHER_SHAPES if (s.heads, s.keys) not in _sides and not _sides.add((s.heads, s.keys))]
 
 
-@pytest.mark.parametrize("heads_per_program", [32, 64])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("launch", OTHER_SHAPES, ids=str)
 @FEW
 @given(wide_head_problems)
-def test_decode_with_larger_head_blocks_within_policy(heads_per_program: int, p) -> None:
-    """Rule baseline (fp32, faithful under the interpreter): a program carrying 32 or 64 heads
-    (fewer programs sharing each cache tile; the masked rows of a last, partial block) meets
-    the policy as the 16-head block does."""
+def test_decode_launch_shapes_within_policy(launch: kernels.DecodeLaunch, dtype: str, p) -> None:
+    """Rule baseline: every launch shape the benchmark sweeps (a program carrying 32 or 64 heads,
+    fewer programs sharing each cache tile, with the masked rows of a last, partial block; 32-key
+    tiles; 8 warps; 3 stages) meets the policy as the default does. On a GPU the bf16 and fp8
+    rows are the ones a 64-head block takes through warpgroup (wgmma) products; fp32 takes
+    IEEE products there."""
+    reason = REASONS["bf16" if is_float8(dtype) else dtype]
+    if reason is not None:
+        pytest.skip(reason)
     heads, lengths, T, splits, seed = p
-    x = _problem(heads, lengths, T, seed)
-    ref = mla.expanded(x["q_nope"], x["q_pe"], x["cache"], x["w_uk"], x["w_uv"])
-    base = mla.naive_baseline(x["q_nope"], x["q_pe"], x["cache"], x["w_uk"], x["w_uv"], dtype="fp32")
-    got = kernels.decode(*_on(x, "fp32"), num_splits=splits, heads_per_program=heads_per_program).cpu()
-    verdict = baseline_rule(compare(got, ref, ulp_dtype=got.dtype), compare(base, ref, ulp_dtype=got.dtype),
-                            noise_floor(ref, got.dtype))
-    assert_verdict(verdict, got, ref, f"heads_per_program = {heads_per_program}; heads, lengths, T, splits, seed = {p}")
+    verdict, got, ref = _verdict(_problem(heads, lengths, T, seed), dtype, splits, launch=launch)
+    assert_verdict(verdict, got, ref, f"launch {launch}; heads, lengths, T, splits, seed = {p}")
 
 
 # new tokens: one, under, at and over a query block; context lengths in one batch.
@@ -226,8 +233,14 @@ def test_bad_arguments_are_named() -> None:
     with pytest.raises(ValueError, match="num_splits"):
         kernels.decode(*args, num_splits=0)
     for block in (8, 48, 16.0, True):
-        with pytest.raises(ValueError, match="heads_per_program must be one of"):
-            kernels.decode(*args, heads_per_program=block)
+        with pytest.raises(ValueError, match=r"DecodeLaunch\.heads must be one of"):
+            kernels.DecodeLaunch(heads=block)
+    for bad, match in ((dict(keys=24), "keys must be a power of two"), (dict(warps=3), "warps must be"),
+                       (dict(stages=0), "stages must be 1 to 6")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"DecodeLaunch\.{match}"):
+            kernels.DecodeLaunch(**bad)
+    with pytest.raises(TypeError, match="launch must be a DecodeLaunch, got int"):
+        kernels.decode(*args, launch=32)
     bad = args[0].clone()
     bad[0, 0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="q_nope"):

@@ -38,24 +38,62 @@ nearest even and its fp16 products are exact); bf16 and fp8 need a GPU
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..numerics import map_tensors
 from ..numerics.validate import require_block
-from ..triton_support import block, device_for, dot, interpreted, tl, triton
+from ..triton_support import block, check_launch, device_for, dot, interpreted, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
 from .cache import LatentCache, gather
 from .inputs import check_inputs, heads_first
 from .recurrent import absorb_output, absorb_query
 from .reference import up_project
 
-__all__ = ["decode", "expanded_operands", "interpreted", "latent_attention", "prefill", "prefill_attention",
-           "unavailable_reason"]
+__all__ = ["DecodeLaunch", "decode", "decode_launch", "expanded_operands", "interpreted", "latent_attention", "prefill",
+           "prefill_attention", "unavailable_reason"]
 
 OPERAND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-KEYS = 64  # key positions per decode tile
-HEADS = 16  # heads per decode program (a tl.dot side), unless the caller asks for another block
 HEAD_BLOCKS = (16, 32, 64)  # the head blocks a decode program may take: tl.dot sides up to a wgmma's 64 rows
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunch:
+    """The decode kernel's launch shape on a GPU: ``heads`` per program (one of
+    :data:`HEAD_BLOCKS`, a ``tl.dot`` side; the heads of a program share every cache tile they
+    read), ``keys`` per cache tile, Triton's ``warps`` and pipeline ``stages`` (the interpreter
+    ignores those two). On sm_90 only a 64-head block is a wgmma side (Triton takes warpgroup
+    products for 64 rows and more); 16 and 32 take the older ``mma.sync`` products."""
+
+    heads: int = 16
+    keys: int = 64
+    warps: int = 4
+    stages: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.heads, bool) or not isinstance(self.heads, int) or self.heads not in HEAD_BLOCKS:
+            raise ValueError(f"DecodeLaunch.heads must be one of {HEAD_BLOCKS}, got {self.heads!r}")
+        check_launch("DecodeLaunch", dict(keys=self.keys), self.warps, self.stages)
+
+    def __str__(self) -> str:
+        return f"{self.heads} heads x {self.keys} keys w{self.warps} s{self.stages}"
+
+
+# Decode launch shape: 16 heads by 64-key tiles on 4 warps, 2 stages, the fastest timed on an H200
+# at 12 heads (docs/gpu.md, "AttnRes, MLA and MoE launch settings").
+DECODE_LAUNCH = DecodeLaunch()
+# The shapes benchmarks/mla_gpu.py sweeps (with the split counts) and benchmarks/kernel_compile.py
+# compiles: the 16- and 32-head blocks on 4 and 8 warps, and the 64-head block, a wgmma side, on 8
+# (on 4 warps its fp32 accumulator of 64 x 512 spills about 1 KB).
+DECODE_SHAPES = (DECODE_LAUNCH, DecodeLaunch(16, warps=8), DecodeLaunch(32), DecodeLaunch(32, warps=8),
+                 DecodeLaunch(64, warps=8), DecodeLaunch(64, keys=32, warps=8),
+                 DecodeLaunch(64, keys=32, warps=8, stages=3))  # fmt: skip
+
+
+def decode_launch(heads: int) -> DecodeLaunch:
+    """The decode launch shape for ``heads`` query heads."""
+    return DECODE_LAUNCH
 # Prefill tiles (16 x 16 under the interpreter, where size is time), the fastest of those timed on
 # an H200 at K3's widths (benchmarks/mla_gpu.py): 128 queries by 64 keys, 8 warps, 3 stages.
 # The query block must be a multiple of the key block (the diagonal's tiles start on it).
@@ -70,10 +108,6 @@ PREFILL_GROUP = 2  # heads whose query blocks are launched together (the launch 
 PREFILL_FP32_QUERIES = 64
 PREFILL_FP32_KEYS = 32
 PREFILL_FP32_STAGES = 2
-# Decode launch shape (latent_attention): 64-key tiles on 4 warps, 2 stages, the fastest timed on
-# an H200 (docs/gpu.md, "AttnRes, MLA and MoE launch settings").
-DECODE_WARPS = 4
-DECODE_STAGES = 2
 
 
 def unavailable_reason(operand_dtype: torch.dtype | str = torch.bfloat16) -> str | None:
@@ -288,12 +322,13 @@ def decode(
     *,
     scale: float | None = None,
     num_splits: int = 1,
-    heads_per_program: int = HEADS,
+    launch: DecodeLaunch | None = None,
 ) -> torch.Tensor:
     """Absorbed attention over the paged cache (the common MLA signature): ``o:[B, T, H, Dv]``
     in the operand dtype. ``num_splits`` splits each query's keys into that many ranges, merged
-    by their fp32 log-sum-exp (split-KV); ``heads_per_program`` (one of :data:`HEAD_BLOCKS`) is
-    how many heads one program carries over the cache tiles it reads."""
+    by their fp32 log-sum-exp (split-KV); ``launch`` is the kernel's shape (how many heads one
+    program carries over the cache tiles it reads, keys per tile, warps, stages), by default
+    :func:`decode_launch` of the head count."""
     _, scale = check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
     reason = unavailable_reason(q_nope.dtype)
     if reason is not None:
@@ -301,22 +336,21 @@ def decode(
     dev = device_for(q_nope, "the MLA kernels")
     op = q_nope.dtype
     q_lat = absorb_query(q_nope.to(dev, torch.float32), w_uk.to(dev, torch.float32)).to(op)
-    o_lat = latent_attention(q_lat, q_pe.to(dev), cache, scale=scale, num_splits=num_splits,
-                             heads_per_program=heads_per_program)
+    o_lat = latent_attention(q_lat, q_pe.to(dev), cache, scale=scale, num_splits=num_splits, launch=launch)
     return absorb_output(o_lat.transpose(1, 2), w_uv.to(dev, torch.float32)).to(op)
 
 
 def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache, *, scale: float,
-                     num_splits: int = 1, heads_per_program: int = HEADS) -> torch.Tensor:  # fmt: skip
+                     num_splits: int = 1, launch: DecodeLaunch | None = None) -> torch.Tensor:  # fmt: skip
     """The kernel alone: ``q_lat:[B, T, H, R]``, ``q_pe:[B, T, H, Dr]`` (operand dtype) over the
     cache -> the latent output ``o_lat:[B, T, H, R]`` in fp32, splits merged. Arguments are
     taken as :func:`decode` checked them. A larger head block reads (and, for an fp8 cache,
     dequantises) each cache tile in fewer programs: at 96 heads, 6 programs of 16 share a tile."""
     require_block("num_splits", num_splits)
-    if isinstance(heads_per_program, bool) or not isinstance(heads_per_program, int) \
-            or heads_per_program not in HEAD_BLOCKS:
-        raise ValueError(f"heads_per_program must be one of {HEAD_BLOCKS}, got {heads_per_program!r}")
     B, T, H, R = q_lat.shape
+    launch = decode_launch(H) if launch is None else launch
+    if not isinstance(launch, DecodeLaunch):
+        raise TypeError(f"launch must be a DecodeLaunch, got {type(launch).__name__}")
     Dr = q_pe.shape[-1]
     dev = q_lat.device
     pool = cache.pool.to(dev).contiguous()
@@ -327,12 +361,12 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache
     scales = cache.scales.to(dev, torch.float32).contiguous() if cache.quantized else pool
     BR = block(R)
     chunks = 4 if BR >= 64 else 2 if BR >= 32 else 1  # a chunk is at least 16 wide (a tl.dot side)
-    head_blocks = triton.cdiv(H, heads_per_program)
+    head_blocks = triton.cdiv(H, launch.heads)
     _decode_kernel[(BT * num_splits * head_blocks,)](
         q_lat.contiguous(), q_pe.contiguous(), pool, scales, table, cache.seq_lens.to(dev).contiguous(),
         o_part, lse, T, H, R, Dr, R + Dr, cache.page_size, table.shape[1], BT, float(scale), num_splits, head_blocks,
-        BH=heads_per_program, BC=BR // chunks, NC=chunks, BDR=block(Dr), BN=KEYS, QUANT=cache.quantized,
-        IEEE=q_lat.dtype == torch.float32, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
+        BH=launch.heads, BC=BR // chunks, NC=chunks, BDR=block(Dr), BN=launch.keys, QUANT=cache.quantized,
+        IEEE=q_lat.dtype == torch.float32, num_warps=launch.warps, num_stages=launch.stages,
     )  # fmt: skip
     weights = torch.softmax(lse, dim=0)  # e^{lse_s - LSE}; an empty split's -inf gets 0
     return (weights[..., None] * o_part).sum(0).reshape(B, T, H, R)

@@ -46,7 +46,7 @@ import torch
 from ..numerics import cast_once
 from ..numerics.ops import rms_norm
 from ..numerics.validate import require_finite, require_float, require_shape, require_tensor
-from ..triton_support import block, device_for, dot, dot_fp32, interpreted, tl, triton
+from ..triton_support import block, check_launch, device_for, dot, dot_fp32, interpreted, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
 from .chunkwise import Dispatch, dispatch
 from .inputs import TIE_BREAKS, MoEConfig, MoEWeights, Routing, check_inputs
@@ -72,14 +72,7 @@ class Tiles:
     stages: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("rows", "cols", "depth"):
-            n = getattr(self, name)
-            if n < 16 or n & (n - 1):
-                raise ValueError(f"Tiles.{name} must be a power of two of at least 16, got {n}")
-        if self.warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"Tiles.warps must be 1, 2, 4, 8 or 16, got {self.warps}")
-        if not 1 <= self.stages <= 6:
-            raise ValueError(f"Tiles.stages must be 1 to 6, got {self.stages}")
+        check_launch("Tiles", dict(rows=self.rows, cols=self.cols, depth=self.depth), self.warps, self.stages)
 
     def __str__(self) -> str:
         return f"{self.rows}x{self.cols}x{self.depth} w{self.warps} s{self.stages}"

@@ -91,7 +91,7 @@ def decode_rows(copy_tbps: float, shapes: list[tuple[int, int, int]], log) -> li
                                   launch=shape)
                     timed[splits, shape] = (ms(run), run)
             (splits, shape), (_, run) = min(timed.items(), key=lambda kv: kv[1][0])
-            default = kernels.decode_launch(H)
+            default = kernels.decode_launch(H, cache.quantized)
             t = ms(run, f"mla decode B={B} ctx={ctx} H={H} {storage}", "k3verify")
             tbps = moved / (t * 1e-3) / 1e12
             row = dict(kind="decode", B=B, context=ctx, heads=H, cache=storage, implementation="k3verify", ms=t,

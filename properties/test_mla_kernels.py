@@ -219,6 +219,48 @@ def test_prefill_then_decode_steps_is_one_longer_prefill(prefill: str) -> None:
     assert_verdict(verdict, got, ref, "prefill(T) + k decode steps vs prefill(T + k)")
 
 
+def test_the_default_launch_follows_the_heads_and_the_cache() -> None:
+    """Structural: up to 32 heads the 16-head shape; more heads take the shapes timed fastest at
+    96 (a bf16 cache 32-head blocks on 4 warps, an fp8 cache 64-head blocks on 8), and every
+    default is one of the shapes the benchmark sweeps."""
+    for heads in (1, 12, 16, 32):
+        assert kernels.decode_launch(heads) == kernels.decode_launch(heads, True) == kernels.DECODE_LAUNCH
+    for heads in (33, 96, 128):
+        assert kernels.decode_launch(heads) == kernels.DecodeLaunch(32, warps=4)
+        assert kernels.decode_launch(heads, True) == kernels.DecodeLaunch(64, warps=8)
+    assert {kernels.decode_launch(h, q) for h in (12, 96) for q in (False, True)} <= set(kernels.DECODE_SHAPES)
+
+
+@pytest.mark.skipif(REASONS["fp32"] is not None, reason=str(REASONS["fp32"]))
+@pytest.mark.parametrize("dtype", ["fp32", "fp8_e4m3"])
+def test_a_call_without_a_launch_takes_the_default_for_its_heads_and_cache(dtype: str, monkeypatch) -> None:
+    """Structural: the kernel asks :func:`kernels.decode_launch` for its shape with the query's
+    head count and whether the cache holds fp8 codes, and runs the shape it gets."""
+    if is_float8(dtype) and REASONS["bf16"] is not None:
+        pytest.skip(REASONS["bf16"])
+    asked = []
+
+    def chosen(heads: int, quantized: bool = False) -> kernels.DecodeLaunch:
+        asked.append((heads, quantized))
+        return kernels.DecodeLaunch(32, keys=32)
+
+    monkeypatch.setattr(kernels, "decode_launch", chosen)
+    seen = []
+    real = kernels._decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **options):
+                seen.append((options["BH"], options["BN"]))
+                return real[grid](*args, **options)
+
+            return launch
+
+    monkeypatch.setattr(kernels, "_decode_kernel", Spy())
+    kernels.decode(*_on(_problem(40, (20,), 1, seed=3), dtype))
+    assert asked == [(40, is_float8(dtype))] and seen == [(32, 32)]
+
+
 @pytest.mark.skipif(REASONS["fp32"] is not None, reason=str(REASONS["fp32"]))
 def test_bad_arguments_are_named() -> None:
     """Structural: a dtype the kernel does not take and a split count that is not positive are

@@ -91,9 +91,21 @@ DECODE_SHAPES = (DECODE_LAUNCH, DecodeLaunch(16, warps=8), DecodeLaunch(32), Dec
                  DecodeLaunch(64, keys=32, warps=8, stages=3))  # fmt: skip
 
 
-def decode_launch(heads: int) -> DecodeLaunch:
-    """The decode launch shape for ``heads`` query heads."""
-    return DECODE_LAUNCH
+# More than 32 heads (K3's 96 on one device), timed on an H100 at B = 64 and 256, context 4096 and
+# 32768 (docs/gpu.md, "Gated MLA"): a bf16 cache runs fastest in 32-head blocks on 4 warps (0.82x
+# the 16-head default's time at three of the four shapes; the 64-head block by 0.91x at the fourth),
+# an fp8 cache in 64-head blocks on 8 warps (0.47-0.50x: its tiles are dequantised by a third as
+# many programs).
+WIDE_DECODE_LAUNCH = DecodeLaunch(32)
+WIDE_FP8_DECODE_LAUNCH = DecodeLaunch(64, warps=8)
+
+
+def decode_launch(heads: int, quantized: bool = False) -> DecodeLaunch:
+    """The decode launch shape for ``heads`` query heads over a cache stored in the operand dtype
+    or, ``quantized``, in fp8 codes; up to 32 heads the 16-head default (timed at 12)."""
+    if heads <= 32:
+        return DECODE_LAUNCH
+    return WIDE_FP8_DECODE_LAUNCH if quantized else WIDE_DECODE_LAUNCH
 # Prefill tiles (16 x 16 under the interpreter, where size is time), the fastest of those timed on
 # an H200 at K3's widths (benchmarks/mla_gpu.py): 128 queries by 64 keys, 8 warps, 3 stages.
 # The query block must be a multiple of the key block (the diagonal's tiles start on it).
@@ -328,7 +340,7 @@ def decode(
     in the operand dtype. ``num_splits`` splits each query's keys into that many ranges, merged
     by their fp32 log-sum-exp (split-KV); ``launch`` is the kernel's shape (how many heads one
     program carries over the cache tiles it reads, keys per tile, warps, stages), by default
-    :func:`decode_launch` of the head count."""
+    :func:`decode_launch` of the head count and the cache's storage."""
     _, scale = check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
     reason = unavailable_reason(q_nope.dtype)
     if reason is not None:
@@ -348,7 +360,7 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache
     dequantises) each cache tile in fewer programs: at 96 heads, 6 programs of 16 share a tile."""
     require_block("num_splits", num_splits)
     B, T, H, R = q_lat.shape
-    launch = decode_launch(H) if launch is None else launch
+    launch = decode_launch(H, cache.quantized) if launch is None else launch
     if not isinstance(launch, DecodeLaunch):
         raise TypeError(f"launch must be a DecodeLaunch, got {type(launch).__name__}")
     Dr = q_pe.shape[-1]

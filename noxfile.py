@@ -27,19 +27,20 @@ nox.options.default_venv_backend = "uv|venv"
 CONSTRAINTS = ("-c", "constraints.txt")
 BASELINE = "reports/baseline/cpu"
 TP_BASELINE = "reports/baseline/cpu-tp8"
-# Every module's GPU session, from one table: its kernel tests and the committed H200 report its
-# run is compared with (``nox -s gpu`` runs them all, ``nox -s gpu-<module>`` one).
+# Every module's GPU session, from one table: its kernel tests, and the committed report its run is
+# compared with, every module's run of one ``nox -s gpu`` on a freshly started H100
+# (reports/baseline/gpu-h100/README.md). ``nox -s gpu`` runs them all, ``nox -s gpu-<module>`` one.
 GPU_MODULES: dict[str, tuple[tuple[str, ...], str]] = {
-    "kda": (("properties/test_kda_kernels.py", "properties/test_kda_gpu.py"), "reports/baseline/gpu-h200"),
-    "mla": (("properties/test_mla_kernels.py", "properties/test_mla_adapters.py"), "reports/baseline/gpu-h200-mla/run"),
-    "attnres": (("properties/test_attnres_kernels.py",), "reports/baseline/gpu-h200-attnres/run"),
-    "moe": (("properties/test_moe_kernels.py", "properties/test_moe_adapters.py"), "reports/baseline/gpu-h200-moe/run"),
-    "mla_backward": (("properties/test_mla_backward.py",), "reports/baseline/gpu-h200-mla-backward/run"),
+    "kda": (("properties/test_kda_kernels.py", "properties/test_kda_gpu.py"), "reports/baseline/gpu-h100/run/kda"),
+    "mla": (("properties/test_mla_kernels.py", "properties/test_mla_adapters.py"), "reports/baseline/gpu-h100/run/mla"),
+    "attnres": (("properties/test_attnres_kernels.py",), "reports/baseline/gpu-h100/run/attnres"),
+    "moe": (("properties/test_moe_kernels.py", "properties/test_moe_adapters.py"), "reports/baseline/gpu-h100/run/moe"),
+    "mla_backward": (("properties/test_mla_backward.py",), "reports/baseline/gpu-h100/run/mla_backward"),
     "kda_backward": (("properties/test_kda_backward.py", "properties/test_kda_tiled_backward.py"),
-                     "reports/baseline/gpu-h200-kda-backward/run"),
-    "moe_backward": (("properties/test_moe_backward.py",), "reports/baseline/gpu-h100-moe-backward/run"),
-    "attnres_backward": (("properties/test_attnres_backward.py",), "reports/baseline/gpu-h100-attnres-backward/run"),
-}
+                     "reports/baseline/gpu-h100/run/kda_backward"),
+    "moe_backward": (("properties/test_moe_backward.py",), "reports/baseline/gpu-h100/run/moe_backward"),
+    "attnres_backward": (("properties/test_attnres_backward.py",), "reports/baseline/gpu-h100/run/attnres_backward"),
+}  # fmt: skip
 # Modules of that table whose session skips the map step: no map, or one without kernel cells
 # (kda_backward's, moe_backward's and attnres_backward's are our tiled forms' only, which the CPU
 # draws alike).
@@ -321,7 +322,7 @@ def _gpu_module(session: nox.Session, module: str, out: str) -> None:
     """A module's GPU tests (profile ``gpu``, or ``gpu-explore`` for a nightly search; a line per
     test as it ends, since on a fresh device the run is long), its quick overflow map with the
     kernel cells, ``k3verify run --modules <module>`` drawing that map, and the compare of that
-    run against the module's committed H200 report, which decides: a row that fails there
+    run against the module's committed GPU report, which decides: a row that fails there
     (flash-attn-res cannot compile K3's width d = 7168) is a result the baseline holds, so the
     run's own exit status of 1 is not the session's verdict."""
     tests, baseline = GPU_MODULES[module]

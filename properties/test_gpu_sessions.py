@@ -1,5 +1,5 @@
 """The GPU sessions' table (``GPU_MODULES`` in ``noxfile.py``): every default module has a GPU
-session, whose test files exist and whose committed H200 report loads. Rule: structural (the
+session, whose test files exist and whose committed GPU report loads. Rule: structural (the
 sessions themselves need a CUDA device; docs/gpu.md records their runs).
 """
 

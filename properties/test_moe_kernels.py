@@ -172,6 +172,61 @@ def test_production_layer_within_policy(dtype: str, activation: str, skewed: boo
 
 
 @pytest.mark.skipif(EXPERT_REASONS["fp32"] is not None, reason=str(EXPERT_REASONS["fp32"]))
+def test_the_unrouted_gemms_are_queued_before_the_wait_for_the_routing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Structural: the production layer queues ``x W↓`` and the shared MLP inside
+    ``dispatch_beside``'s ``meanwhile`` (before the host waits for the experts' row counts), and
+    gives the same bits as with them queued after the dispatch (same process)."""
+    cfg, w, x, r = _production_case("situ", False)
+    x, w = x.float(), w.to(torch.float32)
+    inside, calls = [False], []
+    real_beside, real_dense = kernels.dispatch_beside, kernels.kernel_dense
+
+    def beside(indices, num_experts, meanwhile):
+        def flagged():
+            inside[0] = True
+            try:
+                return meanwhile()
+            finally:
+                inside[0] = False
+
+        return real_beside(indices, num_experts, flagged)
+
+    def recorded(config):
+        d = real_dense(config)
+        return kernels.Dense(lambda a, w_: calls.append(("matmul", inside[0])) or d.matmul(a, w_),
+                             lambda *a: calls.append(("shared", inside[0])) or d.shared(*a))  # fmt: skip
+
+    monkeypatch.setattr(kernels, "dispatch_beside", beside)
+    monkeypatch.setattr(kernels, "kernel_dense", recorded)
+    got = kernels.grouped(x, w, cfg, routing=r, production=True)
+    assert calls == [("matmul", True), ("shared", True), ("matmul", False)]
+
+    def after(indices, num_experts, meanwhile):
+        d, _ = real_beside(indices, num_experts, lambda: None)
+        return d, meanwhile()
+
+    monkeypatch.setattr(kernels, "dispatch_beside", after)
+    assert_identical(got, kernels.grouped(x, w, cfg, routing=r, production=True), "the unrouted GEMMs queued later")
+
+
+@given(st.integers(1, 40), st.integers(1, 4), st.integers(1, 12), st.integers(0, 2**16))
+def test_dispatch_beside_is_dispatch_and_calls_meanwhile_once(T: int, k: int, E: int, seed: int) -> None:
+    """Structural: the same order, counts and offsets as :func:`dispatch`, with ``meanwhile``
+    called once and its value returned."""
+    from k3verify.moe.chunkwise import dispatch, dispatch_beside
+
+    k = min(k, E)
+    gen = torch.Generator().manual_seed(seed)
+    indices = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    calls = []
+    d, made = dispatch_beside(indices, E, lambda: calls.append(1) or "made")
+    want = dispatch(indices, E)
+    assert calls == [1] and made == "made"
+    assert torch.equal(d.order, want.order) and torch.equal(d.token, want.token)
+    assert torch.equal(d.expert, want.expert) and d.counts == want.counts and d.offsets == want.offsets
+
+
+@pytest.mark.skipif(EXPERT_REASONS["fp32"] is not None, reason=str(EXPERT_REASONS["fp32"]))
 def test_grouped_experts_name_bad_arguments() -> None:
     """Structural: a dtype the kernels do not take is named; the common checks come from the
     forms' validation."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -29,6 +29,7 @@ from .router import mixture
 from .situ import activation, activation_backward
 
 GEMM = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -49,13 +50,33 @@ class Dispatch:
 
 def dispatch(indices: torch.Tensor, num_experts: int) -> Dispatch:
     """Sort the pairs of ``indices:[T, k]`` by expert (stable: token order inside an expert)."""
+    return dispatch_beside(indices, num_experts, lambda: None)[0]
+
+
+def dispatch_beside(indices: torch.Tensor, num_experts: int, meanwhile: Callable[[], R]) -> tuple[Dispatch, R]:
+    """:func:`dispatch` and ``meanwhile()``, called once the sort and the experts' row counts are
+    queued and before the host waits for the counts. On a CUDA device the counts come back by
+    their own asynchronous copy, so the work ``meanwhile`` queues (what does not depend on the
+    routing) runs while the host waits for them and builds what depends on them, instead of the
+    device standing idle through both."""
     flat = indices.reshape(-1).to(torch.int64)
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    per_expert = torch.bincount(flat, minlength=num_experts)
+    copied = None
+    if per_expert.is_cuda:
+        host = torch.empty(per_expert.shape, dtype=per_expert.dtype, pin_memory=True)
+        host.copy_(per_expert, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        per_expert = host
+    made = meanwhile()
+    if copied is not None:
+        copied.synchronize()
+    counts = per_expert.tolist()
     offsets = [0]
     for c in counts:
         offsets.append(offsets[-1] + c)
-    return Dispatch(order, order // indices.shape[1], flat[order], counts, offsets)
+    return Dispatch(order, order // indices.shape[1], flat[order], counts, offsets), made
 
 
 def token_sums(rows: torch.Tensor, d: Dispatch, num_tokens: int) -> torch.Tensor:

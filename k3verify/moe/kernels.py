@@ -48,7 +48,7 @@ from ..numerics.ops import rms_norm
 from ..numerics.validate import require_finite, require_float, require_shape, require_tensor
 from ..triton_support import block, check_launch, device_for, dot, dot_fp32, interpreted, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
-from .chunkwise import Dispatch, dispatch
+from .chunkwise import Dispatch, dispatch_beside
 from .inputs import TIE_BREAKS, MoEConfig, MoEWeights, Routing, check_inputs
 from .layer import layer_output
 from .router import routing_for
@@ -337,13 +337,20 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
     x32 = x.to(dev, torch.float32) if routing is None or dense is None else None
     r = routing_for(x if x32 is None else x32, w32, config, None if routing is None else routing.to(torch.float32),
                     torch.float32)  # fmt: skip
-    d = dispatch(r.indices.to(dev), dims.E)
-    if dense is None:
-        z = (x32 @ w32.w_latent_down).to(op).contiguous()
-    else:
+    if dense is not None:
         wop = _moved(weights, DENSE_MATRICES, dev, op)
         xop = x.to(dev, op).contiguous()
-        z = dense.matmul(xop, wop.w_latent_down).contiguous()
+
+    def unrouted() -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``z`` and, with ``dense``, the shared MLP: the GEMMs that do not wait for the routing."""
+        if dense is None:
+            return (x32 @ w32.w_latent_down).to(op).contiguous(), None
+        return (dense.matmul(xop, wop.w_latent_down).contiguous(),
+                dense.shared(xop, wop.shared_w1, wop.shared_w3, wop.shared_w2))  # fmt: skip
+
+    # Queued between the sort and the wait for the experts' row counts: the device runs them while
+    # the host waits and then builds the experts' tile tables (it stood idle through both).
+    d, (z, shared) = dispatch_beside(r.indices.to(dev), dims.E, unrouted)
     p = r.weights.to(dev).reshape(-1)[d.order].contiguous()
     out = experts(z, d, p, _moved(weights, EXPERT_MATRICES, dev, op))
     # each token's rows summed in fp32, in slot order, as the recurrent form
@@ -351,7 +358,7 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
     if dense is None:
         return layer_output(u, x32, w32, config).to(op)
     normed = rms_norm(u, w32.latent_norm, eps=config.rms_norm_eps).to(op)
-    return dense.matmul(normed, wop.w_latent_up) + dense.shared(xop, wop.shared_w1, wop.shared_w3, wop.shared_w2)
+    return dense.matmul(normed, wop.w_latent_up) + shared
 
 
 def _shape(given: Tiles | None, default: Tiles) -> Tiles:

@@ -57,6 +57,58 @@ def launch_split(fn, repeats: int = 20) -> dict[str, float]:
     return dict(sorted(split.items(), key=lambda kv: -kv[1]))
 
 
+def idle_gaps(fn, top: int = 8) -> dict[str, Any]:
+    """Where the device waits on the host in one call of ``fn`` (the call after a warm-up, under
+    the PyTorch profiler, host and device on one clock): :func:`gap_report` of the device's
+    kernel and copy intervals and the host's ``record_function`` ranges."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    device, host = [], []
+    for e in prof.events():
+        span = (e.time_range.start, e.time_range.end)
+        if e.device_type == DeviceType.CUDA:
+            device.append(span)
+        elif e.device_type == DeviceType.CPU and e.name != "cudaDeviceSynchronize":
+            host.append((e.name, *span))
+    if not device:
+        raise RuntimeError("the profiler recorded no device activity")
+    return gap_report(device, host, top)
+
+
+def gap_report(device: list[tuple[float, float]], host: list[tuple[str, float, float]],
+               top: int = 8) -> dict[str, Any]:  # fmt: skip
+    """Device busy and idle time of one call (µs in, ms out). ``device``: ``(start, end)`` of each
+    kernel or copy; ``host``: ``(name, start, end)`` of each host range. The call spans from the
+    first host range or device interval to the last device interval's end; the gaps are that
+    span less the union of the device intervals. Each of the ``top`` longest gaps is named by
+    the innermost host range that covers at least half of it (``(python)``: none does)."""
+    busy: list[list[float]] = []
+    for start, end in sorted(device):
+        if busy and start <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], end)
+        else:
+            busy.append([start, end])
+    first = min([busy[0][0], *(start for _, start, _ in host)])
+    last = busy[-1][1]
+    edges = [first] + [x for interval in busy for x in interval] + [last]
+    gaps = [(edges[i], edges[i + 1]) for i in range(0, len(edges), 2) if edges[i + 1] > edges[i]]
+
+    def named(a: float, b: float) -> str:
+        covering = [(end - start, name) for name, start, end in host if 2 * (min(end, b) - max(start, a)) >= b - a]
+        return min(covering)[1] if covering else "(python)"
+
+    longest = sorted(gaps, key=lambda g: g[0] - g[1])[:top]
+    return dict(span_ms=(last - first) / 1e3, busy_ms=sum(b - a for a, b in busy) / 1e3,
+                idle_ms=sum(b - a for a, b in gaps) / 1e3,
+                gaps=[dict(at_ms=(a - first) / 1e3, ms=(b - a) / 1e3, host=named(a, b)) for a, b in longest])
+
+
 def write_results(out: Path, stem: str, result: dict[str, Any], markdown: str) -> None:
     """``<stem>.json`` (the result), ``<stem>_benchmark.json`` (every timing's repetitions in
     pytest-benchmark's shape) and ``<stem>.md`` under ``out``; the Markdown is printed too."""

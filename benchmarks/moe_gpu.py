@@ -16,7 +16,9 @@ the TP-local expert hidden 384 (3072 / 8) at T = 4096 and 16384 tokens, and the 
 - layer: the time of each part of our path — router, dispatch (sort and counts), ``z = x W↓``,
   the expert GEMMs, the combine (each token's rows summed) — and of the whole, with the GEMMs
   outside the experts in fp32 torch operations and (``production=True``) in our launches with
-  bf16 operands.
+  bf16 operands; for one production-dtype call, the device time of each kernel and the gaps in
+  which the device stood idle, each named by the layer's part (``moe.*``) the host was in then
+  (``gpu_timing.idle_gaps``).
 
 Ratios are ``peer time / our time`` (> 1: ours is faster). Writes ``moe_gpu.json``,
 ``moe_gpu.md`` and ``moe_gpu_benchmark.json`` (pytest-benchmark's shape) under ``--out``.
@@ -229,6 +231,16 @@ def layer_rows(T: int, H: int, cfg: MoEConfig, w: MoEWeights, x: torch.Tensor, r
             rows += [dict(kind="split", T=T, H=H, kernel=k, ms=v) for k, v in split.items()]
             log(f"  device busy {sum(split.values()):.3f} ms a production-dtype layer call: "
                 + ", ".join(f"{k} {v:.3f}" for k, v in list(split.items())[:6]))  # fmt: skip
+        # Where in the call the device stood idle, and what the host was doing then.
+        gaps = attempt(partial(gpu_timing.idle_gaps, parts["layer, production dtype"]))
+        if isinstance(gaps, str):
+            rows.append(dict(kind="gap", T=T, H=H, host="(profiler)", error=gaps))
+        else:
+            rows.append(dict(kind="gap", T=T, H=H, host="(the whole call)", at_ms=0.0, ms=gaps["idle_ms"],
+                             span_ms=gaps["span_ms"], busy_ms=gaps["busy_ms"]))  # fmt: skip
+            rows += [dict(kind="gap", T=T, H=H, **g) for g in gaps["gaps"]]
+            log(f"  device idle {gaps['idle_ms']:.3f} of {gaps['span_ms']:.3f} ms: "
+                + ", ".join(f"{g['ms']:.3f} at {g['at_ms']:.3f} in {g['host']}" for g in gaps["gaps"]))
     finally:
         for name, t in before.items():
             setattr(kernels, name, t)
@@ -267,6 +279,12 @@ def markdown(result: dict[str, Any]) -> str:
               "| T | expert hidden | kernel | ms |", "|---|---|---|---|"]
     split = [r for r in result["rows"] if r["kind"] == "split"]
     lines += [f"| {r['T']} | {r['H']} | {cell(r['kernel'])} | {_figure(r)} |" for r in split]
+    lines += ["", "Device idle in one production-dtype layer call (torch profiler; the host range running then,"
+              " `(python)` where none is recorded; the first row: the whole call):", "",
+              "| T | expert hidden | at ms | idle ms | host |", "|---|---|---|---|---|"]
+    gaps = [r for r in result["rows"] if r["kind"] == "gap"]
+    lines += [f"| {r['T']} | {r['H']} | {format(r['at_ms'], '.3f') if 'at_ms' in r else ''} | {_figure(r)} | "
+              f"{cell(r['host'])} |" for r in gaps]  # fmt: skip
     lines += ["", "Launch shapes (rows x columns x depth, warps, stages; the first is the default):", "",
               "| T | expert hidden | launch | tiles | ms | difference from the default |", "|---|---|---|---|---|---|"]
     for r in result["rows"]:

@@ -61,6 +61,9 @@ def test_the_moe_table_renders_the_sweep_the_peer_and_the_layer() -> None:
         dict(kind="layer", T=4096, H=384, part="layer", error="OutOfMemoryError: 9 GiB"),
         dict(kind="layer", T=4096, H=384, part="layer, production dtype / sum of the GEMMs", ratio=1.48),
         dict(kind="split", T=4096, H=384, kernel="_up_kernel", ms=1.25),
+        dict(kind="gap", T=4096, H=384, host="(the whole call)", at_ms=0.0, ms=1.02, span_ms=5.1, busy_ms=4.08),
+        dict(kind="gap", T=4096, H=384, host="moe.experts", at_ms=1.7, ms=0.31),
+        dict(kind="gap", T=4096, H=384, host="(profiler)", error="RuntimeError: no device activity"),
         dict(kind="tiles", T=4096, H=384, launch="up", tiles="64x64x64 w4 s3", ms=2.29, difference=0.0),
         dict(kind="tiles", T=4096, H=384, launch="down", tiles="128x256x64 w8 s3", error="differs by 1e-1"),
     ]  # fmt: skip
@@ -69,7 +72,8 @@ def test_the_moe_table_renders_the_sweep_the_peer_and_the_layer() -> None:
     assert "OutOfMemoryError: 9 GiB" in table and "| 1.48x |" in table
     assert "| up | 64x64x64 w4 s3 | 2.290 | 0.0e+00 |" in table and "differs by 1e-1" in table
     assert "| 4096 | 384 | \\_up\\_kernel | 1.250 |" in table
-    text = ("implementation", "error", "part", "kernel", "tiles")
+    assert "| 4096 | 384 | 1.700 | 0.310 | moe.experts |" in table and "no device activity" in table
+    text = ("implementation", "error", "part", "kernel", "tiles", "host")
     hostile = [{k: (HOSTILE if k in text else v) for k, v in r.items()} for r in rows]
     _escaped(moe_gpu.markdown(dict(device=HOSTILE, peak_tflops=793.0, rows=hostile, environment=ENV)), len(rows))
 

@@ -316,3 +316,24 @@ def test_the_tile_table_covers_each_experts_rows_once(counts: list[int], rows: i
     want = [(e, start) for e in range(len(counts)) for start in range(offsets[e], offsets[e + 1], rows)]
     assert list(zip(expert.tolist(), first.tolist())) == want
     assert expert.dtype == first.dtype == torch.int32
+
+
+@pytest.mark.skipif(EXPERT_REASONS["fp32"] is not None, reason=str(EXPERT_REASONS["fp32"]))
+def test_the_layer_names_its_parts_to_the_profiler_only_while_it_records() -> None:
+    """Structural: under the torch profiler a production-dtype call records its five ``moe.*``
+    ranges, in order (the names ``benchmarks/moe_gpu.py`` gives the device's idle gaps); with
+    no profiler recording, :func:`profiled` opens no range at all (a bare ``record_function``
+    costs about 6 µs)."""
+    import contextlib
+
+    from torch.profiler import profile
+
+    from k3verify.triton_support import profiled
+
+    cfg, w, x, r = _production_case("situ", False)
+    x, w = x.float(), w.to(torch.float32)
+    with profile() as prof:
+        kernels.grouped(x, w, cfg, routing=r, production=True)
+    names = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.name.startswith("moe.")]
+    assert names == ["moe.checks", "moe.routing", "moe.dispatch", "moe.experts", "moe.output"]
+    assert isinstance(profiled("moe.checks"), contextlib.nullcontext)

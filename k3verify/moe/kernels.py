@@ -46,7 +46,7 @@ import torch
 from ..numerics import cast_once
 from ..numerics.ops import rms_norm
 from ..numerics.validate import require_finite, require_float, require_shape, require_tensor
-from ..triton_support import block, check_launch, device_for, dot, dot_fp32, interpreted, tl, triton
+from ..triton_support import block, check_launch, device_for, dot, dot_fp32, interpreted, profiled, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
 from .chunkwise import Dispatch, dispatch_beside
 from .inputs import TIE_BREAKS, MoEConfig, MoEWeights, Routing, check_inputs
@@ -324,8 +324,10 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
     layer does and the tiled form models (``z`` and ``RMSNorm_γ(u)`` rounded as operands, fp32
     accumulation, the shared hidden stored in ``x``'s dtype, the routed and shared outputs each
     stored in ``x``'s dtype and then added): ``dense.matmul(a, w)`` and ``dense.shared(x, w1, w3,
-    w2)`` return their operands' dtype."""
-    dims = check_inputs(x, weights, config, routing)
+    w2)`` return their operands' dtype. Its parts are named ``moe.*`` to the torch profiler
+    (``benchmarks/moe_gpu.py`` names the device's idle gaps after them)."""
+    with profiled("moe.checks"):
+        dims = check_inputs(x, weights, config, routing)
     op = x.dtype
     # The expert matrices (most of the layer: 59 GB in bf16 at K3's full hidden size) reach the
     # experts in x's dtype only, and with ``dense`` the other GEMMs' matrices too; the router and
@@ -335,8 +337,9 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
     w32 = _moved(weights, others, dev, torch.float32)
     # fp32 x for the router (when no routing is given) and the fp32 host path only
     x32 = x.to(dev, torch.float32) if routing is None or dense is None else None
-    r = routing_for(x if x32 is None else x32, w32, config, None if routing is None else routing.to(torch.float32),
-                    torch.float32)  # fmt: skip
+    with profiled("moe.routing"):
+        r = routing_for(x if x32 is None else x32, w32, config,
+                        None if routing is None else routing.to(torch.float32), torch.float32)  # fmt: skip
     if dense is not None:
         wop = _moved(weights, DENSE_MATRICES, dev, op)
         xop = x.to(dev, op).contiguous()
@@ -350,15 +353,18 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
 
     # Queued between the sort and the wait for the experts' row counts: the device runs them while
     # the host waits and then builds the experts' tile tables (it stood idle through both).
-    d, (z, shared) = dispatch_beside(r.indices.to(dev), dims.E, unrouted)
-    p = r.weights.to(dev).reshape(-1)[d.order].contiguous()
-    out = experts(z, d, p, _moved(weights, EXPERT_MATRICES, dev, op))
-    # each token's rows summed in fp32, in slot order, as the recurrent form
-    u = out.reshape(dims.T, dims.k, dims.Dl).sum(1, dtype=torch.float32)
-    if dense is None:
-        return layer_output(u, x32, w32, config).to(op)
-    normed = rms_norm(u, w32.latent_norm, eps=config.rms_norm_eps).to(op)
-    return dense.matmul(normed, wop.w_latent_up) + shared
+    with profiled("moe.dispatch"):
+        d, (z, shared) = dispatch_beside(r.indices.to(dev), dims.E, unrouted)
+    with profiled("moe.experts"):
+        p = r.weights.to(dev).reshape(-1)[d.order].contiguous()
+        out = experts(z, d, p, _moved(weights, EXPERT_MATRICES, dev, op))
+    with profiled("moe.output"):
+        # each token's rows summed in fp32, in slot order, as the recurrent form
+        u = out.reshape(dims.T, dims.k, dims.Dl).sum(1, dtype=torch.float32)
+        if dense is None:
+            return layer_output(u, x32, w32, config).to(op)
+        normed = rms_norm(u, w32.latent_norm, eps=config.rms_norm_eps).to(op)
+        return dense.matmul(normed, wop.w_latent_up) + shared
 
 
 def _shape(given: Tiles | None, default: Tiles) -> Tiles:

@@ -275,3 +275,81 @@ def test_run_ends_an_exiting_and_a_hanging_plugin_as_failed_rows(tmp_path: Path)
     assert {r["implementation"] for r in doc["rows"] if r["status"] == FAIL} == {"exits", "hangs", "misshapen",
                                                                                 "control_wrong"}
     assert "FAIL kda exits" in done.stdout and "FAIL kda hangs" in done.stdout
+
+
+def _frames(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every frame the harness sends to the plugin process from now on."""
+    sizes: list[int] = []
+    real = sandbox._write_frame
+
+    def recorded(fd: int, payload: bytes) -> None:
+        sizes.append(len(payload))
+        real(fd, payload)
+
+    monkeypatch.setattr(sandbox, "_write_frame", recorded)
+    return sizes
+
+
+def _fresh(case: Any) -> Any:
+    """A case of its own (new tensor objects), as a walk's next step would hold."""
+    return type(case)(case.name, {n: t.clone() for n, t in case.inputs.items()}, dict(case.params))
+
+
+def _outputs(impl: Any, case: Any) -> dict[str, torch.Tensor]:
+    return impl.run(case)
+
+
+def test_inputs_sent_again_cross_once_and_give_the_same_outputs(plugged: dict, case: Any,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Structural (transfer): a walk hands a plugin the same weights call after call. The second
+    message asks the plugin process to keep them, the third only names them: it carries none of
+    the inputs' bytes. The outputs are the same bits at every call, and the same as a run that
+    keeps nothing (every input sent each time)."""
+    monkeypatch.setattr(sandbox, "KEEP_MIN_BYTES", 0)
+    mine = _fresh(case)
+    sizes = _frames(monkeypatch)
+    outs = [_outputs(plugged["control"], mine) for _ in range(3)]
+    data = sum(t.untyped_storage().nbytes() for t in mine.inputs.values())
+    assert sizes[0] > data and sizes[1] > data and sizes[2] < data / 4, (sizes, data)
+    monkeypatch.setattr(sandbox, "KEEP_MIN_BYTES", 1 << 62)
+    unkept = _outputs(plugged["control"], _fresh(case))
+    for out in outs:
+        assert out.keys() == unkept.keys() and all(torch.equal(out[n], unkept[n]) for n in out)
+
+
+def test_an_input_changed_in_place_is_sent_again(plugged: dict, case: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Structural (transfer): an input written in place after it was kept is another input: the
+    plugin computes on the new values (as a run on a fresh copy of them does)."""
+    monkeypatch.setattr(sandbox, "KEEP_MIN_BYTES", 0)
+    mine = _fresh(case)
+    for _ in range(3):
+        before = _outputs(plugged["control"], mine)
+    mine.inputs["v"].mul_(2.0)
+    after = _outputs(plugged["control"], mine)
+    want = _outputs(plugged["control"], _fresh(mine))
+    assert not torch.equal(after["o"], before["o"]) and torch.equal(after["o"], want["o"])
+
+
+@pytest.mark.parametrize("limit", [1, sandbox.KEEP_MAX_BYTES])
+def test_kept_inputs_survive_a_mutating_plugin_a_crash_and_eviction(
+        plugged: dict, case: Any, limit: int, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Structural (transfer): a plugin that writes into its inputs works on its own copy and
+    fails its call (which makes both sides forget what was kept), a plugin that exits ends the
+    process (a new one keeps nothing), and a limit of 1 byte drops every kept tensor the next
+    message does not name, never one it names (the third message still carries no input): the
+    plugin's outputs for the same inputs never change."""
+    monkeypatch.setattr(sandbox, "KEEP_MIN_BYTES", 0)
+    monkeypatch.setattr(sandbox, "KEEP_MAX_BYTES", limit)
+    mine = _fresh(case)
+    sizes = _frames(monkeypatch)
+    outs = [_outputs(plugged["control"], mine) for _ in range(3)]
+    first = outs[0]
+    assert sizes[2] < sum(t.untyped_storage().nbytes() for t in mine.inputs.values()) / 4, sizes
+    with pytest.raises(sandbox.PluginError, match="modified its input q in place"):
+        for _ in range(3):
+            _outputs(plugged["mutates"], mine)
+    assert torch.equal(_outputs(plugged["control"], mine)["o"], first["o"])
+    with pytest.raises(sandbox.PluginError, match="exit status 0"):
+        _outputs(plugged["os_exits"], mine)
+    for _ in range(3):
+        assert torch.equal(_outputs(plugged["control"], mine)["o"], first["o"])

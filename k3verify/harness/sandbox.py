@@ -22,6 +22,11 @@ harness holds a *proxy* :class:`~k3verify.harness.registry.Implementation` for e
 
 Frames are an 8-byte little-endian length and a payload: pickles from the harness (the worker
 trusts the harness), ``torch.save`` documents from the worker (the harness trusts nothing).
+A large input that the harness sends again, the same tensor unchanged (a walk's weights, call
+after call), crosses the pipe twice only: the second message asks the worker to keep it for that
+plugin and later ones name it (:data:`KEEP_MIN_BYTES`, :data:`KEEP_MAX_BYTES`). Kept inputs are
+never handed out: every call gets its own copy, so a plugin that writes into them changes no
+later call.
 """
 
 from __future__ import annotations
@@ -40,7 +45,10 @@ import sys
 import threading
 import time
 import traceback
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,7 +63,7 @@ from .contract import (
     Prediction,
     as_outputs,
 )
-from .guard import case_for, restore, run_isolated, torch_state
+from .guard import case_for, restore, run_isolated, sealed, torch_state
 from .text import terminal_text
 
 DEFAULT_TIMEOUT_S = 900.0
@@ -63,6 +71,12 @@ STARTUP_TIMEOUT_S = 600.0  # a worker's imports, before any request; generous fo
 MAX_FRAME_BYTES = 1 << 34  # 16 GiB: a production-shape output fits, a garbage length does not
 _HEADER = struct.Struct("<Q")
 _timeout_s = DEFAULT_TIMEOUT_S
+# Inputs the harness hands a plugin call after call (a walk's weights: 3.6 GB in fp64 for one wide
+# MoE layer) cross the pipe twice, not at every call: a tensor of at least KEEP_MIN_BYTES that a
+# message holds again, the same object unchanged, is kept by the worker for that plugin and later
+# messages name it. Up to KEEP_MAX_BYTES a plugin, the least recently used dropped first.
+KEEP_MIN_BYTES = 1 << 20
+KEEP_MAX_BYTES = 16 << 30
 
 
 class PluginError(RuntimeError):
@@ -123,6 +137,119 @@ def _document(value: Any) -> bytes:
     return buf.getvalue()
 
 
+# --- inputs kept in the worker ----------------------------------------------------------------
+
+
+@dataclass
+class _Seen:
+    ref: weakref.ref
+    version: int
+    nbytes: int
+    token: int | None = None  # kept by the worker under this number; None: sent in the message
+
+
+class _Kept:
+    """The harness's record of the tensors the worker keeps for one plugin (entry point): each
+    large tensor a message held, by identity (a weak reference, so a new object at a recycled
+    address is not taken for it) and version (an in-place change makes it another input)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, _Seen] = {}
+        self.order: OrderedDict[int, _Seen] = OrderedDict()  # kept tokens, least recently used first
+        self.total = 0
+        self.next = 0
+        self.drop: list[int] = []
+        self.reset = False
+
+    def token(self, t: torch.Tensor, fresh: dict[int, torch.Tensor], used: set[int]) -> int | None:
+        """The number ``t`` goes by in this message (``fresh`` gets it when the worker is to keep
+        it now), or ``None``: pickled in the message, its first sighting."""
+        seen = self.seen.get(id(t))
+        if seen is not None and seen.ref() is t and seen.version == t._version:
+            if seen.token is None:
+                seen.token, self.next = self.next, self.next + 1
+                fresh[seen.token] = t
+                self.total += seen.nbytes
+            self.order[seen.token] = seen
+            self.order.move_to_end(seen.token)
+            used.add(seen.token)
+            return seen.token
+        if seen is not None:
+            self._forget(seen)
+        key = id(t)
+        self.seen[key] = _Seen(weakref.ref(t, lambda _, k=key: self._gone(k)), t._version,
+                               t.untyped_storage().nbytes())  # fmt: skip
+        return None
+
+    def _forget(self, seen: _Seen) -> None:
+        if seen.token is not None and self.order.pop(seen.token, None) is not None:
+            self.drop.append(seen.token)
+            self.total -= seen.nbytes
+        seen.token = None
+
+    def _gone(self, key: int) -> None:
+        """The harness's tensor is gone: so is the worker's copy, at the next message."""
+        seen = self.seen.get(key)
+        if seen is not None and seen.ref() is None:
+            self._forget(seen)
+            del self.seen[key]
+
+    def settle(self, used: set[int]) -> tuple[bool, list[int]]:
+        """``(reset, drop)`` for the next envelope: the least recently used kept tensors that this
+        message does not name, dropped until the rest fit :data:`KEEP_MAX_BYTES`."""
+        for token, seen in list(self.order.items()):
+            if self.total <= KEEP_MAX_BYTES:
+                break
+            if token not in used:
+                self._forget(seen)
+        reset, drop = self.reset, self.drop
+        self.reset, self.drop = False, []
+        return reset, drop
+
+    def clear(self) -> None:
+        """Forget everything; the worker is told to, at the next message (after a failed request,
+        whose keeping may not have happened)."""
+        self.seen.clear()
+        self.order.clear()
+        self.total, self.drop, self.reset = 0, [], True
+
+
+class _Sender(pickle.Pickler):
+    """Pickles a request with its large tensors named by :class:`_Kept` tokens where it can."""
+
+    def __init__(self, file: io.BytesIO, kept: _Kept, fresh: dict[int, torch.Tensor], used: set[int]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.kept, self.fresh, self.used = kept, fresh, used
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if type(obj) is not torch.Tensor or obj.is_meta or obj.untyped_storage().nbytes() < KEEP_MIN_BYTES:
+            return None
+        return self.kept.token(obj, self.fresh, self.used)
+
+
+class _Receiver(pickle.Unpickler):
+    """Unpickles a request, each token replaced by the tensor the worker keeps under it."""
+
+    def __init__(self, file: io.BytesIO, store: dict[int, torch.Tensor]) -> None:
+        super().__init__(file)
+        self.store = store
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        if pid not in self.store:
+            raise PluginError(f"the plugin process does not hold the input it was to keep as #{pid}")
+        return self.store[pid]
+
+
+def _envelope(msg: dict[str, Any], kept: _Kept) -> bytes:
+    """The frame of ``msg`` for the worker: the tensors to keep from now on, the ones to drop,
+    and the request itself with every kept tensor named by its token."""
+    buf, fresh, used = io.BytesIO(), {}, set()
+    _Sender(buf, kept, fresh, used).dump(msg)
+    reset, drop = kept.settle(used)
+    envelope = {"ep": msg.get("ep"), "reset": reset, "drop": drop, "keep": fresh, "msg": buf.getvalue()}
+    return pickle.dumps(envelope, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 # --- the worker ----------------------------------------------------------------------------
 
 
@@ -161,6 +288,7 @@ class Worker:
 
     def __init__(self) -> None:
         self.loaded: dict[int, list[Any]] = {}
+        self.kept: dict[Any, dict[int, torch.Tensor]] = {}  # per entry point: what the harness named
 
     def load(self, k: int, spec: tuple[str, str]) -> list[Any]:
         if k not in self.loaded:
@@ -185,13 +313,15 @@ class Worker:
             # The harness names the module's outputs: the worker never loads the registry.
             out = as_outputs(run_isolated(impl, arg), outputs, impl.label)
             return {n: _plain_tensor(t, f"{impl.label} output {n!r}") for n, t in out.items()}
+        # Its own copy of the case, as run_isolated gives run: the kept inputs serve later calls.
+        own = sealed(arg) if isinstance(arg, Case) else arg
         if method == "predict":
-            p = impl.predict(arg)
+            p = impl.predict(own)
             return {"finite": bool(p.finite), "explanation": str(p.explanation)}
         if method == "explain":
-            return [str(line) for line in impl.explain(arg)]
+            return [str(line) for line in impl.explain(own)]
         if method == "map_points":
-            return bool(impl.map_points(arg))
+            return bool(impl.map_points(own))
         if method == "time":
             from . import timing
 
@@ -199,15 +329,26 @@ class Worker:
             return timing.measure(lambda: impl.run(given))
         raise PluginError(f"unknown request {method!r}")
 
+    def unpack(self, frame: bytes) -> dict[str, Any]:
+        """The request in ``frame``, after keeping and dropping what its envelope says (per entry
+        point: one plugin never receives another's kept tensors)."""
+        envelope = pickle.loads(frame)
+        store = self.kept.setdefault(envelope["ep"], {})
+        if envelope["reset"]:
+            store.clear()
+        for token in envelope["drop"]:
+            store.pop(token, None)
+        store.update(envelope["keep"])
+        return _Receiver(io.BytesIO(envelope["msg"]), store).load()
+
     def serve(self, rfd: int, wfd: int) -> None:
         while True:
             frame = _read_frame(rfd)
             if frame is None:
                 return
-            msg = pickle.loads(frame)
             before = torch_state()
             try:
-                reply = {"ok": True, "value": self.answer(msg)}
+                reply = {"ok": True, "value": self.answer(self.unpack(frame))}
             except BaseException as exc:  # sys.exit and the like are answers too
                 reply = {"ok": False, "error": _error_text(exc)}
             changed = restore(before)
@@ -251,6 +392,7 @@ class Host:
         self.proc: subprocess.Popen | None = None
         self.forwarder: threading.Thread | None = None
         self.to_worker = self.from_worker = -1
+        self.kept: dict[Any, _Kept] = {}
 
     def _start(self) -> None:
         """A fresh worker, ready for requests (its start-up, importing torch and k3verify, does
@@ -266,6 +408,7 @@ class Host:
         os.close(to_r)
         os.close(from_w)
         self.to_worker, self.from_worker = to_w, from_r
+        self.kept = {}  # a new worker keeps nothing yet
         self.forwarder = threading.Thread(target=_forward, args=(self.proc.stdout,), daemon=True)
         self.forwarder.start()
         try:
@@ -299,8 +442,9 @@ class Host:
         if self.proc is None:
             self._start()
         limit = timeout()
+        kept = self.kept.setdefault(msg.get("ep"), _Kept())
         try:
-            _write_frame(self.to_worker, pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            _write_frame(self.to_worker, _envelope(msg, kept))
             frame = _read_frame(self.from_worker, time.monotonic() + limit)
         except TimeoutError:
             self.stop()
@@ -323,6 +467,7 @@ class Host:
             self.stop()
             raise PluginError(f"the plugin process answered {what} with something that is not a result")
         if not reply["ok"]:
+            kept.clear()
             raise PluginError(f"{what}: {str(reply.get('error'))[:2000]}")
         return reply.get("value")
 

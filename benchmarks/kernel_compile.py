@@ -139,12 +139,14 @@ def mla_launches() -> list[Launch]:
         # An fp8 cache: its codes are the pool (one byte each) and its per-token scales fp32.
         args = decode | (dict(pool="*fp8e4nv", scales="*fp32") if quant else {})
         return Launch(f"decode {shape}{' fp8' if quant else ''}", kernels._decode_kernel,
-                      dict(BH=shape.heads, BC=128, NC=4, BDR=64, BN=shape.keys, QUANT=quant, IEEE=False),
+                      dict(BH=shape.heads, BC=128, NC=4, BDR=64, BN=shape.keys, QUANT=quant, IEEE=False,
+                           RELOAD=shape.reload),
                       shape.stages, args, frozenset({"R", "Dr", "W", "page_size", "max_pages", "BT"}), shape.warps)
 
     return [
         # The default shape and the ones benchmarks/mla_gpu.py sweeps, at the bf16 and fp8 caches.
-        *(decode_launch(shape, quant) for quant in (False, True) for shape in kernels.DECODE_SHAPES),
+        *(decode_launch(shape, quant) for quant in (False, True) for shape in kernels.DECODE_SHAPES
+          if quant or not shape.reload),
         prefill(torch.bfloat16),
         prefill(torch.float32),
     ]  # fmt: skip

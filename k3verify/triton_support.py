@@ -139,7 +139,7 @@ def check_launch(owner: str, sides: dict[str, int], warps: int, stages: int) -> 
     for name, n in sides.items():
         if isinstance(n, bool) or not isinstance(n, int) or n < 16 or n & (n - 1):
             raise ValueError(f"{owner}.{name} must be a power of two of at least 16, got {n!r}")
-    if isinstance(warps, bool) or warps not in (1, 2, 4, 8, 16):
+    if isinstance(warps, bool) or not isinstance(warps, int) or warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"{owner}.warps must be 1, 2, 4, 8 or 16, got {warps!r}")
     if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= 6:
         raise ValueError(f"{owner}.stages must be 1 to 6, got {stages!r}")

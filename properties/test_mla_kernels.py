@@ -281,7 +281,7 @@ def test_bad_arguments_are_named() -> None:
         with pytest.raises(ValueError, match=r"DecodeLaunch\.heads must be one of"):
             kernels.DecodeLaunch(heads=block)
     for bad, match in ((dict(keys=24), "keys must be a power of two"), (dict(warps=3), "warps must be"),
-                       (dict(stages=0), "stages must be 1 to 6"),
+                       (dict(warps=4.0), "warps must be"), (dict(stages=0), "stages must be 1 to 6"),
                        (dict(reload=1), "reload must be True or False")):  # fmt: skip
         with pytest.raises(ValueError, match=rf"DecodeLaunch\.{match}"):
             kernels.DecodeLaunch(**bad)

@@ -306,3 +306,21 @@ def test_the_p99_selection_is_torch_quantile_bit_for_bit(values: list[float], q:
 
     v = torch.tensor(values, dtype=torch.float64)
     assert quantile(v, q) == float(torch.quantile(v, q))
+
+
+def test_a_stamp_holds_for_its_tensor_until_it_is_written() -> None:
+    """Structural: the identity every cache of unchanged inputs keys on (held casts, parameters
+    checked finite, a plugin process's kept inputs). Another object with equal values, an
+    in-place write, and a tensor with no version counter (inference mode) are not the stamped
+    tensor unchanged."""
+    from k3verify.numerics.tensors import Stamp
+
+    t = torch.ones(4)
+    stamp = Stamp.of(t)
+    assert stamp is not None and stamp.holds(t) and not stamp.holds(t.clone())
+    t.add_(0.0)
+    assert not stamp.holds(t)
+    with torch.inference_mode():
+        frozen = torch.ones(4)
+    assert Stamp.of(frozen) is None
+    assert not stamp.holds(frozen)

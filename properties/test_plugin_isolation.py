@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -353,3 +354,17 @@ def test_kept_inputs_survive_a_mutating_plugin_a_crash_and_eviction(
         _outputs(plugged["os_exits"], mine)
     for _ in range(3):
         assert torch.equal(_outputs(plugged["control"], mine)["o"], first["o"])
+
+
+def test_an_inference_tensor_is_sent_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Structural (transfer, the harness's side alone): a tensor made in inference mode has no
+    version counter, so it cannot be told unchanged: it crosses in every message and is never
+    kept, where a plain tensor is kept from its second message on."""
+    monkeypatch.setattr(sandbox, "KEEP_MIN_BYTES", 0)
+    with torch.inference_mode():
+        frozen = torch.ones(1 << 10)
+    plain = torch.ones(1 << 10)
+    kept = sandbox._Kept()
+    envelopes = [pickle.loads(sandbox._envelope({"ep": 0, "arg": [frozen, plain]}, kept)) for _ in range(3)]
+    assert [list(e["keep"]) for e in envelopes] == [[], [0], []]
+    assert all(frozen.untyped_storage().nbytes() < len(e["msg"]) for e in envelopes)

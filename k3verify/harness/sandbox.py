@@ -45,7 +45,6 @@ import sys
 import threading
 import time
 import traceback
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from typing import Any
 import torch
 
 from ..numerics.policy import BASELINE_RULE, RULES
+from ..numerics.tensors import Stamp
 from .contract import (
     PLUGIN_GROUP,
     Case,
@@ -142,16 +142,16 @@ def _document(value: Any) -> bytes:
 
 @dataclass
 class _Seen:
-    ref: weakref.ref
-    version: int
+    stamp: Stamp
     nbytes: int
     token: int | None = None  # kept by the worker under this number; None: sent in the message
 
 
 class _Kept:
     """The harness's record of the tensors the worker keeps for one plugin (entry point): each
-    large tensor a message held, by identity (a weak reference, so a new object at a recycled
-    address is not taken for it) and version (an in-place change makes it another input)."""
+    large tensor a message held, by its :class:`~k3verify.numerics.tensors.Stamp` (an in-place
+    change makes it another input; a tensor without one, made in inference mode, is sent in
+    every message)."""
 
     def __init__(self) -> None:
         self.seen: dict[int, _Seen] = {}
@@ -165,7 +165,7 @@ class _Kept:
         """The number ``t`` goes by in this message (``fresh`` gets it when the worker is to keep
         it now), or ``None``: pickled in the message, its first sighting."""
         seen = self.seen.get(id(t))
-        if seen is not None and seen.ref() is t and seen.version == t._version:
+        if seen is not None and seen.stamp.holds(t):
             if seen.token is None:
                 seen.token, self.next = self.next, self.next + 1
                 fresh[seen.token] = t
@@ -176,9 +176,11 @@ class _Kept:
             return seen.token
         if seen is not None:
             self._forget(seen)
+            del self.seen[id(t)]
         key = id(t)
-        self.seen[key] = _Seen(weakref.ref(t, lambda _, k=key: self._gone(k)), t._version,
-                               t.untyped_storage().nbytes())  # fmt: skip
+        stamp = Stamp.of(t, lambda _, k=key: self._gone(k))
+        if stamp is not None:
+            self.seen[key] = _Seen(stamp, t.untyped_storage().nbytes())
         return None
 
     def _forget(self, seen: _Seen) -> None:
@@ -190,7 +192,7 @@ class _Kept:
     def _gone(self, key: int) -> None:
         """The harness's tensor is gone: so is the worker's copy, at the next message."""
         seen = self.seen.get(key)
-        if seen is not None and seen.ref() is None:
+        if seen is not None and seen.stamp.ref() is None:
             self._forget(seen)
             del self.seen[key]
 

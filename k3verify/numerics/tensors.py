@@ -54,6 +54,32 @@ def named_tensors(value: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield from named_tensors(v, f"{name}[{i}]")
 
 
+@dataclasses.dataclass(frozen=True)
+class Stamp:
+    """One tensor object at one version: a weak reference (a new tensor at a recycled ``id`` is
+    not taken for it) and its version counter (an in-place write moves it). What a cache of
+    values handed unchanged from call to call keys on."""
+
+    ref: weakref.ref
+    version: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor, gone: Callable[[Any], object] | None = None) -> Stamp | None:
+        """``t``'s stamp (``gone`` called when ``t`` dies), or ``None`` for a tensor that has no
+        version counter (made in inference mode) or takes no weak reference: such a tensor
+        cannot be told unchanged, and is treated as new every time."""
+        if t.is_inference():  # reading its version would raise
+            return None
+        try:
+            return cls(weakref.ref(t, gone), t._version)
+        except TypeError:  # a tensor subclass without weak references
+            return None
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is the stamped object, unwritten since."""
+        return self.ref() is t and not t.is_inference() and self.version == t._version
+
+
 class Casts:
     """``t.to(device, dtype)`` made once per source tensor and kept while the source lives: for
     values handed unchanged to call after call (a walk's weights). A cast is made again when its
@@ -65,8 +91,8 @@ class Casts:
 
     def __init__(self, *, copy: bool = False) -> None:
         self.copy = copy
-        # (id(source), dtype, device) -> (weak source, its version, the cast, the cast's version)
-        self._made: dict[tuple[int, torch.dtype, torch.device], tuple[weakref.ref, int, torch.Tensor, int]] = {}
+        # (id(source), dtype, device) -> (the source's stamp, the cast, the cast's version)
+        self._made: dict[tuple[int, torch.dtype, torch.device], tuple[Stamp, torch.Tensor, int]] = {}
         self._key_of: dict[int, tuple[int, torch.dtype, torch.device]] = {}  # id(cast) -> its key in _made
 
     def __call__(self, t: torch.Tensor, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
@@ -78,19 +104,21 @@ class Casts:
             return t.to(device, dtype, copy=self.copy)
         key = (id(t), dtype, device)
         kept = self._made.get(key)
-        if kept is not None and kept[0]() is t and kept[1] == t._version and kept[3] == kept[2]._version:
-            return kept[2]
+        if kept is not None and kept[0].holds(t) and kept[2] == kept[1]._version:
+            return kept[1]
         out = t.detach().to(device, dtype, copy=self.copy)
         made = self._made
-        self._made[key] = (weakref.ref(t, lambda _, k=key: made.pop(k, None)), t._version, out, out._version)
-        self._key_of[id(out)] = key
+        stamp = Stamp.of(t, lambda _, k=key: made.pop(k, None))
+        if stamp is not None:
+            self._made[key] = (stamp, out, out._version)
+            self._key_of[id(out)] = key
         return out
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is one of the casts kept here, as it was made (no in-place write seen).
         Asked of every tensor a guarded call is given, so a lookup, not a scan."""
         kept = self._made.get(self._key_of.get(id(t)))  # type: ignore[arg-type]
-        return kept is not None and kept[2] is t and kept[3] == t._version
+        return kept is not None and kept[1] is t and kept[2] == t._version
 
     def changed(self) -> list[str]:
         """The kept casts whose values differ from their living source's cast although no
@@ -98,9 +126,9 @@ class Casts:
         torch's back, as a kernel writes through a pointer. A write torch saw is harmless (the
         next call gets a cast made again) and is not listed. One cast and compare per kept cast."""
         found = []
-        for ref, version, out, out_version in list(self._made.values()):
-            source = ref()
-            if source is None or source._version != version or out._version != out_version:
+        for stamp, out, out_version in list(self._made.values()):
+            source = stamp.ref()
+            if source is None or not stamp.holds(source) or out._version != out_version:
                 continue
             fresh = source.detach().to(out.device, out.dtype, copy=True)
             if not torch.equal(bit_pattern(fresh), bit_pattern(out)):

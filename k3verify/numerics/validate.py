@@ -7,10 +7,11 @@ form calls these before computing anything.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable, Sequence
 
 import torch
+
+from .tensors import Stamp
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -59,11 +60,10 @@ def _parts(t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
 
 def require_finite(name: str, t: torch.Tensor) -> None:
     """No NaN or inf in ``t``; the error counts them and gives the first index."""
-    parts = _parts(t)
-    if bool(torch.stack([torch.isfinite(part).all() for _, part in parts]).all()):
+    if bool(finite(t)):
         return
     count, first = 0, None
-    for start, part in parts:
+    for start, part in _parts(t):
         bad = ~torch.isfinite(part)
         count += int(bad.sum())
         if first is None and bool(bad.any()):
@@ -96,28 +96,23 @@ def all_hold(checks: Sequence[Check]) -> None:
         raise RuntimeError("a check's flag and its full check disagree")  # a defect of the check itself
 
 
-# Parameters checked finite: ``id -> (weak reference, version counter at the check)``. A weight
-# tensor that a stack reuses in every call is scanned once, and again after any in-place write
-# (which bumps ``_version``); the weak reference drops the entry when the tensor dies (and
-# guards against a new tensor reusing the id).
-_FINITE_PARAMETERS: dict[int, tuple[weakref.ref, int]] = {}
+# Parameters checked finite, by ``id``: each one's :class:`~k3verify.numerics.tensors.Stamp` at
+# the check. A weight tensor that a stack reuses in every call is scanned once, and again after
+# any in-place write; the entry goes when the tensor dies.
+_FINITE_PARAMETERS: dict[int, Stamp] = {}
 
 
 def require_finite_parameter(name: str, t: torch.Tensor) -> None:
     """:func:`require_finite` for a parameter that many calls share: skipped when ``t`` was
     found finite before and has not been written since (same object, same ``_version``)."""
     key = id(t)
-    try:
-        version = t._version
-        ref = weakref.ref(t, lambda _: _FINITE_PARAMETERS.pop(key, None))
-    except (TypeError, RuntimeError):  # no version counter (inference mode) or no weak reference
-        require_finite(name, t)
-        return
     seen = _FINITE_PARAMETERS.get(key)
-    if seen is not None and seen[0]() is t and seen[1] == version:
+    if seen is not None and seen.holds(t):
         return
     require_finite(name, t)
-    _FINITE_PARAMETERS[key] = (ref, version)
+    stamp = Stamp.of(t, lambda _: _FINITE_PARAMETERS.pop(key, None))
+    if stamp is not None:
+        _FINITE_PARAMETERS[key] = stamp
 
 
 # The largest chunk, tile or split count a form accepts. Beyond it the zero padding of a chunk

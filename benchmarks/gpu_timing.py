@@ -74,6 +74,8 @@ def idle_gaps(fn, top: int = 8) -> dict[str, Any]:
         span = (e.time_range.start, e.time_range.end)
         if e.device_type == DeviceType.CUDA:
             device.append(span)
+        # the closing synchronize is the profiler's wait, not the call's: it would name every gap
+        # at the end of the call
         elif e.device_type == DeviceType.CPU and e.name != "cudaDeviceSynchronize":
             host.append((e.name, *span))
     if not device:

@@ -113,10 +113,17 @@ def test_decode_within_policy(dtype: str, p) -> None:
 wide_head_problems = _sized(_pairs((33, 65), (1, 3)), (3, 45), splits=[1, 2, 5])
 # The launch shapes besides the default. Under the interpreter warps and stages are not modelled:
 # there, one shape per (head block, key tile) other than the default's; on a GPU every shape.
-OTHER_SHAPES = [s for s in kernels.DECODE_SHAPES if s != kernels.DECODE_LAUNCH]
-if kernels.interpreted():
-    _sides = {(kernels.DECODE_LAUNCH.heads, kernels.DECODE_LAUNCH.keys)}
-    OTHER_SHAPES = [s for s in OTHER_SHAPES if (s.heads, s.keys) not in _sides and not _sides.add((s.heads, s.keys))]
+def _other_shapes() -> list[kernels.DecodeLaunch]:
+    shapes, sides = [], {(kernels.DECODE_LAUNCH.heads, kernels.DECODE_LAUNCH.keys)}
+    for s in kernels.DECODE_SHAPES:
+        if s == kernels.DECODE_LAUNCH or (kernels.interpreted() and (s.heads, s.keys) in sides):
+            continue
+        sides.add((s.heads, s.keys))
+        shapes.append(s)
+    return shapes
+
+
+OTHER_SHAPES = _other_shapes()
 
 
 # The fp8 cache's own loads for the value product change nothing for the other caches.

@@ -184,7 +184,7 @@ def markdown(result: dict[str, Any]) -> str:
         if "num_splits" in r:  # ours; a peer's row names its options or its error
             # rows from before the launch shapes name their head block only
             shape = r.get("launch") or f"{r.get('heads_per_program', 16)} heads a program"
-            note = f"splits {r['num_splits']}, {shape}"
+            note = f"splits {r['num_splits']}, {cell(shape)}"
             if "default_launch_ms" in r:
                 note += f"; the default shape {r['default_launch_ms']:.4f} ms"
         else:

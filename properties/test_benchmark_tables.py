@@ -46,7 +46,7 @@ def test_the_mla_table_renders_ours_a_peer_and_a_refused_peer() -> None:
     assert "splits 2, 64 heads x 32 keys w8 s2; the default shape 0.4000 ms" in table
     assert "kernel\\_options {'BLOCK\\_M': 16}" in table and "OutOfMemoryError" in table
     assert "No available kernel." in table and "495" in table
-    hostile = [dict(r, implementation=HOSTILE) | ({"error": HOSTILE} if "error" in r else {}) for r in rows]
+    hostile = [dict(r, implementation=HOSTILE) | {k: HOSTILE for k in ("error", "launch") if k in r} for r in rows]
     _escaped(mla_gpu.markdown(dict(device=HOSTILE, copy_tbps=3.04, rows=hostile, environment=ENV)), len(rows))
 
 

@@ -140,12 +140,18 @@ def unavailable_reason(operand_dtype: torch.dtype | str = torch.bfloat16) -> str
 
 
 @triton.jit
-def _latent_chunk(pool, slot, col, pm, R, W, sc, QUANT: tl.constexpr, OP: tl.constexpr, EVICT: tl.constexpr = ""):
+def _latent_chunk(pool, slot, col, pm, R, W, sc, QUANT: tl.constexpr, OP: tl.constexpr, LAST: tl.constexpr):
     """Columns ``col:[BC]`` of the cache entries at ``slot:[BN]`` (rows ``pm`` only; the rest
-    read as 0), dequantised per token by ``sc:[BN]`` into ``OP`` for an fp8 cache; ``EVICT`` the
-    load's eviction policy."""
-    c = tl.load(pool + slot[:, None] * W + col[None, :], mask=pm[:, None] & (col < R)[None, :], other=0.0,
-                eviction_policy=EVICT)
+    read as 0), dequantised per token by ``sc:[BN]`` into ``OP`` for an fp8 cache; ``LAST``: the
+    tile's last read, its lines the first to leave the cache."""
+    # A flag, not the policy's name: Triton 3.6 turns no string default of a jit helper into a
+    # constexpr ("'str' object has no attribute 'type'").
+    at = pool + slot[:, None] * W + col[None, :]
+    keep = pm[:, None] & (col < R)[None, :]
+    if LAST:
+        c = tl.load(at, mask=keep, other=0.0, eviction_policy="evict_first")
+    else:
+        c = tl.load(at, mask=keep, other=0.0)
     if QUANT:
         c = (c.to(tl.float32) * sc[:, None]).to(OP)
     return c
@@ -210,14 +216,14 @@ def _decode_kernel(
             sc = tl.load(scales + slot, mask=pm, other=0.0)
         else:
             sc = tl.zeros([BN], dtype=tl.float32)
-        c0 = _latent_chunk(pool, slot, rc, pm, R, W, sc, QUANT, OP)
+        c0 = _latent_chunk(pool, slot, rc, pm, R, W, sc, QUANT, OP, False)
         s = dot(ql0, tl.trans(c0), IEEE)
         if NC >= 2:
-            c1 = _latent_chunk(pool, slot, BC + rc, pm, R, W, sc, QUANT, OP)
+            c1 = _latent_chunk(pool, slot, BC + rc, pm, R, W, sc, QUANT, OP, False)
             s += dot(ql1, tl.trans(c1), IEEE)
         if NC == 4:
-            c2 = _latent_chunk(pool, slot, 2 * BC + rc, pm, R, W, sc, QUANT, OP)
-            c3 = _latent_chunk(pool, slot, 3 * BC + rc, pm, R, W, sc, QUANT, OP)
+            c2 = _latent_chunk(pool, slot, 2 * BC + rc, pm, R, W, sc, QUANT, OP, False)
+            c3 = _latent_chunk(pool, slot, 3 * BC + rc, pm, R, W, sc, QUANT, OP, False)
             s += dot(ql2, tl.trans(c2), IEEE) + dot(ql3, tl.trans(c3), IEEE)
         kp = tl.load(pool + slot[:, None] * W + R + pp[None, :], mask=pm[:, None] & (pp < Dr)[None, :], other=0.0)
         if QUANT:
@@ -232,12 +238,12 @@ def _decode_kernel(
         if QUANT and RELOAD:
             # The value product's own loads (evict_first keeps the compiler from merging them with
             # the score product's): each dequantised tile then feeds one product.
-            c0 = _latent_chunk(pool, slot, rc, pm, R, W, sc, QUANT, OP, "evict_first")
+            c0 = _latent_chunk(pool, slot, rc, pm, R, W, sc, QUANT, OP, True)
             if NC >= 2:
-                c1 = _latent_chunk(pool, slot, BC + rc, pm, R, W, sc, QUANT, OP, "evict_first")
+                c1 = _latent_chunk(pool, slot, BC + rc, pm, R, W, sc, QUANT, OP, True)
             if NC == 4:
-                c2 = _latent_chunk(pool, slot, 2 * BC + rc, pm, R, W, sc, QUANT, OP, "evict_first")
-                c3 = _latent_chunk(pool, slot, 3 * BC + rc, pm, R, W, sc, QUANT, OP, "evict_first")
+                c2 = _latent_chunk(pool, slot, 2 * BC + rc, pm, R, W, sc, QUANT, OP, True)
+                c3 = _latent_chunk(pool, slot, 3 * BC + rc, pm, R, W, sc, QUANT, OP, True)
         acc0 = dot(p, c0, IEEE, acc0 * alpha[:, None])
         if NC >= 2:
             acc1 = dot(p, c1, IEEE, acc1 * alpha[:, None])

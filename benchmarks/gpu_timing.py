@@ -57,30 +57,51 @@ def launch_split(fn, repeats: int = 20) -> dict[str, float]:
     return dict(sorted(split.items(), key=lambda kv: -kv[1]))
 
 
+CALL = "k3verify.call"
+
+
 def idle_gaps(fn, top: int = 8) -> dict[str, Any]:
     """Where the device waits on the host in one call of ``fn`` (the call after a warm-up, under
-    the PyTorch profiler, host and device on one clock): :func:`gap_report` of the device's
-    kernel and copy intervals and the host's ``record_function`` ranges."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    the PyTorch profiler, host and device on one clock, the call inside a :data:`CALL` range):
+    :func:`gap_report` of :func:`spans` of the profiler's events."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
+        with record_function(CALL):
+            fn()
         torch.cuda.synchronize()
-    device, host = [], []
-    for e in prof.events():
-        span = (e.time_range.start, e.time_range.end)
-        if e.device_type == DeviceType.CUDA:
-            device.append(span)
-        # the closing synchronize is the profiler's wait, not the call's: it would name every gap
-        # at the end of the call
-        elif e.device_type == DeviceType.CPU and e.name != "cudaDeviceSynchronize":
-            host.append((e.name, *span))
+    device, host = spans(prof.events())
     if not device:
         raise RuntimeError("the profiler recorded no device activity")
     return gap_report(device, host, top)
+
+
+def spans(events) -> tuple[list[tuple[float, float]], list[tuple[str, float, float]]]:
+    """The device's work and the host's ranges of one profiled call, as :func:`gap_report` takes
+    them, from the profiler's ``events`` (objects with ``name``, ``device_type``,
+    ``is_user_annotation`` and ``time_range``): device intervals are kernels and copies, not the
+    device-side copies of ``record_function`` ranges, which span the gaps between the kernels they
+    enclose; host ranges are those inside the :data:`CALL` range, which is not one of them (the
+    profiler's own start, such as its buffer requests, is not the call's)."""
+    from torch.autograd import DeviceType
+
+    call = [e.time_range for e in events if e.device_type == DeviceType.CPU and e.name == CALL]
+    if len(call) != 1:
+        raise ValueError(f"expected one {CALL!r} range among the events, found {len(call)}")
+    start, end = call[0].start, call[0].end
+    device, host = [], []
+    for e in events:
+        span = (e.time_range.start, e.time_range.end)
+        if e.device_type == DeviceType.CUDA and not e.is_user_annotation:
+            device.append(span)
+        # the closing synchronize is the profiler's wait, not the call's: it would name every gap
+        # at the end of the call
+        elif (e.device_type == DeviceType.CPU and e.name not in (CALL, "cudaDeviceSynchronize")
+              and start <= span[0] <= end):  # fmt: skip
+            host.append((e.name, *span))
+    return device, host
 
 
 def gap_report(device: list[tuple[float, float]], host: list[tuple[str, float, float]],

@@ -169,17 +169,19 @@ def moe_launches() -> list[Launch]:
                       dict(BT=t.rows, BE=t.cols, BD=t.depth, EXACT=False), t.stages, logits, frozenset({"D"}),
                       t.warps)
 
-    def experts(name: str, fn: Any, t: Any, args: dict[str, str], **extra: Any) -> Launch:
-        return Launch(f"{name} {t}", fn, dict(BM=t.rows, BN=t.cols, BK=t.depth, IEEE=False, **extra), t.stages, args,
-                      frozenset({"Dl", "F"}), t.warps)
+    def experts(name: str, fn: Any, t: Any, args: dict[str, str], **extra: Any) -> list[Launch]:
+        """One launch per tile height of ``t`` (the tail tiles' launch named by its height)."""
+        return [Launch(f"{name} {t}" + ("" if h == t.rows else f" tail launch {h}"), fn,
+                       dict(BM=h, BN=t.cols, BK=t.depth, IEEE=False, **extra), t.stages, args, frozenset({"Dl", "F"}),
+                       t.warps) for h in t.heights()]  # fmt: skip
 
     return [
         *(router(t) for t in tile_candidates("logits")),
         Launch("router selection", kernels._select_kernel, dict(K=16, KP=16, BT=kernels.SELECT_TOKENS, BE=1024,
                                                                 HIGHEST=False), 3, select),
-        *(experts("experts up", kernels._up_kernel, t, up, SWIGLU=False) for t in tile_candidates("up")),
-        *(experts("experts down", kernels._down_kernel, t, down, SCATTER=True)
-          for t in tile_candidates("down")),
+        *(one for t in tile_candidates("up") for one in experts("experts up", kernels._up_kernel, t, up, SWIGLU=False)),
+        *(one for t in tile_candidates("down")
+          for one in experts("experts down", kernels._down_kernel, t, down, SCATTER=True)),
     ]  # fmt: skip
 
 

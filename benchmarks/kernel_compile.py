@@ -182,6 +182,8 @@ def moe_launches() -> list[Launch]:
         *(one for t in tile_candidates("up") for one in experts("experts up", kernels._up_kernel, t, up, SWIGLU=False)),
         *(one for t in tile_candidates("down")
           for one in experts("experts down", kernels._down_kernel, t, down, SCATTER=True)),
+        Launch("combine and norm", kernels._combine_kernel, dict(K=16, BD=4096), 1,
+               dict(rows="*bf16", gain="*fp32", normed="*bf16", Dl=i32, eps=f32), frozenset({"Dl"}), 8),
     ]  # fmt: skip
 
 

@@ -14,10 +14,11 @@ the TP-local expert hidden 384 (3072 / 8) at T = 4096 and 16384 tokens, and the 
   (``P = T k`` rows) against the bf16 matmul peak measured in the same run (an 8192³
   ``torch.matmul``).
 - layer: the time of each part of our path — router, dispatch (sort and counts), ``z = x W↓``,
-  the expert GEMMs, the combine (each token's rows summed) — and of the whole, with the GEMMs
-  outside the experts in fp32 torch operations and (``production=True``) in our launches with
-  bf16 operands; for one production-dtype call, the device time of each kernel and the gaps in
-  which the device stood idle, each named by the layer's part (``moe.*``) the host was in then
+  the expert GEMMs, the combine (each token's rows summed and normed: ``kernels.combine_norm``,
+  and the torch operations it replaced) — and of the whole, with the GEMMs outside the experts
+  in fp32 torch operations and (``production=True``) in our launches with bf16 operands; for
+  one production-dtype call, the device time of each kernel and the gaps in which the device
+  stood idle, each named by the layer's part (``moe.*``) the host was in then
   (``gpu_timing.idle_gaps``).
 
 Ratios are ``peer time / our time`` (> 1: ours is faster). Writes ``moe_gpu.json``,
@@ -201,8 +202,9 @@ def layer_rows(T: int, H: int, cfg: MoEConfig, w: MoEWeights, x: torch.Tensor, r
         z = (xb @ w.w_latent_down).contiguous()
         p = r.weights.reshape(-1)[d.order].contiguous()
         out = kernels._grouped_experts(z, d, p, w, cfg)
-        u = out.reshape(T, cfg.top_k, -1).sum(1, dtype=torch.float32)
-        normed = rms_norm(u, w.latent_norm.float(), eps=cfg.rms_norm_eps).bfloat16()
+        rows_of = out.reshape(T, cfg.top_k, -1)
+        gain = w.latent_norm.float()
+        normed = kernels.combine_norm(rows_of, gain, cfg.rms_norm_eps, torch.bfloat16)
         dense = kernels.kernel_dense(cfg)
         gemms = {
             "latent down-projection": partial(dense.matmul, xb, w.w_latent_down),
@@ -214,7 +216,10 @@ def layer_rows(T: int, H: int, cfg: MoEConfig, w: MoEWeights, x: torch.Tensor, r
             "dispatch": partial(dispatch, r.indices, cfg.num_experts),
             **gemms,
             "latent down-projection, cuBLAS": lambda: xb @ w.w_latent_down,
-            "combine": lambda: out.reshape(T, cfg.top_k, -1).sum(1, dtype=torch.float32),  # as the layer sums
+            "combine and norm": partial(kernels.combine_norm, rows_of, gain, cfg.rms_norm_eps, torch.bfloat16),
+            # the same in torch operations, as the production layer ran it before combine_norm
+            "combine and norm, torch": lambda: rms_norm(rows_of.sum(1, dtype=torch.float32), gain,
+                                                        eps=cfg.rms_norm_eps).bfloat16(),
             "layer": partial(kernels.grouped, xb, w, cfg, routing=r),
             # every GEMM in our launches with bf16 operands (x W↓, RMSNorm(u) W↑, the shared MLP)
             "layer, production dtype": partial(kernels.grouped, xb, w, cfg, routing=r, production=True),

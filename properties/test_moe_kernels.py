@@ -164,7 +164,7 @@ def test_production_layer_within_policy(dtype: str, activation: str, skewed: boo
 
     def swapped(config):
         d = real(config)
-        return kernels.Dense(d.matmul, lambda x_, w1, w3, w2: d.shared(x_, w3, w1, w2))
+        return kernels.Dense(d.matmul, lambda x_, w1, w3, w2: d.shared(x_, w3, w1, w2), d.combine)
 
     monkeypatch.setattr(kernels, "kernel_dense", swapped)
     bad = kernels.grouped(x.to(dt), w.to(dt), cfg, routing=r, production=True).cpu()
@@ -194,7 +194,7 @@ def test_the_unrouted_gemms_are_queued_before_the_wait_for_the_routing(monkeypat
     def recorded(config):
         d = real_dense(config)
         return kernels.Dense(lambda a, w_: calls.append(("matmul", inside[0])) or d.matmul(a, w_),
-                             lambda *a: calls.append(("shared", inside[0])) or d.shared(*a))  # fmt: skip
+                             lambda *a: calls.append(("shared", inside[0])) or d.shared(*a), d.combine)  # fmt: skip
 
     monkeypatch.setattr(kernels, "dispatch_beside", beside)
     monkeypatch.setattr(kernels, "kernel_dense", recorded)
@@ -207,6 +207,43 @@ def test_the_unrouted_gemms_are_queued_before_the_wait_for_the_routing(monkeypat
 
     monkeypatch.setattr(kernels, "dispatch_beside", after)
     assert_identical(got, kernels.grouped(x, w, cfg, routing=r, production=True), "the unrouted GEMMs queued later")
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_combine_norm_within_policy(dtype: str) -> None:
+    """Rule baseline: ``combine_norm`` (each token's rows summed in fp32, RMSNorm in fp32, stored
+    in the dtype) vs the fp64 definition <= 2 x the same in torch operations + noise floor, over
+    drawn shapes (``Dl`` not a power of two among them: the padded columns must not count in
+    the mean). A slot left out fails the same rule."""
+    dt = DTYPES[dtype]
+    if EXPERT_REASONS[dtype] is not None:
+        pytest.skip(EXPERT_REASONS[dtype])
+    dev = kernels.device_for(torch.empty(0), "the MoE expert kernels")
+
+    def definition(rows: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+        u = rows.sum(1, dtype=torch.float64 if rows.dtype == torch.float64 else torch.float32)
+        return u * torch.rsqrt((u * u).mean(-1, keepdim=True) + eps) * gain
+
+    @FEW
+    @given(st.integers(1, 24), st.integers(1, 16), st.integers(1, 80), st.integers(0, 2**16))
+    def check(T: int, k: int, Dl: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        rows = torch.randn(T, k, Dl, generator=gen, dtype=torch.float64).to(dt)
+        gain = 1 + 0.1 * torch.randn(Dl, generator=gen, dtype=torch.float64)
+        ref = definition(rows.double(), gain, 1e-5)
+        base = definition(rows, gain.float(), 1e-5).to(dt)
+        floor = noise_floor(ref, dt)
+
+        def verdict(got: torch.Tensor):
+            return baseline_rule(compare(got.cpu(), ref, ulp_dtype=dt), compare(base, ref, ulp_dtype=dt), floor)
+
+        got = kernels.combine_norm(rows.to(dev), gain.float(), 1e-5, dt)
+        assert got.dtype == dt and got.shape == (T, Dl)
+        assert_verdict(verdict(got), got.cpu(), ref, f"T={T} k={k} Dl={Dl}")
+        if k > 1:
+            assert verdict(kernels.combine_norm(rows[:, 1:].to(dev), gain.float(), 1e-5, dt)).status == "fail"
+
+    check()
 
 
 @given(st.integers(1, 40), st.integers(1, 4), st.integers(1, 12), st.integers(0, 2**16))

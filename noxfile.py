@@ -290,6 +290,25 @@ def overflow_map(session: nox.Session) -> None:
     session.run("k3verify", "overflow-map", "--module", ",".join(session.posargs) or "all")
 
 
+# The Triton that the GPU machines' torch (2.11) brings. A kernel that compiled with the pinned
+# Triton only (3.9) failed there: every MLA decode launch, at 11bf1dc.
+DEVICE_TRITON = "3.6.0"
+
+
+@nox.session(name="kernel-compile")
+def kernel_compile(session: nox.Session) -> None:
+    """Every module's GPU launches compiled for sm_90 without a GPU, with the GPU machines' Triton
+    (``DEVICE_TRITON``; ``K3VERIFY_DEVICE_TRITON`` names another): registers, spills and shared
+    memory of each (benchmarks/kernel_compile.py; posargs go to it, e.g. ``--arch 100``). Fails
+    when a launch does not compile: run it before taking kernels to a GPU machine."""
+    _install(session, "test")
+    version = os.environ.get("K3VERIFY_DEVICE_TRITON", DEVICE_TRITON)
+    sources = _pip_sources() if session.venv_backend == "uv" else []
+    session.install(*sources, f"triton=={version}")
+    for module in ("attnres", "kda", "mla", "moe"):
+        session.run("python", "benchmarks/kernel_compile.py", "--module", module, *session.posargs)
+
+
 def _gpu_out(session: nox.Session) -> str:
     return session.posargs[0] if session.posargs else "reports/latest/gpu"
 

@@ -13,7 +13,8 @@ pipelined, and the figures are not the GPU's). "Loads waited on in loops" counts
 that Triton's pipeliner left synchronous inside a loop body (a mask along a tile's contiguous
 dimension is one cause): each one stalls every iteration on memory latency, which in a
 sequential loop such as KDA's state pass is the loop's own time. Triton on the GPU machine may
-be a different version; read the numbers as a guide, then time the candidates there.
+be a different version (``nox -s kernel-compile`` compiles every module with that version); read
+the numbers as a guide, then time the candidates there. Exit status 1 when a launch does not compile.
 """
 
 from __future__ import annotations
@@ -230,10 +231,17 @@ def main(argv: list[str] | None = None, module: str | None = None) -> int:
     args = parser.parse_args(argv)
     module = module or args.module
     print(f"Triton {triton.__version__}, sm_{args.arch}, {module}, bf16 operands at K3's shapes")
+    failed = []
     for launch in MODULES[module]():
         for warps in [launch.warps] if launch.warps else args.warps:
-            print(f"{launch.name:40s} {warps} warps: {usage(launch, args.arch, warps)}", flush=True)
-    return 0
+            got = usage(launch, args.arch, warps)
+            print(f"{launch.name:40s} {warps} warps: {got}", flush=True)
+            if got.startswith("compile failed"):
+                failed.append(f"{launch.name} ({warps} warps)")
+    if failed:
+        print(f"{len(failed)} launches of {module} do not compile with Triton {triton.__version__}: "
+              + ", ".join(failed), file=sys.stderr)  # fmt: skip
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -140,14 +140,12 @@ def mla_launches() -> list[Launch]:
         # An fp8 cache: its codes are the pool (one byte each) and its per-token scales fp32.
         args = decode | (dict(pool="*fp8e4nv", scales="*fp32") if quant else {})
         return Launch(f"decode {shape}{' fp8' if quant else ''}", kernels._decode_kernel,
-                      dict(BH=shape.heads, BC=128, NC=4, BDR=64, BN=shape.keys, QUANT=quant, IEEE=False,
-                           RELOAD=shape.reload),
+                      dict(BH=shape.heads, BC=128, NC=4, BDR=64, BN=shape.keys, QUANT=quant, IEEE=False),
                       shape.stages, args, frozenset({"R", "Dr", "W", "page_size", "max_pages", "BT"}), shape.warps)
 
     return [
         # The default shape and the ones benchmarks/mla_gpu.py sweeps, at the bf16 and fp8 caches.
-        *(decode_launch(shape, quant) for quant in (False, True) for shape in kernels.DECODE_SHAPES
-          if quant or not shape.reload),
+        *(decode_launch(shape, quant) for quant in (False, True) for shape in kernels.DECODE_SHAPES),
         prefill(torch.bfloat16),
         prefill(torch.float32),
     ]  # fmt: skip
@@ -170,19 +168,17 @@ def moe_launches() -> list[Launch]:
                       dict(BT=t.rows, BE=t.cols, BD=t.depth, EXACT=False), t.stages, logits, frozenset({"D"}),
                       t.warps)
 
-    def experts(name: str, fn: Any, t: Any, args: dict[str, str], **extra: Any) -> list[Launch]:
-        """One launch per tile height of ``t`` (the tail tiles' launch named by its height)."""
-        return [Launch(f"{name} {t}" + ("" if h == t.rows else f" tail launch {h}"), fn,
-                       dict(BM=h, BN=t.cols, BK=t.depth, IEEE=False, **extra), t.stages, args, frozenset({"Dl", "F"}),
-                       t.warps) for h in t.heights()]  # fmt: skip
+    def experts(name: str, fn: Any, t: Any, args: dict[str, str], **extra: Any) -> Launch:
+        return Launch(f"{name} {t}", fn, dict(BM=t.rows, BN=t.cols, BK=t.depth, IEEE=False, **extra), t.stages, args,
+                      frozenset({"Dl", "F"}), t.warps)
 
     return [
         *(router(t) for t in tile_candidates("logits")),
         Launch("router selection", kernels._select_kernel, dict(K=16, KP=16, BT=kernels.SELECT_TOKENS, BE=1024,
                                                                 HIGHEST=False), 3, select),
-        *(one for t in tile_candidates("up") for one in experts("experts up", kernels._up_kernel, t, up, SWIGLU=False)),
-        *(one for t in tile_candidates("down")
-          for one in experts("experts down", kernels._down_kernel, t, down, SCATTER=True)),
+        *(experts("experts up", kernels._up_kernel, t, up, SWIGLU=False) for t in tile_candidates("up")),
+        *(experts("experts down", kernels._down_kernel, t, down, SCATTER=True)
+          for t in tile_candidates("down")),
         Launch("combine and norm", kernels._combine_kernel, dict(K=16, BD=4096), 1,
                dict(rows="*bf16", gain="*fp32", normed="*bf16", Dl=i32, eps=f32), frozenset({"Dl"}), 8),
     ]  # fmt: skip

@@ -80,12 +80,9 @@ _T = kernels.Tiles
 CANDIDATES = {
     "logits": _distinct([kernels.LOGIT_TILES, _T(64, 64, 32, 4, 3), _T(128, 128, 32, 8, 3), _T(128, 128, 32, 8, 4),
                          _T(64, 128, 32, 8, 4), _T(128, 64, 32, 4, 3), _T(64, 128, 32, 4, 3)]),
-    "up": _distinct([kernels.UP_TILES, _T(128, 64, 64, 8, 3), _T(64, 64, 64, 4, 3), _T(128, 128, 64, 8, 3),
-                     _T(128, 128, 64, 8, 4), _T(128, 128, 64, 16, 3), _T(128, 128, 64, 8, 3, tail=64),
-                     _T(128, 128, 64, 8, 3, tail=32), _T(128, 128, 64, 16, 3, tail=64)]),
-    "down": _distinct([kernels.DOWN_TILES, _T(64, 128, 64, 4, 3), _T(128, 128, 64, 8, 3), _T(128, 256, 64, 8, 3),
-                       _T(128, 256, 64, 8, 4), _T(128, 128, 64, 8, 3, tail=64), _T(128, 256, 64, 8, 3, tail=64),
-                       _T(128, 256, 64, 8, 3, tail=32)]),
+    "up": _distinct([kernels.UP_TILES, _T(128, 64, 64, 8, 3), _T(64, 64, 64, 4, 3), _T(128, 128, 64, 8, 4),
+                     _T(128, 128, 64, 16, 3)]),
+    "down": _distinct([kernels.DOWN_TILES, _T(64, 128, 64, 4, 3), _T(128, 256, 64, 8, 3), _T(128, 256, 64, 8, 4)]),
 }
 CANDIDATES["dense"] = _distinct([kernels.DENSE_TILES, *CANDIDATES["down"]])
 # A shape whose result is this far from the default shape's (relative to its largest value) is

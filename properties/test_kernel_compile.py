@@ -18,11 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import moe_gpu  # noqa: E402  (the launch shapes its sweep times, each compiled by the report)
 
-# MoE: the router's selection, the combine, and every swept shape of the logits, up and down
-# launches (a shape with tail tiles is two launches).
+# MoE: the router's selection, the combine, and every swept shape of the logits, up and down launches.
 LAUNCHES = {"attnres": 3, "kda": 13, "mla": 7,
-            "moe": 2 + sum(len(t.heights()) for launch in ("logits", "up", "down")
-                           for t in moe_gpu.CANDIDATES[launch])}  # fmt: skip
+            "moe": 2 + sum(len(moe_gpu.CANDIDATES[launch]) for launch in ("logits", "up", "down"))}  # fmt: skip
 
 
 def _report(*args: str) -> list[str]:

@@ -240,7 +240,9 @@ def test_combine_norm_within_policy(dtype: str) -> None:
         got = kernels.combine_norm(rows.to(dev), gain.float(), 1e-5, dt)
         assert got.dtype == dt and got.shape == (T, Dl)
         assert_verdict(verdict(got), got.cpu(), ref, f"T={T} k={k} Dl={Dl}")
-        if k > 1:
+        # the plant: a slot left out. Over a few columns a norm hides it (one column normed is
+        # ±γ whatever the sum: T = 1, k = 2, Dl = 1 passed on an H100); over 8 or more it cannot.
+        if k > 1 and Dl >= 8:
             assert verdict(kernels.combine_norm(rows[:, 1:].to(dev), gain.float(), 1e-5, dt)).status == "fail"
 
     check()
@@ -294,8 +296,7 @@ def test_the_fp64_definition_gives_the_same_bits_every_run_on_the_device() -> No
 
 
 SHAPES = [(kernels.Tiles(32, 16, 16), kernels.Tiles(16, 32, 32)),
-          (kernels.Tiles(64, 32, 32), kernels.Tiles(64, 16, 16)),
-          (kernels.Tiles(32, 16, 16, tail=16), kernels.Tiles(32, 32, 16, tail=16))]  # fmt: skip
+          (kernels.Tiles(64, 32, 32), kernels.Tiles(64, 16, 16))]  # fmt: skip
 
 
 @pytest.mark.skipif(EXPERT_REASONS["fp32"] is not None, reason=str(EXPERT_REASONS["fp32"]))
@@ -340,32 +341,20 @@ def test_launch_shapes_name_bad_sides() -> None:
         kernels.Tiles(16, 16, 16, warps=3)
     with pytest.raises(ValueError, match=r"Tiles\.stages"):
         kernels.Tiles(16, 16, 16, stages=0)
-    with pytest.raises(ValueError, match=r"Tiles\.tail must be a power of two"):
-        kernels.Tiles(64, 16, 16, tail=24)
-    with pytest.raises(ValueError, match=r"Tiles\.tail must be below rows \(64\), got 64"):
-        kernels.Tiles(64, 16, 16, tail=64)
 
 
-@given(st.lists(st.integers(0, 80), min_size=1, max_size=12), st.sampled_from([(16, 0), (32, 0), (128, 0),
-       (32, 16), (64, 16), (64, 32), (128, 64)]))  # fmt: skip
-def test_the_tile_table_covers_each_experts_rows_once(counts: list[int], shape: tuple[int, int]) -> None:
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.sampled_from([16, 32, 128]))
+def test_the_tile_table_covers_each_experts_rows_once(counts: list[int], rows: int) -> None:
     """Rule: structural, against the definition written as a loop: every expert's rows are cut
-    into tiles of ``rows`` that start at its first row, the last one a tile of ``tail`` when at
-    most ``tail`` rows are left for it; none crosses into the next expert, and an expert without
-    rows has no tile."""
-    rows, tail = shape
+    into tiles of ``rows`` that start at its first row, none crosses into the next expert, and
+    an expert without rows has no tile."""
     offsets = [0]
     for c in counts:
         offsets.append(offsets[-1] + c)
-    want: dict[int, list[tuple[int, int]]] = {rows: [], tail: []}
-    for e in range(len(counts)):
-        for start in range(offsets[e], offsets[e + 1], rows):
-            want[tail if offsets[e + 1] - start <= tail else rows].append((e, start))
-    got = kernels._tile_table(offsets, rows, tail)
-    assert [h for h, _, _ in got] == [h for h in (rows, tail) if want[h]]
-    for height, expert, first in got:
-        assert list(zip(expert.tolist(), first.tolist())) == want[height]
-        assert expert.dtype == first.dtype == torch.int32
+    expert, first = kernels._tile_table(offsets, rows)
+    want = [(e, start) for e in range(len(counts)) for start in range(offsets[e], offsets[e + 1], rows)]
+    assert list(zip(expert.tolist(), first.tolist())) == want
+    assert expert.dtype == first.dtype == torch.int32
 
 
 @pytest.mark.skipif(EXPERT_REASONS["fp32"] is not None, reason=str(EXPERT_REASONS["fp32"]))

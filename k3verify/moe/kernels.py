@@ -62,32 +62,19 @@ class Tiles:
     """One GEMM launch's shape on a GPU: an output tile of ``rows`` x ``cols`` per program,
     ``depth`` of the product per loop step, ``warps`` and the pipeline's ``stages`` (Triton's
     ``num_warps``, ``num_stages``; the interpreter ignores those two). Sides are powers of two of
-    at least 16 (a ``tl.dot`` side). ``tail`` (0: none, else a side below ``rows``): an expert's
-    last rows, when at most ``tail`` of them are left, get a tile of that height in a second
-    launch of the same shape otherwise, rather than a tile of ``rows`` mostly masked (K3's experts
-    hold about 290 rows at T = 16384: three tiles of 128 compute 384, two and one of 64 compute 320)."""
+    at least 16 (a ``tl.dot`` side)."""
 
     rows: int
     cols: int
     depth: int
     warps: int = 4
     stages: int = 3
-    tail: int = 0
 
     def __post_init__(self) -> None:
         check_launch("Tiles", dict(rows=self.rows, cols=self.cols, depth=self.depth), self.warps, self.stages)
-        if self.tail:
-            check_launch("Tiles", dict(tail=self.tail), self.warps, self.stages)
-            if self.tail >= self.rows:
-                raise ValueError(f"Tiles.tail must be below rows ({self.rows}), got {self.tail}")
 
     def __str__(self) -> str:
-        tail = f" t{self.tail}" if self.tail else ""
-        return f"{self.rows}x{self.cols}x{self.depth} w{self.warps} s{self.stages}{tail}"
-
-    def heights(self) -> tuple[int, ...]:
-        """The row tiles' heights, one launch each: ``rows``, then ``tail`` if any."""
-        return (self.rows, self.tail) if self.tail else (self.rows,)
+        return f"{self.rows}x{self.cols}x{self.depth} w{self.warps} s{self.stages}"
 
 
 # Launch shapes on a GPU, timed on an H100 by benchmarks/moe_gpu.py, which sweeps them (docs/gpu.md).
@@ -309,26 +296,17 @@ def experts_unavailable_reason(dtype: torch.dtype | str = torch.bfloat16) -> str
     return _unavailable("the MoE expert kernels", dtype, EXPERT_DTYPES, (torch.float32, torch.float16))
 
 
-def _tile_table(offsets: list[int], rows: int, tail: int = 0) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """``(height, expert, first row)`` of the tiles that cover each expert's sorted rows, one
-    entry per height with tiles: tiles of ``rows`` from the expert's first row, the last of them
-    a tile of ``tail`` instead when at most ``tail`` rows are left for it (``tail`` 0: never);
-    no tile across two experts, an expert with no rows has no tile; int32 on the host (the
-    offsets are there already: working them out on the device waited on it, for the tile count)."""
+def _tile_table(offsets: list[int], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(expert, first row)`` of every tile of ``rows`` sorted rows, no tile across two experts
+    (an expert with no rows has no tile), int32 on the host (the offsets are there already:
+    working them out on the device waited on it, for the tile count)."""
     # numpy: torch.repeat_interleave on the host took 2.6 ms for 896 experts, numpy's repeat 0.03.
     start = np.asarray(offsets, dtype=np.int64)
-    count = start[1:] - start[:-1]
-    left = count % rows
-    short = (left > 0) & (left <= tail)
-    tiles = (count + rows - 1) // rows - short
+    tiles = (start[1:] - start[:-1] + rows - 1) // rows
     expert = np.repeat(np.arange(tiles.size), tiles)
     within = np.arange(expert.size) - (np.cumsum(tiles) - tiles)[expert]
-    out = [(rows, expert, start[expert] + within * rows)]
-    if tail:
-        ends = np.flatnonzero(short)
-        out.append((tail, ends, start[ends] + count[ends] - left[ends]))
-    return [(height, torch.from_numpy(e.astype(np.int32)), torch.from_numpy(f.astype(np.int32)))
-            for height, e, f in out if e.size]  # fmt: skip
+    first = start[expert] + within * rows
+    return torch.from_numpy(expert.astype(np.int32)), torch.from_numpy(first.astype(np.int32))
 
 
 def _to_device(parts: Sequence[torch.Tensor], dev: torch.device) -> list[torch.Tensor]:
@@ -410,23 +388,20 @@ def _shape(given: Tiles | None, default: Tiles) -> Tiles:
 
 
 class _RowTables:
-    """What a grouped launch reads of one expert-sorted order: for each tile height, every row
-    tile's expert and first row, with the experts' row starts (``offsets``, ``E + 1`` of them),
-    int32 on ``dev``; built once per tile shape for all the launches of a call."""
+    """What a grouped launch reads of one expert-sorted order: every row tile's expert and first
+    row, and the experts' row starts (``offsets``, ``E + 1`` of them), int32 on ``dev``; built once
+    per tile height for all the launches of a call."""
 
     def __init__(self, offsets: list[int], dev: torch.device) -> None:
         self.offsets, self.dev = offsets, dev
-        self.made: dict[tuple[int, int], list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self.made: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, t: Tiles) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """``(height, expert, first, starts)`` for each launch of shape ``t``."""
-        key = (t.rows, t.tail)
-        if key not in self.made:
-            parts = _tile_table(self.offsets, t.rows, t.tail)
+    def __call__(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if rows not in self.made:
+            expert, first = _tile_table(self.offsets, rows)
             starts = torch.tensor(self.offsets, dtype=torch.int32)
-            moved = _to_device([x for _, e, f in parts for x in (e, f)] + [starts], self.dev)
-            self.made[key] = [(h, moved[2 * i], moved[2 * i + 1], moved[-1]) for i, (h, _, _) in enumerate(parts)]
-        return self.made[key]
+            self.made[rows] = tuple(_to_device([expert, first, starts], self.dev))  # type: ignore[assignment]
+        return self.made[rows]
 
 
 def _up(z: torch.Tensor, token: torch.Tensor, table: _RowTables, w1: torch.Tensor, w3: torch.Tensor,
@@ -437,11 +412,11 @@ def _up(z: torch.Tensor, token: torch.Tensor, table: _RowTables, w1: torch.Tenso
     P, (Dl, F) = token.numel(), w1.shape[1:]
     t = _shape(tiles, UP_TILES)
     h = torch.empty(P, F, dtype=z.dtype, device=z.device)
-    token, w1, w3 = token.to(torch.int32), w1.contiguous(), w3.contiguous()
-    for height, expert, first, starts in table(t):
+    expert, first, starts = table(t.rows)
+    if expert.numel():
         _up_kernel[(expert.numel() * triton.cdiv(F, t.cols),)](
-            z, token, w1, w3, h, expert, first, starts, Dl, F,
-            float(config.beta1), float(config.beta2), BM=height, BN=t.cols, BK=t.depth,
+            z, token.to(torch.int32), w1.contiguous(), w3.contiguous(), h, expert, first, starts, Dl, F,
+            float(config.beta1), float(config.beta2), BM=t.rows, BN=t.cols, BK=t.depth,
             SWIGLU=config.activation == "swiglu", IEEE=z.dtype == torch.float32, num_warps=t.warps,
             num_stages=t.stages,
         )  # fmt: skip
@@ -458,10 +433,10 @@ def _down(h: torch.Tensor, table: _RowTables, w2: torch.Tensor, p: torch.Tensor,
     P, (F, Dl) = h.shape[0], w2.shape[1:]
     t = _shape(tiles, DENSE_TILES if dense else DOWN_TILES)
     out = torch.empty(P, Dl, dtype=out_dtype, device=h.device)
-    w2 = w2.contiguous()
-    for height, expert, first, starts in table(t):
+    expert, first, starts = table(t.rows)
+    if expert.numel():
         _down_kernel[(expert.numel() * triton.cdiv(Dl, t.cols),)](
-            h, w2, p, out, p if dest is None else dest, expert, first, starts, F, Dl, BM=height,
+            h, w2.contiguous(), p, out, p if dest is None else dest, expert, first, starts, F, Dl, BM=t.rows,
             BN=t.cols, BK=t.depth, SCATTER=dest is not None, IEEE=h.dtype == torch.float32, num_warps=t.warps,
             num_stages=t.stages,
         )  # fmt: skip

@@ -83,8 +83,7 @@ def decode_rows(copy_tbps: float, shapes: list[tuple[int, int, int]], log) -> li
             moved = B * ctx * per_token + B * H * (R + DR) * 2 + B * H * R * 4
             # Every split count with every launch shape whose head block the heads need (a block
             # of 32 or 64 at 12 heads only masks rows); the default shape's own time beside the best.
-            shapes = [s for s in kernels.DECODE_SHAPES if (s.heads == kernels.DECODE_LAUNCH.heads or s.heads // 2 < H)
-                      and (storage == "fp8" or not s.reload)]  # reload changes only an fp8 cache's loads
+            shapes = [s for s in kernels.DECODE_SHAPES if s.heads == kernels.DECODE_LAUNCH.heads or s.heads // 2 < H]
             timed = {}
             for splits in SPLITS:
                 for shape in shapes:

@@ -64,28 +64,20 @@ class DecodeLaunch:
     :data:`HEAD_BLOCKS`, a ``tl.dot`` side; the heads of a program share every cache tile they
     read), ``keys`` per cache tile, Triton's ``warps`` and pipeline ``stages`` (the interpreter
     ignores those two). On sm_90 only a 64-head block is a wgmma side (Triton takes warpgroup
-    products for 64 rows and more); 16 and 32 take the older ``mma.sync`` products.
-    ``reload`` (an fp8 cache only): the value product loads and dequantises each latent chunk
-    again instead of reusing the score product's tile. A dequantised tile that feeds two products
-    is loaded synchronously, one that feeds one is copied ahead (compiled for sm_90, docs/gpu.md):
-    the prefetch against a second dequantisation and more registers."""
+    products for 64 rows and more); 16 and 32 take the older ``mma.sync`` products."""
 
     heads: int = 16
     keys: int = 64
     warps: int = 4
     stages: int = 2
-    reload: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.heads, bool) or not isinstance(self.heads, int) or self.heads not in HEAD_BLOCKS:
             raise ValueError(f"DecodeLaunch.heads must be one of {HEAD_BLOCKS}, got {self.heads!r}")
         check_launch("DecodeLaunch", dict(keys=self.keys), self.warps, self.stages)
-        if not isinstance(self.reload, bool):
-            raise ValueError(f"DecodeLaunch.reload must be True or False, got {self.reload!r}")
 
     def __str__(self) -> str:
-        shape = f"{self.heads} heads x {self.keys} keys w{self.warps} s{self.stages}"
-        return shape + " reload" if self.reload else shape
+        return f"{self.heads} heads x {self.keys} keys w{self.warps} s{self.stages}"
 
 
 # Decode launch shape: 16 heads by 64-key tiles on 4 warps, 2 stages, the fastest timed on an H200
@@ -93,12 +85,10 @@ class DecodeLaunch:
 DECODE_LAUNCH = DecodeLaunch()
 # The shapes benchmarks/mla_gpu.py sweeps (with the split counts) and benchmarks/kernel_compile.py
 # compiles: the 16- and 32-head blocks on 4 and 8 warps, and the 64-head block, a wgmma side, on 8
-# (on 4 warps its fp32 accumulator of 64 x 512 spills about 1 KB); for an fp8 cache also the
-# fastest of those with the value product's own loads (``reload``, not yet timed).
+# (on 4 warps its fp32 accumulator of 64 x 512 spills about 1 KB).
 DECODE_SHAPES = (DECODE_LAUNCH, DecodeLaunch(16, warps=8), DecodeLaunch(32), DecodeLaunch(32, warps=8),
                  DecodeLaunch(64, warps=8), DecodeLaunch(64, keys=32, warps=8),
-                 DecodeLaunch(64, keys=32, warps=8, stages=3), DecodeLaunch(reload=True),
-                 DecodeLaunch(16, warps=8, reload=True), DecodeLaunch(64, warps=8, reload=True))  # fmt: skip
+                 DecodeLaunch(64, keys=32, warps=8, stages=3))  # fmt: skip
 
 
 # More than 32 heads (K3's 96 on one device), timed on an H100 at B = 64 and 256, context 4096 and
@@ -140,18 +130,10 @@ def unavailable_reason(operand_dtype: torch.dtype | str = torch.bfloat16) -> str
 
 
 @triton.jit
-def _latent_chunk(pool, slot, col, pm, R, W, sc, QUANT: tl.constexpr, OP: tl.constexpr, LAST: tl.constexpr):
+def _latent_chunk(pool, slot, col, pm, R, W, sc, QUANT: tl.constexpr, OP: tl.constexpr):
     """Columns ``col:[BC]`` of the cache entries at ``slot:[BN]`` (rows ``pm`` only; the rest
-    read as 0), dequantised per token by ``sc:[BN]`` into ``OP`` for an fp8 cache; ``LAST``: the
-    tile's last read, its lines the first to leave the cache."""
-    # A flag, not the policy's name: Triton 3.6 turns no string default of a jit helper into a
-    # constexpr ("'str' object has no attribute 'type'").
-    at = pool + slot[:, None] * W + col[None, :]
-    keep = pm[:, None] & (col < R)[None, :]
-    if LAST:
-        c = tl.load(at, mask=keep, other=0.0, eviction_policy="evict_first")
-    else:
-        c = tl.load(at, mask=keep, other=0.0)
+    read as 0), dequantised per token by ``sc:[BN]`` into ``OP`` for an fp8 cache."""
+    c = tl.load(pool + slot[:, None] * W + col[None, :], mask=pm[:, None] & (col < R)[None, :], other=0.0)
     if QUANT:
         c = (c.to(tl.float32) * sc[:, None]).to(OP)
     return c
@@ -162,7 +144,7 @@ def _decode_kernel(
     q_lat, q_pe, pool, scales, block_table, seq_lens, o_part, lse_part,
     T, H, R, Dr, W, page_size, max_pages, BT, scale, num_splits, head_blocks,
     BH: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, BDR: tl.constexpr, BN: tl.constexpr,
-    QUANT: tl.constexpr, IEEE: tl.constexpr, RELOAD: tl.constexpr,
+    QUANT: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """One (request and query token, key split, block of ``BH`` heads): the online softmax of
     the block's heads over the split's keys, the latent width in ``NC`` chunks of ``BC``."""
@@ -216,14 +198,14 @@ def _decode_kernel(
             sc = tl.load(scales + slot, mask=pm, other=0.0)
         else:
             sc = tl.zeros([BN], dtype=tl.float32)
-        c0 = _latent_chunk(pool, slot, rc, pm, R, W, sc, QUANT, OP, False)
+        c0 = _latent_chunk(pool, slot, rc, pm, R, W, sc, QUANT, OP)
         s = dot(ql0, tl.trans(c0), IEEE)
         if NC >= 2:
-            c1 = _latent_chunk(pool, slot, BC + rc, pm, R, W, sc, QUANT, OP, False)
+            c1 = _latent_chunk(pool, slot, BC + rc, pm, R, W, sc, QUANT, OP)
             s += dot(ql1, tl.trans(c1), IEEE)
         if NC == 4:
-            c2 = _latent_chunk(pool, slot, 2 * BC + rc, pm, R, W, sc, QUANT, OP, False)
-            c3 = _latent_chunk(pool, slot, 3 * BC + rc, pm, R, W, sc, QUANT, OP, False)
+            c2 = _latent_chunk(pool, slot, 2 * BC + rc, pm, R, W, sc, QUANT, OP)
+            c3 = _latent_chunk(pool, slot, 3 * BC + rc, pm, R, W, sc, QUANT, OP)
             s += dot(ql2, tl.trans(c2), IEEE) + dot(ql3, tl.trans(c3), IEEE)
         kp = tl.load(pool + slot[:, None] * W + R + pp[None, :], mask=pm[:, None] & (pp < Dr)[None, :], other=0.0)
         if QUANT:
@@ -235,15 +217,6 @@ def _decode_kernel(
         p = tl.exp(s - m_new[:, None])
         den = den * alpha + tl.sum(p, axis=1)
         p = p.to(OP)
-        if QUANT and RELOAD:
-            # The value product's own loads (evict_first keeps the compiler from merging them with
-            # the score product's): each dequantised tile then feeds one product.
-            c0 = _latent_chunk(pool, slot, rc, pm, R, W, sc, QUANT, OP, True)
-            if NC >= 2:
-                c1 = _latent_chunk(pool, slot, BC + rc, pm, R, W, sc, QUANT, OP, True)
-            if NC == 4:
-                c2 = _latent_chunk(pool, slot, 2 * BC + rc, pm, R, W, sc, QUANT, OP, True)
-                c3 = _latent_chunk(pool, slot, 3 * BC + rc, pm, R, W, sc, QUANT, OP, True)
         acc0 = dot(p, c0, IEEE, acc0 * alpha[:, None])
         if NC >= 2:
             acc1 = dot(p, c1, IEEE, acc1 * alpha[:, None])
@@ -407,7 +380,7 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache
         q_lat.contiguous(), q_pe.contiguous(), pool, scales, table, cache.seq_lens.to(dev).contiguous(),
         o_part, lse, T, H, R, Dr, R + Dr, cache.page_size, table.shape[1], BT, float(scale), num_splits, head_blocks,
         BH=launch.heads, BC=BR // chunks, NC=chunks, BDR=block(Dr), BN=launch.keys, QUANT=cache.quantized,
-        IEEE=q_lat.dtype == torch.float32, RELOAD=launch.reload, num_warps=launch.warps, num_stages=launch.stages,
+        IEEE=q_lat.dtype == torch.float32, num_warps=launch.warps, num_stages=launch.stages,
     )  # fmt: skip
     weights = torch.softmax(lse, dim=0)  # e^{lse_s - LSE}; an empty split's -inf gets 0
     return (weights[..., None] * o_part).sum(0).reshape(B, T, H, R)

@@ -30,8 +30,9 @@ sort and its counts on the host):
 The router (the reference's fp32 router, or the routing given), ``z = x W↓``, ``RMSNorm_γ(u) W↑``
 and the shared MLP run in fp32 torch operations; with ``grouped(..., production=True)`` the last
 three run in the same launches with operands in the layer's dtype (one expert holding every row),
-as the production layer runs them. Operands are ``x``'s dtype: bf16 or fp16 on a GPU,
-fp32 anywhere Triton runs.
+as the production layer runs them, and each token's rows are summed and normed in one launch
+(:func:`combine_norm`). Operands are ``x``'s dtype: bf16 or fp16 on a GPU, fp32 anywhere Triton
+runs.
 """
 
 from __future__ import annotations
@@ -499,9 +500,9 @@ def kernel_dense(config: MoEConfig) -> Dense:
 def combine_norm(rows: torch.Tensor, gain: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
     """``RMSNorm_γ(u)`` ``[T, Dl]`` in ``dtype``, ``u`` each token's ``k`` rows of ``rows:[T, k, Dl]``
     (any float dtype) summed in fp32 in slot order, the norm in fp32 with ``gain:[Dl]`` (fp32),
-    in one launch of one program per token: the rows are read once (at K3 and T = 16384 the sum,
-    the norm and the rounding as torch operations took 1.3 ms on an H100, most of it passes over
-    the fp32 sum)."""
+    in one launch of one program per token: the rows are read once (at K3 and T = 16384 on an
+    H100: 0.66 ms, against 1.45 ms for the sum, the norm and the rounding as torch operations,
+    which pass over the fp32 sum several times)."""
     T, k, Dl = rows.shape
     normed = torch.empty(T, Dl, dtype=dtype, device=rows.device)
     if T:

@@ -18,8 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import moe_gpu  # noqa: E402  (the launch shapes its sweep times, each compiled by the report)
 
-# MoE: the router's selection, the combine, and every swept shape of the logits, up and down launches.
-LAUNCHES = {"attnres": 3, "kda": 13, "mla": 7,
+from k3verify.mla import kernels as mla_kernels  # noqa: E402
+
+# MLA: every decode shape the benchmark sweeps at a bf16 and an fp8 cache, and the bf16 and fp32
+# prefill. MoE: the router's selection, the combine, and every swept shape of the logits, up and
+# down launches.
+LAUNCHES = {"attnres": 3, "kda": 13, "mla": 2 * len(mla_kernels.DECODE_SHAPES) + 2,
             "moe": 2 + sum(len(moe_gpu.CANDIDATES[launch]) for launch in ("logits", "up", "down"))}  # fmt: skip
 
 

@@ -13,14 +13,22 @@ import contextlib
 import functools
 import inspect
 import os
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+# Triton decorates its own helpers (tl.cdiv and the rest of triton.language's jit functions) when
+# it is imported: imported before the interpreter was chosen, they stay compiled-mode functions,
+# and an interpreted kernel that calls one fails ("Cannot call @triton.jit'd outside of the scope
+# of a kernel"). :func:`unavailable_reason` names that case.
 if not torch.cuda.is_available():
+    LANGUAGE_BEFORE_INTERPRETER = "TRITON_INTERPRET" not in os.environ and "triton.language" in sys.modules
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    LANGUAGE_BEFORE_INTERPRETER = False
 
 import triton
 import triton.language as tl
@@ -106,6 +114,10 @@ def unavailable_reason(what: str, dtype: torch.dtype | str, dtypes: tuple[torch.
         listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
         return f"{what} take {listed} operands, not {dtype_name(dt)}"
     if interpreted():
+        if LANGUAGE_BEFORE_INTERPRETER:
+            return (f"Triton was imported before k3verify chose its CPU interpreter, so Triton's own jit helpers "
+                    f"run compiled and {what} cannot run interpreted: import k3verify first, or set "
+                    "TRITON_INTERPRET=1 before importing Triton")  # fmt: skip
         if dt not in interpreter_dtypes:
             return (
                 f"Triton's CPU interpreter is not faithful for {dtype_name(dt)} (it truncates fp32 -> bf16 and "

@@ -26,6 +26,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
+# The interpreter is chosen before any test module imports Triton: those that import the GPU
+# benchmarks' helpers (triton.testing) would otherwise, collected first, leave every interpreted
+# kernel unavailable (k3verify.triton_support.LANGUAGE_BEFORE_INTERPRETER).
+import k3verify.triton_support  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[1]
 
 _COMMON = dict(

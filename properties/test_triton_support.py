@@ -3,11 +3,15 @@ the kernels give Triton's own bits, and a helper call inside a launch no longer 
 ``triton.language`` again.
 
 Rules: bitwise (the same kernel on the same inputs under the same interpreter, with and without
-the patch, on one host) and a count (real swaps per launch).
+the patch, on one host) and a count (real swaps per launch); structural: Triton imported before
+k3verify chose the interpreter is named as the kernels' reason.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -106,3 +110,36 @@ def test_one_swap_per_launch(kernel: str) -> None:
     with counted_swaps() as counts, triton_as_shipped():
         KERNELS[kernel]()
     assert counts["swaps"] > 10 * counts["launches"], counts
+
+
+_DECODE = """
+from k3verify.mla import kernels, samples
+from k3verify.mla.cache import LatentCache
+print(kernels.unavailable_reason("fp32"))
+x = samples.layer_inputs(samples.CONFIG, (5, 19), 1, seed=4)
+c = x["cache"]
+c = LatentCache(c.pool.float(), c.block_table, c.seq_lens, c.scales)
+try:
+    kernels.decode(x["q_nope"].float(), x["q_pe"].float(), c, x["w_uk"].float(), x["w_uv"].float(), num_splits=3)
+    print("ran")
+except RuntimeError as e:
+    print(e)
+"""
+
+
+@pytest.mark.parametrize("first", ["", "import triton.testing\n"], ids=["k3verify first", "triton first"])
+def test_triton_imported_first_is_named_not_a_failure_inside_a_kernel(first: str) -> None:
+    """Structural: imported before k3verify chose the interpreter, Triton's own jit helpers
+    (``tl.cdiv``) stay compiled and an interpreted kernel calling one failed deep inside
+    ("Cannot call @triton.jit'd outside of the scope of a kernel"); the kernels now give that as
+    their unavailable reason, and a call raises it. In the other order they run."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", first + _DECODE], capture_output=True, text=True, env=env,
+                          timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    reason, outcome = done.stdout.strip().splitlines()[-2:]
+    if first:
+        assert "Triton was imported before k3verify chose its CPU interpreter" in reason
+        assert outcome == reason
+    else:
+        assert (reason, outcome) == ("None", "ran")

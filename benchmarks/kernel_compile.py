@@ -169,8 +169,12 @@ def moe_launches() -> list[Launch]:
                       t.warps)
 
     def experts(name: str, fn: Any, t: Any, args: dict[str, str], **extra: Any) -> Launch:
-        return Launch(f"{name} {t}", fn, dict(BM=t.rows, BN=t.cols, BK=t.depth, IEEE=False, **extra), t.stages, args,
-                      frozenset({"Dl", "F"}), t.warps)
+        if t.tma:  # the operands a TMA launch reads through descriptors, with their blocks
+            weight = f"tensordesc<bf16[1,{t.depth},{t.cols}]>"
+            args = args | (dict(w1=weight, w3=weight) if "w1" in fn.arg_names
+                           else dict(h=f"tensordesc<bf16[{t.rows},{t.depth}]>", w2=weight))  # fmt: skip
+        return Launch(f"{name} {t}", fn, dict(BM=t.rows, BN=t.cols, BK=t.depth, IEEE=False, DESC=t.tma, **extra),
+                      t.stages, args, frozenset({"Dl", "F"}), t.warps)
 
     return [
         *(router(t) for t in tile_candidates("logits")),

@@ -13,7 +13,7 @@ the TP-local expert hidden 384 (3072 / 8) at T = 4096 and 16384 tokens, and the 
   made once, as a deployment stores it), on the same sorted rows; TFLOP/s counts ``6 P Dl H``
   (``P = T k`` rows) against the bf16 matmul peak measured in the same run (an 8192³
   ``torch.matmul``).
-- layer: the time of each part of our path — router, dispatch (sort and counts), ``z = x W↓``,
+- layer: the time of each part of our path — router, dispatch (sort and row offsets), ``z = x W↓``,
   the expert GEMMs, the combine (each token's rows summed and normed: ``kernels.combine_norm``,
   and the torch operations it replaced) — and of the whole, with the GEMMs outside the experts
   in fp32 torch operations and (``production=True``) in our launches with bf16 operands; for
@@ -38,7 +38,7 @@ from gpu_timing import attempt, cell, ms, write_results
 from k3verify.adapters import torch_grouped_mm
 from k3verify.harness.environment import environment
 from k3verify.moe import kernels
-from k3verify.moe.chunkwise import dispatch
+from k3verify.moe.chunkwise import sort_pairs
 from k3verify.moe.inputs import MoEConfig, MoEWeights, weight_shapes
 from k3verify.numerics.ops import rms_norm
 
@@ -81,8 +81,10 @@ CANDIDATES = {
     "logits": _distinct([kernels.LOGIT_TILES, _T(64, 64, 32, 4, 3), _T(128, 128, 32, 8, 3), _T(128, 128, 32, 8, 4),
                          _T(64, 128, 32, 8, 4), _T(128, 64, 32, 4, 3), _T(64, 128, 32, 4, 3)]),
     "up": _distinct([kernels.UP_TILES, _T(128, 64, 64, 8, 3), _T(64, 64, 64, 4, 3), _T(128, 128, 64, 8, 4),
-                     _T(128, 128, 64, 16, 3)]),
-    "down": _distinct([kernels.DOWN_TILES, _T(64, 128, 64, 4, 3), _T(128, 256, 64, 8, 3), _T(128, 256, 64, 8, 4)]),
+                     _T(128, 128, 64, 16, 3), _T(128, 128, 64, 8, 3, True), _T(128, 128, 64, 8, 4, True),
+                     _T(128, 64, 64, 4, 4, True)]),
+    "down": _distinct([kernels.DOWN_TILES, _T(64, 128, 64, 4, 3), _T(128, 256, 64, 8, 3), _T(128, 256, 64, 8, 4),
+                       _T(128, 128, 64, 8, 3, True), _T(128, 256, 64, 8, 3, True), _T(128, 128, 64, 4, 4, True)]),
 }
 CANDIDATES["dense"] = _distinct([kernels.DENSE_TILES, *CANDIDATES["down"]])
 # A shape whose result is this far from the default shape's (relative to its largest value) is
@@ -137,14 +139,14 @@ def shape_rows(T: int, H: int, peak: float, log) -> list[dict[str, Any]]:
     group = f"moe T={T} H={H}"
     w_r, bias = w.w_router.float(), w.bias.float()  # the fp32 router of docs/model.md §4
     r = kernels.route(x, w_r, bias, cfg)
-    d = dispatch(r.indices, cfg.num_experts)
+    d = sort_pairs(r.indices, cfg.num_experts)
     z = (xb @ w.w_latent_down).contiguous()
     p = r.weights.reshape(-1)[d.order].contiguous()
     P = d.order.numel()
     flops = 6 * P * cfg.latent_size * H
-    table = kernels._RowTables(d.offsets, z.device)
+    table = kernels._RowTables(d.offsets, P)
     h = kernels._up(z, d.token, table, w.w1, w.w3, cfg)
-    dense_rows = kernels._RowTables([0, T], z.device)
+    dense_rows = kernels._RowTables.whole(T, z.device)
     ones = torch.ones(T, device=DEVICE)
     rows: list[dict[str, Any]] = []
     best: dict[str, kernels.Tiles] = {}
@@ -195,7 +197,7 @@ def layer_rows(T: int, H: int, cfg: MoEConfig, w: MoEWeights, x: torch.Tensor, r
         setattr(kernels, name, t)
     try:
         xb = x.bfloat16()
-        d = dispatch(r.indices, cfg.num_experts)
+        d = sort_pairs(r.indices, cfg.num_experts)
         z = (xb @ w.w_latent_down).contiguous()
         p = r.weights.reshape(-1)[d.order].contiguous()
         out = kernels._grouped_experts(z, d, p, w, cfg)
@@ -210,7 +212,7 @@ def layer_rows(T: int, H: int, cfg: MoEConfig, w: MoEWeights, x: torch.Tensor, r
         }
         parts = {
             "router": partial(kernels.route, x, w.w_router.float(), w.bias.float(), cfg),
-            "dispatch": partial(dispatch, r.indices, cfg.num_experts),
+            "dispatch": partial(sort_pairs, r.indices, cfg.num_experts),
             **gemms,
             "latent down-projection, cuBLAS": lambda: xb @ w.w_latent_down,
             "combine and norm": partial(kernels.combine_norm, rows_of, gain, cfg.rms_norm_eps, torch.bfloat16),

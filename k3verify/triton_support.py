@@ -32,11 +32,12 @@ else:
 
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .numerics import dtype_name, resolve_dtype
 
-__all__ = ["block", "check_launch", "device_for", "dot", "dot_fp32", "interpreted", "multiprocessors", "profiled",
-           "tl", "triton", "unavailable_reason"]
+__all__ = ["TensorDescriptor", "block", "check_launch", "device_for", "dot", "dot_fp32", "interpreted",
+           "multiprocessors", "profiled", "tl", "triton", "unavailable_reason"]
 
 
 def interpreted() -> bool:

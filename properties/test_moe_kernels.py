@@ -171,42 +171,54 @@ def test_production_layer_within_policy(dtype: str, activation: str, skewed: boo
     assert verdict(bad).status == "fail"
 
 
+# What reads a tensor's value back to the host: on a CUDA device each waits for the device.
+_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+
+
 @pytest.mark.skipif(EXPERT_REASONS["fp32"] is not None, reason=str(EXPERT_REASONS["fp32"]))
-def test_the_unrouted_gemms_are_queued_before_the_wait_for_the_routing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Structural: the production layer queues ``x W↓`` and the shared MLP inside
-    ``dispatch_beside``'s ``meanwhile`` (before the host waits for the experts' row counts), and
-    gives the same bits as with them queued after the dispatch (same process)."""
+def test_the_layer_reads_no_device_value_after_its_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Structural: once the input checks have read their flags, the production layer queues the
+    rest of the call (sort, row counts, tile tables, every launch) without reading a value
+    back — on a CUDA device each such read is a wait with the device then idle. Planted: the
+    sort with its counts on the host (:func:`~k3verify.moe.chunkwise.dispatch`, one read) is
+    caught and named."""
+    from k3verify.moe.chunkwise import SortedPairs, dispatch
+
     cfg, w, x, r = _production_case("situ", False)
     x, w = x.float(), w.to(torch.float32)
-    inside, calls = [False], []
-    real_beside, real_dense = kernels.dispatch_beside, kernels.kernel_dense
+    checked, reads = [False], []
+    real_checks = kernels.check_inputs
 
-    def beside(indices, num_experts, meanwhile):
-        def flagged():
-            inside[0] = True
-            try:
-                return meanwhile()
-            finally:
-                inside[0] = False
+    def checks(*a, **kw):
+        try:
+            return real_checks(*a, **kw)
+        finally:
+            checked[0] = True
 
-        return real_beside(indices, num_experts, flagged)
+    def watched(name: str):
+        real = getattr(torch.Tensor, name)
 
-    def recorded(config):
-        d = real_dense(config)
-        return kernels.Dense(lambda a, w_: calls.append(("matmul", inside[0])) or d.matmul(a, w_),
-                             lambda *a: calls.append(("shared", inside[0])) or d.shared(*a), d.combine)  # fmt: skip
+        def read(self, *a, **kw):
+            if checked[0]:
+                reads.append(name)
+            return real(self, *a, **kw)
 
-    monkeypatch.setattr(kernels, "dispatch_beside", beside)
-    monkeypatch.setattr(kernels, "kernel_dense", recorded)
-    got = kernels.grouped(x, w, cfg, routing=r, production=True)
-    assert calls == [("matmul", True), ("shared", True), ("matmul", False)]
+        return read
 
-    def after(indices, num_experts, meanwhile):
-        d, _ = real_beside(indices, num_experts, lambda: None)
-        return d, meanwhile()
+    monkeypatch.setattr(kernels, "check_inputs", checks)
+    for name in _READS:
+        monkeypatch.setattr(torch.Tensor, name, watched(name))
+    kernels.grouped(x, w, cfg, routing=r, production=True)
+    assert checked[0] and reads == [], f"values read back after the checks: {reads}"
 
-    monkeypatch.setattr(kernels, "dispatch_beside", after)
-    assert_identical(got, kernels.grouped(x, w, cfg, routing=r, production=True), "the unrouted GEMMs queued later")
+    def on_the_host(indices: torch.Tensor, E: int) -> SortedPairs:
+        d = dispatch(indices, E)
+        return SortedPairs(d.order, d.token, torch.tensor(d.offsets, dtype=torch.int32))
+
+    checked[0] = False
+    monkeypatch.setattr(kernels, "sort_pairs", on_the_host)
+    kernels.grouped(x, w, cfg, routing=r, production=True)
+    assert "tolist" in reads
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
@@ -248,21 +260,27 @@ def test_combine_norm_within_policy(dtype: str) -> None:
     check()
 
 
-@given(st.integers(1, 40), st.integers(1, 4), st.integers(1, 12), st.integers(0, 2**16))
-def test_dispatch_beside_is_dispatch_and_calls_meanwhile_once(T: int, k: int, E: int, seed: int) -> None:
-    """Structural: the same order, counts and offsets as :func:`dispatch`, with ``meanwhile``
-    called once and its value returned."""
-    from k3verify.moe.chunkwise import dispatch, dispatch_beside
+@given(st.integers(0, 40), st.integers(1, 4), st.integers(1, 12), st.integers(0, 2**16))
+def test_sorted_pairs_are_the_definition(T: int, k: int, E: int, seed: int) -> None:
+    """Rule: structural, against the definition written as a loop: the pairs in expert order,
+    token order inside an expert (a stable sort), each pair's token, and every expert's first
+    row; :func:`dispatch` the same with the counts on the host."""
+    from k3verify.moe.chunkwise import dispatch, sort_pairs
 
     k = min(k, E)
     gen = torch.Generator().manual_seed(seed)
-    indices = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
-    calls = []
-    d, made = dispatch_beside(indices, E, lambda: calls.append(1) or "made")
-    want = dispatch(indices, E)
-    assert calls == [1] and made == "made"
-    assert torch.equal(d.order, want.order) and torch.equal(d.token, want.token)
-    assert torch.equal(d.expert, want.expert) and d.counts == want.counts and d.offsets == want.offsets
+    indices = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)] or [torch.zeros(0, k)])
+    indices = indices.reshape(T, k).long()
+    pairs = [(int(indices[t, j]), t, t * k + j) for t in range(T) for j in range(k)]
+    want = sorted(pairs, key=lambda e_t_pair: (e_t_pair[0], e_t_pair[2]))
+    counts = [sum(e == c for e, _, _ in pairs) for c in range(E)]
+    offsets = [sum(counts[:e]) for e in range(E + 1)]
+    s = sort_pairs(indices, E)
+    assert s.order.tolist() == [pair for _, _, pair in want] and s.token.tolist() == [t for _, t, _ in want]
+    assert s.offsets.tolist() == offsets and s.offsets.dtype == torch.int32
+    d = dispatch(indices, E)
+    assert torch.equal(d.order, s.order) and d.counts == counts and d.offsets == offsets
+    assert d.expert.tolist() == [e for e, _, _ in want]
 
 
 @pytest.mark.skipif(EXPERT_REASONS["fp32"] is not None, reason=str(EXPERT_REASONS["fp32"]))
@@ -296,7 +314,8 @@ def test_the_fp64_definition_gives_the_same_bits_every_run_on_the_device() -> No
 
 
 SHAPES = [(kernels.Tiles(32, 16, 16), kernels.Tiles(16, 32, 32)),
-          (kernels.Tiles(64, 32, 32), kernels.Tiles(64, 16, 16))]  # fmt: skip
+          (kernels.Tiles(64, 32, 32), kernels.Tiles(64, 16, 16)),
+          (kernels.Tiles(16, 16, 32, tma=True), kernels.Tiles(32, 16, 16, tma=True))]  # fmt: skip
 
 
 @pytest.mark.skipif(EXPERT_REASONS["fp32"] is not None, reason=str(EXPERT_REASONS["fp32"]))
@@ -325,10 +344,25 @@ def test_the_expert_launch_shapes_keep_the_layer_within_policy(up: kernels.Tiles
     assert_verdict(verdict(got), got, ref, f"tiles {up} / {down}")
 
     def unplaced(z, d, p, ww):
-        table = kernels._RowTables(d.offsets, z.device)
+        table = kernels._RowTables(d.offsets, d.order.numel())
         return kernels._down(kernels._up(z, d.token, table, ww.w1, ww.w3, cfg, up), table, ww.w2, p, down)
 
     assert verdict(layer(unplaced)).status == "fail"
+
+
+def test_tma_launches_read_through_descriptors_where_the_layout_allows() -> None:
+    """Structural: a ``tma`` launch's operands become tensor descriptors when every one of them
+    starts and has its rows on 16-byte boundaries, and all stay tensors otherwise (the pointer
+    loads; a TMA copy of a misaligned row would read the wrong bytes); a launch without ``tma``
+    never uses them. The layer's results on both paths: the launch-shape test above."""
+    tma, plain = kernels.Tiles(16, 16, 16, tma=True), kernels.Tiles(16, 16, 16)
+    ok, odd = torch.zeros(2, 8, 24), torch.zeros(2, 8, 23)  # rows of 96 and 92 bytes
+    got, desc = kernels._operands(tma, (ok, (1, 16, 16)), (ok[0], (16, 16)))
+    assert desc and all(isinstance(g, kernels.TensorDescriptor) for g in got)
+    got, desc = kernels._operands(tma, (ok, (1, 16, 16)), (odd, (1, 16, 16)))
+    assert not desc and all(isinstance(g, torch.Tensor) for g in got)
+    assert not kernels._operands(tma, (ok.reshape(-1)[1:].reshape(1, 1, -1)[..., :16], (1, 16, 16)))[1]
+    assert not kernels._operands(plain, (ok, (1, 16, 16)))[1]
 
 
 def test_launch_shapes_name_bad_sides() -> None:
@@ -347,19 +381,24 @@ def test_launch_shapes_name_bad_sides() -> None:
 def test_the_tile_table_covers_each_experts_rows_once(counts: list[int], rows: int) -> None:
     """Rule: structural, against the definition written as a loop: every expert's rows are cut
     into tiles of ``rows`` that start at its first row, none crosses into the next expert, and
-    an expert without rows has no tile."""
+    an expert without rows has no tile; the table's spare entries (the launch has
+    ``tile_bound`` programs, made without knowing the counts) hold no row, and the bound is
+    never short."""
     offsets = [0]
     for c in counts:
         offsets.append(offsets[-1] + c)
-    expert, first = kernels._tile_table(offsets, rows)
+    total = offsets[-1]
+    expert, first = kernels._tile_table(torch.tensor(offsets, dtype=torch.int32), total, rows)
     want = [(e, start) for e in range(len(counts)) for start in range(offsets[e], offsets[e + 1], rows)]
-    assert list(zip(expert.tolist(), first.tolist())) == want
+    assert len(want) <= kernels.tile_bound(total, len(counts), rows) == expert.numel()
+    assert list(zip(expert.tolist(), first.tolist()))[: len(want)] == want
+    assert all(f >= offsets[e + 1] for e, f in zip(expert.tolist()[len(want) :], first.tolist()[len(want) :]))
     assert expert.dtype == first.dtype == torch.int32
 
 
 @pytest.mark.skipif(EXPERT_REASONS["fp32"] is not None, reason=str(EXPERT_REASONS["fp32"]))
 def test_the_layer_names_its_parts_to_the_profiler_only_while_it_records() -> None:
-    """Structural: under the torch profiler a production-dtype call records its five ``moe.*``
+    """Structural: under the torch profiler a production-dtype call records its six ``moe.*``
     ranges, in order (the names ``benchmarks/moe_gpu.py`` gives the device's idle gaps); with
     no profiler recording, :func:`profiled` opens no range at all (a bare ``record_function``
     costs about 6 µs)."""
@@ -377,5 +416,5 @@ def test_the_layer_names_its_parts_to_the_profiler_only_while_it_records() -> No
     # host ranges only: on a GPU each range has a device-side copy under the same name
     names = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start)
              if e.name.startswith("moe.") and e.device_type == DeviceType.CPU]  # fmt: skip
-    assert names == ["moe.checks", "moe.routing", "moe.dispatch", "moe.experts", "moe.output"]
+    assert names == ["moe.checks", "moe.routing", "moe.dispatch", "moe.unrouted", "moe.experts", "moe.output"]
     assert isinstance(profiled("moe.checks"), contextlib.nullcontext)

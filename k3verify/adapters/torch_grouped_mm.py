@@ -24,7 +24,7 @@ from functools import lru_cache, partial
 
 import torch
 
-from ..moe.chunkwise import Dispatch
+from ..moe.chunkwise import SortedPairs
 from ..moe.inputs import MoEConfig, MoEWeights, Routing
 from ..moe.kernels import routed_layer
 from ..moe.situ import activation
@@ -58,14 +58,14 @@ def fused_up(w: MoEWeights) -> torch.Tensor:
     return torch.cat([w.w1, w.w3], dim=-1).contiguous()
 
 
-def _experts(z: torch.Tensor, d: Dispatch, p: torch.Tensor, w: MoEWeights, config: MoEConfig,
+def _experts(z: torch.Tensor, d: SortedPairs, p: torch.Tensor, w: MoEWeights, config: MoEConfig,
              w13: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """``p · act(z W1_e, z W3_e) W2_e`` of the sorted rows by two ``_grouped_mm`` calls, fp32, each
     row put back at its (token, slot) place ``[T k, Dl]``; ``w13`` is :func:`fused_up` of ``w``
     when the caller made it already."""
     H = w.w1.shape[-1]
     rows = z[d.token].contiguous()
-    ends = torch.tensor(d.offsets[1:], dtype=torch.int32, device=z.device)
+    ends = d.offsets[1:]  # int32 on the device: each expert's end row
     pre = torch._grouped_mm(rows, fused_up(w) if w13 is None else w13, offs=ends)
     h = activation(pre[:, :H], pre[:, H:], config.activation, beta1=config.beta1, beta2=config.beta2).to(z.dtype)
     sorted_out = torch._grouped_mm(h.contiguous(), w.w2.contiguous(), offs=ends).float() * p[:, None]

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from itertools import pairwise
+from typing import Any
 
 import torch
 
@@ -29,7 +30,6 @@ from .router import mixture
 from .situ import activation, activation_backward
 
 GEMM = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -48,35 +48,36 @@ class Dispatch:
     offsets: list[int]
 
 
-def dispatch(indices: torch.Tensor, num_experts: int) -> Dispatch:
-    """Sort the pairs of ``indices:[T, k]`` by expert (stable: token order inside an expert)."""
-    return dispatch_beside(indices, num_experts, lambda: None)[0]
+@dataclass(frozen=True)
+class SortedPairs:
+    """The expert-sorted order of the ``P = T k`` (token, slot) pairs, all on the indices' device:
+    ``order:[P]`` and ``token:[P]`` (int64) as in :class:`Dispatch`, ``offsets:[E + 1]`` (int32)
+    each expert's first row (``offsets[E] = P``). Made without the host waiting on the device."""
+
+    order: torch.Tensor
+    token: torch.Tensor
+    offsets: torch.Tensor
 
 
-def dispatch_beside(indices: torch.Tensor, num_experts: int, meanwhile: Callable[[], R]) -> tuple[Dispatch, R]:
-    """:func:`dispatch` and ``meanwhile()``, called once the sort and the experts' row counts are
-    queued and before the host waits for the counts. On a CUDA device the counts come back by
-    their own asynchronous copy, so the work ``meanwhile`` queues (what does not depend on the
-    routing) runs while the host waits for them and builds what depends on them, instead of the
-    device standing idle through both."""
+def sort_pairs(indices: torch.Tensor, num_experts: int) -> SortedPairs:
+    """The pairs of ``indices:[T, k]`` (every index in ``[0, num_experts)``, checked by the
+    caller) sorted by expert, stable (token order inside an expert), each expert's first row
+    found in the sorted experts by a binary search: no value is read back to the host (on a
+    CUDA device ``bincount`` reads the indices' extremes back, two waits) and no atomics."""
     flat = indices.reshape(-1).to(torch.int64)
-    order = torch.sort(flat, stable=True).indices
-    per_expert = torch.bincount(flat, minlength=num_experts)
-    copied = None
-    if per_expert.is_cuda:
-        host = torch.empty(per_expert.shape, dtype=per_expert.dtype, pin_memory=True)
-        host.copy_(per_expert, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        per_expert = host
-    made = meanwhile()
-    if copied is not None:
-        copied.synchronize()
-    counts = per_expert.tolist()
-    offsets = [0]
-    for c in counts:
-        offsets.append(offsets[-1] + c)
-    return Dispatch(order, order // indices.shape[1], flat[order], counts, offsets), made
+    experts, order = torch.sort(flat, stable=True)
+    starts = torch.arange(num_experts + 1, dtype=torch.int64, device=flat.device)
+    offsets = torch.searchsorted(experts, starts).to(torch.int32)
+    return SortedPairs(order, order // indices.shape[1], offsets)
+
+
+def dispatch(indices: torch.Tensor, num_experts: int) -> Dispatch:
+    """Sort the pairs of ``indices:[T, k]`` by expert (stable: token order inside an expert),
+    with the counts on the host (:func:`sort_pairs` and one wait for its offsets)."""
+    s = sort_pairs(indices, num_experts)
+    offsets = s.offsets.tolist()
+    counts = [b - a for a, b in pairwise(offsets)]
+    return Dispatch(s.order, s.token, indices.reshape(-1).to(torch.int64)[s.order], counts, offsets)
 
 
 def token_sums(rows: torch.Tensor, d: Dispatch, num_tokens: int) -> torch.Tensor:

@@ -15,8 +15,9 @@ Inputs are fp32 (the fp32 router of docs/model.md §4); under Triton's interpret
 (:mod:`k3verify.triton_support`).
 
 ``grouped(x, weights, config, *, routing=None) -> y`` is the layer with its routed experts in
-two grouped launches over the token rows sorted by expert (:func:`k3verify.moe.dispatch`; the
-sort and its counts on the host):
+two grouped launches over the token rows sorted by expert (:func:`~k3verify.moe.chunkwise.sort_pairs`:
+the sort, the experts' row counts and each launch's table of row tiles made on the device, so
+that a call waits on it once, for its input checks):
 
 - *up*: one program per (tile of one expert's rows, tile of the expert hidden): the rows of the
   latent ``z`` gathered by token as they load (the permutation is never materialised), ``z W1_e``
@@ -41,41 +42,54 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from functools import partial
 
-import numpy as np
 import torch
 
 from ..numerics import cast_once
 from ..numerics.validate import require_finite, require_float, require_shape, require_tensor
-from ..triton_support import block, check_launch, device_for, dot, dot_fp32, interpreted, profiled, tl, triton
+from ..triton_support import (
+    TensorDescriptor,
+    block,
+    check_launch,
+    device_for,
+    dot,
+    dot_fp32,
+    interpreted,
+    profiled,
+    tl,
+    triton,
+)
 from ..triton_support import unavailable_reason as _unavailable
-from .chunkwise import Dispatch, dispatch_beside
+from .chunkwise import SortedPairs, sort_pairs
 from .inputs import TIE_BREAKS, MoEConfig, MoEWeights, Routing, check_inputs
 from .layer import layer_output
 from .router import routing_for
 
 __all__ = ["grouped", "interpreted", "route", "routed_layer", "unavailable_reason"]
 
-# (z [T, Dl], dispatch, p [T k] in sorted order, weights) -> p · E_e(z) [T k, Dl] in (token, slot) order
-Experts = Callable[[torch.Tensor, Dispatch, torch.Tensor, MoEWeights], torch.Tensor]
+# (z [T, Dl], sorted pairs, p [T k] in sorted order, weights) -> p · E_e(z) [T k, Dl] in (token, slot) order
+Experts = Callable[[torch.Tensor, SortedPairs, torch.Tensor, MoEWeights], torch.Tensor]
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """One GEMM launch's shape on a GPU: an output tile of ``rows`` x ``cols`` per program,
     ``depth`` of the product per loop step, ``warps`` and the pipeline's ``stages`` (Triton's
     ``num_warps``, ``num_stages``; the interpreter ignores those two). Sides are powers of two of
-    at least 16 (a ``tl.dot`` side)."""
+    at least 16 (a ``tl.dot`` side). ``tma``: the weight tiles (and the down launch's rows) read
+    by TMA copies through tensor descriptors where the tensors' layout allows it
+    (:func:`_descriptor`), else by pointer loads."""
 
     rows: int
     cols: int
     depth: int
     warps: int = 4
     stages: int = 3
+    tma: bool = False
 
     def __post_init__(self) -> None:
         check_launch("Tiles", dict(rows=self.rows, cols=self.cols, depth=self.depth), self.warps, self.stages)
 
     def __str__(self) -> str:
-        return f"{self.rows}x{self.cols}x{self.depth} w{self.warps} s{self.stages}"
+        return f"{self.rows}x{self.cols}x{self.depth} w{self.warps} s{self.stages}" + (" tma" if self.tma else "")
 
 
 # Launch shapes on a GPU, timed on an H100 by benchmarks/moe_gpu.py, which sweeps them (docs/gpu.md).
@@ -217,64 +231,87 @@ def _activation(g, u, beta1, beta2, SWIGLU: tl.constexpr):
 
 @triton.jit
 def _expert_tile(tile_expert, tile_row, offsets, N, BM: tl.constexpr, BN: tl.constexpr):
-    """The program's expert, its rows ``[BM]`` (sorted order) with their mask, and its ``BN``
-    output columns of ``N``. The launch is 1-D with the column tiles of one row tile side by
-    side: they read the same rows together (once from memory, then from L2), and the row tiles
-    of one expert follow each other, sharing its weights."""
+    """The program's expert, its first row and its rows ``[BM]`` (sorted order) with their mask,
+    its first output column and its ``BN`` output columns of ``N``, and whether it has a row at
+    all (the launch has programs for the most tiles the rows could need; the others find no row
+    and return). The launch is 1-D with the column tiles of one row tile side by side: they read
+    the same rows together (once from memory, then from L2), and the row tiles of one expert
+    follow each other, sharing its weights."""
     pid = tl.program_id(0)
     col_tiles = tl.cdiv(N, BN)
     i = pid // col_tiles
     e = tl.load(tile_expert + i).to(tl.int64)
-    rows = tl.load(tile_row + i) + tl.arange(0, BM)
-    cols = (pid % col_tiles) * BN + tl.arange(0, BN)
-    return e, rows, rows < tl.load(offsets + e + 1), cols
+    first = tl.load(tile_row + i)
+    end = tl.load(offsets + e + 1)
+    rows = first + tl.arange(0, BM)
+    c0 = (pid % col_tiles) * BN
+    return e, first, rows, rows < end, c0, c0 + tl.arange(0, BN), first < end
+
+
+@triton.jit
+def _weight_tile(w, e, k0, c0, K, N, BK: tl.constexpr, BN: tl.constexpr, DESC: tl.constexpr):
+    """Expert ``e``'s weight tile ``[BK, BN]`` at row ``k0``, column ``c0`` of ``w:[E, K, N]``, zero
+    outside it: a TMA copy when ``w`` is a tensor descriptor of ``[1, BK, BN]`` blocks
+    (``DESC``), else pointer loads."""
+    if DESC:
+        return w.load([e.to(tl.int32), k0, c0]).reshape(BK, BN)
+    else:
+        kk = k0 + tl.arange(0, BK)
+        cc = c0 + tl.arange(0, BN)
+        return tl.load(w + e * K * N + kk[:, None] * N + cc[None, :], mask=(kk < K)[:, None] & (cc < N)[None, :],
+                       other=0.0)  # fmt: skip
 
 
 @triton.jit
 def _up_kernel(z, token, w1, w3, h, tile_expert, tile_row, offsets, Dl, F, beta1, beta2, BM: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """``h = act(z W1_e, z W3_e)`` for one tile of expert ``e``'s rows and ``BN`` hidden columns."""
-    e, rows, rm, cols = _expert_tile(tile_expert, tile_row, offsets, F, BM, BN)
+               BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr, IEEE: tl.constexpr,
+               DESC: tl.constexpr):  # fmt: skip
+    """``h = act(z W1_e, z W3_e)`` for one tile of expert ``e``'s rows and ``BN`` hidden columns
+    (``w1, w3`` tensor descriptors with ``DESC``)."""
+    e, _, rows, rm, c0, cols, live = _expert_tile(tile_expert, tile_row, offsets, F, BM, BN)
+    if not live:
+        return
     src = tl.load(token + rows, mask=rm, other=0)  # the token each sorted row comes from
-    cm = cols < F
-    w1_at = w1 + e * Dl * F
-    w3_at = w3 + e * Dl * F
     g = tl.zeros([BM, BN], dtype=tl.float32)
     u = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, Dl, BK):
         kk = k0 + tl.arange(0, BK)
-        km = kk < Dl
-        a = tl.load(z + src[:, None] * Dl + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-        wm = km[:, None] & cm[None, :]
-        g = dot(a, tl.load(w1_at + kk[:, None] * F + cols[None, :], mask=wm, other=0.0), IEEE, g)
-        u = dot(a, tl.load(w3_at + kk[:, None] * F + cols[None, :], mask=wm, other=0.0), IEEE, u)
+        a = tl.load(z + src[:, None] * Dl + kk[None, :], mask=rm[:, None] & (kk < Dl)[None, :], other=0.0)
+        g = dot(a, _weight_tile(w1, e, k0, c0, Dl, F, BK, BN, DESC), IEEE, g)
+        u = dot(a, _weight_tile(w3, e, k0, c0, Dl, F, BK, BN, DESC), IEEE, u)
     out = _activation(g, u, beta1, beta2, SWIGLU)
     tl.store(h + rows[:, None].to(tl.int64) * F + cols[None, :], out.to(h.dtype.element_ty),
-             mask=rm[:, None] & cm[None, :])  # fmt: skip
+             mask=rm[:, None] & (cols < F)[None, :])  # fmt: skip
 
 
 @triton.jit
 def _down_kernel(h, w2, weight, out, dest, tile_expert, tile_row, offsets, F, Dl, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, SCATTER: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+                 BN: tl.constexpr, BK: tl.constexpr, SCATTER: tl.constexpr, IEEE: tl.constexpr,
+                 DESC: tl.constexpr):  # fmt: skip
     """``out = p · (h W2_e)`` for one tile of expert ``e``'s rows and ``BN`` latent columns (the
     product and weight in fp32, stored in ``out``'s dtype), each row at row ``dest[row]`` of
-    ``out`` with ``SCATTER`` (its token's slot), else at its own row."""
-    e, rows, rm, cols = _expert_tile(tile_expert, tile_row, offsets, Dl, BM, BN)
-    cm = cols < Dl
-    w2_at = w2 + e * F * Dl
+    ``out`` with ``SCATTER`` (its token's slot), else at its own row. With ``DESC`` ``h`` and
+    ``w2`` are tensor descriptors (``[BM, BK]`` and ``[1, BK, BN]`` blocks): the tile's rows are
+    copied whole, past its expert's last row too, and those rows are never stored (a row of the
+    product depends on its own row of ``h`` only)."""
+    e, first, rows, rm, c0, cols, live = _expert_tile(tile_expert, tile_row, offsets, Dl, BM, BN)
+    if not live:
+        return
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, F, BK):
-        kk = k0 + tl.arange(0, BK)
-        km = kk < F
-        a = tl.load(h + rows[:, None].to(tl.int64) * F + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-        acc = dot(a, tl.load(w2_at + kk[:, None] * Dl + cols[None, :], mask=km[:, None] & cm[None, :], other=0.0),
-                  IEEE, acc)  # fmt: skip
+        if DESC:
+            a = h.load([first, k0])
+        else:
+            kk = k0 + tl.arange(0, BK)
+            a = tl.load(h + rows[:, None].to(tl.int64) * F + kk[None, :], mask=rm[:, None] & (kk < F)[None, :],
+                        other=0.0)  # fmt: skip
+        acc = dot(a, _weight_tile(w2, e, k0, c0, F, Dl, BK, BN, DESC), IEEE, acc)
     p = tl.load(weight + rows, mask=rm, other=0.0)
     at = rows.to(tl.int64)
     if SCATTER:
         at = tl.load(dest + rows, mask=rm, other=0).to(tl.int64)
     tl.store(out + at[:, None] * Dl + cols[None, :], (acc * p[:, None]).to(out.dtype.element_ty),
-             mask=rm[:, None] & cm[None, :])  # fmt: skip
+             mask=rm[:, None] & (cols < Dl)[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -297,27 +334,28 @@ def experts_unavailable_reason(dtype: torch.dtype | str = torch.bfloat16) -> str
     return _unavailable("the MoE expert kernels", dtype, EXPERT_DTYPES, (torch.float32, torch.float16))
 
 
-def _tile_table(offsets: list[int], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(expert, first row)`` of every tile of ``rows`` sorted rows, no tile across two experts
-    (an expert with no rows has no tile), int32 on the host (the offsets are there already:
-    working them out on the device waited on it, for the tile count)."""
-    # numpy: torch.repeat_interleave on the host took 2.6 ms for 896 experts, numpy's repeat 0.03.
-    start = np.asarray(offsets, dtype=np.int64)
-    tiles = (start[1:] - start[:-1] + rows - 1) // rows
-    expert = np.repeat(np.arange(tiles.size), tiles)
-    within = np.arange(expert.size) - (np.cumsum(tiles) - tiles)[expert]
-    first = start[expert] + within * rows
-    return torch.from_numpy(expert.astype(np.int32)), torch.from_numpy(first.astype(np.int32))
+def tile_bound(total: int, experts: int, rows: int) -> int:
+    """The most tiles of ``rows`` that ``total`` sorted rows of ``experts`` experts can need: an
+    expert's last tile is short by at most ``rows - 1``, and at most ``min(experts, total)``
+    experts have rows."""
+    return (total + min(experts, total) * (rows - 1)) // rows
 
 
-def _to_device(parts: Sequence[torch.Tensor], dev: torch.device) -> list[torch.Tensor]:
-    """Host tensors ``parts`` (int32) on ``dev`` in one copy; from pinned memory and without a wait
-    on a CUDA device (a copy from pageable memory waits for the work queued before it)."""
-    if dev.type == "cpu":
-        return list(parts)
-    both = torch.cat(list(parts))
-    both = both.pin_memory() if torch.cuda.is_available() else both
-    return list(both.to(dev, non_blocking=True).split([p.numel() for p in parts]))
+def _tile_table(offsets: torch.Tensor, total: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(expert, first row)`` of the tiles of ``rows`` sorted rows, no tile across two experts
+    (an expert with no rows has no tile), from the experts' row offsets ``offsets:[E + 1]``
+    (int32, ``total`` rows in all), int32 on their device, made there: the host never waits
+    for the counts. :func:`tile_bound` entries, the tiles in order first; the rest (the
+    launch's spare programs) name the last expert and first row ``total``, which holds no
+    row."""
+    E = offsets.numel() - 1
+    offs = offsets.to(torch.int64)
+    tiles = (offs[1:] - offs[:-1] + rows - 1) // rows
+    ends = tiles.cumsum(0)
+    t = torch.arange(tile_bound(total, E, rows), device=offsets.device)
+    expert = torch.searchsorted(ends, t, right=True).clamp_(max=E - 1)
+    first = torch.where(t < ends[-1], offs[expert] + (t - ends[expert] + tiles[expert]) * rows, total)
+    return expert.to(torch.int32), first.to(torch.int32)
 
 
 def _moved(weights: MoEWeights, names: Sequence[str], dev: torch.device, dtype: torch.dtype) -> MoEWeights:
@@ -330,7 +368,8 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
                  dev: torch.device, *, dense: Dense | None = None) -> torch.Tensor:  # fmt: skip
     """The layer ``y:[T, d]`` in ``x``'s dtype with its routed experts computed by ``experts``:
     the routing (given, or the fp32 router on ``x``), ``z = x W↓`` rounded to ``x``'s dtype and
-    the expert-sorted order on ``dev``; ``experts(z, dispatch, p, weights)`` returns each
+    the expert-sorted order on ``dev`` (:class:`~k3verify.moe.chunkwise.SortedPairs`, made on the
+    device); ``experts(z, pairs, p, weights)`` returns each
     (token, slot) pair's weighted expert output ``p · E_e(z)`` ``[T k, Dl]`` (fp32 or ``x``'s dtype), row
     ``token k + slot`` (``p:[T k]`` fp32 in sorted order, the expert matrices ``w1, w3, w2`` of
     ``weights`` in ``x``'s dtype on ``dev``); each token's rows are summed in slot order (fp32),
@@ -339,8 +378,9 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
     layer does and the tiled form models (``z`` and ``RMSNorm_γ(u)`` rounded as operands, fp32
     accumulation, the shared hidden stored in ``x``'s dtype, the routed and shared outputs each
     stored in ``x``'s dtype and then added): ``dense.matmul(a, w)`` and ``dense.shared(x, w1, w3,
-    w2)`` return their operands' dtype. Its parts are named ``moe.*`` to the torch profiler
-    (``benchmarks/moe_gpu.py`` names the device's idle gaps after them)."""
+    w2)`` return their operands' dtype. The host waits on the device once, for the input checks'
+    flags: nothing after them reads a device value back. Its parts are named ``moe.*`` to the
+    torch profiler (``benchmarks/moe_gpu.py`` names the device's idle gaps after them)."""
     with profiled("moe.checks"):
         dims = check_inputs(x, weights, config, routing)
     op = x.dtype
@@ -355,21 +395,16 @@ def routed_layer(experts: Experts, x: torch.Tensor, weights: MoEWeights, config:
     with profiled("moe.routing"):
         r = routing_for(x if x32 is None else x32, w32, config,
                         None if routing is None else routing.to(torch.float32), torch.float32)  # fmt: skip
-    if dense is not None:
-        wop = _moved(weights, DENSE_MATRICES, dev, op)
-        xop = x.to(dev, op).contiguous()
-
-    def unrouted() -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``z`` and, with ``dense``, the shared MLP: the GEMMs that do not wait for the routing."""
-        if dense is None:
-            return (x32 @ w32.w_latent_down).to(op).contiguous(), None
-        return (dense.matmul(xop, wop.w_latent_down).contiguous(),
-                dense.shared(xop, wop.shared_w1, wop.shared_w3, wop.shared_w2))  # fmt: skip
-
-    # Queued between the sort and the wait for the experts' row counts: the device runs them while
-    # the host waits and then builds the experts' tile tables (it stood idle through both).
     with profiled("moe.dispatch"):
-        d, (z, shared) = dispatch_beside(r.indices.to(dev), dims.E, unrouted)
+        d = sort_pairs(r.indices.to(dev), dims.E)
+    with profiled("moe.unrouted"):
+        if dense is None:
+            z, shared = (x32 @ w32.w_latent_down).to(op).contiguous(), None
+        else:
+            wop = _moved(weights, DENSE_MATRICES, dev, op)
+            xop = x.to(dev, op).contiguous()
+            z = dense.matmul(xop, wop.w_latent_down).contiguous()
+            shared = dense.shared(xop, wop.shared_w1, wop.shared_w3, wop.shared_w2)
     with profiled("moe.experts"):
         p = r.weights.to(dev).reshape(-1)[d.order].contiguous()
         out = experts(z, d, p, _moved(weights, EXPERT_MATRICES, dev, op))
@@ -389,20 +424,45 @@ def _shape(given: Tiles | None, default: Tiles) -> Tiles:
 
 
 class _RowTables:
-    """What a grouped launch reads of one expert-sorted order: every row tile's expert and first
-    row, and the experts' row starts (``offsets``, ``E + 1`` of them), int32 on ``dev``; built once
-    per tile height for all the launches of a call."""
+    """What a grouped launch reads of one expert-sorted order of ``total`` rows: every row
+    tile's expert and first row (:func:`_tile_table`), and the experts' row offsets
+    (``offsets:[E + 1]`` int32), on the offsets' device; built once per tile height for all the
+    launches of a call."""
 
-    def __init__(self, offsets: list[int], dev: torch.device) -> None:
-        self.offsets, self.dev = offsets, dev
+    def __init__(self, offsets: torch.Tensor, total: int) -> None:
+        self.offsets, self.total = offsets, total
         self.made: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def whole(cls, total: int, dev: torch.device) -> _RowTables:
+        """One expert holding all ``total`` rows (a plain GEMM's)."""
+        return cls(torch.arange(2, dtype=torch.int32, device=dev) * total, total)
 
     def __call__(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if rows not in self.made:
-            expert, first = _tile_table(self.offsets, rows)
-            starts = torch.tensor(self.offsets, dtype=torch.int32)
-            self.made[rows] = tuple(_to_device([expert, first, starts], self.dev))  # type: ignore[assignment]
+            self.made[rows] = (*_tile_table(self.offsets, self.total, rows), self.offsets)
         return self.made[rows]
+
+
+def _descriptor(t: torch.Tensor, block: Sequence[int]) -> object | None:
+    """``t`` (contiguous) as a TMA tensor descriptor of ``block`` tiles, or ``None`` where a TMA
+    copy cannot read it: its start or a row not on a 16-byte boundary (the copy engine's
+    rule)."""
+    size = t.element_size()
+    if t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:-1]):
+        return None
+    return TensorDescriptor.from_tensor(t, list(block))
+
+
+def _operands(tiles: Tiles, *given: tuple[torch.Tensor, Sequence[int]]) -> tuple[list[object], bool]:
+    """The launch's operands ``given`` (tensor, TMA block), contiguous: all as descriptors when
+    ``tiles.tma`` and each one allows it, else all as tensors; and whether they are descriptors."""
+    tensors = [t.contiguous() for t, _ in given]
+    if tiles.tma:
+        descs = [_descriptor(t, block) for t, (_, block) in zip(tensors, given)]
+        if all(d is not None for d in descs):
+            return descs, True
+    return list(tensors), False
 
 
 def _up(z: torch.Tensor, token: torch.Tensor, table: _RowTables, w1: torch.Tensor, w3: torch.Tensor,
@@ -415,11 +475,12 @@ def _up(z: torch.Tensor, token: torch.Tensor, table: _RowTables, w1: torch.Tenso
     h = torch.empty(P, F, dtype=z.dtype, device=z.device)
     expert, first, starts = table(t.rows)
     if expert.numel():
+        block = (1, t.depth, t.cols)
+        (w1, w3), desc = _operands(t, (w1, block), (w3, block))
         _up_kernel[(expert.numel() * triton.cdiv(F, t.cols),)](
-            z, token.to(torch.int32), w1.contiguous(), w3.contiguous(), h, expert, first, starts, Dl, F,
-            float(config.beta1), float(config.beta2), BM=t.rows, BN=t.cols, BK=t.depth,
-            SWIGLU=config.activation == "swiglu", IEEE=z.dtype == torch.float32, num_warps=t.warps,
-            num_stages=t.stages,
+            z, token.to(torch.int32), w1, w3, h, expert, first, starts, Dl, F, float(config.beta1),
+            float(config.beta2), BM=t.rows, BN=t.cols, BK=t.depth, SWIGLU=config.activation == "swiglu",
+            IEEE=z.dtype == torch.float32, DESC=desc, num_warps=t.warps, num_stages=t.stages,
         )  # fmt: skip
     return h
 
@@ -436,22 +497,23 @@ def _down(h: torch.Tensor, table: _RowTables, w2: torch.Tensor, p: torch.Tensor,
     out = torch.empty(P, Dl, dtype=out_dtype, device=h.device)
     expert, first, starts = table(t.rows)
     if expert.numel():
+        (a, w2), desc = _operands(t, (h, (t.rows, t.depth)), (w2, (1, t.depth, t.cols)))
         _down_kernel[(expert.numel() * triton.cdiv(Dl, t.cols),)](
-            h, w2.contiguous(), p, out, p if dest is None else dest, expert, first, starts, F, Dl, BM=t.rows,
-            BN=t.cols, BK=t.depth, SCATTER=dest is not None, IEEE=h.dtype == torch.float32, num_warps=t.warps,
+            a, w2, p, out, p if dest is None else dest, expert, first, starts, F, Dl, BM=t.rows, BN=t.cols,
+            BK=t.depth, SCATTER=dest is not None, IEEE=h.dtype == torch.float32, DESC=desc, num_warps=t.warps,
             num_stages=t.stages,
         )  # fmt: skip
     return out
 
 
-def _grouped_experts(z: torch.Tensor, d: Dispatch, p: torch.Tensor, w: MoEWeights, config: MoEConfig,
+def _grouped_experts(z: torch.Tensor, d: SortedPairs, p: torch.Tensor, w: MoEWeights, config: MoEConfig,
                      up: Tiles | None = None, down: Tiles | None = None) -> torch.Tensor:  # fmt: skip
     """The two grouped launches on the sorted rows: ``p · SiTU(z W1_e, z W3_e) W2_e`` ``[T k, Dl]``
     in ``z``'s dtype (the weighted product in fp32, stored rounded, as a fused MoE kernel stores
     it and the tiled form models it), each row at its (token, slot) place (the down launch
     stores it there: the combine reads the rows in place). ``up``, ``down``: the launches'
     shapes (default :data:`UP_TILES`, :data:`DOWN_TILES`)."""
-    table = _RowTables(d.offsets, z.device)
+    table = _RowTables(d.offsets, d.order.numel())
     h = _up(z, d.token, table, w.w1, w.w3, config, up)
     return _down(h, table, w.w2, p, down, dest=d.order, out_dtype=z.dtype)
 
@@ -481,8 +543,8 @@ def kernel_dense(config: MoEConfig) -> Dense:
     def rows_of(a: torch.Tensor) -> tuple[_RowTables, torch.Tensor]:
         key = (a.shape[0], a.device)
         if key not in made:
-            made[key] = _RowTables([0, a.shape[0]], a.device), torch.ones(a.shape[0], dtype=torch.float32,
-                                                                          device=a.device)
+            made[key] = _RowTables.whole(a.shape[0], a.device), torch.ones(a.shape[0], dtype=torch.float32,
+                                                                           device=a.device)
         return made[key]
 
     def matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

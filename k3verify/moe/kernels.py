@@ -249,20 +249,6 @@ def _expert_tile(tile_expert, tile_row, offsets, N, BM: tl.constexpr, BN: tl.con
 
 
 @triton.jit
-def _weight_tile(w, e, k0, c0, K, N, BK: tl.constexpr, BN: tl.constexpr, DESC: tl.constexpr):
-    """Expert ``e``'s weight tile ``[BK, BN]`` at row ``k0``, column ``c0`` of ``w:[E, K, N]``, zero
-    outside it: a TMA copy when ``w`` is a tensor descriptor of ``[1, BK, BN]`` blocks
-    (``DESC``), else pointer loads."""
-    if DESC:
-        return w.load([e.to(tl.int32), k0, c0]).reshape(BK, BN)
-    else:
-        kk = k0 + tl.arange(0, BK)
-        cc = c0 + tl.arange(0, BN)
-        return tl.load(w + e * K * N + kk[:, None] * N + cc[None, :], mask=(kk < K)[:, None] & (cc < N)[None, :],
-                       other=0.0)  # fmt: skip
-
-
-@triton.jit
 def _up_kernel(z, token, w1, w3, h, tile_expert, tile_row, offsets, Dl, F, beta1, beta2, BM: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr, IEEE: tl.constexpr,
                DESC: tl.constexpr):  # fmt: skip
@@ -272,16 +258,30 @@ def _up_kernel(z, token, w1, w3, h, tile_expert, tile_row, offsets, Dl, F, beta1
     if not live:
         return
     src = tl.load(token + rows, mask=rm, other=0)  # the token each sorted row comes from
+    cm = cols < F
+    if DESC:  # TMA copies of [1, BK, BN] blocks of w1, w3:[E, Dl, F], zero outside
+        e32 = e.to(tl.int32)
+    else:
+        w1_at = w1 + e * Dl * F
+        w3_at = w3 + e * Dl * F
     g = tl.zeros([BM, BN], dtype=tl.float32)
     u = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, Dl, BK):
         kk = k0 + tl.arange(0, BK)
-        a = tl.load(z + src[:, None] * Dl + kk[None, :], mask=rm[:, None] & (kk < Dl)[None, :], other=0.0)
-        g = dot(a, _weight_tile(w1, e, k0, c0, Dl, F, BK, BN, DESC), IEEE, g)
-        u = dot(a, _weight_tile(w3, e, k0, c0, Dl, F, BK, BN, DESC), IEEE, u)
+        km = kk < Dl
+        a = tl.load(z + src[:, None] * Dl + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        if DESC:
+            b1 = w1.load([e32, k0, c0]).reshape(BK, BN)
+            b3 = w3.load([e32, k0, c0]).reshape(BK, BN)
+        else:
+            wm = km[:, None] & cm[None, :]
+            b1 = tl.load(w1_at + kk[:, None] * F + cols[None, :], mask=wm, other=0.0)
+            b3 = tl.load(w3_at + kk[:, None] * F + cols[None, :], mask=wm, other=0.0)
+        g = dot(a, b1, IEEE, g)
+        u = dot(a, b3, IEEE, u)
     out = _activation(g, u, beta1, beta2, SWIGLU)
     tl.store(h + rows[:, None].to(tl.int64) * F + cols[None, :], out.to(h.dtype.element_ty),
-             mask=rm[:, None] & (cols < F)[None, :])  # fmt: skip
+             mask=rm[:, None] & cm[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -297,21 +297,28 @@ def _down_kernel(h, w2, weight, out, dest, tile_expert, tile_row, offsets, F, Dl
     e, first, rows, rm, c0, cols, live = _expert_tile(tile_expert, tile_row, offsets, Dl, BM, BN)
     if not live:
         return
+    cm = cols < Dl
+    if DESC:  # TMA copies of [BM, BK] blocks of h and [1, BK, BN] blocks of w2:[E, F, Dl], zero outside
+        e32 = e.to(tl.int32)
+    else:
+        w2_at = w2 + e * F * Dl
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, F, BK):
         if DESC:
             a = h.load([first, k0])
+            b = w2.load([e32, k0, c0]).reshape(BK, BN)
         else:
             kk = k0 + tl.arange(0, BK)
-            a = tl.load(h + rows[:, None].to(tl.int64) * F + kk[None, :], mask=rm[:, None] & (kk < F)[None, :],
-                        other=0.0)  # fmt: skip
-        acc = dot(a, _weight_tile(w2, e, k0, c0, F, Dl, BK, BN, DESC), IEEE, acc)
+            km = kk < F
+            a = tl.load(h + rows[:, None].to(tl.int64) * F + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            b = tl.load(w2_at + kk[:, None] * Dl + cols[None, :], mask=km[:, None] & cm[None, :], other=0.0)
+        acc = dot(a, b, IEEE, acc)
     p = tl.load(weight + rows, mask=rm, other=0.0)
     at = rows.to(tl.int64)
     if SCATTER:
         at = tl.load(dest + rows, mask=rm, other=0).to(tl.int64)
     tl.store(out + at[:, None] * Dl + cols[None, :], (acc * p[:, None]).to(out.dtype.element_ty),
-             mask=rm[:, None] & (cols < Dl)[None, :])  # fmt: skip
+             mask=rm[:, None] & cm[None, :])  # fmt: skip
 
 
 @triton.jit

@@ -213,7 +213,7 @@ def test_the_layer_reads_no_device_value_after_its_checks(monkeypatch: pytest.Mo
 
     def on_the_host(indices: torch.Tensor, E: int) -> SortedPairs:
         d = dispatch(indices, E)
-        return SortedPairs(d.order, d.token, torch.tensor(d.offsets, dtype=torch.int32))
+        return SortedPairs(d.order, d.token, torch.tensor(d.offsets, dtype=torch.int32, device=indices.device))
 
     checked[0] = False
     monkeypatch.setattr(kernels, "sort_pairs", on_the_host)

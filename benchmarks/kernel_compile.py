@@ -183,6 +183,8 @@ def moe_launches() -> list[Launch]:
         *(experts("experts up", kernels._up_kernel, t, up, SWIGLU=False) for t in tile_candidates("up")),
         *(experts("experts down", kernels._down_kernel, t, down, SCATTER=True)
           for t in tile_candidates("down")),
+        Launch("tile table", kernels._table_kernel, dict(ROWS=128, BE=1024, BT=16), 1,
+               dict(offsets="*i32", expert_out="*i32", first_out="*i32", E=i32, total=i32, bound=i32), frozenset(), 8),
         Launch("combine and norm", kernels._combine_kernel, dict(K=16, BD=4096), 1,
                dict(rows="*bf16", gain="*fp32", normed="*bf16", Dl=i32, eps=f32), frozenset({"Dl"}), 8),
     ]  # fmt: skip

@@ -21,10 +21,10 @@ import moe_gpu  # noqa: E402  (the launch shapes its sweep times, each compiled 
 from k3verify.mla import kernels as mla_kernels  # noqa: E402
 
 # MLA: every decode shape the benchmark sweeps at a bf16 and an fp8 cache, and the bf16 and fp32
-# prefill. MoE: the router's selection, the combine, and every swept shape of the logits, up and
-# down launches.
+# prefill. MoE: the router's selection, the tile table, the combine, and every swept shape of the
+# logits, up and down launches.
 LAUNCHES = {"attnres": 3, "kda": 13, "mla": 2 * len(mla_kernels.DECODE_SHAPES) + 2,
-            "moe": 2 + sum(len(moe_gpu.CANDIDATES[launch]) for launch in ("logits", "up", "down"))}  # fmt: skip
+            "moe": 3 + sum(len(moe_gpu.CANDIDATES[launch]) for launch in ("logits", "up", "down"))}  # fmt: skip
 
 
 def _report(*args: str) -> list[str]:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 
@@ -348,21 +348,46 @@ def tile_bound(total: int, experts: int, rows: int) -> int:
     return (total + min(experts, total) * (rows - 1)) // rows
 
 
+@triton.jit
+def _table_kernel(offsets, expert_out, first_out, E, total, bound, ROWS: tl.constexpr, BE: tl.constexpr,
+                  BT: tl.constexpr):  # fmt: skip
+    """``BT`` entries of the tile table (:func:`_tile_table`) from the experts' row offsets: each
+    program counts every expert's tiles itself (``E <= BE``), then an entry's expert is the
+    number of experts whose tiles all lie before it."""
+    e = tl.arange(0, BE)
+    em = e < E
+    lo = tl.load(offsets + e, mask=em, other=0)
+    hi = tl.load(offsets + e + 1, mask=em, other=0)
+    tiles = (hi - lo + ROWS - 1) // ROWS
+    ends = tl.cumsum(tiles, 0)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    before = ends[None, :] <= t[:, None]
+    ex = tl.minimum(tl.sum(before.to(tl.int32), 1), E - 1)
+    done = tl.sum(tl.where(before, tiles[None, :], 0), 1)
+    first = tl.load(offsets + ex) + (t - done) * ROWS
+    first = tl.where(t < tl.sum(tiles, 0), first, total)
+    tm = t < bound
+    tl.store(expert_out + t, ex, mask=tm)
+    tl.store(first_out + t, first, mask=tm)
+
+
 def _tile_table(offsets: torch.Tensor, total: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(expert, first row)`` of the tiles of ``rows`` sorted rows, no tile across two experts
     (an expert with no rows has no tile), from the experts' row offsets ``offsets:[E + 1]``
-    (int32, ``total`` rows in all), int32 on their device, made there: the host never waits
-    for the counts. :func:`tile_bound` entries, the tiles in order first; the rest (the
-    launch's spare programs) name the last expert and first row ``total``, which holds no
+    (int32, ``total`` rows in all), int32 on their device, made there in one launch: the host
+    never waits for the counts. :func:`tile_bound` entries, the tiles in order first; the rest
+    (the launch's spare programs) name the last expert and first row ``total``, which holds no
     row."""
     E = offsets.numel() - 1
-    offs = offsets.to(torch.int64)
-    tiles = (offs[1:] - offs[:-1] + rows - 1) // rows
-    ends = tiles.cumsum(0)
-    t = torch.arange(tile_bound(total, E, rows), device=offsets.device)
-    expert = torch.searchsorted(ends, t, right=True).clamp_(max=E - 1)
-    first = torch.where(t < ends[-1], offs[expert] + (t - ends[expert] + tiles[expert]) * rows, total)
-    return expert.to(torch.int32), first.to(torch.int32)
+    bound = tile_bound(total, E, rows)
+    expert = torch.empty(bound, dtype=torch.int32, device=offsets.device)
+    first = torch.empty(bound, dtype=torch.int32, device=offsets.device)
+    if bound:
+        bt = 16
+        _table_kernel[(triton.cdiv(bound, bt),)](offsets.to(torch.int32).contiguous(), expert, first, E, total,
+                                                 bound, ROWS=rows, BE=triton.next_power_of_2(E), BT=bt,
+                                                 num_warps=8)  # fmt: skip
+    return expert, first
 
 
 def _moved(weights: MoEWeights, names: Sequence[str], dev: torch.device, dtype: torch.dtype) -> MoEWeights:
@@ -539,20 +564,22 @@ class Dense:
     combine: Callable[[torch.Tensor, torch.Tensor, float, torch.dtype], torch.Tensor]
 
 
+@lru_cache(maxsize=16)
+def _whole_rows(total: int, dev: torch.device) -> tuple[_RowTables, torch.Tensor]:
+    """The tile tables and unit weights of a plain GEMM over ``total`` rows on ``dev``: every GEMM
+    of a layer call has the same rows, and every call of one width the same, so they are made
+    once (their launches ran in the call's first milliseconds, where the device waited for the
+    host)."""
+    return _RowTables.whole(total, dev), torch.ones(total, dtype=torch.float32, device=dev)
+
+
 def kernel_dense(config: MoEConfig) -> Dense:
     """:class:`Dense` on our grouped launches with one expert holding every row: a plain GEMM is
     the down launch with unit weights, the shared MLP the up launch (its activation fused) and
     then the down launch."""
 
-    # Every GEMM of a layer call has the same T rows: their tile tables are built once.
-    made: dict[tuple[int, torch.device], tuple[_RowTables, torch.Tensor]] = {}
-
     def rows_of(a: torch.Tensor) -> tuple[_RowTables, torch.Tensor]:
-        key = (a.shape[0], a.device)
-        if key not in made:
-            made[key] = _RowTables.whole(a.shape[0], a.device), torch.ones(a.shape[0], dtype=torch.float32,
-                                                                           device=a.device)
-        return made[key]
+        return _whole_rows(a.shape[0], a.device)
 
     def matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         table, ones = rows_of(a)

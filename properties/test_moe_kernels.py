@@ -213,7 +213,8 @@ def test_the_layer_reads_no_device_value_after_its_checks(monkeypatch: pytest.Mo
 
     def on_the_host(indices: torch.Tensor, E: int) -> SortedPairs:
         d = dispatch(indices, E)
-        return SortedPairs(d.order, d.token, torch.tensor(d.offsets, dtype=torch.int32, device=indices.device))
+        offsets = torch.tensor(d.offsets, dtype=torch.int32, device=indices.device)
+        return SortedPairs(d.order, d.token, d.expert, offsets)
 
     checked[0] = False
     monkeypatch.setattr(kernels, "sort_pairs", on_the_host)
@@ -278,6 +279,7 @@ def test_sorted_pairs_are_the_definition(T: int, k: int, E: int, seed: int) -> N
     s = sort_pairs(indices, E)
     assert s.order.tolist() == [pair for _, _, pair in want] and s.token.tolist() == [t for _, t, _ in want]
     assert s.offsets.tolist() == offsets and s.offsets.dtype == torch.int32
+    assert s.expert.tolist() == [e for e, _, _ in want]
     d = dispatch(indices, E)
     assert torch.equal(d.order, s.order) and d.counts == counts and d.offsets == offsets
     assert d.expert.tolist() == [e for e, _, _ in want]

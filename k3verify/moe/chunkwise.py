@@ -51,11 +51,13 @@ class Dispatch:
 @dataclass(frozen=True)
 class SortedPairs:
     """The expert-sorted order of the ``P = T k`` (token, slot) pairs, all on the indices' device:
-    ``order:[P]`` and ``token:[P]`` (int64) as in :class:`Dispatch`, ``offsets:[E + 1]`` (int32)
-    each expert's first row (``offsets[E] = P``). Made without the host waiting on the device."""
+    ``order:[P]``, ``token:[P]`` and ``expert:[P]`` (int64) as in :class:`Dispatch`,
+    ``offsets:[E + 1]`` (int32) each expert's first row (``offsets[E] = P``). Made without the
+    host waiting on the device."""
 
     order: torch.Tensor
     token: torch.Tensor
+    expert: torch.Tensor
     offsets: torch.Tensor
 
 
@@ -68,7 +70,7 @@ def sort_pairs(indices: torch.Tensor, num_experts: int) -> SortedPairs:
     experts, order = torch.sort(flat, stable=True)
     starts = torch.arange(num_experts + 1, dtype=torch.int64, device=flat.device)
     offsets = torch.searchsorted(experts, starts).to(torch.int32)
-    return SortedPairs(order, order // indices.shape[1], offsets)
+    return SortedPairs(order, order // indices.shape[1], experts, offsets)
 
 
 def dispatch(indices: torch.Tensor, num_experts: int) -> Dispatch:
@@ -77,7 +79,7 @@ def dispatch(indices: torch.Tensor, num_experts: int) -> Dispatch:
     s = sort_pairs(indices, num_experts)
     offsets = s.offsets.tolist()
     counts = [b - a for a, b in pairwise(offsets)]
-    return Dispatch(s.order, s.token, indices.reshape(-1).to(torch.int64)[s.order], counts, offsets)
+    return Dispatch(s.order, s.token, s.expert, counts, offsets)
 
 
 def token_sums(rows: torch.Tensor, d: Dispatch, num_tokens: int) -> torch.Tensor:

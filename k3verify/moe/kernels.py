@@ -565,12 +565,13 @@ class Dense:
 
 
 @lru_cache(maxsize=16)
-def _whole_rows(total: int, dev: torch.device) -> tuple[_RowTables, torch.Tensor]:
-    """The tile tables and unit weights of a plain GEMM over ``total`` rows on ``dev``: every GEMM
-    of a layer call has the same rows, and every call of one width the same, so they are made
-    once (their launches ran in the call's first milliseconds, where the device waited for the
-    host)."""
-    return _RowTables.whole(total, dev), torch.ones(total, dtype=torch.float32, device=dev)
+def _whole_rows(total: int, dev: torch.device) -> tuple[_RowTables, torch.Tensor, torch.Tensor]:
+    """The tile tables, unit weights (fp32) and row indices (int32, each row its own token) of a
+    plain GEMM over ``total`` rows on ``dev``: every GEMM of a layer call has the same rows, and
+    every call of one width the same, so they are made once (their launches ran in the call's
+    first milliseconds, where the device waited for the host)."""
+    return (_RowTables.whole(total, dev), torch.ones(total, dtype=torch.float32, device=dev),
+            torch.arange(total, dtype=torch.int32, device=dev))  # fmt: skip
 
 
 def kernel_dense(config: MoEConfig) -> Dense:
@@ -578,16 +579,13 @@ def kernel_dense(config: MoEConfig) -> Dense:
     the down launch with unit weights, the shared MLP the up launch (its activation fused) and
     then the down launch."""
 
-    def rows_of(a: torch.Tensor) -> tuple[_RowTables, torch.Tensor]:
-        return _whole_rows(a.shape[0], a.device)
-
     def matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        table, ones = rows_of(a)
+        table, ones, _ = _whole_rows(a.shape[0], a.device)
         return _down(a.contiguous(), table, w[None], ones, dense=True, out_dtype=a.dtype)
 
     def shared(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        table, ones = rows_of(x)
-        h = _up(x, torch.arange(x.shape[0], device=x.device), table, w1[None], w3[None], config)
+        table, ones, token = _whole_rows(x.shape[0], x.device)
+        h = _up(x, token, table, w1[None], w3[None], config)
         return _down(h, table, w2[None], ones, dense=True, out_dtype=x.dtype)
 
     return Dense(matmul, shared, combine_norm)

@@ -11,8 +11,10 @@ the CPU width; the schedule-wide ones all 93 layers on a few tokens.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -467,6 +469,26 @@ def test_held_casts_are_made_once_and_again_after_any_write() -> None:
     assert cast_once(w, torch.float32) is not cast_once(w, torch.float32)
 
 
+def test_kept_casts_go_with_their_holder_at_once() -> None:
+    """A :class:`Casts` and what it keeps (a wide layer's copies are gigabytes) are freed when the
+    last reference to it goes, not when the cyclic collector next runs: nothing it keeps refers
+    back to it. Rule: structural."""
+    from k3verify.numerics import Casts
+
+    w = torch.randn(64, 64, dtype=torch.float64)
+    held = Casts(copy=True)
+    cast = held(w, torch.float32)
+    holder, kept = weakref.ref(held), weakref.ref(cast)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del held, cast
+        assert holder() is None and kept() is None
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _write_unseen(t: torch.Tensor) -> None:
     """Change one element of CPU tensor ``t`` through its memory, as a kernel writes through a
     pointer: torch's version counter does not move."""
@@ -495,13 +517,22 @@ def test_a_held_cast_is_checked_once_at_the_end_not_around_each_call() -> None:
         checked_call(_write_unseen, (cast_once(source, torch.bfloat16),), ("w",), {})
 
 
-def test_a_used_implementation_writing_into_its_weights_unseen_ends_the_walk(tmp_path, monkeypatch, capsys) -> None:
+@pytest.mark.parametrize("collected", [False, True], ids=["as run", "collector run before the end"])
+def test_a_used_implementation_writing_into_its_weights_unseen_ends_the_walk(tmp_path, monkeypatch, capsys,
+                                                                              collected) -> None:
     """A used MoE implementation that writes into the weights it computes with, through their
     memory (no in-place operation torch records), would have later calls compute with other
     weights: the job's end finds it and the walk ends with exit 2 naming the implementation.
-    Rule: structural."""
+    Whether Python's cyclic collector runs before that end or not (when it runs depends on
+    everything the process did before) changes nothing: the weights' copies the casts are
+    made from live to the job's end. Rule: structural."""
     from k3verify import moe
     from k3verify.harness.modules.moe import call
+    from k3verify.numerics import Casts
+
+    if collected:
+        changed = Casts.changed
+        monkeypatch.setattr(Casts, "changed", lambda self: (gc.collect(), changed(self))[1])
 
     def writing(x, w, cfg, *, routing):
         _write_unseen(w.w_latent_up)

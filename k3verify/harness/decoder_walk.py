@@ -40,7 +40,7 @@ from ..decoder.walks import (
     rms_ratio,
     walk,
 )
-from ..numerics import Casts, held_casts, resolve_dtype
+from ..numerics import cast_once, held_casts, resolve_dtype
 from ..numerics.policy import BASELINE_RULE, FAIL, PASS, POLICY, Verdict
 from . import registry
 from .files import UsageError
@@ -463,23 +463,26 @@ def _kda_bridge(impl: Implementation) -> Callable[..., Any]:
     return fn
 
 
-def _held(held: Casts, t: torch.Tensor) -> torch.Tensor:
-    """A weight ``t`` as an fp64 CPU copy made once (:class:`~k3verify.numerics.Casts`): the stack
-    hands the same weights to every call, and a wide MoE layer's are 3.6 GB in fp64, which copied
-    at every one of a scenario's hundreds of MoE calls kept a walk on the host for tens of minutes."""
-    return held(t, torch.float64, "cpu") if t.is_floating_point() else t
+def _held(t: torch.Tensor) -> torch.Tensor:
+    """A weight ``t`` as an fp64 CPU copy made once per job (:func:`~k3verify.numerics.cast_once`
+    inside the job's :func:`~k3verify.numerics.held_casts`): the stack hands the same weights to
+    every call, and a wide MoE layer's are 3.6 GB in fp64, which copied at every one of a
+    scenario's hundreds of MoE calls kept a walk on the host for tens of minutes. Kept by the job,
+    not by the plan, the copy lives to the job's end, where it and every cast made from it are
+    checked for writes no in-place operation recorded: copies kept by a plan would die with it,
+    before that check, and the casts made from them would go unchecked. Outside a job (a plan
+    used on its own) every call gets a fresh copy."""
+    return cast_once(t, torch.float64, "cpu", copy=True) if t.is_floating_point() else t
 
 
 def _mla_bridge(impl: Implementation) -> Callable[..., Any]:
-    held = Casts(copy=True)
-
     def fn(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: Any, w_uk: torch.Tensor, w_uv: torch.Tensor,
            **_: Any) -> torch.Tensor:
         cpu = cache.to(torch.float64) if not cache.quantized else cache
         cpu = type(cache)(*(None if t is None else t.to("cpu") for t in (cpu.pool, cpu.block_table, cpu.seq_lens,
                                                                          cpu.scales)))
-        inputs = {"q_nope": _fp64_cpu(q_nope), "q_pe": _fp64_cpu(q_pe), "cache": cpu, "w_uk": _held(held, w_uk),
-                  "w_uv": _held(held, w_uv)}
+        inputs = {"q_nope": _fp64_cpu(q_nope), "q_pe": _fp64_cpu(q_pe), "cache": cpu, "w_uk": _held(w_uk),
+                  "w_uv": _held(w_uv)}
         return _call(impl, inputs)["o"].to(q_nope.device, q_nope.dtype)
     return fn
 
@@ -490,10 +493,8 @@ def _moe_bridge(impl: Implementation) -> Callable[..., Any]:
     again on the low-precision input, and the tokens whose choices flip (O(1) each, compounding
     down the stack) would be charged to the implementation's arithmetic. One that routes itself
     and meets other experts cannot stand in a pinned walk: a usage error says so."""
-    held = Casts(copy=True)
-
     def fn(x: torch.Tensor, weights: Any, config: Any, *, routing: Any, **_: Any) -> torch.Tensor:
-        fp64 = type(weights)(**{n: _held(held, t) for n, t in weights.tensors().items()})
+        fp64 = type(weights)(**{n: _held(t) for n, t in weights.tensors().items()})
         pinned = type(routing)(routing.indices.cpu(), *(_fp64_cpu(t) for t in (routing.weights, routing.scores)))
         out = _call(impl, {"x": _fp64_cpu(x), "weights": fp64, "config": config, "routing": pinned})
         # the experts it reports (the module's entry always does; an implementation of one's own may not)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -95,20 +96,25 @@ class Casts:
         self._made: dict[tuple[int, torch.dtype, torch.device], tuple[Stamp, torch.Tensor, int]] = {}
         self._key_of: dict[int, tuple[int, torch.dtype, torch.device]] = {}  # id(cast) -> its key in _made
 
-    def __call__(self, t: torch.Tensor, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
-        """``t`` on ``device`` (default: its own) in ``dtype``."""
+    def __call__(self, t: torch.Tensor, dtype: torch.dtype, device: torch.device | str | None = None, *,
+                 copy: bool | None = None) -> torch.Tensor:
+        """``t`` on ``device`` (default: its own) in ``dtype``; ``copy`` (default: the one given
+        at construction) says whether a source already in that dtype and place is copied."""
         device = _place(t, device)
-        if not self.copy and t.dtype == dtype and t.device == device:
+        copy = self.copy if copy is None else copy
+        if not copy and t.dtype == dtype and t.device == device:
             return t  # as .to: nothing to make
         if t.is_inference() or t.requires_grad:  # no version to trust; a graph to keep
-            return t.to(device, dtype, copy=self.copy)
+            return t.to(device, dtype, copy=copy)
         key = (id(t), dtype, device)
         kept = self._made.get(key)
         if kept is not None and kept[0].holds(t) and kept[2] == kept[1]._version:
             return kept[1]
-        out = t.detach().to(device, dtype, copy=self.copy)
-        made = self._made
-        stamp = Stamp.of(t, lambda _, k=key: made.pop(k, None))
+        out = t.detach().to(device, dtype, copy=copy)
+        # The source's death drops its cast. The callback reaches this object through a weak
+        # reference: through the dict itself it would make a cycle, and the casts (gigabytes at
+        # K3's widths) would live until the cyclic collector ran, at a time no one can predict.
+        stamp = Stamp.of(t, functools.partial(_forget, weakref.ref(self), key))
         if stamp is not None:
             self._made[key] = (stamp, out, out._version)
             self._key_of[id(out)] = key
@@ -124,7 +130,9 @@ class Casts:
         """The kept casts whose values differ from their living source's cast although no
         in-place write was seen (their version counter did not move): memory written behind
         torch's back, as a kernel writes through a pointer. A write torch saw is harmless (the
-        next call gets a cast made again) and is not listed. One cast and compare per kept cast."""
+        next call gets a cast made again) and is not listed. One cast and compare per kept cast.
+        A cast whose source died went with it and is not compared: what is cast inside a walk's
+        job (the stack's weights, and the copies of them kept here) lives until the job's end."""
         found = []
         for stamp, out, out_version in list(self._made.values()):
             source = stamp.ref()
@@ -134,6 +142,13 @@ class Casts:
             if not torch.equal(bit_pattern(fresh), bit_pattern(out)):
                 found.append(f"the {str(out.dtype).removeprefix('torch.')} {list(out.shape)} copy on {out.device}")
         return found
+
+
+def _forget(casts: weakref.ref, key: tuple[int, torch.dtype, torch.device], _source: object) -> None:
+    """A source's death: its cast is dropped from ``casts`` (when that still lives)."""
+    held = casts()
+    if held is not None:
+        held._made.pop(key, None)
 
 
 _SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -180,8 +195,11 @@ def held(t: torch.Tensor) -> bool:
     return bool(_HELD) and _HELD[-1].holds(t)
 
 
-def cast_once(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
-    """``t.to(device, dtype)``; inside :func:`held_casts`, made once per unchanged source."""
+def cast_once(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str | None = None, *,
+              copy: bool = False) -> torch.Tensor:
+    """``t.to(device, dtype, copy=copy)``; inside :func:`held_casts`, made once per unchanged
+    source (a copy too: a kept copy is the same tensor at every call, and is checked with the
+    casts at the block's end)."""
     if _HELD:
-        return _HELD[-1](t, dtype, device)
-    return t.to(t.device if device is None else device, dtype)
+        return _HELD[-1](t, dtype, device, copy=copy)
+    return t.to(t.device if device is None else device, dtype, copy=copy)

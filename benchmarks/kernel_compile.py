@@ -159,9 +159,9 @@ def moe_launches() -> list[Launch]:
     i32, f32 = "i32", "fp32"
     logits = dict(x="*fp32", w="*fp32", r="*fp32", T=i32, D=i32, E=i32)
     select = dict(r="*fp32", bias="*fp32", idx_out="*i64", wt_out="*fp32", T=i32, E=i32, rho=f32, renorm_eps=f32)
-    tables = dict(token="*i32", tile_expert="*i32", tile_row="*i32", offsets="*i32")
+    tables = dict(token="*i32", tile_expert="*i32", tile_row="*i32", offsets="*i32", count="*i32")
     up = tables | dict(Dl=i32, F=i32, beta1=f32, beta2=f32)
-    down = tables | dict(weight="*fp32", out="*fp32", dest="*i64", F=i32, Dl=i32)
+    down = tables | dict(weight="*fp32", dest="*i64", F=i32, Dl=i32)  # out: the operand dtype, as the layer stores rows
 
     def router(t: Any) -> Launch:
         return Launch(f"router logits {t}", kernels._logits_kernel,
@@ -173,7 +173,8 @@ def moe_launches() -> list[Launch]:
             weight = f"tensordesc<bf16[1,{t.depth},{t.cols}]>"
             args = args | (dict(w1=weight, w3=weight) if "w1" in fn.arg_names
                            else dict(h=f"tensordesc<bf16[{t.rows},{t.depth}]>", w2=weight))  # fmt: skip
-        return Launch(f"{name} {t}", fn, dict(BM=t.rows, BN=t.cols, BK=t.depth, IEEE=False, DESC=t.tma, **extra),
+        return Launch(f"{name} {t}", fn, dict(BM=t.rows, BN=t.cols, BK=t.depth, IEEE=False, DESC=t.tma,
+                                              PERSISTENT=t.persistent > 0, **extra),
                       t.stages, args, frozenset({"Dl", "F"}), t.warps)
 
     return [
@@ -184,7 +185,8 @@ def moe_launches() -> list[Launch]:
         *(experts("experts down", kernels._down_kernel, t, down, SCATTER=True)
           for t in tile_candidates("down")),
         Launch("tile table", kernels._table_kernel, dict(ROWS=128, BE=1024, BT=16), 1,
-               dict(offsets="*i32", expert_out="*i32", first_out="*i32", E=i32, total=i32, bound=i32), frozenset(), 8),
+               dict(offsets="*i32", expert_out="*i32", first_out="*i32", count_out="*i32", E=i32, total=i32,
+                    bound=i32), frozenset(), 8),
         Launch("combine and norm", kernels._combine_kernel, dict(K=16, BD=4096), 1,
                dict(rows="*bf16", gain="*fp32", normed="*bf16", Dl=i32, eps=f32), frozenset({"Dl"}), 8),
     ]  # fmt: skip

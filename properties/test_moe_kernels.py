@@ -317,7 +317,8 @@ def test_the_fp64_definition_gives_the_same_bits_every_run_on_the_device() -> No
 
 SHAPES = [(kernels.Tiles(32, 16, 16), kernels.Tiles(16, 32, 32)),
           (kernels.Tiles(64, 32, 32), kernels.Tiles(64, 16, 16)),
-          (kernels.Tiles(16, 16, 32, tma=True), kernels.Tiles(32, 16, 16, tma=True))]  # fmt: skip
+          (kernels.Tiles(16, 16, 32, tma=True), kernels.Tiles(32, 16, 16, tma=True)),
+          (kernels.Tiles(16, 16, 16, persistent=2), kernels.Tiles(32, 16, 16, tma=True, persistent=1))]  # fmt: skip
 
 
 @pytest.mark.skipif(EXPERT_REASONS["fp32"] is not None, reason=str(EXPERT_REASONS["fp32"]))
@@ -352,6 +353,41 @@ def test_the_expert_launch_shapes_keep_the_layer_within_policy(up: kernels.Tiles
     assert verdict(layer(unplaced)).status == "fail"
 
 
+@pytest.mark.skipif(EXPERT_REASONS["fp32"] is not None, reason=str(EXPERT_REASONS["fp32"]))
+def test_a_persistent_launch_computes_every_tile_as_a_program_per_tile_does(monkeypatch) -> None:
+    """Rule: same-host bitwise (each tile's arithmetic is the same; only which program takes it
+    changes). A few programs each loop over many tiles (the interpreter counts one
+    multiprocessor), for the up and down launches, with the outputs filled with NaN first so a
+    tile no program took shows. The plant, a tile table that counts one tile short, leaves the
+    last tile's rows NaN and is caught."""
+    dev = kernels.device_for(torch.empty(0), "the MoE expert kernels")
+    cfg = MoEConfig(hidden_size=32, num_experts=6, top_k=3, latent_size=40, expert_hidden=24)
+    w = init_weights(cfg, seed=7)
+    w = type(w)(**{n: t.to(dev, torch.float32) for n, t in w.tensors().items()})
+    gen = torch.Generator().manual_seed(8)
+    z = torch.randn(29, cfg.latent_size, generator=gen).to(dev)
+    idx = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[: cfg.top_k] for _ in range(29)]).to(dev)
+    d = kernels.sort_pairs(idx, cfg.num_experts)
+    p = torch.rand(d.order.numel(), generator=gen).to(dev)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan"))
+                        if k.get("dtype", torch.float32).is_floating_point else empty(*a, **k))  # fmt: skip
+
+    def launches(tiles: kernels.Tiles) -> tuple[torch.Tensor, torch.Tensor]:
+        table = kernels._RowTables(d.offsets, d.order.numel())
+        h = kernels._up(z, d.token, table, w.w1, w.w3, cfg, tiles)
+        return h, kernels._down(h, table, w.w2, p, tiles, dest=d.order, out_dtype=torch.float32)
+
+    per_tile = launches(kernels.Tiles(16, 16, 16))
+    assert not any(t.isnan().any() for t in per_tile)
+    for persistent in (1, 3):
+        for got, want in zip(launches(kernels.Tiles(16, 16, 16, persistent=persistent)), per_tile):
+            assert_identical(got, want, f"{persistent} persistent programs against a program per tile")
+    table = kernels._tile_table
+    monkeypatch.setattr(kernels, "_tile_table", lambda *a: (*table(*a)[:2], table(*a)[2] - 1))
+    assert launches(kernels.Tiles(16, 16, 16, persistent=2))[0].isnan().any()
+
+
 def test_tma_launches_read_through_descriptors_where_the_layout_allows() -> None:
     """Structural: a ``tma`` launch's operands become tensor descriptors when every one of them
     starts and has its rows on 16-byte boundaries, and all stay tensors otherwise (the pointer
@@ -377,6 +413,9 @@ def test_launch_shapes_name_bad_sides() -> None:
         kernels.Tiles(16, 16, 16, warps=3)
     with pytest.raises(ValueError, match=r"Tiles\.stages"):
         kernels.Tiles(16, 16, 16, stages=0)
+    for bad in (-1, 9, True, 1.0):
+        with pytest.raises(ValueError, match=r"Tiles: persistent is a count of programs per multiprocessor"):
+            kernels.Tiles(16, 16, 16, persistent=bad)
 
 
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.sampled_from([16, 32, 128]))
@@ -390,9 +429,11 @@ def test_the_tile_table_covers_each_experts_rows_once(counts: list[int], rows: i
     for c in counts:
         offsets.append(offsets[-1] + c)
     total = offsets[-1]
-    expert, first = kernels._tile_table(torch.tensor(offsets, dtype=torch.int32), total, rows)
+    dev = kernels.device_for(torch.empty(0), "the MoE tile table")  # a CUDA launch reads device memory only
+    expert, first, count = kernels._tile_table(torch.tensor(offsets, dtype=torch.int32, device=dev), total, rows)
     want = [(e, start) for e in range(len(counts)) for start in range(offsets[e], offsets[e + 1], rows)]
     assert len(want) <= kernels.tile_bound(total, len(counts), rows) == expert.numel()
+    assert count.tolist() == [len(want)] and count.dtype == torch.int32  # what a persistent launch loops over
     assert list(zip(expert.tolist(), first.tolist()))[: len(want)] == want
     assert all(f >= offsets[e + 1] for e, f in zip(expert.tolist()[len(want) :], first.tolist()[len(want) :]))
     assert expert.dtype == first.dtype == torch.int32

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from functools import lru_cache, partial
+from typing import NamedTuple
 
 import torch
 
@@ -54,6 +55,7 @@ from ..triton_support import (
     dot,
     dot_fp32,
     interpreted,
+    multiprocessors,
     profiled,
     tl,
     triton,
@@ -76,7 +78,10 @@ class Tiles:
     ``num_warps``, ``num_stages``; the interpreter ignores those two). Sides are powers of two of
     at least 16 (a ``tl.dot`` side). ``tma``: the weight tiles (and the down launch's rows) read
     by TMA copies through tensor descriptors where the tensors' layout allows it
-    (:func:`_descriptor`), else by pointer loads."""
+    (:func:`_descriptor`), else by pointer loads. ``persistent``: 0 for a program per tile, else
+    that many programs per multiprocessor, each taking the tiles one after another (one loop
+    over its tiles and their products, which Triton pipelines as one: the next tile's first
+    loads are issued before the last one's results are stored)."""
 
     rows: int
     cols: int
@@ -84,12 +89,17 @@ class Tiles:
     warps: int = 4
     stages: int = 3
     tma: bool = False
+    persistent: int = 0
 
     def __post_init__(self) -> None:
         check_launch("Tiles", dict(rows=self.rows, cols=self.cols, depth=self.depth), self.warps, self.stages)
+        if not isinstance(self.persistent, int) or isinstance(self.persistent, bool) or not 0 <= self.persistent <= 8:
+            raise ValueError(f"Tiles: persistent is a count of programs per multiprocessor from 0 (a program per "
+                             f"tile) to 8, not {self.persistent!r}")
 
     def __str__(self) -> str:
-        return f"{self.rows}x{self.cols}x{self.depth} w{self.warps} s{self.stages}" + (" tma" if self.tma else "")
+        return (f"{self.rows}x{self.cols}x{self.depth} w{self.warps} s{self.stages}" + (" tma" if self.tma else "")
+                + (f" p{self.persistent}" if self.persistent else ""))
 
 
 # Launch shapes on a GPU, timed on an H100 by benchmarks/moe_gpu.py, which sweeps them (docs/gpu.md).
@@ -230,33 +240,50 @@ def _activation(g, u, beta1, beta2, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _expert_tile(tile_expert, tile_row, offsets, N, BM: tl.constexpr, BN: tl.constexpr):
-    """The program's expert, its first row and its rows ``[BM]`` (sorted order) with their mask,
-    its first output column and its ``BN`` output columns of ``N``, and whether it has a row at
-    all (the launch has programs for the most tiles the rows could need; the others find no row
-    and return). The launch is 1-D with the column tiles of one row tile side by side: they read
-    the same rows together (once from memory, then from L2), and the row tiles of one expert
-    follow each other, sharing its weights."""
-    pid = tl.program_id(0)
+def _expert_tile(tile, tile_expert, tile_row, offsets, N, BM: tl.constexpr, BN: tl.constexpr):
+    """Output tile ``tile``'s expert, its first row and its rows ``[BM]`` (sorted order) with
+    their mask, its first output column and its ``BN`` output columns of ``N``, and whether it
+    has a row at all (the launch has programs for the most tiles the rows could need; the others
+    find no row and return). The tiles are numbered with the column tiles of one row tile side
+    by side: run together, they read the same rows at once (from memory, then from L2), and the
+    row tiles of one expert follow each other, sharing its weights."""
     col_tiles = tl.cdiv(N, BN)
-    i = pid // col_tiles
+    i = tile // col_tiles
     e = tl.load(tile_expert + i).to(tl.int64)
     first = tl.load(tile_row + i)
     end = tl.load(offsets + e + 1)
     rows = first + tl.arange(0, BM)
-    c0 = (pid % col_tiles) * BN
+    c0 = (tile % col_tiles) * BN
     return e, first, rows, rows < end, c0, c0 + tl.arange(0, BN), first < end
 
 
 @triton.jit
-def _up_kernel(z, token, w1, w3, h, tile_expert, tile_row, offsets, Dl, F, beta1, beta2, BM: tl.constexpr,
+def _up_kernel(z, token, w1, w3, h, tile_expert, tile_row, offsets, count, Dl, F, beta1, beta2, BM: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr, IEEE: tl.constexpr,
-               DESC: tl.constexpr):  # fmt: skip
-    """``h = act(z W1_e, z W3_e)`` for one tile of expert ``e``'s rows and ``BN`` hidden columns
-    (``w1, w3`` tensor descriptors with ``DESC``)."""
-    e, _, rows, rm, c0, cols, live = _expert_tile(tile_expert, tile_row, offsets, F, BM, BN)
-    if not live:
-        return
+               DESC: tl.constexpr, PERSISTENT: tl.constexpr):  # fmt: skip
+    """``h = act(z W1_e, z W3_e)`` for the program's tile of expert ``e``'s rows and ``BN`` hidden
+    columns, or with ``PERSISTENT`` for every ``num_programs``-th of the ``count[0]`` row tiles'
+    output tiles (``w1, w3`` tensor descriptors with ``DESC``)."""
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), tl.load(count) * tl.cdiv(F, BN), tl.num_programs(0), flatten=True):
+            _up_tile(tile, z, token, w1, w3, h, tile_expert, tile_row, offsets, Dl, F, beta1, beta2, BM, BN, BK,
+                     SWIGLU, IEEE, DESC, False)  # fmt: skip
+    else:
+        _up_tile(tl.program_id(0), z, token, w1, w3, h, tile_expert, tile_row, offsets, Dl, F, beta1, beta2, BM, BN,
+                 BK, SWIGLU, IEEE, DESC, True)  # fmt: skip
+
+
+@triton.jit
+def _up_tile(tile, z, token, w1, w3, h, tile_expert, tile_row, offsets, Dl, F, beta1, beta2, BM: tl.constexpr,
+             BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr, IEEE: tl.constexpr, DESC: tl.constexpr,
+             SPARE: tl.constexpr):  # fmt: skip
+    """One output tile of :func:`_up_kernel`; with ``SPARE`` the tile may hold no row (a spare
+    program's), and then nothing is done. A persistent loop's tiles all hold rows: no branch
+    there keeps Triton from making one loop of the tiles and their products."""
+    e, _, rows, rm, c0, cols, live = _expert_tile(tile, tile_expert, tile_row, offsets, F, BM, BN)
+    if SPARE:
+        if not live:
+            return
     src = tl.load(token + rows, mask=rm, other=0)  # the token each sorted row comes from
     cm = cols < F
     if DESC:  # TMA copies of [1, BK, BN] blocks of w1, w3:[E, Dl, F], zero outside
@@ -285,18 +312,34 @@ def _up_kernel(z, token, w1, w3, h, tile_expert, tile_row, offsets, Dl, F, beta1
 
 
 @triton.jit
-def _down_kernel(h, w2, weight, out, dest, tile_expert, tile_row, offsets, F, Dl, BM: tl.constexpr,
+def _down_kernel(h, w2, weight, out, dest, tile_expert, tile_row, offsets, count, F, Dl, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, SCATTER: tl.constexpr, IEEE: tl.constexpr,
-                 DESC: tl.constexpr):  # fmt: skip
-    """``out = p · (h W2_e)`` for one tile of expert ``e``'s rows and ``BN`` latent columns (the
-    product and weight in fp32, stored in ``out``'s dtype), each row at row ``dest[row]`` of
-    ``out`` with ``SCATTER`` (its token's slot), else at its own row. With ``DESC`` ``h`` and
-    ``w2`` are tensor descriptors (``[BM, BK]`` and ``[1, BK, BN]`` blocks): the tile's rows are
-    copied whole, past its expert's last row too, and those rows are never stored (a row of the
-    product depends on its own row of ``h`` only)."""
-    e, first, rows, rm, c0, cols, live = _expert_tile(tile_expert, tile_row, offsets, Dl, BM, BN)
-    if not live:
-        return
+                 DESC: tl.constexpr, PERSISTENT: tl.constexpr):  # fmt: skip
+    """``out = p · (h W2_e)`` for the program's tile of expert ``e``'s rows and ``BN`` latent
+    columns, or with ``PERSISTENT`` for every ``num_programs``-th of the ``count[0]`` row tiles'
+    output tiles (the product and weight in fp32, stored in ``out``'s dtype), each row at row
+    ``dest[row]`` of ``out`` with ``SCATTER`` (its token's slot), else at its own row. With
+    ``DESC`` ``h`` and ``w2`` are tensor descriptors (``[BM, BK]`` and ``[1, BK, BN]`` blocks):
+    the tile's rows are copied whole, past its expert's last row too, and those rows are never
+    stored (a row of the product depends on its own row of ``h`` only)."""
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), tl.load(count) * tl.cdiv(Dl, BN), tl.num_programs(0), flatten=True):
+            _down_tile(tile, h, w2, weight, out, dest, tile_expert, tile_row, offsets, F, Dl, BM, BN, BK, SCATTER,
+                       IEEE, DESC, False)  # fmt: skip
+    else:
+        _down_tile(tl.program_id(0), h, w2, weight, out, dest, tile_expert, tile_row, offsets, F, Dl, BM, BN, BK,
+                   SCATTER, IEEE, DESC, True)  # fmt: skip
+
+
+@triton.jit
+def _down_tile(tile, h, w2, weight, out, dest, tile_expert, tile_row, offsets, F, Dl, BM: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, SCATTER: tl.constexpr, IEEE: tl.constexpr, DESC: tl.constexpr,
+               SPARE: tl.constexpr):  # fmt: skip
+    """One output tile of :func:`_down_kernel` (``SPARE`` as for :func:`_up_tile`)."""
+    e, first, rows, rm, c0, cols, live = _expert_tile(tile, tile_expert, tile_row, offsets, Dl, BM, BN)
+    if SPARE:
+        if not live:
+            return
     cm = cols < Dl
     if DESC:  # TMA copies of [BM, BK] blocks of h and [1, BK, BN] blocks of w2:[E, F, Dl], zero outside
         e32 = e.to(tl.int32)
@@ -349,11 +392,11 @@ def tile_bound(total: int, experts: int, rows: int) -> int:
 
 
 @triton.jit
-def _table_kernel(offsets, expert_out, first_out, E, total, bound, ROWS: tl.constexpr, BE: tl.constexpr,
+def _table_kernel(offsets, expert_out, first_out, count_out, E, total, bound, ROWS: tl.constexpr, BE: tl.constexpr,
                   BT: tl.constexpr):  # fmt: skip
     """``BT`` entries of the tile table (:func:`_tile_table`) from the experts' row offsets: each
     program counts every expert's tiles itself (``E <= BE``), then an entry's expert is the
-    number of experts whose tiles all lie before it."""
+    number of experts whose tiles all lie before it; the first program stores the count."""
     e = tl.arange(0, BE)
     em = e < E
     lo = tl.load(offsets + e, mask=em, other=0)
@@ -369,25 +412,29 @@ def _table_kernel(offsets, expert_out, first_out, E, total, bound, ROWS: tl.cons
     tm = t < bound
     tl.store(expert_out + t, ex, mask=tm)
     tl.store(first_out + t, first, mask=tm)
+    if tl.program_id(0) == 0:
+        tl.store(count_out, tl.sum(tiles, 0))
 
 
-def _tile_table(offsets: torch.Tensor, total: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(expert, first row)`` of the tiles of ``rows`` sorted rows, no tile across two experts
-    (an expert with no rows has no tile), from the experts' row offsets ``offsets:[E + 1]``
-    (int32, ``total`` rows in all), int32 on their device, made there in one launch: the host
-    never waits for the counts. :func:`tile_bound` entries, the tiles in order first; the rest
-    (the launch's spare programs) name the last expert and first row ``total``, which holds no
-    row."""
+def _tile_table(offsets: torch.Tensor, total: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(expert, first row, count)`` of the tiles of ``rows`` sorted rows, no tile across two
+    experts (an expert with no rows has no tile), from the experts' row offsets
+    ``offsets:[E + 1]`` (int32, ``total`` rows in all), int32 on their device, made there in one
+    launch: the host never waits for the counts. :func:`tile_bound` entries, the tiles in order
+    first; the rest (the launch's spare programs) name the last expert and first row ``total``,
+    which holds no row. ``count:[1]``: how many tiles there are (what a persistent launch
+    loops over)."""
     E = offsets.numel() - 1
     bound = tile_bound(total, E, rows)
     expert = torch.empty(bound, dtype=torch.int32, device=offsets.device)
     first = torch.empty(bound, dtype=torch.int32, device=offsets.device)
+    count = torch.zeros(1, dtype=torch.int32, device=offsets.device)
     if bound:
         bt = 16
-        _table_kernel[(triton.cdiv(bound, bt),)](offsets.to(torch.int32).contiguous(), expert, first, E, total,
-                                                 bound, ROWS=rows, BE=triton.next_power_of_2(E), BT=bt,
+        _table_kernel[(triton.cdiv(bound, bt),)](offsets.to(torch.int32).contiguous(), expert, first, count, E,
+                                                 total, bound, ROWS=rows, BE=triton.next_power_of_2(E), BT=bt,
                                                  num_warps=8)  # fmt: skip
-    return expert, first
+    return expert, first, count
 
 
 def _moved(weights: MoEWeights, names: Sequence[str], dev: torch.device, dtype: torch.dtype) -> MoEWeights:
@@ -455,25 +502,43 @@ def _shape(given: Tiles | None, default: Tiles) -> Tiles:
     return given or (INTERPRETED_TILES if interpreted() else default)
 
 
+class _Table(NamedTuple):
+    """One tile height's table (:func:`_tile_table`) and the experts' row offsets, in the order
+    the grouped kernels take them."""
+
+    expert: torch.Tensor
+    first: torch.Tensor
+    offsets: torch.Tensor
+    count: torch.Tensor
+
+
 class _RowTables:
     """What a grouped launch reads of one expert-sorted order of ``total`` rows: every row
-    tile's expert and first row (:func:`_tile_table`), and the experts' row offsets
-    (``offsets:[E + 1]`` int32), on the offsets' device; built once per tile height for all the
-    launches of a call."""
+    tile's expert and first row and the tile count (:func:`_tile_table`), and the experts' row
+    offsets (``offsets:[E + 1]`` int32), on the offsets' device; built once per tile height
+    for all the launches of a call."""
 
     def __init__(self, offsets: torch.Tensor, total: int) -> None:
         self.offsets, self.total = offsets, total
-        self.made: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.made: dict[int, _Table] = {}
 
     @classmethod
     def whole(cls, total: int, dev: torch.device) -> _RowTables:
         """One expert holding all ``total`` rows (a plain GEMM's)."""
         return cls(torch.arange(2, dtype=torch.int32, device=dev) * total, total)
 
-    def __call__(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(self, rows: int) -> _Table:
         if rows not in self.made:
-            self.made[rows] = (*_tile_table(self.offsets, self.total, rows), self.offsets)
+            expert, first, count = _tile_table(self.offsets, self.total, rows)
+            self.made[rows] = _Table(expert, first, self.offsets, count)
         return self.made[rows]
+
+
+def _programs(table: _Table, col_tiles: int, tiles: Tiles, dev: torch.device) -> int:
+    """A grouped launch's program count: one per output tile the rows could need, or with
+    ``tiles.persistent`` that many per multiprocessor (no more than there could be tiles)."""
+    most = table.expert.numel() * col_tiles
+    return min(most, tiles.persistent * multiprocessors(dev)) if tiles.persistent else most
 
 
 def _descriptor(t: torch.Tensor, block: Sequence[int]) -> object | None:
@@ -505,14 +570,14 @@ def _up(z: torch.Tensor, token: torch.Tensor, table: _RowTables, w1: torch.Tenso
     P, (Dl, F) = token.numel(), w1.shape[1:]
     t = _shape(tiles, UP_TILES)
     h = torch.empty(P, F, dtype=z.dtype, device=z.device)
-    expert, first, starts = table(t.rows)
-    if expert.numel():
+    tab = table(t.rows)
+    if tab.expert.numel():
         block = (1, t.depth, t.cols)
         (w1, w3), desc = _operands(t, (w1, block), (w3, block))
-        _up_kernel[(expert.numel() * triton.cdiv(F, t.cols),)](
-            z, token.to(torch.int32), w1, w3, h, expert, first, starts, Dl, F, float(config.beta1),
-            float(config.beta2), BM=t.rows, BN=t.cols, BK=t.depth, SWIGLU=config.activation == "swiglu",
-            IEEE=z.dtype == torch.float32, DESC=desc, num_warps=t.warps, num_stages=t.stages,
+        _up_kernel[(_programs(tab, triton.cdiv(F, t.cols), t, z.device),)](
+            z, token.to(torch.int32), w1, w3, h, *tab, Dl, F, float(config.beta1), float(config.beta2), BM=t.rows,
+            BN=t.cols, BK=t.depth, SWIGLU=config.activation == "swiglu", IEEE=z.dtype == torch.float32, DESC=desc,
+            PERSISTENT=t.persistent > 0, num_warps=t.warps, num_stages=t.stages,
         )  # fmt: skip
     return h
 
@@ -527,13 +592,13 @@ def _down(h: torch.Tensor, table: _RowTables, w2: torch.Tensor, p: torch.Tensor,
     P, (F, Dl) = h.shape[0], w2.shape[1:]
     t = _shape(tiles, DENSE_TILES if dense else DOWN_TILES)
     out = torch.empty(P, Dl, dtype=out_dtype, device=h.device)
-    expert, first, starts = table(t.rows)
-    if expert.numel():
+    tab = table(t.rows)
+    if tab.expert.numel():
         (a, w2), desc = _operands(t, (h, (t.rows, t.depth)), (w2, (1, t.depth, t.cols)))
-        _down_kernel[(expert.numel() * triton.cdiv(Dl, t.cols),)](
-            a, w2, p, out, p if dest is None else dest, expert, first, starts, F, Dl, BM=t.rows, BN=t.cols,
-            BK=t.depth, SCATTER=dest is not None, IEEE=h.dtype == torch.float32, DESC=desc, num_warps=t.warps,
-            num_stages=t.stages,
+        _down_kernel[(_programs(tab, triton.cdiv(Dl, t.cols), t, h.device),)](
+            a, w2, p, out, p if dest is None else dest, *tab, F, Dl, BM=t.rows, BN=t.cols, BK=t.depth,
+            SCATTER=dest is not None, IEEE=h.dtype == torch.float32, DESC=desc, PERSISTENT=t.persistent > 0,
+            num_warps=t.warps, num_stages=t.stages,
         )  # fmt: skip
     return out
 

@@ -123,7 +123,10 @@ def _other_shapes() -> list[kernels.DecodeLaunch]:
     return shapes
 
 
-OTHER_SHAPES = _other_shapes()
+# TMA page tiles under the samples' 16-slot pages (the benchmark's keep K3's 64-key tiles, which
+# these pages would send to the pointer loads): one and two head blocks.
+TMA_SHAPES = [kernels.DecodeLaunch(16, keys=16, tma=True), kernels.DecodeLaunch(32, keys=16, tma=True)]
+OTHER_SHAPES = _other_shapes() + TMA_SHAPES
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8_e4m3"])
@@ -163,10 +166,11 @@ def test_prefill_within_policy(dtype: str, p) -> None:
 
 
 @pytest.mark.skipif(REASONS["fp32"] is not None, reason=str(REASONS["fp32"]))
-@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("kind", ["decode", "decode tma", "prefill"])
 def test_dead_slots_are_never_read(kind: str) -> None:
     """Bitwise: every dead slot (other requests' tails, spare pages) NaN or zero gives the same
-    output, and a finite one (a read would make NaN)."""
+    output, and a finite one (a read would make NaN). A TMA launch copies a tile's whole rows of
+    its page, dead ones too, and must zero them before either product."""
     x = _problem(5, (21, 7, 40), 3, seed=4)
     args = list(_on(x, "fp32"))
     cache = args[2]
@@ -176,9 +180,44 @@ def test_dead_slots_are_never_read(kind: str) -> None:
         pool = cache.pool.clone()
         pool[~live] = fill
         args[2] = replace(cache, pool=pool)
-        outs.append(kernels.decode(*args, num_splits=5) if kind == "decode" else kernels.prefill(*args))
+        if kind == "prefill":
+            outs.append(kernels.prefill(*args))
+        else:
+            launch = TMA_SHAPES[0] if kind == "decode tma" else None
+            outs.append(kernels.decode(*args, num_splits=5, launch=launch))
     assert bool(torch.isfinite(outs[0]).all())
     assert_identical(outs[0], outs[1], "dead slots NaN vs zero")
+
+
+@pytest.mark.skipif(REASONS["fp32"] is not None, reason=str(REASONS["fp32"]))
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "fp8_e4m3"])
+def test_tma_tiles_give_the_pointer_loads_bits(dtype: str) -> None:
+    """Same-host bitwise: with one split (so the same tiles in the same order) a TMA launch's
+    output equals the pointer loads' bit for bit: the copies bring the same values, dead rows
+    and columns past the latent zeroed as the masked loads zero them. The TMA path is the one
+    taken (its descriptors are made)."""
+    reason = REASONS["bf16" if is_float8(dtype) else dtype]
+    if reason is not None:
+        pytest.skip(reason)
+    args = _on(_problem(17, (45, 30, 9), 2, seed=11), dtype)
+    tma = TMA_SHAPES[1]
+    assert kernels._page_tiles(args[2].pool, tma, 16, 16) is not None
+    got = kernels.decode(*args, launch=tma)
+    want = kernels.decode(*args, launch=replace(tma, tma=False))
+    assert_identical(got, want, f"{tma} against pointer loads, {dtype}")
+
+
+def test_tma_tiles_are_taken_only_where_a_tile_lies_in_a_page_and_rows_are_aligned() -> None:
+    """Structural: descriptors are made for a ``tma`` launch whose key tile divides the page and
+    whose pool starts and has its rows on 16-byte boundaries; otherwise the pointer loads run
+    (``None``), as for a launch without ``tma``."""
+    pool = torch.zeros(3, 16, 72)
+    tma = kernels.DecodeLaunch(16, keys=16, tma=True)
+    assert kernels._page_tiles(pool, tma, 16, 16) is not None
+    assert kernels._page_tiles(pool, replace(tma, tma=False), 16, 16) is None
+    assert kernels._page_tiles(pool, replace(tma, keys=32), 16, 16) is None  # a tile over two pages
+    assert kernels._page_tiles(torch.zeros(3, 16, 71), tma, 16, 16) is None  # rows of 284 bytes
+    assert kernels._page_tiles(pool.reshape(-1)[1:1153].reshape(1, 16, 72), tma, 16, 16) is None  # starts 4 bytes in
 
 
 @pytest.mark.skipif(REASONS["fp32"] is not None, reason=str(REASONS["fp32"]))
@@ -285,7 +324,8 @@ def test_bad_arguments_are_named() -> None:
         with pytest.raises(ValueError, match=r"DecodeLaunch\.heads must be one of"):
             kernels.DecodeLaunch(heads=block)
     for bad, match in ((dict(keys=24), "keys must be a power of two"), (dict(warps=3), "warps must be"),
-                       (dict(warps=4.0), "warps must be"), (dict(stages=0), "stages must be 1 to 6")):  # fmt: skip
+                       (dict(warps=4.0), "warps must be"), (dict(stages=0), "stages must be 1 to 6"),
+                       (dict(tma=1), "tma must be True or False")):  # fmt: skip
         with pytest.raises(ValueError, match=rf"DecodeLaunch\.{match}"):
             kernels.DecodeLaunch(**bad)
     with pytest.raises(TypeError, match="launch must be a DecodeLaunch, got int"):

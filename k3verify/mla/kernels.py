@@ -44,7 +44,7 @@ import torch
 
 from ..numerics import map_tensors
 from ..numerics.validate import require_block
-from ..triton_support import block, check_launch, device_for, dot, interpreted, tl, triton
+from ..triton_support import TensorDescriptor, block, check_launch, device_for, dot, interpreted, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
 from .cache import LatentCache, gather
 from .inputs import check_inputs, heads_first
@@ -64,20 +64,27 @@ class DecodeLaunch:
     :data:`HEAD_BLOCKS`, a ``tl.dot`` side; the heads of a program share every cache tile they
     read), ``keys`` per cache tile, Triton's ``warps`` and pipeline ``stages`` (the interpreter
     ignores those two). On sm_90 only a 64-head block is a wgmma side (Triton takes warpgroup
-    products for 64 rows and more); 16 and 32 take the older ``mma.sync`` products."""
+    products for 64 rows and more); 16 and 32 take the older ``mma.sync`` products. ``tma``: each
+    cache tile read by TMA copies of whole rows of one page (:func:`_page_tiles`), where a page
+    holds a whole number of tiles and the pool's rows lie on 16-byte boundaries, else by pointer
+    loads. Triton's pipeliner prefetches those copies where it leaves an fp8 tile's pointer loads
+    waited on (a dequantised tile feeds two products)."""
 
     heads: int = 16
     keys: int = 64
     warps: int = 4
     stages: int = 2
+    tma: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.heads, bool) or not isinstance(self.heads, int) or self.heads not in HEAD_BLOCKS:
             raise ValueError(f"DecodeLaunch.heads must be one of {HEAD_BLOCKS}, got {self.heads!r}")
         check_launch("DecodeLaunch", dict(keys=self.keys), self.warps, self.stages)
+        if not isinstance(self.tma, bool):
+            raise ValueError(f"DecodeLaunch.tma must be True or False, got {self.tma!r}")
 
     def __str__(self) -> str:
-        return f"{self.heads} heads x {self.keys} keys w{self.warps} s{self.stages}"
+        return f"{self.heads} heads x {self.keys} keys w{self.warps} s{self.stages}" + (" tma" if self.tma else "")
 
 
 # Decode launch shape: 16 heads by 64-key tiles on 4 warps, 2 stages, the fastest timed on an H200
@@ -88,7 +95,10 @@ DECODE_LAUNCH = DecodeLaunch()
 # (on 4 warps its fp32 accumulator of 64 x 512 spills about 1 KB).
 DECODE_SHAPES = (DECODE_LAUNCH, DecodeLaunch(16, warps=8), DecodeLaunch(32), DecodeLaunch(32, warps=8),
                  DecodeLaunch(64, warps=8), DecodeLaunch(64, keys=32, warps=8),
-                 DecodeLaunch(64, keys=32, warps=8, stages=3))  # fmt: skip
+                 DecodeLaunch(64, keys=32, warps=8, stages=3),
+                 # TMA page tiles at the shapes that compile without spills (or 24-32 B at 4 warps)
+                 DecodeLaunch(16, tma=True), DecodeLaunch(16, warps=8, tma=True), DecodeLaunch(32, warps=8, tma=True),
+                 DecodeLaunch(64, keys=32, warps=8, stages=3, tma=True))  # fmt: skip
 
 
 # More than 32 heads (K3's 96 on one device), timed on an H100 at B = 64 and 256, context 4096 and
@@ -140,14 +150,29 @@ def _latent_chunk(pool, slot, col, pm, R, W, sc, QUANT: tl.constexpr, OP: tl.con
 
 
 @triton.jit
+def _tile_chunk(lat, row, col, pm, R, sc, QUANT: tl.constexpr, OP: tl.constexpr):
+    """Columns ``col + [0, BC)`` of the ``BN`` cache entries from slot ``row`` on, by one TMA
+    copy (``lat`` a descriptor of ``[BN, BC]`` blocks): rows past the query's keys (``pm``
+    false, dead or other requests' slots of the page) and columns past ``R`` read as 0, an fp8
+    cache dequantised per token by ``sc``."""
+    c = lat.load([row, col])
+    keep = pm[:, None] & ((col + tl.arange(0, c.shape[1])) < R)[None, :]
+    if QUANT:
+        return tl.where(keep, c.to(tl.float32) * sc[:, None], 0.0).to(OP)
+    return tl.where(keep, c, 0.0).to(OP)
+
+
+@triton.jit
 def _decode_kernel(
-    q_lat, q_pe, pool, scales, block_table, seq_lens, o_part, lse_part,
+    q_lat, q_pe, pool, scales, block_table, seq_lens, o_part, lse_part, lat, rope,
     T, H, R, Dr, W, page_size, max_pages, BT, scale, num_splits, head_blocks,
     BH: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, BDR: tl.constexpr, BN: tl.constexpr,
-    QUANT: tl.constexpr, IEEE: tl.constexpr,
+    QUANT: tl.constexpr, IEEE: tl.constexpr, DESC: tl.constexpr,
 ):  # fmt: skip
     """One (request and query token, key split, block of ``BH`` heads): the online softmax of
-    the block's heads over the split's keys, the latent width in ``NC`` chunks of ``BC``."""
+    the block's heads over the split's keys, the latent width in ``NC`` chunks of ``BC``. With
+    ``DESC`` the cache tiles come by TMA copies through ``lat`` and ``rope`` (:func:`_page_tiles`)
+    and every split starts on a tile, so that a tile lies in one page."""
     # The head blocks of one (token, split) are neighbours in the launch, so the cache tiles they
     # all read are fetched from memory once and then from L2.
     pid = tl.program_id(0)
@@ -157,6 +182,8 @@ def _decode_kernel(
     b = bt // T
     visible = tl.load(seq_lens + b).to(tl.int32) - T + (bt % T).to(tl.int32) + 1
     per = tl.cdiv(visible, num_splits)
+    if DESC:  # every tile inside one page: splits start on a tile
+        per = tl.cdiv(per, BN) * BN
     k0 = sp * per
     k1 = tl.minimum(visible, k0 + per)
     rc = tl.arange(0, BC)
@@ -198,18 +225,33 @@ def _decode_kernel(
             sc = tl.load(scales + slot, mask=pm, other=0.0)
         else:
             sc = tl.zeros([BN], dtype=tl.float32)
-        c0 = _latent_chunk(pool, slot, rc, pm, R, W, sc, QUANT, OP)
+        if DESC:
+            row = (tl.max(page, 0) * page_size + n0 % page_size).to(tl.int32)  # the tile's first slot
+            c0 = _tile_chunk(lat, row, 0, pm, R, sc, QUANT, OP)
+        else:
+            c0 = _latent_chunk(pool, slot, rc, pm, R, W, sc, QUANT, OP)
         s = dot(ql0, tl.trans(c0), IEEE)
         if NC >= 2:
-            c1 = _latent_chunk(pool, slot, BC + rc, pm, R, W, sc, QUANT, OP)
+            if DESC:
+                c1 = _tile_chunk(lat, row, BC, pm, R, sc, QUANT, OP)
+            else:
+                c1 = _latent_chunk(pool, slot, BC + rc, pm, R, W, sc, QUANT, OP)
             s += dot(ql1, tl.trans(c1), IEEE)
         if NC == 4:
-            c2 = _latent_chunk(pool, slot, 2 * BC + rc, pm, R, W, sc, QUANT, OP)
-            c3 = _latent_chunk(pool, slot, 3 * BC + rc, pm, R, W, sc, QUANT, OP)
+            if DESC:
+                c2 = _tile_chunk(lat, row, 2 * BC, pm, R, sc, QUANT, OP)
+                c3 = _tile_chunk(lat, row, 3 * BC, pm, R, sc, QUANT, OP)
+            else:
+                c2 = _latent_chunk(pool, slot, 2 * BC + rc, pm, R, W, sc, QUANT, OP)
+                c3 = _latent_chunk(pool, slot, 3 * BC + rc, pm, R, W, sc, QUANT, OP)
             s += dot(ql2, tl.trans(c2), IEEE) + dot(ql3, tl.trans(c3), IEEE)
-        kp = tl.load(pool + slot[:, None] * W + R + pp[None, :], mask=pm[:, None] & (pp < Dr)[None, :], other=0.0)
-        if QUANT:
-            kp = (kp.to(tl.float32) * sc[:, None]).to(OP)
+        if DESC:
+            kp = _tile_chunk(rope, row, R, pm, R + Dr, sc, QUANT, OP)
+        else:
+            kp = tl.load(pool + slot[:, None] * W + R + pp[None, :], mask=pm[:, None] & (pp < Dr)[None, :],
+                         other=0.0)  # fmt: skip
+            if QUANT:
+                kp = (kp.to(tl.float32) * sc[:, None]).to(OP)
         s += dot(qp, tl.trans(kp), IEEE)
         s = tl.where(pm[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -376,14 +418,30 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache
     BR = block(R)
     chunks = 4 if BR >= 64 else 2 if BR >= 32 else 1  # a chunk is at least 16 wide (a tl.dot side)
     head_blocks = triton.cdiv(H, launch.heads)
+    tiles = _page_tiles(pool, launch, BR // chunks, block(Dr))
     _decode_kernel[(BT * num_splits * head_blocks,)](
         q_lat.contiguous(), q_pe.contiguous(), pool, scales, table, cache.seq_lens.to(dev).contiguous(),
-        o_part, lse, T, H, R, Dr, R + Dr, cache.page_size, table.shape[1], BT, float(scale), num_splits, head_blocks,
-        BH=launch.heads, BC=BR // chunks, NC=chunks, BDR=block(Dr), BN=launch.keys, QUANT=cache.quantized,
-        IEEE=q_lat.dtype == torch.float32, num_warps=launch.warps, num_stages=launch.stages,
+        o_part, lse, *(tiles or (pool, pool)), T, H, R, Dr, R + Dr, cache.page_size, table.shape[1], BT, float(scale),
+        num_splits, head_blocks, BH=launch.heads, BC=BR // chunks, NC=chunks, BDR=block(Dr), BN=launch.keys,
+        QUANT=cache.quantized, IEEE=q_lat.dtype == torch.float32, DESC=tiles is not None, num_warps=launch.warps,
+        num_stages=launch.stages,
     )  # fmt: skip
     weights = torch.softmax(lse, dim=0)  # e^{lse_s - LSE}; an empty split's -inf gets 0
     return (weights[..., None] * o_part).sum(0).reshape(B, T, H, R)
+
+
+def _page_tiles(pool: torch.Tensor, launch: DecodeLaunch, chunk: int, rope: int) -> tuple[object, ...] | None:
+    """TMA descriptors of ``[keys, chunk]`` latent and ``[keys, rope]`` rope blocks of the pool's
+    rows (``pool:[P, page_size, W]`` contiguous, read as ``[P · page_size, W]``) for a ``tma``
+    launch, or ``None`` (the pointer loads) where a tile could cross a page (``page_size`` not a
+    multiple of ``keys``), a block side passes a TMA box's 256, or the pool or its rows do not
+    start on 16-byte boundaries (the copy engine's rule)."""
+    if not launch.tma or pool.shape[1] % launch.keys or max(launch.keys, chunk, rope) > 256:
+        return None
+    rows = pool.reshape(-1, pool.shape[-1])
+    if rows.data_ptr() % 16 or rows.stride(0) * rows.element_size() % 16:
+        return None
+    return tuple(TensorDescriptor.from_tensor(rows, [launch.keys, side]) for side in (chunk, rope))
 
 
 def prefill(

@@ -195,11 +195,13 @@ def test_tma_tiles_give_the_pointer_loads_bits(dtype: str) -> None:
     """Same-host bitwise: with one split (so the same tiles in the same order) a TMA launch's
     output equals the pointer loads' bit for bit: the copies bring the same values, dead rows
     and columns past the latent zeroed as the masked loads zero them. The TMA path is the one
-    taken (its descriptors are made)."""
+    taken (its descriptors are made): a rope width of 16 makes the cache rows 80 wide, so that
+    an fp8 cache's rows (80 bytes) lie on 16-byte boundaries too."""
     reason = REASONS["bf16" if is_float8(dtype) else dtype]
     if reason is not None:
         pytest.skip(reason)
-    args = _on(_problem(17, (45, 30, 9), 2, seed=11), dtype)
+    cfg = replace(samples.CONFIG, num_heads=17, qk_rope_head_dim=16)
+    args = _on(samples.layer_inputs(cfg, (45, 30, 9), 2, seed=11), dtype)
     tma = TMA_SHAPES[1]
     assert kernels._page_tiles(args[2].pool, tma, 16, 16) is not None
     got = kernels.decode(*args, launch=tma)

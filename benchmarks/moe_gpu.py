@@ -155,7 +155,7 @@ def shape_rows(T: int, H: int, peak: float, log) -> list[dict[str, Any]]:
     h = kernels._up(z, d.token, table, w.w1, w.w3, cfg)
     dense_rows = kernels._RowTables.whole(T, z.device)
     ones = torch.ones(T, device=DEVICE)
-    rows: list[dict[str, Any]] = []
+    rows = padding_rows(T, H, d.offsets, log)
     best: dict[str, kernels.Tiles] = {}
     makers = {
         "logits": lambda t: partial(kernels.route, x, w_r, bias, cfg, tiles=t),
@@ -191,6 +191,21 @@ def shape_rows(T: int, H: int, peak: float, log) -> list[dict[str, Any]]:
     del peer, first  # its fused [W1 | W3] (40 GB at the full hidden) before the layer is timed
     torch.cuda.empty_cache()
     rows += layer_rows(T, H, cfg, w, x, r, best, ours, group, log)
+    return rows
+
+
+def padding_rows(T: int, H: int, offsets: torch.Tensor, log) -> list[dict[str, Any]]:
+    """How many of the rows that tiles of 64 and of 128 compute are real, for this routing: an
+    expert's last tile is short, and the grouped launches compute it whole."""
+    counts = offsets.diff().long()
+    real = int(counts.sum())
+    rows = []
+    for height in (64, 128):
+        computed = int(((counts + height - 1) // height).sum()) * height
+        rows.append(dict(kind="padding", T=T, H=H, tile_rows=height, rows=real, computed_rows=computed,
+                         real_fraction=real / computed))  # fmt: skip
+        log(f"  {height}-row tiles: {real} of {computed} computed rows real ({100 * real / computed:.1f}%), "
+            f"{int(counts.min())}-{int(counts.max())} rows an expert")  # fmt: skip
     return rows
 
 
@@ -298,7 +313,12 @@ def markdown(result: dict[str, Any]) -> str:
     gaps = [r for r in result["rows"] if r["kind"] == "gap"]
     lines += [f"| {r['T']} | {r['H']} | {format(r['at_ms'], '.3f') if 'at_ms' in r else ''} | {_figure(r)} | "
               f"{cell(r['host'])} |" for r in gaps]  # fmt: skip
-    lines += ["", "Launch shapes (rows x columns x depth, warps, stages; the first is the default):", "",
+    lines += ["", "Rows the grouped launches compute at each tile height (an expert's last tile is short):", "",
+              "| T | expert hidden | tile rows | real rows | computed rows | real |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['T']} | {r['H']} | {r['tile_rows']} | {r['rows']} | {r['computed_rows']} | "
+              f"{100 * r['real_fraction']:.1f}% |" for r in result["rows"] if r["kind"] == "padding"]  # fmt: skip
+    lines += ["", "Launch shapes (rows x columns x depth, warps, stages; the first is the default; p: persistent"
+              " programs per multiprocessor):", "",
               "| T | expert hidden | launch | tiles | ms | difference from the default |", "|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if r["kind"] == "tiles":

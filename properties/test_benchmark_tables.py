@@ -66,6 +66,7 @@ def test_the_moe_table_renders_the_sweep_the_peer_and_the_layer() -> None:
         dict(kind="gap", T=4096, H=384, host="(profiler)", error="RuntimeError: no device activity"),
         dict(kind="tiles", T=4096, H=384, launch="up", tiles="64x64x64 w4 s3", ms=2.29, difference=0.0),
         dict(kind="tiles", T=4096, H=384, launch="down", tiles="128x256x64 w8 s3", error="differs by 1e-1"),
+        dict(kind="padding", T=4096, H=384, tile_rows=64, rows=65536, computed_rows=104704, real_fraction=0.6259),
     ]  # fmt: skip
     table = moe_gpu.markdown(dict(device="H100", peak_tflops=793.0, rows=rows, environment=ENV))
     assert "| 4096 | 384 | k3verify | 4.400 | 122 | 15% |" in table and "1.50x" in table
@@ -73,6 +74,7 @@ def test_the_moe_table_renders_the_sweep_the_peer_and_the_layer() -> None:
     assert "| up | 64x64x64 w4 s3 | 2.290 | 0.0e+00 |" in table and "differs by 1e-1" in table
     assert "| 4096 | 384 | \\_up\\_kernel | 1.250 |" in table
     assert "| 4096 | 384 | 1.700 | 0.310 | moe.experts |" in table and "no device activity" in table
+    assert "| 4096 | 384 | 64 | 65536 | 104704 | 62.6% |" in table
     text = ("implementation", "error", "part", "kernel", "tiles", "host")
     hostile = [{k: (HOSTILE if k in text else v) for k, v in r.items()} for r in rows]
     _escaped(moe_gpu.markdown(dict(device=HOSTILE, peak_tflops=793.0, rows=hostile, environment=ENV)), len(rows))
@@ -89,3 +91,14 @@ def test_the_kda_and_attnres_tables_escape_their_free_text() -> None:
                dict(kind="accuracy", logit_scale=1.0, implementation=HOSTILE, rms_ratio=3e-3,
                     baseline_rms_ratio=3e-3)]  # fmt: skip
     _escaped(attnres_gpu.markdown(dict(device=HOSTILE, copy_tbps=3.0, rows=attnres, environment=ENV)), 3)
+
+
+def test_the_moe_padding_rows_count_each_experts_short_last_tile() -> None:
+    """Structural, against counts done by hand: experts of 100, 0 and 192 rows take 2 + 0 + 3
+    tiles of 64 rows (320 computed) and 1 + 0 + 2 of 128 (384); 292 rows are real."""
+    import torch
+
+    said: list[str] = []
+    rows = moe_gpu.padding_rows(16, 384, torch.tensor([0, 100, 100, 292], dtype=torch.int32), said.append)
+    assert [(r["tile_rows"], r["rows"], r["computed_rows"]) for r in rows] == [(64, 292, 320), (128, 292, 384)]
+    assert rows[0]["real_fraction"] == 292 / 320 and "0-192 rows an expert" in said[0]

@@ -428,7 +428,8 @@ def _tile_table(offsets: torch.Tensor, total: int, rows: int) -> tuple[torch.Ten
     bound = tile_bound(total, E, rows)
     expert = torch.empty(bound, dtype=torch.int32, device=offsets.device)
     first = torch.empty(bound, dtype=torch.int32, device=offsets.device)
-    count = torch.zeros(1, dtype=torch.int32, device=offsets.device)
+    # written by the launch's first program (a memset would be one more small launch a call)
+    count = (torch.empty if bound else torch.zeros)(1, dtype=torch.int32, device=offsets.device)
     if bound:
         bt = 16
         _table_kernel[(triton.cdiv(bound, bt),)](offsets.to(torch.int32).contiguous(), expert, first, count, E,

@@ -212,21 +212,25 @@ def _decode_kernel(
     # Each tile's pages are read one iteration ahead: a cache load whose address comes from a
     # load in the same iteration is single-buffered by the software pipeliner, one whose address
     # was read the iteration before is buffered num_stages - 1 deep (the bandwidth of the pass).
-    ahead = k0 + tl.arange(0, BN)
+    # A TMA tile lies in one page: one entry of the table a tile, not one a key.
+    ahead = k0 if DESC else k0 + tl.arange(0, BN)
     next_page = tl.load(block_table + b * max_pages + ahead // page_size, mask=ahead < k1, other=0).to(tl.int32)
     for n0 in range(k0, k1, BN):
         pos = n0 + tl.arange(0, BN)
         pm = pos < k1
         page = next_page
-        ahead = pos + BN
+        ahead = n0 + BN if DESC else pos + BN
         next_page = tl.load(block_table + b * max_pages + ahead // page_size, mask=ahead < k1, other=0).to(tl.int32)
-        slot = page.to(tl.int64) * page_size + pos % page_size
+        if DESC:
+            row = page * page_size + n0 % page_size  # the tile's first slot
+            slot = row.to(tl.int64) + tl.arange(0, BN)
+        else:
+            slot = page.to(tl.int64) * page_size + pos % page_size
         if QUANT:
             sc = tl.load(scales + slot, mask=pm, other=0.0)
         else:
             sc = tl.zeros([BN], dtype=tl.float32)
         if DESC:
-            row = (tl.max(page, 0) * page_size + n0 % page_size).to(tl.int32)  # the tile's first slot
             c0 = _tile_chunk(lat, row, 0, pm, R, sc, QUANT, OP)
         else:
             c0 = _latent_chunk(pool, slot, rc, pm, R, W, sc, QUANT, OP)

@@ -15,7 +15,7 @@ import inspect
 import os
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +37,17 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .numerics import dtype_name, resolve_dtype
 
 __all__ = ["TensorDescriptor", "block", "check_launch", "device_for", "dot", "dot_fp32", "interpreted",
-           "multiprocessors", "profiled", "tl", "triton", "unavailable_reason"]
+           "multiprocessors", "profiled", "tl", "tma_descriptor", "triton", "unavailable_reason"]
+
+
+def tma_descriptor(t: torch.Tensor, block: Sequence[int]) -> TensorDescriptor | None:
+    """``t`` (contiguous) as a TMA tensor descriptor of ``block`` tiles, or ``None`` where a TMA
+    copy cannot read it: its start or a row not on a 16-byte boundary (the copy engine's rule),
+    or a block side over a copy box's 256 elements."""
+    size = t.element_size()
+    if t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:-1]) or max(block) > 256:
+        return None
+    return TensorDescriptor.from_tensor(t, list(block))
 
 
 def interpreted() -> bool:

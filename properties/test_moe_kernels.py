@@ -33,6 +33,7 @@ from k3verify.moe import kernels, router
 from k3verify.moe.inputs import MoEConfig, Routing
 from k3verify.moe.layer import init_weights
 from k3verify.numerics import baseline_rule, compare, noise_floor
+from k3verify.triton_support import TensorDescriptor
 
 REASON = kernels.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=str(REASON))
@@ -396,11 +397,12 @@ def test_tma_launches_read_through_descriptors_where_the_layout_allows() -> None
     tma, plain = kernels.Tiles(16, 16, 16, tma=True), kernels.Tiles(16, 16, 16)
     ok, odd = torch.zeros(2, 8, 24), torch.zeros(2, 8, 23)  # rows of 96 and 92 bytes
     got, desc = kernels._operands(tma, (ok, (1, 16, 16)), (ok[0], (16, 16)))
-    assert desc and all(isinstance(g, kernels.TensorDescriptor) for g in got)
+    assert desc and all(isinstance(g, TensorDescriptor) for g in got)
     got, desc = kernels._operands(tma, (ok, (1, 16, 16)), (odd, (1, 16, 16)))
     assert not desc and all(isinstance(g, torch.Tensor) for g in got)
     assert not kernels._operands(tma, (ok.reshape(-1)[1:].reshape(1, 1, -1)[..., :16], (1, 16, 16)))[1]
     assert not kernels._operands(plain, (ok, (1, 16, 16)))[1]
+    assert not kernels._operands(tma, (torch.zeros(2, 8, 512), (1, 8, 512)))[1]  # a copy box holds 256 a side
 
 
 def test_launch_shapes_name_bad_sides() -> None:

@@ -44,7 +44,7 @@ import torch
 
 from ..numerics import map_tensors
 from ..numerics.validate import require_block
-from ..triton_support import TensorDescriptor, block, check_launch, device_for, dot, interpreted, tl, triton
+from ..triton_support import block, check_launch, device_for, dot, interpreted, tl, tma_descriptor, triton
 from ..triton_support import unavailable_reason as _unavailable
 from .cache import LatentCache, gather
 from .inputs import check_inputs, heads_first
@@ -438,14 +438,13 @@ def _page_tiles(pool: torch.Tensor, launch: DecodeLaunch, chunk: int, rope: int)
     """TMA descriptors of ``[keys, chunk]`` latent and ``[keys, rope]`` rope blocks of the pool's
     rows (``pool:[P, page_size, W]`` contiguous, read as ``[P · page_size, W]``) for a ``tma``
     launch, or ``None`` (the pointer loads) where a tile could cross a page (``page_size`` not a
-    multiple of ``keys``), a block side passes a TMA box's 256, or the pool or its rows do not
-    start on 16-byte boundaries (the copy engine's rule)."""
-    if not launch.tma or pool.shape[1] % launch.keys or max(launch.keys, chunk, rope) > 256:
+    multiple of ``keys``) or a TMA copy cannot read the pool
+    (:func:`~k3verify.triton_support.tma_descriptor`)."""
+    if not launch.tma or pool.shape[1] % launch.keys:
         return None
     rows = pool.reshape(-1, pool.shape[-1])
-    if rows.data_ptr() % 16 or rows.stride(0) * rows.element_size() % 16:
-        return None
-    return tuple(TensorDescriptor.from_tensor(rows, [launch.keys, side]) for side in (chunk, rope))
+    made = tuple(tma_descriptor(rows, (launch.keys, side)) for side in (chunk, rope))
+    return made if all(d is not None for d in made) else None
 
 
 def prefill(

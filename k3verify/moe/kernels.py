@@ -48,7 +48,6 @@ import torch
 from ..numerics import cast_once
 from ..numerics.validate import require_finite, require_float, require_shape, require_tensor
 from ..triton_support import (
-    TensorDescriptor,
     block,
     check_launch,
     device_for,
@@ -58,6 +57,7 @@ from ..triton_support import (
     multiprocessors,
     profiled,
     tl,
+    tma_descriptor,
     triton,
 )
 from ..triton_support import unavailable_reason as _unavailable
@@ -78,10 +78,10 @@ class Tiles:
     ``num_warps``, ``num_stages``; the interpreter ignores those two). Sides are powers of two of
     at least 16 (a ``tl.dot`` side). ``tma``: the weight tiles (and the down launch's rows) read
     by TMA copies through tensor descriptors where the tensors' layout allows it
-    (:func:`_descriptor`), else by pointer loads. ``persistent``: 0 for a program per tile, else
-    that many programs per multiprocessor, each taking the tiles one after another (one loop
-    over its tiles and their products, which Triton pipelines as one: the next tile's first
-    loads are issued before the last one's results are stored)."""
+    (:func:`~k3verify.triton_support.tma_descriptor`), else by pointer loads. ``persistent``: 0
+    for a program per tile, else that many programs per multiprocessor, each taking the tiles one
+    after another (one loop over its tiles and their products, which Triton pipelines as one:
+    the next tile's first loads are issued before the last one's results are stored)."""
 
     rows: int
     cols: int
@@ -542,22 +542,12 @@ def _programs(table: _Table, col_tiles: int, tiles: Tiles, dev: torch.device) ->
     return min(most, tiles.persistent * multiprocessors(dev)) if tiles.persistent else most
 
 
-def _descriptor(t: torch.Tensor, block: Sequence[int]) -> object | None:
-    """``t`` (contiguous) as a TMA tensor descriptor of ``block`` tiles, or ``None`` where a TMA
-    copy cannot read it: its start or a row not on a 16-byte boundary (the copy engine's
-    rule)."""
-    size = t.element_size()
-    if t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:-1]):
-        return None
-    return TensorDescriptor.from_tensor(t, list(block))
-
-
 def _operands(tiles: Tiles, *given: tuple[torch.Tensor, Sequence[int]]) -> tuple[list[object], bool]:
     """The launch's operands ``given`` (tensor, TMA block), contiguous: all as descriptors when
     ``tiles.tma`` and each one allows it, else all as tensors; and whether they are descriptors."""
     tensors = [t.contiguous() for t, _ in given]
     if tiles.tma:
-        descs = [_descriptor(t, block) for t, (_, block) in zip(tensors, given)]
+        descs = [tma_descriptor(t, block) for t, (_, block) in zip(tensors, given)]
         if all(d is not None for d in descs):
             return descs, True
     return list(tensors), False

@@ -140,26 +140,25 @@ def unavailable_reason(operand_dtype: torch.dtype | str = torch.bfloat16) -> str
 
 
 @triton.jit
-def _latent_chunk(pool, slot, col, pm, R, W, sc, QUANT: tl.constexpr, OP: tl.constexpr):
-    """Columns ``col:[BC]`` of the cache entries at ``slot:[BN]`` (rows ``pm`` only; the rest
-    read as 0), dequantised per token by ``sc:[BN]`` into ``OP`` for an fp8 cache."""
-    c = tl.load(pool + slot[:, None] * W + col[None, :], mask=pm[:, None] & (col < R)[None, :], other=0.0)
+def _cache_chunk(pool, desc, slot, row, c0, pm, bound, W, sc, BW: tl.constexpr, QUANT: tl.constexpr,
+                 OP: tl.constexpr, DESC: tl.constexpr):  # fmt: skip
+    """Columns ``c0 + [0, BW)`` of the cache entries at ``slot:[BN]`` in ``OP``: rows past the
+    query's keys (``pm`` false) and columns from ``bound`` on read as 0, an fp8 cache
+    dequantised per token by ``sc:[BN]``. With ``DESC`` by one TMA copy of the ``BN`` rows from
+    slot ``row`` on (``desc`` a descriptor of ``[BN, BW]`` blocks): the copy brings dead rows
+    and other columns too, zeroed here before either product; else by masked pointer loads,
+    which never read them."""
+    cols = c0 + tl.arange(0, BW)
+    keep = pm[:, None] & (cols < bound)[None, :]
+    if DESC:
+        c = desc.load([row, c0])
+    else:
+        c = tl.load(pool + slot[:, None] * W + cols[None, :], mask=keep, other=0.0)
     if QUANT:
-        c = (c.to(tl.float32) * sc[:, None]).to(OP)
-    return c
-
-
-@triton.jit
-def _tile_chunk(lat, row, col, pm, R, sc, QUANT: tl.constexpr, OP: tl.constexpr):
-    """Columns ``col + [0, BC)`` of the ``BN`` cache entries from slot ``row`` on, by one TMA
-    copy (``lat`` a descriptor of ``[BN, BC]`` blocks): rows past the query's keys (``pm``
-    false, dead or other requests' slots of the page) and columns past ``R`` read as 0, an fp8
-    cache dequantised per token by ``sc``."""
-    c = lat.load([row, col])
-    keep = pm[:, None] & ((col + tl.arange(0, c.shape[1])) < R)[None, :]
-    if QUANT:
-        return tl.where(keep, c.to(tl.float32) * sc[:, None], 0.0).to(OP)
-    return tl.where(keep, c, 0.0).to(OP)
+        c = c.to(tl.float32) * sc[:, None]
+    if DESC:
+        c = tl.where(keep, c, 0.0)
+    return c.to(OP)
 
 
 @triton.jit
@@ -225,37 +224,22 @@ def _decode_kernel(
             row = page * page_size + n0 % page_size  # the tile's first slot
             slot = row.to(tl.int64) + tl.arange(0, BN)
         else:
+            row = 0  # the pointer loads address each slot
             slot = page.to(tl.int64) * page_size + pos % page_size
         if QUANT:
             sc = tl.load(scales + slot, mask=pm, other=0.0)
         else:
             sc = tl.zeros([BN], dtype=tl.float32)
-        if DESC:
-            c0 = _tile_chunk(lat, row, 0, pm, R, sc, QUANT, OP)
-        else:
-            c0 = _latent_chunk(pool, slot, rc, pm, R, W, sc, QUANT, OP)
+        c0 = _cache_chunk(pool, lat, slot, row, 0, pm, R, W, sc, BC, QUANT, OP, DESC)
         s = dot(ql0, tl.trans(c0), IEEE)
         if NC >= 2:
-            if DESC:
-                c1 = _tile_chunk(lat, row, BC, pm, R, sc, QUANT, OP)
-            else:
-                c1 = _latent_chunk(pool, slot, BC + rc, pm, R, W, sc, QUANT, OP)
+            c1 = _cache_chunk(pool, lat, slot, row, BC, pm, R, W, sc, BC, QUANT, OP, DESC)
             s += dot(ql1, tl.trans(c1), IEEE)
         if NC == 4:
-            if DESC:
-                c2 = _tile_chunk(lat, row, 2 * BC, pm, R, sc, QUANT, OP)
-                c3 = _tile_chunk(lat, row, 3 * BC, pm, R, sc, QUANT, OP)
-            else:
-                c2 = _latent_chunk(pool, slot, 2 * BC + rc, pm, R, W, sc, QUANT, OP)
-                c3 = _latent_chunk(pool, slot, 3 * BC + rc, pm, R, W, sc, QUANT, OP)
+            c2 = _cache_chunk(pool, lat, slot, row, 2 * BC, pm, R, W, sc, BC, QUANT, OP, DESC)
+            c3 = _cache_chunk(pool, lat, slot, row, 3 * BC, pm, R, W, sc, BC, QUANT, OP, DESC)
             s += dot(ql2, tl.trans(c2), IEEE) + dot(ql3, tl.trans(c3), IEEE)
-        if DESC:
-            kp = _tile_chunk(rope, row, R, pm, R + Dr, sc, QUANT, OP)
-        else:
-            kp = tl.load(pool + slot[:, None] * W + R + pp[None, :], mask=pm[:, None] & (pp < Dr)[None, :],
-                         other=0.0)  # fmt: skip
-            if QUANT:
-                kp = (kp.to(tl.float32) * sc[:, None]).to(OP)
+        kp = _cache_chunk(pool, rope, slot, row, R, pm, R + Dr, W, sc, BDR, QUANT, OP, DESC)
         s += dot(qp, tl.trans(kp), IEEE)
         s = tl.where(pm[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))

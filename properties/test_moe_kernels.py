@@ -456,7 +456,8 @@ def test_the_layer_names_its_parts_to_the_profiler_only_while_it_records() -> No
 
     cfg, w, x, r = _production_case("situ", False)
     x, w = x.float(), w.to(torch.float32)
-    with profile() as prof:
+    # acc_events: with CUDA activities torch warns that a cycle's end clears its events otherwise
+    with profile(acc_events=True) as prof:
         kernels.grouped(x, w, cfg, routing=r, production=True)
     # host ranges only: on a GPU each range has a device-side copy under the same name
     names = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start)

@@ -533,7 +533,8 @@ def cmd_overflow_map(args: argparse.Namespace, out: Console, err: Console) -> in
         with _progress(err) as bar:
             task = bar.add_task(f"{entry.name} overflow map", total=None, current="")
             result = sweep_map(entry, MapOptions(quick=args.quick, seed=args.seed),
-                               lambda done, total, t=task: bar.update(t, completed=done, total=total))
+                               lambda done, total, t=task: bar.update(t, completed=done, total=total),
+                               lambda text, t=task: bar.update(t, current=text))
         result.meta["wall_s"] = round(time.perf_counter() - start, 2)
         paths = write_map(result, Path(args.out), environment())
         counts = agreement(result.cells)

@@ -206,6 +206,43 @@ def test_implementation_names_the_dtypes_it_casts_to() -> None:
         IMPLEMENTATION_DTYPES)
 
 
+def test_a_maps_log_names_a_long_study_after_its_cells(tmp_path, monkeypatch, capsys) -> None:
+    """Rule: structural. ``k3verify overflow-map`` in a log counts the map's points and then its
+    studies, from 0 of the whole: a study that takes long (the AttnRes depth drift compiles the
+    kernels it walks: two minutes on a fresh GPU) gets a "still running" line naming it, at the
+    count of the points done, and the last line counts it done. Without the count a finished
+    sweep said 100 % and then nothing while the study ran."""
+    import time
+
+    from k3verify import cli
+
+    real = registry.get("attnres_backward")
+    points = len(real.overflow_map.points(MapOptions(quick=True)))
+    total = points + 1
+    seen: list[str] = []  # the log's lines, read as it grows
+
+    def slow_study(seed: int, quick: bool) -> dict:
+        end = time.perf_counter() + 20
+        while time.perf_counter() < end:
+            seen.extend(capsys.readouterr().err.splitlines())
+            if any(line.endswith("still running: study slow_study.json") for line in seen):
+                break
+            time.sleep(0.05)
+        return {"title": "slow", "layers": [1], "error_x": [0.0], "metric": "rms_ratio"}
+
+    entry = replace(real, studies={"slow_study.json": slow_study})
+    monkeypatch.setattr(registry, "select", lambda names: [entry])
+    monkeypatch.setattr(cli, "_progress", lambda console: cli.LineProgress(console, quiet_s=0.2))
+    assert main(["overflow-map", "--module", "attnres_backward", "--quick", "--out", str(tmp_path)]) == 0
+    lines = seen + capsys.readouterr().err.splitlines()
+    head = "attnres_backward overflow map: "
+    assert lines[0].startswith(f"{head}0/{total} (0%) after "), lines
+    study = [line for line in lines if line.endswith("still running: study slow_study.json")]
+    assert study and all(line.startswith(f"{head}{points}/{total} ") for line in study), lines
+    assert lines[-1].startswith(f"{head}{total}/{total} (100%) after "), lines
+    assert json.loads((tmp_path / "slow_study.json").read_text())["title"] == "slow"
+
+
 def test_a_log_hears_from_a_long_step_and_nothing_after_the_command() -> None:
     """Rule: structural. In a log (no terminal) a step that prints nothing for ``quiet_s`` gets a
     "still running" line with its count and what it runs now (escaped), a finished task none, and

@@ -254,12 +254,18 @@ def registered_at(d: MapDefinition, impls: Sequence[Any], point: dict[str, Any])
     return [impl for impl in impls if impl.map_points is None or impl.map_points(point)]
 
 
-def sweep_map(entry: Any, options: MapOptions, progress: Progress = lambda done, total: None) -> MapResult:
+def sweep_map(entry: Any, options: MapOptions, progress: Progress = lambda done, total: None,
+              doing: Callable[[str], None] = lambda text: None) -> MapResult:  # fmt: skip
     """The overflow map of a registry entry: its own forms and every registered implementation
-    with ``in_map`` swept over the entry's map points, each cell with its analytic prediction."""
+    with ``in_map`` swept over the entry's map points, each cell with its analytic prediction.
+    ``progress(done, total)`` counts the points and then the module's studies, from ``0`` of the
+    whole before the first point (a first point that compiles kernels takes minutes on a fresh
+    device); ``doing`` names each study as it starts."""
     d: MapDefinition = entry.overflow_map
     forms = d.forms(options)
     impls = map_implementations(entry)
+    points = d.points(options)
+    total = len(points) + len(entry.studies)
 
     def cells_at(case: Any, point: dict[str, Any]) -> list[dict[str, Any]]:
         ref = d.reference(case)
@@ -268,23 +274,37 @@ def sweep_map(entry: Any, options: MapOptions, progress: Progress = lambda done,
                 for impl in registered_at(d, impls, point)]
         return out
 
-    cells = sweep(d.points(options), lambda p: d.make_case(p, options.seed), cells_at, progress)
-    return finish_map(entry, options, cells)
+    progress(0, total)
+    cells = sweep(points, lambda p: d.make_case(p, options.seed), cells_at, lambda done, _: progress(done, total))
+    curves = run_studies(entry, options, lambda done: progress(len(points) + done, total), doing)
+    return finish_map(entry, options, cells, curves)
+
+
+def run_studies(entry: Any, options: MapOptions, done: Callable[[int], None] = lambda n: None,
+                doing: Callable[[str], None] = lambda text: None) -> dict[str, Any]:  # fmt: skip
+    """The module's studies (curves that belong beside its map), one after another: ``doing``
+    names each as it starts, ``done`` counts those finished. A study that runs kernels builds
+    them first (AttnRes's depth drift: two minutes on a fresh GPU, with no cell ending)."""
+    curves: dict[str, Any] = {}
+    for n, (name, study) in enumerate(entry.studies.items()):
+        doing(f"study {name}")
+        curves[name] = study(options.seed, options.quick)
+        done(n + 1)
+    return curves
 
 
 def finish_map(entry: Any, options: MapOptions, cells: list[dict[str, Any]],
                curves: dict[str, Any] | None = None) -> MapResult:
     """The map of ``cells`` (in sweep order): frontier neighbours marked, the module's record and
-    agreement counts in ``meta``, and its studies' curves (computed here unless ``curves`` gives them)."""
+    agreement counts in ``meta``, and its studies' curves (:func:`run_studies` unless ``curves``
+    gives them)."""
     d: MapDefinition = entry.overflow_map
     mark_frontier(cells, d.frontier_axes(cells), fixed=d.fixed)
     for c in cells:  # a check within its own rounding band (the prediction says so) is at the frontier too
         c["frontier_adjacent"] = c["frontier_adjacent"] or bool(c.get("near_frontier", False))
     meta = d.meta(cells, options)
     meta["agreement"] = {"all": agreement(cells), **meta.get("agreement", {})}
-    # The module's studies (curves that belong beside its map) are written with it.
-    meta["curves"] = curves if curves is not None else {
-        name: study(options.seed, options.quick) for name, study in entry.studies.items()}
+    meta["curves"] = curves if curves is not None else run_studies(entry, options)
     return MapResult(entry.name, cells, d.spec, meta)
 
 

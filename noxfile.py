@@ -18,6 +18,7 @@ import tempfile
 from typing import IO
 
 import nox
+import nox.command
 
 nox.options.sessions = ["tests"]
 # uv where it is installed (.ci/run installs it), else venv and pip: the tests session's install
@@ -318,9 +319,19 @@ def gpu(session: nox.Session) -> None:
     """On a CUDA machine, in the Python already there (GPU machines have no network, so nothing
     is installed; fla-core and flash-attn-res come as wheels on PYTHONPATH): every module's GPU
     session of :data:`GPU_MODULES` in turn (:func:`_gpu_module`). Output under
-    ``reports/latest/gpu/<module>`` or ``<posarg>/<module>``."""
+    ``reports/latest/gpu/<module>`` or ``<posarg>/<module>``. A module whose step fails ends
+    its own steps, not the others' (device time is scarce: one run shows every module's state);
+    the session then fails naming each module that failed."""
+    failed = []
     for module in GPU_MODULES:
-        _gpu_module(session, module, f"{_gpu_out(session)}/{module}")
+        try:
+            _gpu_module(session, module, f"{_gpu_out(session)}/{module}")
+        except nox.command.CommandFailed:
+            failed.append(module)
+            session.log(f"the {module} session failed (its log is above); the next module runs")
+    if failed:
+        session.error(f"failed: {', '.join(failed)} of {len(GPU_MODULES)} GPU sessions "
+                      f"(`nox -s gpu-<module>` runs one again)")
 
 
 def _gpu_session(module: str) -> None:

@@ -368,3 +368,30 @@ def test_an_inference_tensor_is_sent_every_time(monkeypatch: pytest.MonkeyPatch)
     envelopes = [pickle.loads(sandbox._envelope({"ep": 0, "arg": [frozen, plain]}, kept)) for _ in range(3)]
     assert [list(e["keep"]) for e in envelopes] == [[], [0], []]
     assert all(frozen.untyped_storage().nbytes() < len(e["msg"]) for e in envelopes)
+
+
+def test_the_record_of_kept_tensors_goes_with_its_holder_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Structural: the harness's record of what a plugin's worker keeps is freed when the last
+    reference to it goes, not when the cyclic collector next runs (its stamps' callbacks hold it
+    weakly), and a tensor that dies still leaves the record it belongs to."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(sandbox, "KEEP_MIN_BYTES", 0)
+    t, u = torch.ones(1 << 10), torch.ones(1 << 10)
+    kept = sandbox._Kept()
+    for _ in range(2):
+        sandbox._envelope({"ep": 0, "arg": [t, u]}, kept)
+    assert len(kept.seen) == 2 and kept.total > 0
+    del u
+    assert len(kept.seen) == 1 and kept.drop, "a dead tensor stayed in the record"
+    record = weakref.ref(kept)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del kept
+        assert record() is None, "the record waits for the cyclic collector"
+    finally:
+        if enabled:
+            gc.enable()
+    del t  # its stamp's callback finds no record and does nothing

@@ -45,9 +45,11 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -147,6 +149,13 @@ class _Seen:
     token: int | None = None  # kept by the worker under this number; None: sent in the message
 
 
+def _tensor_gone(kept: weakref.ref, key: int, _tensor: object) -> None:
+    """A harness tensor's death, told to its record (when that still lives)."""
+    record = kept()
+    if record is not None:
+        record._gone(key)
+
+
 class _Kept:
     """The harness's record of the tensors the worker keeps for one plugin (entry point): each
     large tensor a message held, by its :class:`~k3verify.numerics.tensors.Stamp` (an in-place
@@ -178,7 +187,9 @@ class _Kept:
             self._forget(seen)
             del self.seen[id(t)]
         key = id(t)
-        stamp = Stamp.of(t, lambda _, k=key: self._gone(k))
+        # The callback reaches this record by a weak reference: a strong one would put the record
+        # in a cycle with its own stamps, freed only when the cyclic collector runs.
+        stamp = Stamp.of(t, partial(_tensor_gone, weakref.ref(self), key))
         if stamp is not None:
             self.seen[key] = _Seen(stamp, t.untyped_storage().nbytes())
         return None

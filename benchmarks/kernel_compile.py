@@ -142,10 +142,11 @@ def mla_launches() -> list[Launch]:
         args = decode | (dict(pool="*fp8e4nv", scales="*fp32") if quant else {})
         if shape.tma:
             code = "fp8e4nv" if quant else "bf16"
-            args |= dict(lat=f"tensordesc<{code}[{shape.keys},128]>", rope=f"tensordesc<{code}[{shape.keys},64]>")
+            args |= dict(lat=f"tensordesc<{code}[{shape.keys},{512 // shape.chunks}]>",
+                         rope=f"tensordesc<{code}[{shape.keys},64]>")
         return Launch(f"decode {shape}{' fp8' if quant else ''}", kernels._decode_kernel,
-                      dict(BH=shape.heads, BC=128, NC=4, BDR=64, BN=shape.keys, QUANT=quant, IEEE=False,
-                           DESC=shape.tma),
+                      dict(BH=shape.heads, BC=512 // shape.chunks, NC=shape.chunks, BDR=64, BN=shape.keys,
+                           QUANT=quant, IEEE=False, DESC=shape.tma),
                       shape.stages, args, frozenset({"R", "Dr", "W", "page_size", "max_pages", "BT"}), shape.warps)
 
     return [

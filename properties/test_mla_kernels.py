@@ -112,13 +112,17 @@ def test_decode_within_policy(dtype: str, p) -> None:
 # heads: one block of 32 and a partial second; two blocks of 64 and a partial third of 32.
 wide_head_problems = _sized(_pairs((33, 65), (1, 3)), (3, 45), splits=[1, 2, 5])
 # The launch shapes besides the default. Under the interpreter warps and stages are not modelled:
-# there, one shape per (head block, key tile) other than the default's; on a GPU every shape.
+# there, one shape per (head block, key tile) other than the default's, and one per latent piece
+# count (another code path); on a GPU every shape.
 def _other_shapes() -> list[kernels.DecodeLaunch]:
-    shapes, sides = [], {(kernels.DECODE_LAUNCH.heads, kernels.DECODE_LAUNCH.keys)}
+    def side(s: kernels.DecodeLaunch) -> tuple[object, ...]:
+        return (s.heads, s.keys) if s.chunks == kernels.DECODE_LAUNCH.chunks else ("chunks", s.chunks)
+
+    shapes, sides = [], {side(kernels.DECODE_LAUNCH)}
     for s in kernels.DECODE_SHAPES:
-        if s == kernels.DECODE_LAUNCH or (kernels.interpreted() and (s.heads, s.keys) in sides):
+        if s == kernels.DECODE_LAUNCH or (kernels.interpreted() and side(s) in sides):
             continue
-        sides.add((s.heads, s.keys))
+        sides.add(side(s))
         shapes.append(s)
     return shapes
 
@@ -327,7 +331,8 @@ def test_bad_arguments_are_named() -> None:
             kernels.DecodeLaunch(heads=block)
     for bad, match in ((dict(keys=24), "keys must be a power of two"), (dict(warps=3), "warps must be"),
                        (dict(warps=4.0), "warps must be"), (dict(stages=0), "stages must be 1 to 6"),
-                       (dict(tma=1), "tma must be True or False")):  # fmt: skip
+                       (dict(tma=1), "tma must be True or False"), (dict(chunks=3), "chunks must be 1, 2 or 4"),
+                       (dict(chunks=True), "chunks must be 1, 2 or 4")):  # fmt: skip
         with pytest.raises(ValueError, match=rf"DecodeLaunch\.{match}"):
             kernels.DecodeLaunch(**bad)
     with pytest.raises(TypeError, match="launch must be a DecodeLaunch, got int"):

@@ -68,13 +68,19 @@ class DecodeLaunch:
     cache tile read by TMA copies of whole rows of one page (:func:`_page_tiles`), where a page
     holds a whole number of tiles and the pool's rows lie on 16-byte boundaries, else by pointer
     loads. Triton's pipeliner prefetches those copies where it leaves an fp8 tile's pointer loads
-    waited on (a dequantised tile feeds two products)."""
+    waited on (a dequantised tile feeds two products). ``chunks``: the latent width in 4, 2 or 1
+    pieces (each at least 16 wide, fewer where the width is narrow), each with its own score
+    product and accumulator: four chains of ``mma.sync`` products run side by side, where
+    warpgroup products (a 64-head block) are waited on after each piece of the score, and one
+    piece lets them issue the whole score at once and the output as 256-wide products. A TMA
+    copy box is at most 256 wide, so one 512-wide piece is read by pointer loads."""
 
     heads: int = 16
     keys: int = 64
     warps: int = 4
     stages: int = 2
     tma: bool = False
+    chunks: int = 4
 
     def __post_init__(self) -> None:
         if isinstance(self.heads, bool) or not isinstance(self.heads, int) or self.heads not in HEAD_BLOCKS:
@@ -82,9 +88,12 @@ class DecodeLaunch:
         check_launch("DecodeLaunch", dict(keys=self.keys), self.warps, self.stages)
         if not isinstance(self.tma, bool):
             raise ValueError(f"DecodeLaunch.tma must be True or False, got {self.tma!r}")
+        if isinstance(self.chunks, bool) or self.chunks not in (1, 2, 4):
+            raise ValueError(f"DecodeLaunch.chunks must be 1, 2 or 4, got {self.chunks!r}")
 
     def __str__(self) -> str:
-        return f"{self.heads} heads x {self.keys} keys w{self.warps} s{self.stages}" + (" tma" if self.tma else "")
+        return (f"{self.heads} heads x {self.keys} keys w{self.warps} s{self.stages}" + (" tma" if self.tma else "")
+                + (f" c{self.chunks}" if self.chunks != 4 else ""))  # fmt: skip
 
 
 # Decode launch shape: 16 heads by 64-key tiles on 4 warps, 2 stages, the fastest timed on an H200
@@ -98,7 +107,10 @@ DECODE_SHAPES = (DECODE_LAUNCH, DecodeLaunch(16, warps=8), DecodeLaunch(32), Dec
                  DecodeLaunch(64, keys=32, warps=8, stages=3),
                  # TMA page tiles at the shapes that compile without spills (or 24-32 B at 4 warps)
                  DecodeLaunch(16, tma=True), DecodeLaunch(16, warps=8, tma=True), DecodeLaunch(32, warps=8, tma=True),
-                 DecodeLaunch(64, keys=32, warps=8, stages=3, tma=True))  # fmt: skip
+                 DecodeLaunch(64, keys=32, warps=8, stages=3, tma=True),
+                 # the latent in one piece for the warpgroup products (no spills in bf16)
+                 DecodeLaunch(64, warps=8, chunks=1),
+                 DecodeLaunch(64, keys=32, warps=8, stages=3, chunks=1))  # fmt: skip
 
 
 # More than 32 heads (K3's 96 on one device), timed on an H100 at B = 64 and 256, context 4096 and
@@ -404,7 +416,9 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache
     table = cache.block_table.to(dev).contiguous()
     scales = cache.scales.to(dev, torch.float32).contiguous() if cache.quantized else pool
     BR = block(R)
-    chunks = 4 if BR >= 64 else 2 if BR >= 32 else 1  # a chunk is at least 16 wide (a tl.dot side)
+    chunks = launch.chunks
+    while chunks > 1 and BR // chunks < 16:  # a chunk is at least 16 wide (a tl.dot side)
+        chunks //= 2
     head_blocks = triton.cdiv(H, launch.heads)
     tiles = _page_tiles(pool, launch, BR // chunks, block(Dr))
     _decode_kernel[(BT * num_splits * head_blocks,)](

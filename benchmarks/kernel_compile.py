@@ -12,7 +12,8 @@ launcher specialises them on the GPU (without that the loads are neither vectori
 pipelined, and the figures are not the GPU's). "Loads waited on in loops" counts the loads
 that Triton's pipeliner left synchronous inside a loop body (a mask along a tile's contiguous
 dimension is one cause): each one stalls every iteration on memory latency, which in a
-sequential loop such as KDA's state pass is the loop's own time. Triton on the GPU machine may
+sequential loop such as KDA's state pass is the loop's own time; loads of a single value (a
+table's entry) are counted apart. Triton on the GPU machine may
 be a different version (``nox -s kernel-compile`` compiles every module with that version); read
 the numbers as a guide, then time the candidates there. Exit status 1 when a launch does not compile.
 """
@@ -66,9 +67,10 @@ def usage(launch: Launch, arch: int, warps: int, maxnreg: int | None = None) -> 
     except Exception as exc:  # report any compiler failure and go on
         return f"compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     regs, stack = resource_usage(compiled.asm["cubin"])
-    waited = waited_loads(compiled.asm["ttgir"])
+    tiles, scalars = waited_loads(compiled.asm["ttgir"])
     return (f"{regs} registers, {stack} B stack (spills), "
-            f"{compiled.metadata.shared} B shared, {waited} loads waited on in loops")  # fmt: skip
+            f"{compiled.metadata.shared} B shared, {tiles} loads waited on in loops"
+            + (f" (and {scalars} scalar)" if scalars else ""))  # fmt: skip
 
 
 def resource_usage(cubin: bytes) -> tuple[str, str]:
@@ -84,10 +86,15 @@ def resource_usage(cubin: bytes) -> tuple[str, str]:
     return (regs.group(1) if regs else "?"), (stack.group(1) if stack else "?")
 
 
-def waited_loads(ttgir: str) -> int:
+def waited_loads(ttgir: str) -> tuple[int, int]:
     """Synchronous ``tt.load`` operations inside ``scf.for`` bodies of a kernel's TTGIR (the
-    pipeliner turns the ones it prefetches into asynchronous copies)."""
-    return sum(len(re.findall(r"= tt\.load ", body.split("scf.yield")[0])) for body in ttgir.split("scf.for")[1:])
+    pipeliner turns the ones it prefetches into asynchronous copies): ``(tiles, scalars)``, the
+    loads of tensors and those of one value (a table entry read once per tile, as a persistent
+    launch reads its next tile's: a short wait, not a tile's latency every step)."""
+    loads = [line for body in ttgir.split("scf.for")[1:] for line in body.split("scf.yield")[0].splitlines()
+             if re.search(r"= tt\.load ", line)]  # fmt: skip
+    scalars = sum(": tensor<" not in line for line in loads)
+    return len(loads) - scalars, scalars
 
 
 def kda_launches() -> list[Launch]:

@@ -54,3 +54,26 @@ def test_kda_state_pass_prefetches_every_load() -> None:
     memory latency to every step (a masked load of a partial chunk's columns did, on an H200)."""
     lines = [line for line in _report(str(ROOT / "benchmarks" / "kda_compile.py")) if line.startswith("state")]
     assert lines and all(" 0 loads waited on in loops" in line for line in lines), lines
+
+
+def test_waited_loads_count_tiles_and_single_values_apart() -> None:
+    """The synchronous loads inside a loop body, loads of tensors and of one value counted apart;
+    none before a loop or after its yield. In a subprocess: importing the report switches the
+    interpreter off for the modules imported after it."""
+    ttgir = "\n".join([
+        "%a = tt.load %p0 : tensor<64x!tt.ptr<bf16>, #blocked>",
+        "scf.for %i = %c0 to %n step %c1 iter_args(%x = %a) -> (tensor<64xbf16>) {",
+        "  %b = tt.load %p1 : tensor<64x128x!tt.ptr<bf16>, #blocked>",
+        "  %c = tt.load %p2 : !tt.ptr<i32>",
+        "  %d = ttg.async_copy_global_to_local %p3, %buf : tensor<64x!tt.ptr<bf16>, #blocked>",
+        "  %e = tt.load %p4 masked : tensor<16x!tt.ptr<fp32>, #blocked1>",
+        "  scf.yield %x : tensor<64xbf16>",
+        "}",
+        "%f = tt.load %p5 : !tt.ptr<i32>",
+    ])  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'benchmarks'}")
+    done = subprocess.run([sys.executable, "-c", "import sys, kernel_compile; "
+                           "print(kernel_compile.waited_loads(sys.stdin.read()))"], input=ttgir, capture_output=True,
+                          text=True, env=env, timeout=300, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "(2, 1)", done.stdout

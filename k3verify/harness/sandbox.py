@@ -45,17 +45,15 @@ import sys
 import threading
 import time
 import traceback
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 
 from ..numerics.policy import BASELINE_RULE, RULES
-from ..numerics.tensors import Stamp
+from ..numerics.tensors import Stamp, weakly
 from .contract import (
     PLUGIN_GROUP,
     Case,
@@ -149,13 +147,6 @@ class _Seen:
     token: int | None = None  # kept by the worker under this number; None: sent in the message
 
 
-def _tensor_gone(kept: weakref.ref, key: int, _tensor: object) -> None:
-    """A harness tensor's death, told to its record (when that still lives)."""
-    record = kept()
-    if record is not None:
-        record._gone(key)
-
-
 class _Kept:
     """The harness's record of the tensors the worker keeps for one plugin (entry point): each
     large tensor a message held, by its :class:`~k3verify.numerics.tensors.Stamp` (an in-place
@@ -187,9 +178,7 @@ class _Kept:
             self._forget(seen)
             del self.seen[id(t)]
         key = id(t)
-        # The callback reaches this record by a weak reference: a strong one would put the record
-        # in a cycle with its own stamps, freed only when the cyclic collector runs.
-        stamp = Stamp.of(t, partial(_tensor_gone, weakref.ref(self), key))
+        stamp = Stamp.of(t, weakly(self._gone, key))  # held weakly: no cycle with its own stamps
         if stamp is not None:
             self.seen[key] = _Seen(stamp, t.untyped_storage().nbytes())
         return None

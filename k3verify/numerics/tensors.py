@@ -111,10 +111,10 @@ class Casts:
         if kept is not None and kept[0].holds(t) and kept[2] == kept[1]._version:
             return kept[1]
         out = t.detach().to(device, dtype, copy=copy)
-        # The source's death drops its cast. The callback reaches this object through a weak
-        # reference: through the dict itself it would make a cycle, and the casts (gigabytes at
-        # K3's widths) would live until the cyclic collector ran, at a time no one can predict.
-        stamp = Stamp.of(t, functools.partial(_forget, weakref.ref(self), key))
+        # The source's death drops its cast. Held weakly (:func:`weakly`): through this object
+        # the callback would make a cycle, and the casts (gigabytes at K3's widths) would live
+        # until the cyclic collector ran, at a time no one can predict.
+        stamp = Stamp.of(t, weakly(self._drop, key))
         if stamp is not None:
             self._made[key] = (stamp, out, out._version)
             self._key_of[id(out)] = key
@@ -143,12 +143,23 @@ class Casts:
                 found.append(f"the {str(out.dtype).removeprefix('torch.')} {list(out.shape)} copy on {out.device}")
         return found
 
+    def _drop(self, key: tuple[int, torch.dtype, torch.device]) -> None:
+        """A source's death: its cast goes."""
+        self._made.pop(key, None)
 
-def _forget(casts: weakref.ref, key: tuple[int, torch.dtype, torch.device], _source: object) -> None:
-    """A source's death: its cast is dropped from ``casts`` (when that still lives)."""
-    held = casts()
-    if held is not None:
-        held._made.pop(key, None)
+
+def weakly(method: Callable[..., object], *args: Any) -> Callable[[Any], None]:
+    """A weak reference's death callback that calls ``method(*args)`` (a bound method) unless
+    its object died first. The object is held weakly: a record of stamps (:class:`Stamp`) whose
+    callbacks held it would sit in a cycle with them, freed only when the cyclic collector
+    runs."""
+    return functools.partial(_call_weakly, weakref.WeakMethod(method), args)
+
+
+def _call_weakly(method: weakref.WeakMethod, args: tuple[Any, ...], _dead: object) -> None:
+    bound = method()
+    if bound is not None:
+        bound(*args)
 
 
 _SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -80,7 +80,8 @@ class LineProgress:
     """Progress for logs (stderr not a terminal): one plain line per 10% step, with elapsed time
     (and the task's ``detail``), and a line saying the command is still running, and on what
     (the task's ``current``), after every ``quiet_s`` seconds without one (a wide walk's job, a
-    map's first cells compiling: minutes in which a log showed nothing).
+    map's first cells compiling: minutes in which a log showed nothing); also once the count is
+    full, while the ``current`` given after it runs.
 
     Offers the subset of ``rich.progress.Progress`` the commands use.
     """
@@ -115,7 +116,7 @@ class LineProgress:
                 if time.perf_counter() - self._last_line < self.quiet_s:
                     continue
                 for t in list(self.tasks.values()):
-                    if t["total"] and t["completed"] < t["total"]:
+                    if (t["total"] and t["completed"] < t["total"]) or t["after"]:
                         self._line(t, "still running" + (f": {t['current']}" if t["current"] else ""))
                 self._last_line = time.perf_counter()
 
@@ -132,7 +133,7 @@ class LineProgress:
         with self._lock:
             self.tasks[len(self.tasks)] = dict(
                 description=description, total=total, completed=0, shown=-1.0, start=time.perf_counter(), current="",
-                unit="", detail="",
+                unit="", detail="", after=False,
             )
             return len(self.tasks) - 1
 
@@ -148,6 +149,9 @@ class LineProgress:
                                 ("detail", detail)):
                 if value is not None:
                     t[name] = value
+            # Work named once the count is full (a Dask map's studies, run after its last cell)
+            # keeps the heartbeat going until the command ends.
+            t["after"] = current is not None and bool(t["total"]) and t["completed"] >= t["total"]
             self._maybe_print(t)
 
     def advance(self, task: int, amount: float = 1) -> None:
@@ -583,7 +587,8 @@ def _overflow_maps_on_dask(args: argparse.Namespace, entries: list, engine: Any,
                 result = dask_engine.run_sweep(
                     entry, MapOptions(quick=args.quick, seed=args.seed), client, retries=engine.retries,
                     cell_timeout=engine.task_timeout, partial=partial_path(out_dir, entry.name),
-                    commit=code_version(), status=_dask_status(bar, task, err, f"{entry.name} overflow map"))
+                    commit=code_version(), status=_dask_status(bar, task, err, f"{entry.name} overflow map"),
+                    doing=lambda what, task=task, bar=bar: bar.update(task, current=what))
             result.meta["wall_s"] = round(time.perf_counter() - start, 2)
             paths = write_map(result, out_dir, environment())
             remove_partial(out_dir, entry.name)

@@ -15,6 +15,7 @@ import functools
 import os
 import resource
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -91,6 +92,22 @@ def planted_entry(entry: Any, points: int, plants: dict[str, tuple[Callable[[Any
     make_case = functools.partial(_make_case, d.make_case)
     return dataclasses.replace(entry, overflow_map=dataclasses.replace(d, points=cut, forms=forms,
                                                                        make_case=make_case))
+
+
+def _slow_study(name: str, seed: int, quick: bool) -> dict[str, Any]:
+    """A study that returns once this process's captured stderr shows a "still running" line
+    naming it (20 s at most): how long a study compiling kernels takes, with no cell ending."""
+    end = time.perf_counter() + 20
+    while time.perf_counter() < end and not any(
+            line.endswith(f"still running: study {name}") for line in sys.stderr.getvalue().splitlines()):
+        time.sleep(0.05)
+    return {"title": "slow", "layers": [1], "error_x": [0.0], "metric": "rms_ratio"}
+
+
+def slow_study_entry(entry: Any, points: int, name: str) -> Any:
+    """``entry`` cut to its first ``points`` points, with one study ``name`` only, one that runs
+    until the log says it is still running (:func:`_slow_study`)."""
+    return dataclasses.replace(planted_entry(entry, points), studies={name: functools.partial(_slow_study, name)})
 
 
 def _planted_row_run(misbehave: Callable[[Any], None], run: Callable[[Any], Any], case: Any) -> Any:

@@ -188,6 +188,25 @@ def test_the_command_line_writes_the_map_and_drops_its_partial_file(client: Any,
     assert "90 cells" in capsys.readouterr().out
 
 
+def test_a_dask_maps_log_names_a_long_study_after_its_cells(client: Any, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Rule: structural. With ``--engine dask`` the module's studies run after the cells, here,
+    and a log names one that takes long in its "still running" line, after the cells' last
+    count (the AttnRes depth drift compiles its kernels: two minutes with no cell ending). The
+    study's curve is written beside the map. Without ``doing`` the line names nothing."""
+    entry = dask_planted.slow_study_entry(registry.get(MODULE), 2, "slow_study.json")
+    cells = len(dask_engine.plan(entry, QUICK, None))
+    monkeypatch.setattr(registry, "select", lambda names: [entry])
+    monkeypatch.setattr(cli, "_progress", lambda console: cli.LineProgress(console, quiet_s=0.2))
+    assert cli.main(["overflow-map", "--module", MODULE, "--quick", "--out", str(tmp_path), "--engine", "dask",
+                     "--scheduler", client.scheduler.address]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    study = [line for line in lines if line.endswith("still running: study slow_study.json")]
+    assert study and all(f"overflow map: {cells}/{cells} " in line for line in study), lines
+    assert json.loads((tmp_path / "slow_study.json").read_text())["title"] == "slow"
+
+
 def test_dask_options_need_the_dask_engine_and_dask(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     args = ["overflow-map", "--module", MODULE, "--quick", "--out", str(tmp_path / "maps")]

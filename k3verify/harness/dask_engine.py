@@ -61,6 +61,7 @@ from .overflow_map import (
     measured_cell,
     registered_at,
     registered_base,
+    run_studies,
 )
 from .partial import append_piece, as_json, open_sink, piece_key, read_partial
 
@@ -420,13 +421,14 @@ def dask_client(options: DaskOptions) -> Iterator[Any]:
 
 def run_sweep(entry: Any, options: MapOptions, client: Any, *, retries: int = DEFAULT_RETRIES,
               cell_timeout: float | None = None, partial: Path | None = None, commit: str | None = None,
-              status: StatusCallback = lambda s: None) -> MapResult:
+              status: StatusCallback = lambda s: None, doing: Callable[[str], None] = lambda text: None) -> MapResult:
     """``entry``'s overflow map with every cell computed on ``client``'s cluster (see the module
     docstring). ``partial`` is the resume file (``None``: no resume); ``status`` is called after
     every finished cell; an exception it raises (an interrupt) ends the sweep, the cells finished
-    so far kept in ``partial``. ``meta["engine"]`` records the cluster, the counts and how many
-    times the workers built a point's case, and the seconds the workers spent in the cells (case
-and reference builds included)."""
+    so far kept in ``partial``. The module's studies run here after the cells, ``doing`` naming
+    each as it starts (one can take minutes with no cell ending). ``meta["engine"]`` records the
+    cluster, the counts and how many times the workers built a point's case, and the seconds the
+    workers spent in the cells (case and reference builds included)."""
     tasks = plan(entry, options, commit)
     blob, token = entry_ref(entry)
     cells: dict[int, dict[str, Any]] = read_partial(partial, {t.key: t.index for t in tasks})
@@ -457,7 +459,8 @@ and reference builds included)."""
     missing = [t.index for t in tasks if t.index not in cells]
     if missing:
         raise RuntimeError(f"the Dask sweep ended without {len(missing)} cells (first: {missing[0]})")
-    result = finish_map(entry, options, [cells[t.index] for t in tasks])
+    curves = run_studies(entry, options, doing=doing)
+    result = finish_map(entry, options, [cells[t.index] for t in tasks], curves)
     result.meta["engine"] = {"name": "dask", "workers": workers, "retries": retries,
                              "cell_timeout_s": cell_timeout, "cells": len(tasks), "computed": st.computed,
                              "resumed": st.resumed, "failed": st.failed, "retried": st.retried,

@@ -22,6 +22,7 @@ from k3verify.numerics import (
     RULES,
     STATUSES,
     Status,
+    resolve_dtype,
     round_to,
     rule_for,
     supported_dtypes,
@@ -69,6 +70,27 @@ def test_the_baseline_rule_passes_rounding_and_catches_a_scale_error(dtype: str)
         off = rule.judge(round_to(ref * 1.01, dtype).to(torch.float32), ref, dtype=dtype, baseline=base,
                          rms_n=ref.numel(), bias_n=ref.shape[0])
         assert off.verdict.status == FAIL, (seed, off.verdict.reason)
+
+
+@pytest.mark.parametrize(("declared", "stored"), [("bf16", "fp8_e5m2"), ("fp32", "fp8_e5m2"), ("fp32", "bf16"),
+                                                  ("fp64", "fp8_e4m3")])
+def test_an_output_stored_coarser_than_its_row_is_floored_at_the_rows_dtype(declared: str, stored: str) -> None:
+    """Baseline rule, its noise floor: a kernel that returns the oracle rounded to a coarser format
+    than its row declares (fp8 codes for a bf16 row) fails on every drawn case. Its floor is the
+    row's dtype's, not the coarse one it chose to store in, which once let fp8 codes pass an fp32
+    row. A row that declares the coarse format and stores finer (an fp8 run writing bf16) keeps
+    the finer floor and passes with the oracle rounded to its storage."""
+    rule = POLICY[BASELINE_RULE]
+    for seed in range(DRAWN):
+        ref = _drawn(seed)
+        base = round_to(ref, declared).to(torch.float32 if declared != "fp64" else torch.float64)
+        coarse = round_to(ref, stored).to(resolve_dtype(stored))
+        judged = rule.judge(coarse, ref, dtype=declared, baseline=base, rms_n=ref.numel(), bias_n=ref.shape[0])
+        assert judged.verdict.status == FAIL, (seed, judged.verdict.reason)
+        fine = round_to(ref, declared).to(resolve_dtype(declared))
+        kept = rule.judge(fine, ref, dtype=stored, baseline=round_to(ref, stored).float(), rms_n=ref.numel(),
+                          bias_n=ref.shape[0])
+        assert kept.verdict.status == PASS, (seed, kept.verdict.reason)
 
 
 def test_the_baseline_rule_needs_its_baseline() -> None:

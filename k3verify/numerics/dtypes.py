@@ -135,6 +135,13 @@ def facts(dtype: torch.dtype | str) -> DTypeFacts:
     )
 
 
+def finer(a: torch.dtype | str, b: torch.dtype | str) -> torch.dtype:
+    """The one of ``a`` and ``b`` with more significand digits (``a`` on a tie): the precision a
+    result can be held to when it is declared in one and stored in the other."""
+    fa, fb = facts(a), facts(b)
+    return fa.dtype if fa.digits >= fb.digits else fb.dtype
+
+
 def is_float8(dtype: torch.dtype | str) -> bool:
     """True for the 8-bit formats, which torch cannot do arithmetic in."""
     return facts(dtype).bits == 8

@@ -62,6 +62,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from .dtypes import finer
 from .metrics import Metrics, compare, mismatch_fraction, relative_max_error
 from .rounding import round_to
 
@@ -527,11 +528,21 @@ class SameDtypeBaseline:
             # module's: k roundings of those terms in the fp32 accumulator) as the floor.
             verdict = baseline_rule(m, base, zero_floor, k=self.k, metric="rms", rms_n=rms_n)
             return Judgement(verdict, m.as_dict(), base.as_dict())
-        # The floor is what storing the oracle in the output's own dtype costs (an fp8 run that
-        # writes bf16 is floored at bf16, not fp8); for a sum, at least k roundings of its terms.
-        floor = max(noise_floor(ref, out.dtype), term_floor(ref, term_sizes, k=self.k))
+        floor = max(noise_floor(ref, _floor_dtype(out.dtype, dtype)), term_floor(ref, term_sizes, k=self.k))
         verdict = baseline_rule(m, base, floor, k=self.k, rms_n=rms_n, bias_n=bias_n)
         return Judgement(verdict, m.as_dict(), base.as_dict())
+
+
+def _floor_dtype(stored: torch.dtype, declared: str) -> torch.dtype:
+    """The dtype whose rounding of the oracle floors a row: the finer of the one its output is
+    stored in and the one the row declares. An fp8 run that writes bf16 is floored at bf16, not
+    fp8; an output stored coarser than its row's dtype (fp8 codes for an fp32 row) is not floored
+    at its own coarse rounding: the kernel picks its output's dtype, the row's dtype is the claim
+    being judged. A declared name outside the floating formats leaves the stored dtype."""
+    try:
+        return finer(declared, stored)
+    except ValueError:
+        return stored
 
 
 # The policy: every rule a row can name, by name. Rows store the name; judging goes through here.

@@ -31,7 +31,7 @@ import torch
 from plugin_site import install_plugin
 
 from k3verify.harness import registry, runner, sandbox
-from k3verify.numerics import FAIL, PASS
+from k3verify.numerics import EXPECTED_NONFINITE, FAIL, PASS
 
 ROOT = Path(__file__).resolve().parents[1]
 # Seconds a plugin call may take here: a hang costs this much, a loaded CI machine must not.
@@ -59,7 +59,7 @@ PLUGINS = {
     # Loading stops the process: the entry point becomes an unavailable row with its reason.
     "exit_at_load": "def implementations():\n    sys.exit(0)",
     "print_at_load": "def implementations():\n    print('\\x1b[2J\\x1b]52;c;cHduZWQ=\\x07 loaded')\n"
-                     "    return [make('printer', right)]",
+                     "    print('y' * 1000000)\n    print('after')\n    return [make('printer', right)]",
     "exit_in_run": "def implementations():\n    def fn(*a, **k):\n        sys.exit(0)\n    return [make('exits', fn)]",
     "os_exit_in_run": "def implementations():\n    def fn(*a, **k):\n        os._exit(0)\n"
                       "    return [make('os_exits', fn)]",
@@ -126,8 +126,42 @@ def implementations():
         return out
     return [make('mutates', fn)]
 """,
+    # Autocast and the newer per-backend fp32 precision left on: every later matmul of the
+    # process would run in bf16.
+    "precision_leaker": """
+def implementations():
+    def fn(*a, **k):
+        out = right(*a, **k)
+        torch.set_autocast_enabled("cpu", True)
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        return out
+    return [make('leaks_precision', fn)]
+""",
+    # Patches, at load, the function its neighbours' kernels call (every plugin here computes
+    # with kda.chunkwise): in a process shared with them, their outputs would move 3 %.
+    "neighbour_patcher": """
+def implementations():
+    import k3verify.kda as module
+    real = module.chunkwise
+    module.chunkwise = lambda *a, **k: tuple(t * 1.03 for t in real(*a, **k))
+    return [make('patches_neighbours', right)]
+""",
+    # NaN everywhere, with a predict of its own that calls it an expected overflow.
+    "self_excuser": """
+from k3verify.harness.contract import Prediction
+def implementations():
+    def fn(*a, **k):
+        return tuple(torch.full_like(t, float("nan")) for t in right(*a, **k))
+    return [implementation("kda", fn, name="excuses_itself", form="chunkwise", dtype="fp32", baseline="chunkwise",
+                           chunk_size=64, predict=lambda case: Prediction(False, "trust me"))]
+""",
     # One identity twice: the wrong kernel, then the right one under the same name.
     "twice": "def implementations():\n    return [make('twin', wrong), make('twin', right)]",
+    # The golden oracle check's name and form: its rows would read as the oracle's.
+    "impostor": """
+def implementations():
+    return [implementation("kda", right, name="oracle", form="definition", dtype="fp64", baseline="chunkwise")]
+""",
     "control": "def implementations():\n    return [make('control', right), make('control_wrong', wrong)]",
 }
 
@@ -221,6 +255,63 @@ def test_a_global_state_flip_fails_its_row_and_moves_no_other(plugged: dict, ent
     assert torch.get_default_dtype() == torch.float32
 
 
+def test_autocast_and_backend_precision_left_on_fail_the_row_and_move_no_other(plugged: dict, entry: Any,
+                                                                              case: Any) -> None:
+    """Structural: the settings the guard restores include autocast and torch's per-backend
+    fp32 precision (a plugin that left them on once passed, and the next row in its process ran
+    its matmuls in bf16)."""
+    before = _row(entry, plugged["control"], case)
+    row = _row(entry, plugged["leaks_precision"], case)
+    assert row["status"] == FAIL and "autocast cpu" in row["reason"], row.get("reason")
+    if hasattr(torch.backends.mkldnn, "matmul"):  # torch 2.9 and later
+        assert "backends.mkldnn.matmul.fp32_precision" in row["reason"], row["reason"]
+    assert _row(entry, plugged["control"], case)["metrics"] == before["metrics"]
+
+
+def test_a_plugin_that_patches_its_neighbours_reaches_its_own_rows_only(plugged: dict, entry: Any,
+                                                                        case: Any) -> None:
+    """Structural: each plugin distribution has a process of its own. One that patches, at load,
+    the function every plugin here computes with moves its own row (it fails) and no other: the
+    control kernel still passes and its wrong twin still fails. In one shared process the control
+    failed."""
+    assert _row(entry, plugged["patches_neighbours"], case)["status"] == FAIL
+    assert _row(entry, plugged["control"], case)["status"] == PASS
+    assert _row(entry, plugged["control_wrong"], case)["status"] == FAIL
+
+
+def test_a_plugins_own_prediction_does_not_excuse_its_overflow(plugged: dict, entry: Any, case: Any) -> None:
+    """Frontier rule, for a plugin: all-NaN outputs with a ``predict`` of the plugin's own that
+    says "overflow" fail where the same-dtype baseline is finite (once they were an expected
+    overflow, exit status 0); the claim is recorded and quoted."""
+    row = _row(entry, plugged["excuses_itself"], case)
+    reason = row["verdict"]["reason"]
+    assert row["status"] == FAIL, reason
+    assert "the same-dtype baseline is finite" in reason and "trust me" in reason, reason
+    assert row["prediction"] == {"finite": False, "explanation": "trust me"}
+
+
+@pytest.mark.parametrize(("module", "case_name", "dtype", "status"),
+                         [("moe", "scaled_swiglu", "fp16", EXPECTED_NONFINITE), ("kda", "default", "fp16", FAIL)])
+def test_a_plugins_prediction_stands_where_the_baseline_overflows_too(module: str, case_name: str, dtype: str,
+                                                                      status: str) -> None:
+    """Frontier rule, the other side: our own tiled form, whose overflow our frontier predicts
+    (an expected overflow as a built-in row), handed the same prediction as a plugin's claim.
+    Where the same-dtype baseline overflows too (MoE's fp16 SwiGLU at a large scale) the claim
+    stands, and says so; where the baseline is finite (KDA's fp16 split exponentials, a tiling's
+    own overflow) it fails."""
+    import dataclasses
+
+    entry = registry.get(module)
+    case = entry.make_cases(0)[case_name]
+    ours = next(i for i in entry.implementations() if i.form == "tiled" and i.dtype == dtype and case_name in i.cases)
+    assert runner.verify(entry, ours, case)["status"] == EXPECTED_NONFINITE
+    claimed = dataclasses.replace(ours, predict=lambda c: dataclasses.replace(ours.predict(c), by_plugin=True))
+    row = runner.verify(entry, claimed, case)
+    assert row["status"] == status, row["verdict"]["reason"]
+    told = "overflows too" if status == EXPECTED_NONFINITE else "the same-dtype baseline is finite"
+    assert told in row["verdict"]["reason"], row["verdict"]["reason"]
+
+
 def test_mutated_inputs_fail_the_row_and_stay_in_the_plugin_process(plugged: dict, entry: Any, case: Any) -> None:
     q = case.inputs["q"].clone()
     row = _row(entry, plugged["mutates"], case)
@@ -238,12 +329,26 @@ def test_an_identity_registered_twice_fails_from_its_second_registration(plugged
     assert "registered 2 times" in rows[1]["reason"]
 
 
+def test_the_oracle_checks_name_is_refused(plugged: dict, entry: Any, case: Any) -> None:
+    """Structural: a plugin registering ``oracle``, ``definition``, fp64 (the identity of the
+    golden oracle check's rows, which once gave a report two such rows and broke its compare)
+    fails every row as ``oracle (reserved)``."""
+    named = [i for i in entry.implementations() if i.implementation.startswith("oracle")]
+    assert [i.implementation for i in named] == ["oracle (reserved)"]
+    row = _row(entry, named[0], case)
+    assert row["status"] == FAIL and "no registered implementation may use" in row["reason"], row.get("reason")
+
+
 def test_what_a_plugin_prints_reaches_stderr_without_control_characters(site: Path, tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]))
     done = subprocess.run([sys.executable, "-m", "k3verify", "list", "--json", "--modules", "kda"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "loaded" in done.stderr and "\x1b" not in done.stderr + done.stdout and "\\x1b[2J" in done.stderr
+    # A line of a million bytes is shown cut, and the next line whole.
+    long = [line for line in done.stderr.splitlines() if "yyyy" in line]
+    assert long == [f"plugin: {'y' * sandbox.MAX_LINE_BYTES} [line cut at {sandbox.MAX_LINE_BYTES} bytes]"]
+    assert "plugin: after" in done.stderr.splitlines()
     listed = {i["implementation"]: i for i in json.loads(done.stdout)}
     assert listed["control"]["available"] and listed["control"]["source"] == "iso-control 0.1 (plugin)"
 

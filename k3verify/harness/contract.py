@@ -14,6 +14,7 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -39,10 +40,13 @@ class Case:
 
 @dataclass(frozen=True)
 class Prediction:
-    """Whether the analytic frontier expects a finite output, and why."""
+    """Whether the analytic frontier expects a finite output, and why. ``by_plugin``: the claim
+    of a plugin's own ``predict`` (its process's), which excuses a non-finite output only where
+    the harness's same-dtype baseline overflows too."""
 
     finite: bool
     explanation: str
+    by_plugin: bool = False
 
     @classmethod
     def of(cls, p: OverflowPrediction) -> Prediction:
@@ -285,26 +289,41 @@ def identity(impl: Implementation) -> tuple[str, ...]:
     return (impl.module, impl.implementation, impl.form, impl.dtype, params)
 
 
+# Implementation names of the harness's own rows, which no registered implementation may take:
+# a report would show its rows as those (the golden oracle check's, ``golden._oracle_row``).
+RESERVED_NAMES: Mapping[str, str] = MappingProxyType({"oracle": "the golden oracle check"})
+
+
 def unique_identities(impls: list[Implementation]) -> list[Implementation]:
     """``impls`` with every implementation after the first of an identity replaced by a failing
     one named ``<name> (registered again, #n)``: two rows of one identity would let a report hold
-    a failing row beside a passing twin, and a compare match either."""
+    a failing row beside a passing twin, and a compare match either. One that takes a name of
+    :data:`RESERVED_NAMES` fails as ``<name> (reserved)``."""
     seen: dict[tuple[str, ...], int] = {}
     out = []
     for impl in impls:
+        if impl.implementation in RESERVED_NAMES:
+            out.append(_refused(impl, f"{impl.implementation} (reserved)",
+                                f"{impl.label} takes the name of {RESERVED_NAMES[impl.implementation]}'s rows, "
+                                "which no registered implementation may use"))
+            continue
         key = identity(impl)
         seen[key] = seen.get(key, 0) + 1
         if seen[key] == 1:
             out.append(impl)
             continue
-        reason = f"{impl.label} is registered {seen[key]} times; each identity may be registered once"
-
-        def refuse(case: Case, reason: str = reason) -> Outputs:
-            raise ValueError(reason)
-
-        out.append(dataclasses.replace(impl, implementation=f"{impl.implementation} (registered again, #{seen[key]})",
-                                       run=refuse, is_available=_available, predict=None, explain=None))
+        out.append(_refused(impl, f"{impl.implementation} (registered again, #{seen[key]})",
+                            f"{impl.label} is registered {seen[key]} times; each identity may be registered once"))
     return out
+
+
+def _refused(impl: Implementation, name: str, reason: str) -> Implementation:
+    """``impl`` renamed ``name``, every row of it failing with ``reason``."""
+    def refuse(case: Case) -> Outputs:
+        raise ValueError(reason)
+
+    return dataclasses.replace(impl, implementation=name, run=refuse, is_available=_available, predict=None,
+                               explain=None)
 
 
 def memoized_on_case(kind: str, fn: Callable[..., Outputs]) -> Callable[..., Outputs]:

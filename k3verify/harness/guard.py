@@ -15,6 +15,7 @@ that call's failure.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -180,7 +181,42 @@ def _settings() -> list[Setting]:
     ]
     if hasattr(torch, "get_default_device"):
         out.append(Setting("default device", lambda: str(torch.get_default_device()), torch.set_default_device))
+    # Autocast left on makes every later matmul of the process run in its dtype.
+    out += [Setting(f"autocast {device}", lambda d=device: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)),
+                    lambda value, d=device: _set_autocast(d, *value)) for device in ("cpu", "cuda")]
+    out.append(Setting("autocast cache", torch.is_autocast_cache_enabled, torch.set_autocast_cache_enabled))
+    # The newer per-backend precision settings (torch 2.9 and later): once one is set, the older
+    # getter above raises instead of answering, so each is read and put back itself.
+    out += [Setting(f"{path}.fp32_precision", _reader(path), _writer(path)) for path in FP32_PRECISION_PATHS]
     return out
+
+
+FP32_PRECISION_PATHS = ("backends", "backends.cuda.matmul", "backends.cudnn", "backends.cudnn.conv",
+                        "backends.cudnn.rnn", "backends.mkldnn", "backends.mkldnn.matmul", "backends.mkldnn.conv",
+                        "backends.mkldnn.rnn")
+
+
+def _owner(path: str) -> Any:
+    obj: Any = torch
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _reader(path: str) -> Callable[[], Any]:
+    return lambda: _owner(path).fp32_precision
+
+
+def _writer(path: str) -> Callable[[Any], None]:
+    def write(value: Any) -> None:
+        _owner(path).fp32_precision = value
+
+    return write
+
+
+def _set_autocast(device: str, enabled: bool, dtype: torch.dtype) -> None:
+    torch.set_autocast_dtype(device, dtype)
+    torch.set_autocast_enabled(device, enabled)
 
 
 SETTINGS = _settings()
@@ -200,15 +236,21 @@ def torch_state() -> dict[str, Any]:
 def restore(before: dict[str, Any]) -> list[str]:
     """Put back every setting that differs from ``before``; ``"name: was -> now"`` for each."""
     now = torch_state()
-    changed = []
-    for s in SETTINGS:
-        if s.name in before and now.get(s.name) != before[s.name]:
-            changed.append(f"{s.name}: {before[s.name]} -> {now.get(s.name)}")
-            try:
+    changed = [f"{s.name}: {before[s.name]} -> {now.get(s.name)}" for s in SETTINGS
+               if s.name in before and now.get(s.name) != before[s.name]]
+    # Some settings move others when written (the older matmul precision sets the newer CUDA
+    # one): write again until nothing differs, a pass per setting at most.
+    for _ in SETTINGS:
+        differ = [s for s in SETTINGS if s.name in before and now.get(s.name) != before[s.name]]
+        if not differ:
+            return changed
+        for s in differ:
+            with contextlib.suppress(Exception):
                 s.write(before[s.name])
-            except Exception as exc:  # named, so the report says the process is no longer clean
-                changed[-1] += f" (could not be restored: {type(exc).__name__})"
-    return changed
+        now = torch_state()
+    # Named, so the report says the process is no longer clean.
+    return changed + [f"{s.name} could not be restored to {before[s.name]}" for s in SETTINGS
+                      if s.name in before and now.get(s.name) != before[s.name]]
 
 
 class StateChanged(RuntimeError):

@@ -13,6 +13,7 @@ import math
 import time
 import traceback
 from collections.abc import Callable, Collection, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,8 +23,11 @@ from ..numerics import (
     BASELINE_K,
     EXPECTED_NONFINITE,
     FAIL,
+    FRONTIER_RULE,
     POLICY,
     UNAVAILABLE,
+    Metrics,
+    Verdict,
     compare,
     effective_errors,
     effective_products,
@@ -316,6 +320,8 @@ def _judge(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out:
         judged["worst"] = worst_element(out, ref, tuple(entry.output_axes.get(name, ())))
         verdict = None if prediction is None else expected_nonfinite(
             metrics, predicted_finite=prediction.finite, explanation=prediction.explanation)
+        if verdict is not None and verdict.status == EXPECTED_NONFINITE and prediction.by_plugin:
+            verdict = _plugin_overflow(verdict, metrics, _baseline(entry, case, impl)[name])
         # The frontier speaks of the primary output; another output that stays finite where the
         # primary is predicted to overflow is held to the precision rule instead.
         if verdict is not None and (primary or metrics.nonfinite):
@@ -344,6 +350,20 @@ def _judge(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out:
     if j.baseline_metrics is not None:
         judged.update(baseline_metrics=j.baseline_metrics, baseline_out=base_out)
     return judged | {"status": j.verdict.status, "verdict": j.verdict.as_dict(), "margin": j.verdict.margin}
+
+
+def _plugin_overflow(verdict: Verdict, metrics: Metrics, baseline: torch.Tensor) -> Verdict:
+    """A plugin's non-finite output that its own ``predict`` expected: excused only where the
+    same-dtype baseline, the harness's own computation at the row's dtype, overflows too; else
+    failed, the plugin's claim quoted. A plugin cannot turn its own overflow into a prediction."""
+    spilled = int((~torch.isfinite(baseline.detach())).sum()) if baseline.is_floating_point() else 0
+    claim = verdict.reason.removeprefix("overflow predicted and observed: ")
+    if spilled:
+        return replace(verdict, reason=f"{verdict.reason} (the same-dtype baseline overflows too: {spilled} "
+                                       "non-finite outputs)")
+    return Verdict(FAIL, FRONTIER_RULE, "nonfinite", float(metrics.nonfinite), math.nan, -math.inf,
+                   f"{metrics.nonfinite} non-finite outputs where the same-dtype baseline is finite; the plugin's "
+                   f"own prediction of overflow does not excuse them: {claim}")
 
 
 def _baseline(entry: ModuleEntry, case: Case, impl: Implementation) -> Outputs:

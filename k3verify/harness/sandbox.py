@@ -442,7 +442,11 @@ class Host:
     def request(self, msg: dict[str, Any], what: str) -> Any:
         """The worker's answer to ``msg``; :class:`PluginError` naming ``what`` when there is none."""
         if self.proc is None:
+            _make_room(self)
             self._start()
+        if self in _HOSTS:
+            _HOSTS.remove(self)
+        _HOSTS.append(self)  # the most recently used last
         limit = timeout()
         kept = self.kept.setdefault(msg.get("ep"), _Kept())
         try:
@@ -474,23 +478,48 @@ class Host:
         return reply.get("value")
 
 
+# The longest line of a plugin's output shown (bytes); the rest of a longer line is left out, and
+# never held in memory whole.
+MAX_LINE_BYTES = 4096
+
+
 def _forward(stream: Any) -> None:
-    for line in iter(stream.readline, b""):
-        try:
-            sys.stderr.write("plugin: " + terminal_text(line.decode("utf-8", "replace").rstrip("\n")) + "\n")
-        except (OSError, ValueError):  # stderr closed: nothing more to show
-            return
+    cut = False  # within a line already shown cut
+    for piece in iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""):
+        whole = piece.endswith(b"\n")
+        if not cut:
+            text = terminal_text(piece[:MAX_LINE_BYTES].decode("utf-8", "replace").rstrip("\n"))
+            if len(piece) > MAX_LINE_BYTES:
+                text += f" [line cut at {MAX_LINE_BYTES} bytes]"
+            try:
+                sys.stderr.write(f"plugin: {text}\n")
+            except (OSError, ValueError):  # stderr closed: nothing more to show
+                return
+        cut = not whole
 
 
-_HOST: Host | None = None
+# One worker per plugin distribution: code of one package never shares a process with another's,
+# so a plugin that patches what runs around it (the worker's own checks, torch, a neighbour's
+# functions) reaches its own rows only.
+_HOSTS: list[Host] = []
+
+
+# Plugin processes alive at once: each holds its own torch (hundreds of MB); past this many the
+# least recently used ends, and its next request starts it again (loading its plugin again, as
+# after a crash).
+MAX_WORKERS = 4
+
+
+def _make_room(starting: Host) -> None:
+    live = [h for h in _HOSTS if h.proc is not None and h is not starting]
+    for host in live[:max(0, len(live) - MAX_WORKERS + 1)]:
+        host.stop(grace_s=5.0)
 
 
 def stop() -> None:
-    """End the plugin process, if any (the next request starts a new one)."""
-    global _HOST
-    if _HOST is not None:
-        _HOST.stop(grace_s=5.0)
-        _HOST = None
+    """End every plugin process, if any (the next request to one starts a new one)."""
+    while _HOSTS:
+        _HOSTS.pop().stop(grace_s=5.0)
 
 
 atexit.register(stop)
@@ -499,18 +528,31 @@ atexit.register(stop)
 def load(entry_points: list[importlib.metadata.EntryPoint], outputs_of: Callable[[str], tuple[str, ...] | None],
          source_of: Callable[[importlib.metadata.EntryPoint], str],
          placeholder: Callable[..., Implementation]) -> list[Implementation]:
-    """Proxies of every implementation the ``entry_points`` register, loaded in the worker;
+    """Proxies of every implementation the ``entry_points`` register, loaded in a worker per
+    distribution (``source_of`` names it);
     ``placeholder(name, source, reason)`` stands in for whatever cannot be used (a plugin that
     fails, exits or hangs while loading, an object that is not an Implementation, a description
     the harness cannot use). ``outputs_of(module)`` names a registered module's outputs (``None``
     for a module that is not registered: its proxy is unavailable)."""
-    global _HOST
     stop()
-    specs = [(ep.name, ep.value) for ep in entry_points]
-    _HOST = host = Host(specs)
+    groups: dict[str, list[importlib.metadata.EntryPoint]] = {}
+    for ep in entry_points:
+        groups.setdefault(source_of(ep), []).append(ep)
+    out: list[Implementation] = []
+    for dist, eps in groups.items():
+        host = Host([(ep.name, ep.value) for ep in eps])
+        _HOSTS.append(host)
+        out += _load_group(host, eps, f"{dist} (plugin)", outputs_of, placeholder)
+    return out
+
+
+def _load_group(host: Host, entry_points: list[importlib.metadata.EntryPoint], source: str,
+                outputs_of: Callable[[str], tuple[str, ...] | None],
+                placeholder: Callable[..., Implementation]) -> list[Implementation]:
+    """:func:`load` for the entry points of one distribution, all served by ``host``."""
+    specs = host.specs
     out: list[Implementation] = []
     for k, ep in enumerate(entry_points):
-        source = f"{source_of(ep)} (plugin)"
         try:
             described = host.request({"op": "describe", "ep": k, "spec": specs[k]}, f"loading plugin {ep.name!r}")
         except PluginError as exc:
@@ -580,7 +622,7 @@ def _proxy(host: Host, k: int, j: int, d: dict[str, Any], source: str,
         p = predict_raw(case)
         if not isinstance(p, dict) or not isinstance(p.get("finite"), bool):
             raise PluginError(f"predict of {label} returned no prediction")
-        return Prediction(p["finite"], str(p.get("explanation", "")))
+        return Prediction(p["finite"], str(p.get("explanation", "")), by_plugin=True)
 
     reason = d.get("reason")
     if output_names is None:

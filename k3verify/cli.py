@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -54,7 +55,7 @@ from .harness.tp_rows import BACKENDS, MAX_TIMEOUT_S, MAX_WORLD_SIZE, SIZES, TPO
 from .numerics import EXPECTED_NONFINITE, FAIL, PASS, UNAVAILABLE
 
 # Text printed as given, one log line each whatever the width: data never read as rich markup.
-PLAIN = dict(markup=False, highlight=False, soft_wrap=True)
+PLAIN = dict(markup=False, highlight=False, soft_wrap=True, emoji=False)
 STATUS_STYLE = {PASS: "green", FAIL: "bold red", EXPECTED_NONFINITE: "yellow", UNAVAILABLE: "dim"}
 
 
@@ -261,6 +262,10 @@ def cmd_run(args: argparse.Namespace, out: Console, err: Console) -> int:
         planned = runner.plan(entries, tp, orphans, names)
     except KeyError as exc:
         raise UsageError(f"--implementations: {exc.args[0]}") from None
+    if tp is not None and not planned:  # a green run that verified nothing would read as a pass
+        sharded = ", ".join(e.name for e in registry.select(None) if e.sharded is not None)
+        raise UsageError(f"--tp: none of the selected modules ({', '.join(e.name for e in entries)}) has a sharded "
+                         f"form; those with one: {sharded}")
     oracle_rows, oracle_check = _oracle_check(args, entries, tp, err)
     rows = list(oracle_rows)
     config: dict[str, Any] = {}
@@ -463,6 +468,9 @@ def cmd_walk(args: argparse.Namespace, out: Console, err: Console) -> int:
         options.low()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.plant is not None:
+        _check_plant(args.plant, config)
+    _check_walk_machine(args)
     out_dir = Path(args.out)
     start = time.perf_counter()
     with _progress(err) as bar:
@@ -513,6 +521,33 @@ def _plant(text: str) -> tuple[int, str]:
     if module not in ("kda", "mla", "dense", "moe"):
         raise argparse.ArgumentTypeError(f"{text!r}: the module is one of kda, mla, dense, moe")
     return index, module
+
+
+def _check_walk_machine(args: argparse.Namespace) -> None:
+    """``UsageError`` for a walk this machine cannot run: K3's widths on the CPU (tens of GB of
+    fp64 weights: the worker is killed for memory), our kernels in a dtype Triton's CPU
+    interpreter does not compute faithfully."""
+    if args.config == "wide" and torch.device(args.device).type == "cpu":
+        raise UsageError("--config wide holds K3's widths (d 7168, 96 heads), tens of GB in fp64: run it with "
+                         "--device cuda")
+    if args.plan == "kernels" and torch.device(args.device).type == "cpu":
+        from .triton_support import unavailable_reason
+
+        reason = unavailable_reason("the kernel plan", args.dtype, (torch.float32, torch.bfloat16, torch.float16))
+        if reason:
+            raise UsageError(f"--plan kernels --dtype {args.dtype}: {reason}")
+
+
+def _check_plant(plant: tuple[int, str], config: Any) -> None:
+    """``UsageError`` for a ``--plant`` the stack does not have: a layer past its last, or a
+    module that layer does not run (a bug planted nowhere would leave "no divergence" reading
+    as a search that missed it)."""
+    layer, module = plant
+    if not 0 <= layer < config.num_layers:
+        raise UsageError(f"--plant {layer}:{module}: the stack has layers 0 to {config.num_layers - 1}")
+    runs = (config.token_mixer(layer), config.channel_mixer(layer))
+    if module not in runs:
+        raise UsageError(f"--plant {layer}:{module}: layer {layer} runs {runs[0]} and {runs[1]}")
 
 
 @_writes("out", "--out")
@@ -850,8 +885,34 @@ def _walk_layers(text: str) -> int:
     return _integer(text, 1, 93, "[1, 93]")
 
 
-def _workers(text: str) -> int:
-    return _integer(text, 1, 64, "[1, 64]")
+def _walk_workers(text: str) -> int:
+    """``walk --workers``: worker processes in [1, 64]."""
+    return _integer(text, 1, 64, "[1, 64] worker processes")
+
+
+def _walk_experts(text: str) -> int:
+    """``walk --experts``: routed experts of the wide stack, in [1, 1024]."""
+    return _integer(text, 1, 1024, "[1, 1024] experts")
+
+
+def _walk_weight_sets(text: str) -> int:
+    """``walk --distinct-layers``: weight sets per module type, in [1, 93] (one per layer at most)."""
+    return _integer(text, 1, 93, "[1, 93] weight sets")
+
+
+def _walk_device(text: str) -> str:
+    """``walk --device``: a device torch names and this machine has."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} is not a device (cpu, cuda, cuda:N)") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise argparse.ArgumentTypeError(f"{text[:80]!r}: this machine has {count} CUDA device(s)")
+    elif device.type != "cpu":
+        raise argparse.ArgumentTypeError(f"{text[:80]!r}: the stack runs on cpu or cuda")
+    return text
 
 
 def _seed(text: str) -> int:
@@ -950,7 +1011,7 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--jobs", metavar="NAMES", type=_job_list,
                    help="comma-separated jobs (default: all): walks, attribution and the serving scenarios "
                         "prefill_decode, chunked_prefill, mixed_batch, speculative, page_placement")
-    w.add_argument("--workers", type=_workers, default=min(2, os.cpu_count() or 1),
+    w.add_argument("--workers", type=_walk_workers, default=min(2, os.cpu_count() or 1),
                    help="worker processes (default: 2, or 1 on one core)")
     w.add_argument("--layers", type=_walk_layers, help="fewer layers than K3's 93 (a quick look; default: 93)")
     w.add_argument("--config", choices=("cpu", "wide"), default="cpu",
@@ -959,13 +1020,14 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--plan", choices=("tiled", "kernels"), default="tiled",
                    help="what runs in low precision: our tiled forms (default) or our Triton kernels (a GPU for "
                         "bf16/fp16; fp32 runs in Triton's CPU interpreter)")
-    w.add_argument("--device", default="cpu", help="where the stack runs (default: cpu; cuda for a GPU)")
+    w.add_argument("--device", type=_walk_device, default="cpu",
+                   help="where the stack runs (default: cpu; cuda for a GPU)")
     w.add_argument("--use", action="append", metavar="LABEL",
                    help="a registered kda, mla or moe implementation (its label, as `k3verify list --json` "
                         "gives it, plugins included) in place of that module's form in the low-precision plan, "
                         "every call of it; repeatable")
-    w.add_argument("--experts", type=_workers, default=16, help="--config wide: routed experts (default: 16)")
-    w.add_argument("--distinct-layers", type=_workers, default=2,
+    w.add_argument("--experts", type=_walk_experts, default=16, help="--config wide: routed experts (default: 16)")
+    w.add_argument("--distinct-layers", type=_walk_weight_sets, default=2,
                    help="--config wide: weight sets per module type, cycled over the layers (default: 2)")
     w.add_argument("--plant", type=_plant, metavar="LAYER:MODULE",
                    help="plant a bug (output × 1.001) in one sublayer of the fp64 walk and report where the "
@@ -1117,13 +1179,28 @@ def redeliver_interrupts(previous: Callable[[Any], object]) -> Callable[[Any], o
     return hook
 
 
+def _check_junit_target(args: argparse.Namespace) -> None:
+    """``UsageError`` for a ``--junit-xml`` file that is one the command writes into ``--out``
+    (it would be written over the report just written, which is then lost)."""
+    target, out = getattr(args, "junit_xml", None), getattr(args, "out", None)
+    if target is None or not isinstance(out, str):
+        return
+    own = (*report.REPORT_FILES, "decoder_walk.json")
+    if target.name in own and target.resolve().parent == Path(out).resolve():
+        raise UsageError(f"--junit-xml {str(target)[:200]!r} is the command's own {target.name} in --out; "
+                         "give another file name")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     # A log gets a wide fixed width instead of rich's 80 columns, unless COLUMNS says otherwise.
-    out = OutConsole() if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit() else OutConsole(width=170)
-    err = Console(stderr=True)
+    # emoji=False: ":white_check_mark:" in a plugin's name or a report's field stays text.
+    wide = {} if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit() else {"width": 170}
+    out = OutConsole(emoji=False, **wide)
+    err = Console(stderr=True, emoji=False)
     previous_hook, sys.unraisablehook = sys.unraisablehook, redeliver_interrupts(sys.unraisablehook)
     try:
+        _check_junit_target(args)
         with warnings.catch_warnings():
             # Triton's CPU interpreter computes with numpy, which warns where an emulated kernel
             # overflows; the row says so (non-finite outputs, the operand named), so the warning

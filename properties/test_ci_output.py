@@ -67,7 +67,8 @@ def test_run_writes_junit_with_the_reports_counts(tmp_path: Path, monkeypatch: p
 
 
 def test_a_failed_row_fails_its_case_with_the_reason(tmp_path: Path) -> None:
-    row = {"module": "mla", "implementation": "evil\x1b[31m <b>&", "form": "kernel", "dtype": "bf16", "params": {},
+    row = {"module": "mla", "implementation": "evil\x1b[31m <b>&\u202e\x9b1m\r", "form": "kernel", "dtype": "bf16",
+           "params": {},
            "case": "default", "status": "fail", "output": "o",
            "outputs": {"o": {"status": "fail", "verdict": {"reason": "rms_ratio 9e-02 > 2x4e-03 + 1e-04"}}},
            "verdict": {"reason": "rms_ratio 9e-02 > 2x4e-03 + 1e-04"}}
@@ -77,7 +78,9 @@ def test_a_failed_row_fails_its_case_with_the_reason(tmp_path: Path) -> None:
     read = _read_junit(tmp_path / "x.xml")
     assert read["totals"] == {"tests": 2, "failures": 1, "skipped": 1, "errors": 0}
     (failed, skipped) = read["cases"]
-    assert failed[2] == "failure" and "rms_ratio 9e-02" in failed[3] and "evil\\x1b[31m <b>&" in failed[1]
+    # Escapes, C1 controls, bidi overrides and carriage returns all come out visible.
+    assert failed[2] == "failure" and "rms_ratio 9e-02" in failed[3]
+    assert "evil\\x1b[31m <b>&\\u202e\\x9b1m\\x0d" in failed[1], failed[1]
     assert skipped[2:] == ("skipped", "needs CUDA")
 
 
@@ -96,3 +99,25 @@ def test_a_junit_path_in_a_missing_folder_is_refused_before_the_run(tmp_path: Pa
     with pytest.raises(SystemExit) as info:
         main(["run", "--modules", "moe", "--junit-xml", str(tmp_path / "nowhere" / "x.xml")])
     assert info.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["report.json", "report.md"])
+def test_a_junit_path_that_is_one_of_the_reports_files_is_refused(tmp_path: Path, name: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Structural: ``--junit-xml OUT/report.json`` once wrote the XML over the report just
+    written (exit 0, "wrote report.json"); it is a usage error before anything is computed, and
+    the folder keeps what it held."""
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / name).write_text("kept")
+    assert main(["run", "--modules", "attnres_backward", "--goldens", "none", "--no-figures", "--out", str(out),
+                 "--junit-xml", str(out / name)]) == 2
+    assert "is the command's own" in capsys.readouterr().err and (out / name).read_text() == "kept"
+
+
+def test_emoji_codes_in_untrusted_text_stay_text(capsys: pytest.CaptureFixture[str]) -> None:
+    """Structural: a module name, a plugin's name or a report's field printed by the command line
+    is text: rich turned ``:smile:`` into an emoji (a failing row could print a check mark)."""
+    assert main(["list", "--modules", "nope:white_check_mark:"]) == 2
+    err = capsys.readouterr().err
+    assert "nope:white_check_mark:" in err and "\u2705" not in err, err

@@ -163,11 +163,18 @@ def test_an_interrupted_sweep_resumes_with_the_missing_cells_only(client: Any, t
 
     with pytest.raises(KeyboardInterrupt):
         dask_engine.run_sweep(entry, QUICK, client, partial=partial, commit="test", status=interrupt_halfway)
-    kept = len(partial.read_text().splitlines())
+    lines = partial.read_text().splitlines()
+    kept = len(lines)
     assert total // 2 <= kept < total
+    # Two cells edited into the wrong types (the file is anyone's to edit): computed again, where
+    # they once reached the figures and ended every rerun with a TypeError.
+    for i, edit in ((0, {"rms_ratio": "x"}), (1, {"finite": "yes"})):
+        record = json.loads(lines[i])
+        lines[i] = json.dumps(record | {"cell": record["cell"] | edit})
+    partial.write_text("\n".join(lines) + "\n")
     result = dask_engine.run_sweep(entry, QUICK, client, partial=partial, commit="test")
     engine = result.meta["engine"]
-    assert (engine["resumed"], engine["computed"]) == (kept, total - kept)
+    assert (engine["resumed"], engine["computed"]) == (kept - 2, total - kept + 2)
     assert result.cells == as_json(sweep_map(entry, QUICK).cells)
     # Another commit's cells are never taken.
     again = dask_engine.run_sweep(entry, QUICK, client, partial=tmp_path / "other.jsonl", commit="another")

@@ -924,6 +924,19 @@ def test_tp_beyond_this_machines_memory_is_refused_before_any_rank(
     tp_rows.check_machine(tp_rows.TPOptions(8), available_bytes=64 * 2**30)  # fits
 
 
+@pytest.mark.parametrize("argv", [["--modules", "attnres_backward"], ["--direction", "backward"]])
+def test_a_tp_run_of_modules_without_a_sharded_form_is_refused(
+        argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """Structural: ``--tp`` on modules none of which has a sharded form planned 0 rows and exited
+    0, a green CI step that verified nothing; it is a usage error naming the modules that have one."""
+    _refuse_computing(monkeypatch)
+    code, err = _run(["run", "--tp", "2", *argv, "--goldens", "none", "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and "has a sharded form" in err and "attnres, kda, mla, moe" in err, err
+    _one_line(err)
+    assert not (tmp_path / "out").exists()
+
+
 def test_tp_beyond_the_process_limit_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     import resource
 

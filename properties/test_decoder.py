@@ -320,6 +320,10 @@ def test_a_partial_line_that_is_not_a_job_result_runs_the_job_again(tmp_path, ta
     (["--jobs", "walks,nope"], "unknown job"),
     (["--layers", "0"], "--layers"),
     (["--prompt", "2"], "--prompt"),
+    (["--device", "foo"], "is not a device"),
+    (["--device", "cuda:99"], "CUDA device(s)"),
+    (["--experts", "0"], "[1, 1024] experts"),
+    (["--distinct-layers", "0"], "[1, 93] weight sets"),
 ])
 def test_walk_refuses_bad_options_by_name(tmp_path, capsys, args: list[str], message: str) -> None:
     from k3verify.cli import main
@@ -327,6 +331,37 @@ def test_walk_refuses_bad_options_by_name(tmp_path, capsys, args: list[str], mes
     with pytest.raises(SystemExit) as exc:
         main(["walk", "--out", str(tmp_path / "w"), *args])
     assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--config", "wide"], "run it with --device cuda"),
+    (["--plan", "kernels", "--dtype", "bf16"], "not faithful for bf16"),
+])
+def test_a_walk_this_machine_cannot_run_is_a_usage_error(tmp_path, capsys, args: list[str], message: str) -> None:
+    """Structural: K3's widths on the CPU (the worker was killed for memory, exit 3) and the
+    kernel plan in bf16 under Triton's CPU interpreter (a RuntimeError, exit 3) are usage
+    errors, exit 2, before anything runs."""
+    from k3verify.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs both")
+    assert main(["walk", "--out", str(tmp_path / "w"), "--layers", "2", *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("plant,message", [("99:kda", "the stack has layers 0 to 3"),
+                                           ("3:kda", "layer 3 runs mla and moe"),
+                                           ("0:moe", "layer 0 runs kda and dense")])
+def test_a_plant_the_stack_does_not_have_is_refused(tmp_path, capsys, plant: str, message: str) -> None:
+    """Structural: a bug planted at a layer past the stack, or in a module its layer does not
+    run, was planted nowhere, and the walk reported "no divergence" as if the search had missed
+    it; it is a usage error naming what the stack has, before anything runs."""
+    from k3verify.cli import main
+
+    assert main(["walk", "--out", str(tmp_path / "w"), "--layers", "4", "--plant", plant]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
 

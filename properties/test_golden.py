@@ -225,6 +225,20 @@ def test_partial_regeneration_on_another_platform_is_refused(tmp_path: Path, mon
     assert golden.read_manifest(tmp_path)["platform"] == elsewhere
 
 
+def test_partial_regeneration_with_another_seed_is_refused(tmp_path: Path) -> None:
+    """Structural: a manifest records one seed, from which verify draws every file's inputs again.
+    Regenerating one module with another seed once stamped the new seed on the kept files, and
+    the folder no longer verified; it is refused, naming both seeds, and the set is left as it
+    was. The same seed goes through, and so does every module at the new seed."""
+    golden.generate(tmp_path, modules=["moe_backward"])
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(UsageError, match=r"drawn with seed 0, not 9.*--seed 0"):
+        golden.generate(tmp_path, modules=["attnres_backward"], seed=9)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    golden.generate(tmp_path, modules=["attnres_backward"])
+    assert all(r["status"] != FAIL for r in golden.verify_rows(tmp_path, modules=["moe_backward", "attnres_backward"]))
+
+
 @pytest.mark.parametrize("drift", [0.0, 1e-9], ids=["as committed", "oracle drifted by 1e-9"])
 def test_a_run_starts_by_checking_its_oracle_against_the_goldens(drift: float, monkeypatch: pytest.MonkeyPatch,
                                                                  tmp_path: Path) -> None:

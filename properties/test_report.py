@@ -309,6 +309,37 @@ def test_map_cells_that_became_non_finite_are_flagged(tmp_path: Path, capsys: py
     assert "map cell became non-finite" in capsys.readouterr().out
 
 
+def test_a_checkerboard_map_draws_its_marks_and_frontier_as_one_artist_per_panel(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Structural: a map is untrusted input. On a checkerboard, where every cell's prediction is
+    missed and the frontier runs along every edge, each panel holds one artist of "x" marks with
+    every missed cell in it and one collection of frontier segments with every edge: drawing once
+    made an artist per cell and per edge (minutes and gigabytes at the grid limit)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import LineCollection
+
+    from k3verify.harness import plots
+
+    n = 12
+    cells = [{"module": "kda", "dtype": "bf16", "tile": t, "g_min": float(g), "input": "worst", "anchor": a,
+              "finite": (t + g) % 2 == 0, "predicted_finite": (t + g) % 2 == 1, "rms_ratio": 1e-3}
+             for a in ("tile_start", "chunk_start") for t in range(n) for g in range(n)]
+    spec = MapSpec(x="g_min", y="tile", panel_row="dtype", panel_col="anchor", figure="input", x_label="g",
+                   y_label="tile", title="checkerboard")
+    figures: list[Any] = []
+    monkeypatch.setattr(plt, "close", figures.append)  # the figure kept to be read
+    plots.draw_map(MapResult("kda", cells, spec), tmp_path)
+    monkeypatch.undo()
+    assert len(figures) == 1
+    axes = figures[0].axes[:2]  # the two panels (the colour bar after them)
+    for ax in axes:
+        marks = [line for line in ax.lines if line.get_marker() == "x"]
+        assert len(marks) == 1 and len(marks[0].get_xdata()) == n * n
+        fronts = [c for c in ax.collections if isinstance(c, LineCollection)]
+        assert len(fronts) == 1 and len(fronts[0].get_segments()) == 2 * n * (n - 1)
+    plt.close(figures[0])
+
+
 def test_compare_without_reports_is_a_usage_error(tmp_path: Path) -> None:
     assert main(["report", "compare", str(tmp_path), str(tmp_path)]) == 2
 

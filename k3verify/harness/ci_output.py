@@ -19,15 +19,17 @@ from typing import Any
 
 from ..numerics import FAIL, UNAVAILABLE
 from .report import failure_lines, row_heading
-from .text import md_text
+from .text import md_text, visible
 
 STEP_SUMMARY = "GITHUB_STEP_SUMMARY"
 _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 
 def _xml_text(value: object) -> str:
-    """``value`` as text XML 1.0 can hold: forbidden characters become ``\\xNN`` escapes."""
-    return _NOT_XML.sub(lambda m: f"\\x{ord(m.group()):02x}", str(value))
+    """``value`` as text XML 1.0 can hold, visible as :func:`~k3verify.harness.text.visible`
+    makes it (bidi overrides, C1 controls and carriage returns as escapes; newlines and tabs
+    kept); anything XML still forbids becomes a ``\\xNN`` escape."""
+    return _NOT_XML.sub(lambda m: f"\\x{ord(m.group()):02x}", visible(value, keep="\n\t"))
 
 
 def _case(suite: ET.Element, classname: str, name: str, time_s: float = 0.0) -> ET.Element:

@@ -431,7 +431,7 @@ def run_sweep(entry: Any, options: MapOptions, client: Any, *, retries: int = DE
     workers spent in the cells (case and reference builds included)."""
     tasks = plan(entry, options, commit)
     blob, token = entry_ref(entry)
-    cells: dict[int, dict[str, Any]] = read_partial(partial, {t.key: t.index for t in tasks})
+    cells: dict[int, dict[str, Any]] = read_partial(partial, {t.key: t.index for t in tasks}, sound_cell)
     st = SweepStatus(total=len(tasks), done=len(cells), resumed=len(cells))
     measured = {"builds": 0, "cell_s": 0.0}
     workers = len(client.nthreads())
@@ -466,6 +466,15 @@ def run_sweep(entry: Any, options: MapOptions, client: Any, *, retries: int = DE
                              "resumed": st.resumed, "failed": st.failed, "retried": st.retried,
                              "case_builds": measured["builds"], "cell_s": round(measured["cell_s"], 2)}
     return result
+
+
+def sound_cell(cell: dict[str, Any]) -> bool:
+    """Whether a cell read back from a partial file has the types a map's cells have: ``finite``
+    and ``predicted_finite`` true or false, ``rms_ratio`` a finite number or ``None``."""
+    ratio = cell.get("rms_ratio")
+    number = isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and math.isfinite(ratio)
+    return (isinstance(cell.get("finite"), bool) and isinstance(cell.get("predicted_finite", False), bool)
+            and (ratio is None or number))
 
 
 def task_resources(client: Any) -> dict[str, int] | None:

@@ -283,6 +283,11 @@ def generate(
             raise UsageError("the goldens kept beside --modules were made on another platform ("
                              + "; ".join(differences)[:300] + "); a manifest records one platform: regenerate "
                              "every module (`k3verify golden generate` without --modules)")
+        if kept_files and previous.get("seed") != seed:
+            # One manifest records one seed, which verify regenerates every kept file's inputs from.
+            raise UsageError(f"the goldens kept beside --modules were drawn with seed {previous.get('seed')!r}, not "
+                             f"{seed}; a manifest records one seed: give --seed {previous.get('seed')!r}, or "
+                             "regenerate every module (without --modules)")
     elif (out_dir / MANIFEST).exists():
         replaced |= _listed_modules(out_dir)
     files: dict[str, Any] = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,10 +43,12 @@ def as_json(piece: Mapping[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(json_safe(dict(piece)), allow_nan=False))
 
 
-def read_partial(path: Path | None, keys: Mapping[str, int]) -> dict[int, dict[str, Any]]:
+def read_partial(path: Path | None, keys: Mapping[str, int],
+                 sound: Callable[[dict[str, Any]], bool] = lambda piece: True) -> dict[int, dict[str, Any]]:
     """The finished pieces a partial file holds for this run: index -> piece, for the lines
-    whose key is one of ``keys`` (key -> index). A line cut short by an interrupted write, or
-    any line that is not such a record, is skipped."""
+    whose key is one of ``keys`` (key -> index). A line cut short by an interrupted write, any
+    line that is not such a record, or a piece that is not ``sound`` (a field of the wrong type:
+    the file is anyone's to edit) is skipped, and computed again."""
     found: dict[int, dict[str, Any]] = {}
     if path is None or not path.is_file():
         return found
@@ -56,7 +58,8 @@ def read_partial(path: Path | None, keys: Mapping[str, int]) -> dict[int, dict[s
                 record = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(record, dict) and record.get("key") in keys and isinstance(record.get("cell"), dict):
+            if isinstance(record, dict) and record.get("key") in keys and isinstance(record.get("cell"), dict) \
+                    and sound(record["cell"]):
                 found[keys[record["key"]]] = record["cell"]
     return found
 

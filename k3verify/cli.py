@@ -458,10 +458,13 @@ def cmd_walk(args: argparse.Namespace, out: Console, err: Console) -> int:
     from .harness import decoder_walk
 
     jobs = decoder_walk.JOBS if args.jobs is None else args.jobs
+    wide = {"experts": args.experts, "distinct_layers": args.distinct_layers}
+    if args.config != "wide" and any(v is not None for v in wide.values()):
+        raise UsageError("--experts and --distinct-layers shape the wide stack: give them with --config wide")
     options = decoder_walk.WalkOptions(config=args.config, prompt=args.prompt, decode=args.decode, dtype=args.dtype,
                                        seed=args.seed, jobs=jobs, plant=args.plant, num_layers=args.layers,
-                                       plan=args.plan, device=args.device, experts=args.experts,
-                                       distinct_layers=args.distinct_layers, use=tuple(args.use or ()))
+                                       plan=args.plan, device=args.device, use=tuple(args.use or ()),
+                                       **{k: v for k, v in wide.items() if v is not None})
     try:
         config = options.decoder_config()
         options.sizes()
@@ -1026,8 +1029,8 @@ def parser() -> argparse.ArgumentParser:
                    help="a registered kda, mla or moe implementation (its label, as `k3verify list --json` "
                         "gives it, plugins included) in place of that module's form in the low-precision plan, "
                         "every call of it; repeatable")
-    w.add_argument("--experts", type=_walk_experts, default=16, help="--config wide: routed experts (default: 16)")
-    w.add_argument("--distinct-layers", type=_walk_weight_sets, default=2,
+    w.add_argument("--experts", type=_walk_experts, help="--config wide: routed experts (default: 16)")
+    w.add_argument("--distinct-layers", type=_walk_weight_sets,
                    help="--config wide: weight sets per module type, cycled over the layers (default: 2)")
     w.add_argument("--plant", type=_plant, metavar="LAYER:MODULE",
                    help="plant a bug (output × 1.001) in one sublayer of the fp64 walk and report where the "

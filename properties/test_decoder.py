@@ -352,6 +352,17 @@ def test_a_walk_this_machine_cannot_run_is_a_usage_error(tmp_path, capsys, args:
     assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.parametrize("args", [["--experts", "3"], ["--distinct-layers", "4"]])
+def test_the_wide_stacks_options_need_the_wide_stack(tmp_path, capsys, args: list[str]) -> None:
+    """Structural: --experts and --distinct-layers shape --config wide only; on the CPU stack they
+    were accepted and ignored, a run of another stack than the one asked for."""
+    from k3verify.cli import main
+
+    assert main(["walk", "--out", str(tmp_path / "w"), "--layers", "2", *args]) == 2
+    assert "give them with --config wide" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
 @pytest.mark.parametrize("plant,message", [("99:kda", "the stack has layers 0 to 3"),
                                            ("3:kda", "layer 3 runs mla and moe"),
                                            ("0:moe", "layer 0 runs kda and dense")])

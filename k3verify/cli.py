@@ -1182,10 +1182,18 @@ def redeliver_interrupts(previous: Callable[[Any], object]) -> Callable[[Any], o
     return hook
 
 
-def _check_junit_target(args: argparse.Namespace) -> None:
-    """``UsageError`` for a ``--junit-xml`` file that is one the command writes into ``--out``
-    (it would be written over the report just written, which is then lost)."""
-    target, out = getattr(args, "junit_xml", None), getattr(args, "out", None)
+def _check_ci_targets(args: argparse.Namespace) -> None:
+    """``UsageError``, before anything is computed, for a CI output that cannot be written: a
+    ``--junit-xml`` file that is one the command writes into ``--out`` (it would be written over
+    the report just written, which is then lost), or a ``GITHUB_STEP_SUMMARY`` that names a
+    folder or a file in a folder that does not exist (found only after the work, once)."""
+    if not hasattr(args, "junit_xml"):
+        return
+    summary = os.environ.get(ci_output.STEP_SUMMARY)
+    if summary and (Path(summary).is_dir() or not Path(summary).parent.is_dir()):
+        raise UsageError(f"${ci_output.STEP_SUMMARY} names {summary[:200]!r}, which is a folder or in a folder "
+                         "that does not exist")
+    target, out = args.junit_xml, getattr(args, "out", None)
     if target is None or not isinstance(out, str):
         return
     own = (*report.REPORT_FILES, "decoder_walk.json")
@@ -1203,7 +1211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     err = Console(stderr=True, emoji=False)
     previous_hook, sys.unraisablehook = sys.unraisablehook, redeliver_interrupts(sys.unraisablehook)
     try:
-        _check_junit_target(args)
+        _check_ci_targets(args)
         with warnings.catch_warnings():
             # Triton's CPU interpreter computes with numpy, which warns where an emulated kernel
             # overflows; the row says so (non-finite outputs, the operand named), so the warning

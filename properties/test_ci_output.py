@@ -121,3 +121,18 @@ def test_emoji_codes_in_untrusted_text_stay_text(capsys: pytest.CaptureFixture[s
     assert main(["list", "--modules", "nope:white_check_mark:"]) == 2
     err = capsys.readouterr().err
     assert "nope:white_check_mark:" in err and "\u2705" not in err, err
+
+
+@pytest.mark.parametrize("where", ["folder", "missing/summary.md"])
+def test_a_step_summary_that_cannot_be_written_is_refused_before_the_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        where: str) -> None:  # fmt: skip
+    """Structural: ``GITHUB_STEP_SUMMARY`` naming a folder, or a file in a missing folder, was
+    found only after the rows were computed; it is a usage error naming the variable, and no
+    report is written."""
+    (tmp_path / "folder").mkdir()
+    monkeypatch.setenv(ci_output.STEP_SUMMARY, str(tmp_path / where))
+    assert main(["run", "--modules", "attnres_backward", "--goldens", "none", "--no-figures", "--out",
+                 str(tmp_path / "r")]) == 2
+    assert "$GITHUB_STEP_SUMMARY names" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

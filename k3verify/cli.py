@@ -781,6 +781,8 @@ def cmd_golden_verify(args: argparse.Namespace, out: Console, err: Console) -> i
     directory = Path(args.dir)
     modules = _module_list(args.modules)
     registry.select(modules)  # an unknown name is a usage error before anything is read
+    if not directory.is_dir():  # a wrong path (exit 2), not goldens that failed to verify (1)
+        raise UsageError(f"--dir {args.dir[:200]!r} is not a folder")
     goldens = golden.snapshot(directory)  # read once: the rows are judged on the bytes the check passes
     problems = golden.check(goldens)
     if problems:

@@ -225,6 +225,20 @@ def test_partial_regeneration_on_another_platform_is_refused(tmp_path: Path, mon
     assert golden.read_manifest(tmp_path)["platform"] == elsewhere
 
 
+@pytest.mark.parametrize("where", ["missing", "a_file"])
+def test_verify_of_a_folder_that_is_not_one_is_a_usage_error(tmp_path: Path, where: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Structural: ``golden verify --dir`` naming no folder is a wrong path (exit 2), where it
+    read as goldens that failed to verify (exit 1); a folder without a manifest stays exit 1."""
+    from k3verify.cli import main
+
+    (tmp_path / "a_file").write_text("x")
+    assert main(["golden", "verify", "--dir", str(tmp_path / where)]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["golden", "verify", "--dir", str(tmp_path / "empty")]) == 1
+
+
 def test_partial_regeneration_with_another_seed_is_refused(tmp_path: Path) -> None:
     """Structural: a manifest records one seed, from which verify draws every file's inputs again.
     Regenerating one module with another seed once stamped the new seed on the kept files, and

@@ -878,31 +878,21 @@ def _integer(text: str, low: int, high: int, shown: str) -> int:
     return value
 
 
-def _walk_tokens(text: str) -> int:
-    return _integer(text, 4, 4096, "[4, 4096]")
+def _bounded(low: int, high: int, unit: str = "") -> Callable[[str], int]:
+    """An option's type: an integer in [low, high] (:func:`_integer`), ``unit`` named in the error."""
+    shown = f"[{low}, {high}]" + (f" {unit}" if unit else "")
+
+    def parse(text: str) -> int:
+        return _integer(text, low, high, shown)
+
+    return parse
 
 
-def _walk_decode(text: str) -> int:
-    return _integer(text, 0, 1024, "[0, 1024]")
-
-
-def _walk_layers(text: str) -> int:
-    return _integer(text, 1, 93, "[1, 93]")
-
-
-def _walk_workers(text: str) -> int:
-    """``walk --workers``: worker processes in [1, 64]."""
-    return _integer(text, 1, 64, "[1, 64] worker processes")
-
-
-def _walk_experts(text: str) -> int:
-    """``walk --experts``: routed experts of the wide stack, in [1, 1024]."""
-    return _integer(text, 1, 1024, "[1, 1024] experts")
-
-
-def _walk_weight_sets(text: str) -> int:
-    """``walk --distinct-layers``: weight sets per module type, in [1, 93] (one per layer at most)."""
-    return _integer(text, 1, 93, "[1, 93] weight sets")
+_walk_tokens, _walk_decode, _walk_layers = _bounded(4, 4096), _bounded(0, 1024), _bounded(1, 93)
+# walk --workers, --experts (the wide stack's routed experts), --distinct-layers (weight sets per
+# module type: one per layer at most).
+_walk_workers, _walk_experts = _bounded(1, 64, "worker processes"), _bounded(1, 1024, "experts")
+_walk_weight_sets = _bounded(1, 93, "weight sets")
 
 
 def _walk_device(text: str) -> str:
@@ -924,24 +914,20 @@ def _seed(text: str) -> int:
     return _integer(text, 0, SEED_LIMIT - 1, "[0, 2**62)")
 
 
-def _count(text: str) -> int:
-    """``--drawn``: a number of drawn cases in [0, 10000]."""
-    return _integer(text, 0, 10_000, "[0, 10000]")
+# --drawn: drawn cases.
+_count = _bounded(0, 10_000)
 
 
-def _world_size(text: str) -> int:
-    """``--tp``: a number of ranks in [1, MAX_WORLD_SIZE] (what the machine holds is checked later)."""
-    return _integer(text, 1, MAX_WORLD_SIZE, f"[1, {MAX_WORLD_SIZE}] ranks")
+# --tp: ranks (what the machine holds is checked later).
+_world_size = _bounded(1, MAX_WORLD_SIZE, "ranks")
 
 
-def _workers(text: str) -> int:
-    """``--workers``: a number of Dask worker processes in [1, 1024]."""
-    return _integer(text, 1, 1024, "[1, 1024] workers")
+# --workers: Dask worker processes.
+_workers = _bounded(1, 1024, "workers")
 
 
-def _retries(text: str) -> int:
-    """``--retries``: how often a cell whose worker died is run again, in [0, 100]."""
-    return _integer(text, 0, 100, "[0, 100]")
+# --retries: how often a cell whose worker died is run again.
+_retries = _bounded(0, 100)
 
 
 def _timeout(text: str) -> float:

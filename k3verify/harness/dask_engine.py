@@ -49,6 +49,7 @@ from typing import Any
 
 from .contract import identity
 from .files import UsageError
+from .map_files import sound_cell
 from .overflow_map import (
     MapDefinition,
     MapOptions,
@@ -466,15 +467,6 @@ def run_sweep(entry: Any, options: MapOptions, client: Any, *, retries: int = DE
                              "resumed": st.resumed, "failed": st.failed, "retried": st.retried,
                              "case_builds": measured["builds"], "cell_s": round(measured["cell_s"], 2)}
     return result
-
-
-def sound_cell(cell: dict[str, Any]) -> bool:
-    """Whether a cell read back from a partial file has the types a map's cells have: ``finite``
-    and ``predicted_finite`` true or false, ``rms_ratio`` a finite number or ``None``."""
-    ratio = cell.get("rms_ratio")
-    number = isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and math.isfinite(ratio)
-    return (isinstance(cell.get("finite"), bool) and isinstance(cell.get("predicted_finite", False), bool)
-            and (ratio is None or number))
 
 
 def task_resources(client: Any) -> dict[str, int] | None:

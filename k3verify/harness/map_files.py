@@ -91,6 +91,15 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and -1e308 <= value <= 1e308
 
 
+def sound_cell(cell: dict[str, Any]) -> bool:
+    """Whether a cell read back from a partial file has the types a map's cells have: ``finite``
+    and ``predicted_finite`` (where given) true or false, ``rms_ratio`` a finite number or
+    ``None``."""
+    ratio = cell.get("rms_ratio")
+    return (isinstance(cell.get("finite"), bool) and isinstance(cell.get("predicted_finite", False), bool)
+            and (ratio is None or _number(ratio)))
+
+
 def _scalar(value: Any) -> bool:
     """A value a map axis may take: text, a bool or a number."""
     return isinstance(value, (str, bool)) or _number(value)

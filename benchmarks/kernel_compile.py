@@ -144,16 +144,10 @@ def mla_launches() -> list[Launch]:
                       stages, scalars | operands, frozenset({"T", "L", "Dn", "Dr", "Dv"}))
 
     def decode_launch(shape: Any, quant: bool) -> Launch:
-        # An fp8 cache: its codes are the pool (one byte each) and its per-token scales fp32; a TMA
-        # launch reads the pool's tiles through descriptors of 128-wide latent and 64-wide rope blocks.
+        # An fp8 cache: its codes are the pool (one byte each) and its per-token scales fp32.
         args = decode | (dict(pool="*fp8e4nv", scales="*fp32") if quant else {})
-        if shape.tma:
-            code = "fp8e4nv" if quant else "bf16"
-            args |= dict(lat=f"tensordesc<{code}[{shape.keys},{512 // shape.chunks}]>",
-                         rope=f"tensordesc<{code}[{shape.keys},64]>")
         return Launch(f"decode {shape}{' fp8' if quant else ''}", kernels._decode_kernel,
-                      dict(BH=shape.heads, BC=512 // shape.chunks, NC=shape.chunks, BDR=64, BN=shape.keys,
-                           QUANT=quant, IEEE=False, DESC=shape.tma),
+                      dict(BH=shape.heads, BC=128, NC=4, BDR=64, BN=shape.keys, QUANT=quant, IEEE=False),
                       shape.stages, args, frozenset({"R", "Dr", "W", "page_size", "max_pages", "BT"}), shape.warps)
 
     return [

@@ -112,25 +112,18 @@ def test_decode_within_policy(dtype: str, p) -> None:
 # heads: one block of 32 and a partial second; two blocks of 64 and a partial third of 32.
 wide_head_problems = _sized(_pairs((33, 65), (1, 3)), (3, 45), splits=[1, 2, 5])
 # The launch shapes besides the default. Under the interpreter warps and stages are not modelled:
-# there, one shape per (head block, key tile) other than the default's, and one per latent piece
-# count (another code path); on a GPU every shape.
+# there, one shape per (head block, key tile) other than the default's; on a GPU every shape.
 def _other_shapes() -> list[kernels.DecodeLaunch]:
-    def side(s: kernels.DecodeLaunch) -> tuple[object, ...]:
-        return (s.heads, s.keys) if s.chunks == kernels.DECODE_LAUNCH.chunks else ("chunks", s.chunks)
-
-    shapes, sides = [], {side(kernels.DECODE_LAUNCH)}
+    shapes, sides = [], {(kernels.DECODE_LAUNCH.heads, kernels.DECODE_LAUNCH.keys)}
     for s in kernels.DECODE_SHAPES:
-        if s == kernels.DECODE_LAUNCH or (kernels.interpreted() and side(s) in sides):
+        if s == kernels.DECODE_LAUNCH or (kernels.interpreted() and (s.heads, s.keys) in sides):
             continue
-        sides.add(side(s))
+        sides.add((s.heads, s.keys))
         shapes.append(s)
     return shapes
 
 
-# TMA page tiles under the samples' 16-slot pages (the benchmark's keep K3's 64-key tiles, which
-# these pages would send to the pointer loads): one and two head blocks.
-TMA_SHAPES = [kernels.DecodeLaunch(16, keys=16, tma=True), kernels.DecodeLaunch(32, keys=16, tma=True)]
-OTHER_SHAPES = _other_shapes() + TMA_SHAPES
+OTHER_SHAPES = _other_shapes()
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8_e4m3"])
@@ -170,11 +163,10 @@ def test_prefill_within_policy(dtype: str, p) -> None:
 
 
 @pytest.mark.skipif(REASONS["fp32"] is not None, reason=str(REASONS["fp32"]))
-@pytest.mark.parametrize("kind", ["decode", "decode tma", "prefill"])
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
 def test_dead_slots_are_never_read(kind: str) -> None:
     """Bitwise: every dead slot (other requests' tails, spare pages) NaN or zero gives the same
-    output, and a finite one (a read would make NaN). A TMA launch copies a tile's whole rows of
-    its page, dead ones too, and must zero them before either product."""
+    output, and a finite one (a read would make NaN)."""
     x = _problem(5, (21, 7, 40), 3, seed=4)
     args = list(_on(x, "fp32"))
     cache = args[2]
@@ -184,46 +176,9 @@ def test_dead_slots_are_never_read(kind: str) -> None:
         pool = cache.pool.clone()
         pool[~live] = fill
         args[2] = replace(cache, pool=pool)
-        if kind == "prefill":
-            outs.append(kernels.prefill(*args))
-        else:
-            launch = TMA_SHAPES[0] if kind == "decode tma" else None
-            outs.append(kernels.decode(*args, num_splits=5, launch=launch))
+        outs.append(kernels.decode(*args, num_splits=5) if kind == "decode" else kernels.prefill(*args))
     assert bool(torch.isfinite(outs[0]).all())
     assert_identical(outs[0], outs[1], "dead slots NaN vs zero")
-
-
-@pytest.mark.skipif(REASONS["fp32"] is not None, reason=str(REASONS["fp32"]))
-@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "fp8_e4m3"])
-def test_tma_tiles_give_the_pointer_loads_bits(dtype: str) -> None:
-    """Same-host bitwise: with one split (so the same tiles in the same order) a TMA launch's
-    output equals the pointer loads' bit for bit: the copies bring the same values, dead rows
-    and columns past the latent zeroed as the masked loads zero them. The TMA path is the one
-    taken (its descriptors are made): a rope width of 16 makes the cache rows 80 wide, so that
-    an fp8 cache's rows (80 bytes) lie on 16-byte boundaries too."""
-    reason = REASONS["bf16" if is_float8(dtype) else dtype]
-    if reason is not None:
-        pytest.skip(reason)
-    cfg = replace(samples.CONFIG, num_heads=17, qk_rope_head_dim=16)
-    args = _on(samples.layer_inputs(cfg, (45, 30, 9), 2, seed=11), dtype)
-    tma = TMA_SHAPES[1]
-    assert kernels._page_tiles(args[2].pool, tma, 16, 16) is not None
-    got = kernels.decode(*args, launch=tma)
-    want = kernels.decode(*args, launch=replace(tma, tma=False))
-    assert_identical(got, want, f"{tma} against pointer loads, {dtype}")
-
-
-def test_tma_tiles_are_taken_only_where_a_tile_lies_in_a_page_and_rows_are_aligned() -> None:
-    """Structural: descriptors are made for a ``tma`` launch whose key tile divides the page and
-    whose pool starts and has its rows on 16-byte boundaries; otherwise the pointer loads run
-    (``None``), as for a launch without ``tma``."""
-    pool = torch.zeros(3, 16, 72)
-    tma = kernels.DecodeLaunch(16, keys=16, tma=True)
-    assert kernels._page_tiles(pool, tma, 16, 16) is not None
-    assert kernels._page_tiles(pool, replace(tma, tma=False), 16, 16) is None
-    assert kernels._page_tiles(pool, replace(tma, keys=32), 16, 16) is None  # a tile over two pages
-    assert kernels._page_tiles(torch.zeros(3, 16, 71), tma, 16, 16) is None  # rows of 284 bytes
-    assert kernels._page_tiles(pool.reshape(-1)[1:1153].reshape(1, 16, 72), tma, 16, 16) is None  # starts 4 bytes in
 
 
 @pytest.mark.skipif(REASONS["fp32"] is not None, reason=str(REASONS["fp32"]))
@@ -330,9 +285,7 @@ def test_bad_arguments_are_named() -> None:
         with pytest.raises(ValueError, match=r"DecodeLaunch\.heads must be one of"):
             kernels.DecodeLaunch(heads=block)
     for bad, match in ((dict(keys=24), "keys must be a power of two"), (dict(warps=3), "warps must be"),
-                       (dict(warps=4.0), "warps must be"), (dict(stages=0), "stages must be 1 to 6"),
-                       (dict(tma=1), "tma must be True or False"), (dict(chunks=3), "chunks must be 1, 2 or 4"),
-                       (dict(chunks=True), "chunks must be 1, 2 or 4")):  # fmt: skip
+                       (dict(warps=4.0), "warps must be"), (dict(stages=0), "stages must be 1 to 6")):  # fmt: skip
         with pytest.raises(ValueError, match=rf"DecodeLaunch\.{match}"):
             kernels.DecodeLaunch(**bad)
     with pytest.raises(TypeError, match="launch must be a DecodeLaunch, got int"):

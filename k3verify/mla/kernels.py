@@ -44,7 +44,7 @@ import torch
 
 from ..numerics import map_tensors
 from ..numerics.validate import require_block
-from ..triton_support import block, check_launch, device_for, dot, interpreted, tl, tma_descriptor, triton
+from ..triton_support import block, check_launch, device_for, dot, interpreted, tl, triton
 from ..triton_support import unavailable_reason as _unavailable
 from .cache import LatentCache, gather
 from .inputs import check_inputs, heads_first
@@ -64,36 +64,20 @@ class DecodeLaunch:
     :data:`HEAD_BLOCKS`, a ``tl.dot`` side; the heads of a program share every cache tile they
     read), ``keys`` per cache tile, Triton's ``warps`` and pipeline ``stages`` (the interpreter
     ignores those two). On sm_90 only a 64-head block is a wgmma side (Triton takes warpgroup
-    products for 64 rows and more); 16 and 32 take the older ``mma.sync`` products. ``tma``: each
-    cache tile read by TMA copies of whole rows of one page (:func:`_page_tiles`), where a page
-    holds a whole number of tiles and the pool's rows lie on 16-byte boundaries, else by pointer
-    loads. Triton's pipeliner prefetches those copies where it leaves an fp8 tile's pointer loads
-    waited on (a dequantised tile feeds two products). ``chunks``: the latent width in 4, 2 or 1
-    pieces (each at least 16 wide, fewer where the width is narrow), each with its own score
-    product and accumulator: four chains of ``mma.sync`` products run side by side, where
-    warpgroup products (a 64-head block) are waited on after each piece of the score, and one
-    piece lets them issue the whole score at once and the output as 256-wide products. A TMA
-    copy box is at most 256 wide, so one 512-wide piece is read by pointer loads."""
+    products for 64 rows and more); 16 and 32 take the older ``mma.sync`` products."""
 
     heads: int = 16
     keys: int = 64
     warps: int = 4
     stages: int = 2
-    tma: bool = False
-    chunks: int = 4
 
     def __post_init__(self) -> None:
         if isinstance(self.heads, bool) or not isinstance(self.heads, int) or self.heads not in HEAD_BLOCKS:
             raise ValueError(f"DecodeLaunch.heads must be one of {HEAD_BLOCKS}, got {self.heads!r}")
         check_launch("DecodeLaunch", dict(keys=self.keys), self.warps, self.stages)
-        if not isinstance(self.tma, bool):
-            raise ValueError(f"DecodeLaunch.tma must be True or False, got {self.tma!r}")
-        if isinstance(self.chunks, bool) or self.chunks not in (1, 2, 4):
-            raise ValueError(f"DecodeLaunch.chunks must be 1, 2 or 4, got {self.chunks!r}")
 
     def __str__(self) -> str:
-        return (f"{self.heads} heads x {self.keys} keys w{self.warps} s{self.stages}" + (" tma" if self.tma else "")
-                + (f" c{self.chunks}" if self.chunks != 4 else ""))  # fmt: skip
+        return f"{self.heads} heads x {self.keys} keys w{self.warps} s{self.stages}"
 
 
 # Decode launch shape: 16 heads by 64-key tiles on 4 warps, 2 stages, the fastest timed on an H200
@@ -104,13 +88,7 @@ DECODE_LAUNCH = DecodeLaunch()
 # (on 4 warps its fp32 accumulator of 64 x 512 spills about 1 KB).
 DECODE_SHAPES = (DECODE_LAUNCH, DecodeLaunch(16, warps=8), DecodeLaunch(32), DecodeLaunch(32, warps=8),
                  DecodeLaunch(64, warps=8), DecodeLaunch(64, keys=32, warps=8),
-                 DecodeLaunch(64, keys=32, warps=8, stages=3),
-                 # TMA page tiles at the shapes that compile without spills (or 24-32 B at 4 warps)
-                 DecodeLaunch(16, tma=True), DecodeLaunch(16, warps=8, tma=True), DecodeLaunch(32, warps=8, tma=True),
-                 DecodeLaunch(64, keys=32, warps=8, stages=3, tma=True),
-                 # the latent in one piece for the warpgroup products (no spills in bf16)
-                 DecodeLaunch(64, warps=8, chunks=1),
-                 DecodeLaunch(64, keys=32, warps=8, stages=3, chunks=1))  # fmt: skip
+                 DecodeLaunch(64, keys=32, warps=8, stages=3))  # fmt: skip
 
 
 # More than 32 heads (K3's 96 on one device), timed on an H100 at B = 64 and 256, context 4096 and
@@ -152,38 +130,24 @@ def unavailable_reason(operand_dtype: torch.dtype | str = torch.bfloat16) -> str
 
 
 @triton.jit
-def _cache_chunk(pool, desc, slot, row, c0, pm, bound, W, sc, BW: tl.constexpr, QUANT: tl.constexpr,
-                 OP: tl.constexpr, DESC: tl.constexpr):  # fmt: skip
-    """Columns ``c0 + [0, BW)`` of the cache entries at ``slot:[BN]`` in ``OP``: rows past the
-    query's keys (``pm`` false) and columns from ``bound`` on read as 0, an fp8 cache
-    dequantised per token by ``sc:[BN]``. With ``DESC`` by one TMA copy of the ``BN`` rows from
-    slot ``row`` on (``desc`` a descriptor of ``[BN, BW]`` blocks): the copy brings dead rows
-    and other columns too, zeroed here before either product; else by masked pointer loads,
-    which never read them."""
-    cols = c0 + tl.arange(0, BW)
-    keep = pm[:, None] & (cols < bound)[None, :]
-    if DESC:
-        c = desc.load([row, c0])
-    else:
-        c = tl.load(pool + slot[:, None] * W + cols[None, :], mask=keep, other=0.0)
+def _latent_chunk(pool, slot, col, pm, R, W, sc, QUANT: tl.constexpr, OP: tl.constexpr):
+    """Columns ``col:[BC]`` of the cache entries at ``slot:[BN]`` (rows ``pm`` only; the rest
+    read as 0), dequantised per token by ``sc:[BN]`` into ``OP`` for an fp8 cache."""
+    c = tl.load(pool + slot[:, None] * W + col[None, :], mask=pm[:, None] & (col < R)[None, :], other=0.0)
     if QUANT:
-        c = c.to(tl.float32) * sc[:, None]
-    if DESC:
-        c = tl.where(keep, c, 0.0)
-    return c.to(OP)
+        c = (c.to(tl.float32) * sc[:, None]).to(OP)
+    return c
 
 
 @triton.jit
 def _decode_kernel(
-    q_lat, q_pe, pool, scales, block_table, seq_lens, o_part, lse_part, lat, rope,
+    q_lat, q_pe, pool, scales, block_table, seq_lens, o_part, lse_part,
     T, H, R, Dr, W, page_size, max_pages, BT, scale, num_splits, head_blocks,
     BH: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr, BDR: tl.constexpr, BN: tl.constexpr,
-    QUANT: tl.constexpr, IEEE: tl.constexpr, DESC: tl.constexpr,
+    QUANT: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """One (request and query token, key split, block of ``BH`` heads): the online softmax of
-    the block's heads over the split's keys, the latent width in ``NC`` chunks of ``BC``. With
-    ``DESC`` the cache tiles come by TMA copies through ``lat`` and ``rope`` (:func:`_page_tiles`)
-    and every split starts on a tile, so that a tile lies in one page."""
+    the block's heads over the split's keys, the latent width in ``NC`` chunks of ``BC``."""
     # The head blocks of one (token, split) are neighbours in the launch, so the cache tiles they
     # all read are fetched from memory once and then from L2.
     pid = tl.program_id(0)
@@ -193,8 +157,6 @@ def _decode_kernel(
     b = bt // T
     visible = tl.load(seq_lens + b).to(tl.int32) - T + (bt % T).to(tl.int32) + 1
     per = tl.cdiv(visible, num_splits)
-    if DESC:  # every tile inside one page: splits start on a tile
-        per = tl.cdiv(per, BN) * BN
     k0 = sp * per
     k1 = tl.minimum(visible, k0 + per)
     rc = tl.arange(0, BC)
@@ -223,35 +185,31 @@ def _decode_kernel(
     # Each tile's pages are read one iteration ahead: a cache load whose address comes from a
     # load in the same iteration is single-buffered by the software pipeliner, one whose address
     # was read the iteration before is buffered num_stages - 1 deep (the bandwidth of the pass).
-    # A TMA tile lies in one page: one entry of the table a tile, not one a key.
-    ahead = k0 if DESC else k0 + tl.arange(0, BN)
+    ahead = k0 + tl.arange(0, BN)
     next_page = tl.load(block_table + b * max_pages + ahead // page_size, mask=ahead < k1, other=0).to(tl.int32)
     for n0 in range(k0, k1, BN):
         pos = n0 + tl.arange(0, BN)
         pm = pos < k1
         page = next_page
-        ahead = n0 + BN if DESC else pos + BN
+        ahead = pos + BN
         next_page = tl.load(block_table + b * max_pages + ahead // page_size, mask=ahead < k1, other=0).to(tl.int32)
-        if DESC:
-            row = page * page_size + n0 % page_size  # the tile's first slot
-            slot = row.to(tl.int64) + tl.arange(0, BN)
-        else:
-            row = 0  # the pointer loads address each slot
-            slot = page.to(tl.int64) * page_size + pos % page_size
+        slot = page.to(tl.int64) * page_size + pos % page_size
         if QUANT:
             sc = tl.load(scales + slot, mask=pm, other=0.0)
         else:
             sc = tl.zeros([BN], dtype=tl.float32)
-        c0 = _cache_chunk(pool, lat, slot, row, 0, pm, R, W, sc, BC, QUANT, OP, DESC)
+        c0 = _latent_chunk(pool, slot, rc, pm, R, W, sc, QUANT, OP)
         s = dot(ql0, tl.trans(c0), IEEE)
         if NC >= 2:
-            c1 = _cache_chunk(pool, lat, slot, row, BC, pm, R, W, sc, BC, QUANT, OP, DESC)
+            c1 = _latent_chunk(pool, slot, BC + rc, pm, R, W, sc, QUANT, OP)
             s += dot(ql1, tl.trans(c1), IEEE)
         if NC == 4:
-            c2 = _cache_chunk(pool, lat, slot, row, 2 * BC, pm, R, W, sc, BC, QUANT, OP, DESC)
-            c3 = _cache_chunk(pool, lat, slot, row, 3 * BC, pm, R, W, sc, BC, QUANT, OP, DESC)
+            c2 = _latent_chunk(pool, slot, 2 * BC + rc, pm, R, W, sc, QUANT, OP)
+            c3 = _latent_chunk(pool, slot, 3 * BC + rc, pm, R, W, sc, QUANT, OP)
             s += dot(ql2, tl.trans(c2), IEEE) + dot(ql3, tl.trans(c3), IEEE)
-        kp = _cache_chunk(pool, rope, slot, row, R, pm, R + Dr, W, sc, BDR, QUANT, OP, DESC)
+        kp = tl.load(pool + slot[:, None] * W + R + pp[None, :], mask=pm[:, None] & (pp < Dr)[None, :], other=0.0)
+        if QUANT:
+            kp = (kp.to(tl.float32) * sc[:, None]).to(OP)
         s += dot(qp, tl.trans(kp), IEEE)
         s = tl.where(pm[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -416,33 +374,16 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache
     table = cache.block_table.to(dev).contiguous()
     scales = cache.scales.to(dev, torch.float32).contiguous() if cache.quantized else pool
     BR = block(R)
-    chunks = launch.chunks
-    while chunks > 1 and BR // chunks < 16:  # a chunk is at least 16 wide (a tl.dot side)
-        chunks //= 2
+    chunks = 4 if BR >= 64 else 2 if BR >= 32 else 1  # a chunk is at least 16 wide (a tl.dot side)
     head_blocks = triton.cdiv(H, launch.heads)
-    tiles = _page_tiles(pool, launch, BR // chunks, block(Dr))
     _decode_kernel[(BT * num_splits * head_blocks,)](
         q_lat.contiguous(), q_pe.contiguous(), pool, scales, table, cache.seq_lens.to(dev).contiguous(),
-        o_part, lse, *(tiles or (pool, pool)), T, H, R, Dr, R + Dr, cache.page_size, table.shape[1], BT, float(scale),
-        num_splits, head_blocks, BH=launch.heads, BC=BR // chunks, NC=chunks, BDR=block(Dr), BN=launch.keys,
-        QUANT=cache.quantized, IEEE=q_lat.dtype == torch.float32, DESC=tiles is not None, num_warps=launch.warps,
-        num_stages=launch.stages,
+        o_part, lse, T, H, R, Dr, R + Dr, cache.page_size, table.shape[1], BT, float(scale), num_splits, head_blocks,
+        BH=launch.heads, BC=BR // chunks, NC=chunks, BDR=block(Dr), BN=launch.keys, QUANT=cache.quantized,
+        IEEE=q_lat.dtype == torch.float32, num_warps=launch.warps, num_stages=launch.stages,
     )  # fmt: skip
     weights = torch.softmax(lse, dim=0)  # e^{lse_s - LSE}; an empty split's -inf gets 0
     return (weights[..., None] * o_part).sum(0).reshape(B, T, H, R)
-
-
-def _page_tiles(pool: torch.Tensor, launch: DecodeLaunch, chunk: int, rope: int) -> tuple[object, ...] | None:
-    """TMA descriptors of ``[keys, chunk]`` latent and ``[keys, rope]`` rope blocks of the pool's
-    rows (``pool:[P, page_size, W]`` contiguous, read as ``[P · page_size, W]``) for a ``tma``
-    launch, or ``None`` (the pointer loads) where a tile could cross a page (``page_size`` not a
-    multiple of ``keys``) or a TMA copy cannot read the pool
-    (:func:`~k3verify.triton_support.tma_descriptor`)."""
-    if not launch.tma or pool.shape[1] % launch.keys:
-        return None
-    rows = pool.reshape(-1, pool.shape[-1])
-    made = tuple(tma_descriptor(rows, (launch.keys, side)) for side in (chunk, rope))
-    return made if all(d is not None for d in made) else None
 
 
 def prefill(

@@ -20,6 +20,7 @@ import copy
 import io
 import json
 import os
+import re
 import signal
 import struct
 import unicodedata
@@ -40,9 +41,12 @@ from test_walk_report import WALK
 from k3verify import cli
 from k3verify.cli import main
 from k3verify.harness import golden, plots, registry, report, runner
-from k3verify.harness.text import html_text, md_text, plot_text, terminal_text
+from k3verify.harness import text as text_sinks
+from k3verify.harness.text import html_text, md_text, plot_text, terminal_text, visible
 from k3verify.harness.walk_page import WALK_FILE
 
+GITHUB_PAYLOADS = ["@octocat", "@org/team", ":white_check_mark:", "#1", "https://x.invalid/a", "WWW.x.invalid",
+                   "a@b.invalid", "mailto:a"]  # fmt: skip
 # Payloads for every sink: HTML, Markdown (CommonMark and GitHub's), terminals, rich markup and
 # matplotlib's mathtext; the fuzz mixes them with each other and with arbitrary text.
 PAYLOADS = [
@@ -54,6 +58,8 @@ PAYLOADS = [
     "[link=http://x.invalid]x[/link]", "\x1b[2J", "\x1b]52;c;aGVsbG8=\x07", "\x1b]8;;http://x.invalid\x1b\\a\x1b]8;;\x1b\\",
     "\x9b2J", "\x9d52;c;x\x9c", "\u202eevil", "\u2066x\u2069", "\u200b", "\ufeff", "\u2028", "\x00", "\x7f",
     "\ud800", "\t", "\r",
+    # GitHub's active text: mentions, emoji codes, issue references, bare links, an e-mail address
+    *GITHUB_PAYLOADS,
 ]
 PAYLOAD = st.one_of(st.sampled_from(PAYLOADS), st.lists(st.sampled_from(PAYLOADS), min_size=2, max_size=4).map("".join),
                     st.text(max_size=16))
@@ -224,6 +230,36 @@ def test_the_escapers_leave_nothing_invisible_or_active(text: str) -> None:
     assert not set("<>") & set(html_text(text)) and not set("<>\n\r") & set(md_text(text))
     inline = MD.parse("x " + md_text(text))[1]
     assert [t.type for t in inline.children] == ["text"], (text, md_text(text))  # no markup, however nested
+
+
+# GitHub's own recognizers of active text in Markdown it shows, run on the text a reader sees
+# (entities and backslash escapes resolved): a mention, an emoji code, an issue reference, a link
+# by scheme or by ``www.``, an e-mail address.
+GITHUB_ACTIVE = re.compile(r"(?<![\w`])@\w|:[\w+-]+:|(?<!\w)#\d|\b(?:https?|ftp|mailto):/*\w|\bwww\.\w"
+                           r"|[\w.+-]@[\w-]+\.\w", re.IGNORECASE)  # fmt: skip
+
+
+def _shown(inline: str) -> str:
+    """The text a reader sees of one line of inline Markdown after ``x `` (a paragraph of text)."""
+    return "".join(t.content for t in MD.parse("x " + inline)[1].children).rstrip()
+
+
+@fuzz
+@given(text=st.one_of(PAYLOAD, st.text(alphabet="@:#/.wW_+-a1 \\", max_size=24)))
+def test_markdown_text_leaves_github_nothing_to_activate(text: str) -> None:
+    """Structural: the shown text of ``md_text`` has no mention, emoji code, issue reference or
+    bare link for GitHub to act on, and loses nothing: without its zero-width spaces it is the
+    text itself (visible, line breaks and tabs as spaces)."""
+    shown = _shown(md_text(text))
+    assert not GITHUB_ACTIVE.search(shown), (text, md_text(text), shown)
+    assert shown.replace("\u200b", "") == ("x " + visible(re.sub(r"\r\n|[\r\n\t]", " ", text))).rstrip(), (text, shown)
+
+
+def test_github_active_text_is_found_where_md_text_does_not_break_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plant: ``md_text`` without its zero-width spaces (backslash escapes only) leaves every
+    GitHub payload active, and the recognizer finds each."""
+    monkeypatch.setattr(text_sinks, "_GITHUB_ACTIVE", re.compile(r"(?!)"))
+    assert [p for p in GITHUB_PAYLOADS if not GITHUB_ACTIVE.search(_shown(md_text(p)))] == []
 
 
 # --- report.html and report.md ---------------------------------------------------------------------

@@ -21,6 +21,7 @@ a lone surrogate cannot stop a page from being written as UTF-8.
 from __future__ import annotations
 
 import html
+import re
 import unicodedata
 
 # Control, format, surrogate, line and paragraph separator characters: none prints as itself.
@@ -30,6 +31,15 @@ _INVISIBLE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 # become entities instead (raw HTML, autolinks and entities).
 _MD_SYNTAX = frozenset("\\`*_[]!~|$#")
 _MD_ENTITIES = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
+# Plain text that GitHub makes active where it shows Markdown (a pull-request comment, a step
+# summary): ``@name`` notifies a user or team, ``:name:`` draws an emoji (a failing row could
+# show a check mark), ``#12`` links an issue and leaves a cross-reference on it, a scheme or
+# ``www.`` makes a link (a plugin's text would read as the job's). Backslashes do not stop these:
+# GitHub finds them in the rendered text. A zero-width space after the ``@``, ``:`` or ``#``, or
+# between ``www`` and its dot, breaks each pattern and shows nothing; it is written as the
+# entity ``&#8203;``, so the Markdown source stays free of invisible characters.
+_GITHUB_ACTIVE = re.compile(r"(?<=[@#:])(?=[\w/+-])|(?<=www)(?=\.)", re.IGNORECASE)
+_BREAK = "&#8203;"
 # The longest label a figure draws (legends and tick labels of reports run to about 90).
 PLOT_TEXT_LIMIT = 160
 
@@ -60,13 +70,15 @@ def html_text(value: object) -> str:
 def md_text(value: object) -> str:
     """``value`` as inline Markdown that reads as the text itself: line breaks and tabs as
     spaces (a newline could start a heading or end a table row), the rest visible, ``& < >`` as
-    entities and every other syntax character backslash-escaped.
+    entities, every other syntax character backslash-escaped, and GitHub's mentions, emoji
+    codes, issue references and bare links broken by a zero-width space.
 
     For inline places only (a table cell, or after other text on a line), and never inside a
     code span, where a backslash does not escape."""
     text = value if isinstance(value, str) else str(value)
     text = visible(text.replace("\r\n", " ").replace("\n", " ").replace("\r", " ").replace("\t", " "))
-    return "".join(_MD_ENTITIES.get(ch) or (f"\\{ch}" if ch in _MD_SYNTAX else ch) for ch in text)
+    text = "".join(_MD_ENTITIES.get(ch) or (f"\\{ch}" if ch in _MD_SYNTAX else ch) for ch in text)
+    return _GITHUB_ACTIVE.sub(_BREAK, text)
 
 
 def terminal_text(value: object, *, newlines: bool = False) -> str:

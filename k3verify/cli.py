@@ -558,10 +558,14 @@ def cmd_overflow_map(args: argparse.Namespace, out: Console, err: Console) -> in
     """Sweep the overflow map of each selected module (``all``: every module that has one) and
     write its JSON, PNGs and studies; 1 if any cell disagrees with its prediction away from the frontier.
     With ``--engine dask`` the cells are computed on a Dask cluster (:mod:`k3verify.harness.dask_engine`)."""
-    if args.module.strip() == "all":
+    names = [n.strip() for n in _module_list([args.module]) or []]
+    if names == ["all"]:
         entries = [e for e in registry.select(None) if e.overflow_map is not None]
+    elif "all" in names:
+        raise UsageError(f"--module {args.module!r}: 'all' stands alone (every module with a map), "
+                         "not in a list of modules")  # fmt: skip
     else:
-        entries = registry.select(_module_list([args.module]))
+        entries = registry.select(names)
         without = [e.name for e in entries if e.overflow_map is None]
         if without:
             raise UsageError(f"module(s) {', '.join(without)} have no overflow map")
@@ -702,6 +706,7 @@ def cmd_selftest(args: argparse.Namespace, out: Console, err: Console) -> int:
     missed where it must be caught, or one is caught where it is declared invisible."""
     from .harness import selftest
 
+    _check_sweep_options(args)
     modules = _module_list(args.modules)
     if modules is not None:
         registry.select(modules)  # an unknown name is a usage error, named
@@ -733,6 +738,17 @@ def cmd_selftest(args: argparse.Namespace, out: Console, err: Console) -> int:
     print(f"mutants: {len({(o.module, o.name) for o in mutants})} · verdicts: {len(mutants)} · caught: "
           f"{sum(o.caught for o in mutants)} · controls: {len(outcomes) - len(mutants)} · not as expected: {len(bad)}")
     return 1 if bad or bad_sweeps else 0
+
+
+def _check_sweep_options(args: argparse.Namespace) -> None:
+    """``--drawn`` and ``--no-kernels`` shape the false-alarm sweep only: a ``UsageError`` where
+    no sweep runs (``--only mutants``, or ``--no-kernels`` without ``--drawn`` or ``--only
+    sweep``), instead of an option silently dropped."""
+    given = [flag for flag, on in (("--drawn", args.drawn is not None), ("--no-kernels", args.no_kernels)) if on]
+    if given and args.only == "mutants":
+        raise UsageError(f"{', '.join(given)}: the sweep's options, and --only mutants runs no sweep")
+    if args.no_kernels and args.drawn is None and args.only != "sweep":
+        raise UsageError("--no-kernels: the sweep's option; give --drawn N or --only sweep to run the sweep")
 
 
 def _false_alarm_sweeps(args: argparse.Namespace, modules: list[str], out: Console, err: Console) -> int:

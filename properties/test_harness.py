@@ -45,6 +45,15 @@ def test_unknown_module_is_a_clear_error(capsys) -> None:
     assert "no module name given" in capsys.readouterr().err
 
 
+def test_all_in_a_list_of_map_modules_is_named(capsys, tmp_path) -> None:
+    """Structural: ``overflow-map --module all,kda`` is a usage error that says ``all`` stands
+    alone (it used to read "unknown module 'all'", though ``all`` is a valid value); ``all`` alone
+    and a list of modules stay valid (the other map tests run them)."""
+    assert main(["overflow-map", "--module", "all,kda", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "'all' stands alone" in err and "unknown module" not in err, err
+
+
 def test_a_dask_log_counts_its_cells_and_hears_from_a_long_first_cell() -> None:
     """Rule: structural. In a log the Dask engine's status goes through :class:`LineProgress`:
     lines per 10% of the tasks with their unit and the engine's note (failed, ETA), a line per

@@ -68,3 +68,17 @@ def test_the_false_alarm_sweep_passes_correct_forms_and_names_a_planted_bug(monk
     planted = selftest.sweep("mla", 0)
     assert planted.failures and all(f[0] == buggy.label for f in planted.failures), planted
     assert any("bias" in f[2] for f in planted.failures), planted.failures
+
+
+@pytest.mark.parametrize("argv", [["--only", "mutants", "--drawn", "3"], ["--only", "mutants", "--no-kernels"],
+                                  ["--no-kernels"]])  # fmt: skip
+def test_sweep_options_without_a_sweep_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Structural: an option of the sweep where no sweep runs is refused (exit 2) and named,
+    before the suite runs (the old code ran the mutants and dropped it, or swept anyway)."""
+    called: list[str] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(selftest, "run", lambda *a, **k: called.append("run") or iter(()))
+        mp.setattr(selftest, "sweep", lambda *a, **k: called.append("sweep"))
+        assert main(["selftest", "--quiet", *argv]) == 2
+    assert called == []
+    assert argv[-1 if argv[-1].startswith("--") else -2] in capsys.readouterr().err

@@ -181,6 +181,22 @@ def test_an_interrupted_sweep_resumes_with_the_missing_cells_only(client: Any, t
     assert again.meta["engine"]["resumed"] == 0
 
 
+
+def test_the_workers_leave_ctrl_c_to_the_client(client: Any) -> None:
+    """Structural: every worker of the LocalCluster, those its nanny started again after the
+    kills above among them, ignores SIGINT, so a Ctrl-C in the terminal (sent to the whole
+    process group) ends the sweep through the client alone; before, each worker printed its own
+    KeyboardInterrupt traceback. The probe is False in this process (Python's own handler)."""
+
+    def ignores() -> bool:
+        import signal
+
+        return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+    assert not ignores()
+    assert client.run(ignores) == {w: True for w in client.scheduler_info()["workers"]}
+
+
 def test_the_command_line_writes_the_map_and_drops_its_partial_file(client: Any, tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """``overflow-map --engine dask --scheduler ADDRESS`` (the file's cluster) writes the local

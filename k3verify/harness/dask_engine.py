@@ -40,6 +40,7 @@ import json
 import logging
 import math
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -361,6 +362,19 @@ class OneDevice(_WorkerPlugin):  # type: ignore[misc,valid-type]
             torch.cuda.set_device(worker.name % torch.cuda.device_count())
 
 
+class NoInterrupt(_WorkerPlugin):  # type: ignore[misc,valid-type]
+    """A worker plugin that makes the worker processes of a LocalCluster ignore SIGINT. They
+    share the terminal's process group, so Ctrl-C reached each of them and each printed its own
+    KeyboardInterrupt traceback; the client alone ends the sweep (its cells kept for the resume)
+    and closing the cluster stops the workers."""
+
+    name = "k3verify-no-interrupt"
+
+    def setup(self, worker: Any) -> None:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live there only
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def revive(client: Any) -> int:
     """Start again the workers of a LocalCluster made in this process whose nanny gave up;
     return how many. A nanny restarts a worker process that dies, but not one that dies while
@@ -415,6 +429,7 @@ def dask_client(options: DaskOptions) -> Iterator[Any]:
         n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
         resources={"GPU": 1} if cuda else None, silence_logs=logging.CRITICAL,
     ) as cluster, distributed.Client(cluster) as client:
+        client.register_plugin(NoInterrupt())
         if cuda:
             client.register_plugin(OneDevice())
         yield client

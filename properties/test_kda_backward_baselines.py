@@ -141,3 +141,18 @@ def test_a_backward_that_returns_no_names_is_told_so(module: str, fn) -> None:
 
     with pytest.raises(AssertionError, match="backward returns its gradients by name"):
         assert_matches_oracle(fn, module, torch.float32, direction="backward")
+
+
+def test_the_recurrent_family_runs_the_gate_in_fp32_as_a_plain_form_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nightly search's false alarm, pinned (the built-in ``gate`` case at seed 3668): while
+    the recurrent family's baseline ran the gate in fp64, its sums over tokens for ``ddt_bias``
+    were exact, and our own fp32 recurrence under autograd, a correct form, failed ``ddt_bias`` at
+    1.20x its limit (3.1x the baseline's error; 1.0-2.3x on seeds 0-24). The baseline runs the gate
+    in fp32 now, as the chunkwise family's does: the row passes. The plant, the gate back in fp64,
+    fails that row on ``ddt_bias`` again."""
+    label = "kda_backward/k3verify:recurrent (autograd)[fp32]"
+    row = runner.verify(ENTRY, IMPLS[label], ENTRY.make_cases(3668)["gate"])
+    assert row["status"] == "pass", {n: o["status"] for n, o in row["outputs"].items()}
+    monkeypatch.setattr(kb, "storage_for", lambda dtype: torch.float64)
+    row = runner.verify(ENTRY, IMPLS[label], ENTRY.make_cases(3668)["gate"])
+    assert {n for n, o in row["outputs"].items() if o["status"] == "fail"} == {"ddt_bias"}

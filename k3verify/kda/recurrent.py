@@ -136,13 +136,16 @@ def autograd_backward(
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     gate: InKernelGate | None = None,
+    gate_dtype: torch.dtype | None = None,
     **options: object,
 ) -> dict[str, torch.Tensor]:
     """Gradients of ``L = sum(o * do) + sum(S_T * dht)`` through a differentiable KDA ``form``.
 
     Inputs as in :mod:`k3verify.kda.inputs`; with ``cu_seqlens:[N+1]`` (``B = 1``) each packed
     sequence runs alone from its own state (``initial_state, dht: [N,H,K,V]``). With ``gate`` the
-    ``g`` argument is the decay logit and the gate runs inside the differentiated function.
+    ``g`` argument is the decay logit and the gate runs inside the differentiated function, in
+    ``gate_dtype`` when given (its values, and its gradients with the sums over tokens that form
+    ``dA_log`` and ``ddt_bias``), else in the inputs' dtype.
     Returns ``dq, dk, dv, dg, dbeta`` like their inputs, ``dh0`` when there is an initial state,
     and ``dA_log, ddt_bias`` with ``gate``; each in its input's dtype (fp64 stays fp64).
     """
@@ -152,7 +155,8 @@ def autograd_backward(
 
     def forward(q, k, v, g, beta, h0=None, A_log=None, dt_bias=None):
         if gate is not None:
-            g = InKernelGate(A_log, dt_bias, gate.g_min)(g)
+            z = g if gate_dtype is None else g.to(gate_dtype)
+            g = InKernelGate(A_log, dt_bias, gate.g_min)(z).to(g.dtype)
         outs, finals = [], []
         for i, (a, b) in enumerate(bounds):
             s0 = h0[i : i + 1] if packed and h0 is not None else h0

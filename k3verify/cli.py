@@ -530,10 +530,12 @@ def _check_walk_machine(args: argparse.Namespace) -> None:
     """``UsageError`` for a walk this machine cannot run: K3's widths on the CPU (tens of GB of
     fp64 weights: the worker is killed for memory), our kernels in a dtype Triton's CPU
     interpreter does not compute faithfully."""
-    if args.config == "wide" and torch.device(args.device).type == "cpu":
+    if torch.device(args.device).type != "cpu":
+        return
+    if args.config == "wide":
         raise UsageError("--config wide holds K3's widths (d 7168, 96 heads), tens of GB in fp64: run it with "
                          "--device cuda")
-    if args.plan == "kernels" and torch.device(args.device).type == "cpu":
+    if args.plan == "kernels":
         from .triton_support import unavailable_reason
 
         reason = unavailable_reason("the kernel plan", args.dtype, (torch.float32, torch.bfloat16, torch.float16))

@@ -321,7 +321,7 @@ def _judge(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out:
         verdict = None if prediction is None else expected_nonfinite(
             metrics, predicted_finite=prediction.finite, explanation=prediction.explanation)
         if verdict is not None and verdict.status == EXPECTED_NONFINITE and prediction.by_plugin:
-            verdict = _plugin_overflow(verdict, metrics, _baseline(entry, case, impl)[name])
+            verdict = _plugin_overflow(verdict, metrics, _baseline(entry, case, impl)[name], prediction.explanation)
         # The frontier speaks of the primary output; another output that stays finite where the
         # primary is predicted to overflow is held to the precision rule instead.
         if verdict is not None and (primary or metrics.nonfinite):
@@ -352,12 +352,12 @@ def _judge(entry: ModuleEntry, impl: Implementation, case: Case, name: str, out:
     return judged | {"status": j.verdict.status, "verdict": j.verdict.as_dict(), "margin": j.verdict.margin}
 
 
-def _plugin_overflow(verdict: Verdict, metrics: Metrics, baseline: torch.Tensor) -> Verdict:
-    """A plugin's non-finite output that its own ``predict`` expected: excused only where the
-    same-dtype baseline, the harness's own computation at the row's dtype, overflows too; else
-    failed, the plugin's claim quoted. A plugin cannot turn its own overflow into a prediction."""
+def _plugin_overflow(verdict: Verdict, metrics: Metrics, baseline: torch.Tensor, claim: str) -> Verdict:
+    """A plugin's non-finite output that its own ``predict`` expected (``claim``, its
+    explanation): excused only where the same-dtype baseline, the harness's own computation at
+    the row's dtype, overflows too; else failed, the claim quoted. A plugin cannot turn its own
+    overflow into a prediction."""
     spilled = int((~torch.isfinite(baseline.detach())).sum()) if baseline.is_floating_point() else 0
-    claim = verdict.reason.removeprefix("overflow predicted and observed: ")
     if spilled:
         return replace(verdict, reason=f"{verdict.reason} (the same-dtype baseline overflows too: {spilled} "
                                        "non-finite outputs)")

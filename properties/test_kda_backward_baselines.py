@@ -149,10 +149,12 @@ def test_the_recurrent_family_runs_the_gate_in_fp32_as_a_plain_form_does(monkeyp
     were exact, and our own fp32 recurrence under autograd, a correct form, failed ``ddt_bias`` at
     1.20x its limit (3.1x the baseline's error; 1.0-2.3x on seeds 0-24). The baseline runs the gate
     in fp32 now, as the chunkwise family's does: the row passes. The plant, the gate back in fp64,
-    fails that row on ``ddt_bias`` again."""
+    fails that row on ``ddt_bias`` again (and on ``dg`` too where torch's CPU kernels are the
+    plain ones, ``ATEN_CPU_CAPABILITY=default``: ``dg`` is the gate's gradient as well)."""
     label = "kda_backward/k3verify:recurrent (autograd)[fp32]"
     row = runner.verify(ENTRY, IMPLS[label], ENTRY.make_cases(3668)["gate"])
     assert row["status"] == "pass", {n: o["status"] for n, o in row["outputs"].items()}
     monkeypatch.setattr(kb, "storage_for", lambda dtype: torch.float64)
     row = runner.verify(ENTRY, IMPLS[label], ENTRY.make_cases(3668)["gate"])
-    assert {n for n, o in row["outputs"].items() if o["status"] == "fail"} == {"ddt_bias"}
+    failed = {n for n, o in row["outputs"].items() if o["status"] == "fail"}
+    assert "ddt_bias" in failed and failed <= {"ddt_bias", "dg", "dA_log"}, failed

@@ -13,12 +13,16 @@ import contextlib
 import functools
 import inspect
 import os
+import signal
 import sys
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+
+from .numerics import dtype_name, resolve_dtype
 
 # Triton decorates its own helpers (tl.cdiv and the rest of triton.language's jit functions) when
 # it is imported: imported before the interpreter was chosen, they stay compiled-mode functions,
@@ -30,11 +34,33 @@ if not torch.cuda.is_available():
 else:
     LANGUAGE_BEFORE_INTERPRETER = False
 
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .numerics import dtype_name, resolve_dtype
+@contextlib.contextmanager
+def _interrupt_held() -> Iterator[None]:
+    """Hold a Ctrl-C that arrives inside the block until the block ends, then raise it.
+
+    Triton's native library builds Python enums while it loads; a KeyboardInterrupt raised in
+    one of them cannot unwind through that C++ code, which aborts the whole process (SIGABRT and
+    a C++ message instead of exit 130). Only the main thread, and only where Python's own handler
+    is installed (not where a caller ignores or handles SIGINT itself), is changed."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
+
+
+with _interrupt_held():
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["TensorDescriptor", "block", "check_launch", "device_for", "dot", "dot_fp32", "interpreted",
            "multiprocessors", "profiled", "tl", "tma_descriptor", "triton", "unavailable_reason"]

@@ -150,6 +150,7 @@ def test_triton_imported_first_is_named_not_a_failure_inside_a_kernel(first: str
 # ``Enum.__call__`` after ``triton.knobs`` started loading.
 _CTRL_C_IN_LOAD = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # an xdist worker hands SIGINT down ignored
 sent = []
 def hook(frame, event, arg):
     if (event == "call" and not sent and frame.f_code.co_name == "__call__"

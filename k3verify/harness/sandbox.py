@@ -1,10 +1,11 @@
 """Plugins run in a process of their own.
 
 A plugin is code from another package, judged by k3verify; it must not be able to change the
-verdict. So k3verify never imports a plugin: one worker process (``python -m
-k3verify.harness.sandbox``) loads the entry points and runs their implementations, and the
-harness holds a *proxy* :class:`~k3verify.harness.registry.Implementation` for each, whose
-``run``, ``predict``, ``explain`` and ``map_points`` are requests to the worker. What that buys:
+verdict. So k3verify never imports a plugin: one worker process per plugin package (forked from
+a process that imported torch once, :mod:`.zygote`) loads the entry points and runs their
+implementations, and the harness holds a *proxy* :class:`~k3verify.harness.registry.Implementation`
+for each, whose ``run``, ``predict``, ``explain`` and ``map_points`` are requests to the worker.
+What that buys:
 
 - the oracle, the baselines, the policy and the cases live in the harness's process; the worker
   receives copies of a case's inputs and parameters (never its cache, which holds the oracle's
@@ -54,6 +55,7 @@ import torch
 
 from ..numerics.policy import BASELINE_RULE, RULES
 from ..numerics.tensors import Stamp, weakly
+from . import zygote
 from .contract import (
     PLUGIN_GROUP,
     Case,
@@ -391,24 +393,25 @@ class Host:
 
     def __init__(self, specs: list[tuple[str, str]]):
         self.specs = specs
-        self.proc: subprocess.Popen | None = None
+        self.proc: zygote.Child | None = None
         self.forwarder: threading.Thread | None = None
         self.to_worker = self.from_worker = -1
         self.kept: dict[Any, _Kept] = {}
 
     def _start(self) -> None:
-        """A fresh worker, ready for requests (its start-up, importing torch and k3verify, does
-        not count against a request's timeout)."""
+        """A fresh worker, ready for requests (forked from the zygote, :mod:`.zygote`; its
+        start-up does not count against a request's timeout)."""
         to_r, to_w = os.pipe()
         from_r, from_w = os.pipe()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "k3verify.harness.sandbox", str(to_r), str(from_w)], pass_fds=(to_r, from_w),
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True,  # a timeout kills the plugin's own children too
-        )
-        os.close(to_r)
-        os.close(from_w)
+        try:
+            self.proc = zygote.fork_worker(to_r, from_w, STARTUP_TIMEOUT_S)
+        except zygote.StartError as exc:
+            for fd in (to_w, from_r):
+                os.close(fd)
+            raise PluginError(str(exc)) from None
+        finally:
+            os.close(to_r)
+            os.close(from_w)
         self.to_worker, self.from_worker = to_w, from_r
         self.kept = {}  # a new worker keeps nothing yet
         self.forwarder = threading.Thread(target=_forward, args=(self.proc.stdout,), daemon=True)
@@ -430,8 +433,11 @@ class Host:
             os.close(self.to_worker)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(grace_s)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.proc.pid, signal.SIGKILL)  # killed before its own session began
         self.proc.wait()
         if self.forwarder is not None:
             self.forwarder.join(5.0)
@@ -637,7 +643,3 @@ def _proxy(host: Host, k: int, j: int, d: dict[str, Any], source: str,
         in_map=bool(d.get("in_map")), map_points=request("map_points") if d.get("has_map_points") else None,
         peer=Peer(**d["peer"]) if d.get("peer") else None, time=request("time"),
     )
-
-
-if __name__ == "__main__":
-    _worker_main(int(sys.argv[1]), int(sys.argv[2]))

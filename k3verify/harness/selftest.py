@@ -86,7 +86,7 @@ CONTROLS: dict[str, tuple[Callable[..., Any], str, str]] = {
     "kda": (kda.chunkwise, "default", "chunkwise"),
     "kda_backward": (chunkwise_backward, "default", "chunkwise"),
     "mla": (mla.recurrent, "default", "recurrent"),
-    "mla_backward": (mla_chunkwise_backward, "default", "recurrent"),
+    "mla_backward": (mla_chunkwise_backward, "default", "lse"),
     "attnres": (attnres.AGGREGATIONS["recurrent"], "sources", "recurrent"),
     "attnres_backward": (aggregate_backward, "sources", "recurrent"),
     "moe": (moe.recurrent, "default", "recurrent"),
@@ -314,7 +314,7 @@ def _mla_backward(*, output: Callable[[str, torch.Tensor], torch.Tensor] = lambd
 
 
 def _mla_backward_mutants() -> list[Mutant]:
-    return [
+    m = [
         Mutant("delta dropped", "mla_backward",
                _mla_backward(output=lambda n, t: torch.zeros_like(t) if n == "output o" else t),
                "dS = P o dP with rowsum(dO o O) left out (the softmax's own gradient lost)"),
@@ -325,6 +325,7 @@ def _mla_backward_mutants() -> list[Mutant]:
                _mla_backward(cast=lambda n, t: torch.zeros_like(t) if n == "value gradient" else t),
                "dV not carried through W_UV to the latent entries and W_UV's gradient"),
     ]
+    return [dataclasses.replace(x, baseline="lse") for x in m]
 
 
 def _poke_then(args: list, i: int) -> list:

@@ -15,6 +15,7 @@ implementation in a narrow dtype would run it (the ``baseline`` rule of the tole
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -83,6 +84,7 @@ def naive_baseline(
     *,
     dtype: torch.dtype | str,
     scale: float | None = None,
+    recompute_p: bool = False,
 ) -> torch.Tensor:
     """The definition as a plain implementation storing every tensor in ``dtype``.
 
@@ -91,24 +93,66 @@ def naive_baseline(
     are each rounded to ``dtype``; every operation computes in fp32 (fp64 for ``dtype=fp64``)
     and rounds its result, which is what torch does for bf16/fp16 tensors (its softmax
     evaluates in fp32 and rounds once). Returns fp32 holding ``dtype`` values.
+
+    ``recompute_p``: under autograd, the attention's backward recomputes the probabilities from
+    the row log-sum-exp, ``P = e^{s - lse}`` (:class:`_AttentionFromLse`), as a FlashAttention
+    backward does instead of storing ``P``; the forward is unchanged.
     """
     dims, scale = check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
     rnd = rounder(dtype)
     entries, _ = gather(cache, torch.float64)
-    o = _attention(rnd(q_nope), rnd(q_pe), rnd(entries), rnd(w_uk), rnd(w_uv), scale, dims, rnd)
+    o = _attention(rnd(q_nope), rnd(q_pe), rnd(entries), rnd(w_uk), rnd(w_uv), scale, dims, rnd, recompute_p)
     return o
 
 
+Keep = Callable[[torch.Tensor], torch.Tensor]  # how a baseline stores a tensor
+
+
+class _AttentionFromLse(torch.autograd.Function):
+    """``o = keep(softmax(s) V)`` over the last axis of the masked scores ``s:[..., T, L]`` with
+    ``V:[..., L, Dv]``, whose backward is a FlashAttention backward without tiles: the
+    probabilities recomputed from the scores and the row log-sum-exp kept by the forward,
+    ``P = keep(e^{s - lse})``, then ``dV = Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP - δ)`` with
+    ``δ = rowsum(dO ∘ o)`` on the stored output; ``keep`` stores each of them.
+
+    The recomputation rounds ``s - lse``, a difference of two numbers of the logits' size: each
+    probability carries a relative error of about ``|lse| · u`` (u: the working dtype's unit
+    roundoff) that a stored softmax does not have, the largest error of an fp32 FlashAttention
+    backward where logits are large (the ``hot`` case)."""
+
+    @staticmethod
+    def forward(ctx: Any, s: torch.Tensor, v: torch.Tensor, keep: Keep) -> torch.Tensor:
+        lse = torch.logsumexp(s, dim=-1, keepdim=True)
+        o = keep(keep(torch.softmax(s, dim=-1)) @ v)
+        ctx.save_for_backward(s, lse, v, o)
+        ctx.keep = keep
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        s, lse, v, o = ctx.saved_tensors
+        keep = ctx.keep
+        p = keep(torch.exp(s - lse))  # masked scores: e^{-inf} = 0
+        dv = keep(p.transpose(-1, -2) @ do)
+        dp = keep(do @ v.transpose(-1, -2))
+        delta = (do * o).sum(-1, keepdim=True)
+        return keep(p * (dp - delta)), dv, None
+
+
 def _attention(q_nope, q_pe, entries, w_uk, w_uv, scale: float, dims: Dims,
-               rnd: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
-    """Shared body; ``rnd`` (or identity) is applied to every stored intermediate."""
+               rnd: Callable[[torch.Tensor], torch.Tensor] | None, recompute_p: bool = False) -> torch.Tensor:
+    """Shared body; ``rnd`` (or identity) is applied to every stored intermediate;
+    ``recompute_p``: the softmax and its product with ``V`` are :class:`_AttentionFromLse`."""
     keep = rnd if rnd is not None else (lambda x: x)
     K, V = expand(entries, w_uk, w_uv)
     K, V = keep(K), keep(V)
     q = torch.cat([heads_first(q_nope), heads_first(q_pe)], dim=-1)  # [B, H, T, Dn + Dr]
     s = keep(keep(q @ K.transpose(-1, -2)) * scale)
     visible = key_mask(dims, torch.arange(K.shape[2], device=K.device)[None, :].expand(dims.B, -1))
-    p = keep(torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1))
+    s = s.masked_fill(~visible, float("-inf"))
+    if recompute_p:
+        return keep(_AttentionFromLse.apply(s, V, keep)).transpose(1, 2)
+    p = keep(torch.softmax(s, dim=-1))
     return keep(p @ V).transpose(1, 2)  # [B, T, H, Dv]
 
 

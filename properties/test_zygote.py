@@ -19,6 +19,8 @@ import pytest
 
 from k3verify.harness import sandbox, zygote
 
+WORKER = "k3verify.harness.sandbox:_worker_main"
+
 # A plugin "entry point" whose loading reports what its process sees, in the error it raises.
 _PROBE = textwrap.dedent("""
     import json, os, random, signal, sys
@@ -92,12 +94,12 @@ def test_a_zygote_that_died_is_started_again(on_path: Any) -> None:
     """Killed (out of memory, by hand), the zygote is started again by the next worker's start."""
     on_path("probe_again")
     _seen("probe_again")
-    old = zygote._ZYGOTE.proc
+    old = zygote._ZYGOTES[WORKER].proc
     assert old is not None
     os.kill(old.pid, signal.SIGKILL)
     old.wait()
     assert _seen("probe_again")["pid"] > 0  # a worker answered
-    assert zygote._ZYGOTE.proc is not None and zygote._ZYGOTE.proc.pid != old.pid
+    assert zygote._ZYGOTES[WORKER].proc is not None and zygote._ZYGOTES[WORKER].proc.pid != old.pid
 
 
 def test_the_zygote_ends_with_the_harness(on_path: Any, tmp_path: Path) -> None:
@@ -112,7 +114,7 @@ def test_the_zygote_ends_with_the_harness(on_path: Any, tmp_path: Path) -> None:
             host.request({{"op": "describe", "ep": 0, "spec": host.specs[0]}}, "the probe")
         except sandbox.PluginError:
             pass
-        print(zygote._ZYGOTE.proc.pid, flush=True)
+        print(zygote._ZYGOTES[{WORKER!r}].proc.pid, flush=True)
         os._exit(0)
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)

@@ -404,7 +404,7 @@ class Host:
         to_r, to_w = os.pipe()
         from_r, from_w = os.pipe()
         try:
-            self.proc = zygote.fork_worker(to_r, from_w, STARTUP_TIMEOUT_S)
+            self.proc = zygote.fork_worker(f"{__name__}:_worker_main", to_r, from_w, STARTUP_TIMEOUT_S)
         except zygote.StartError as exc:
             for fd in (to_w, from_r):
                 os.close(fd)

@@ -1,10 +1,10 @@
 """Plugin processes forked from one that imported torch once.
 
-A plugin worker used to be a fresh ``python -m k3verify.harness.sandbox``: 1.7 s of start-up,
-nearly all of it importing torch, paid again for every plugin package and after every crash,
-hang or eviction. The *zygote* is one process, started on the first request, that imports
-torch and the worker's code and then only forks: each worker is a copy of it, made in a few
-milliseconds.
+A plugin worker started as a fresh interpreter spends 1.7 s importing torch, again for every
+plugin package and after every crash, hang or eviction. The *zygote* is one process, started on
+the first request, that imports the worker's code (a ``module:function`` the harness names,
+torch with it) and then only forks: each worker is a copy of it, made in a few milliseconds,
+that calls that function with its request and answer pipes.
 
 What a worker receives is what a fresh process received: the harness's current ``os.environ``,
 ``sys.path`` and working directory (not those of the moment the zygote started), a session of
@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 _LEN = struct.Struct("<q")
@@ -79,7 +80,8 @@ class Child:
 class _Zygote:
     """The harness's handle on the zygote process (one per harness process)."""
 
-    def __init__(self) -> None:
+    def __init__(self, target: str) -> None:
+        self.target = target
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
         self.lock = threading.Lock()
@@ -89,10 +91,11 @@ class _Zygote:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         with theirs:
             # A session of its own: a Ctrl-C at the terminal reaches the harness, not the zygote,
-            # which ends when the harness's end of the socket closes.
-            self.proc = subprocess.Popen([sys.executable, "-m", "k3verify.harness.zygote", str(theirs.fileno())],
-                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
-                                         start_new_session=True)
+            # which ends when the harness's end of the socket closes. It prints nothing, and does
+            # not hold the harness's standard output open (a reader of it waits for its end).
+            self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno()), self.target],
+                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, env=env, start_new_session=True)
         ours.settimeout(startup_timeout_s)
         try:
             ready = ours.recv(1)
@@ -165,13 +168,24 @@ class _Zygote:
             self._end()
 
 
-_ZYGOTE = _Zygote()
-atexit.register(_ZYGOTE.stop)
+_ZYGOTES: dict[str, _Zygote] = {}
 
 
-def fork_worker(to_worker: int, from_worker: int, startup_timeout_s: float) -> Child:
-    """A plugin worker forked from this harness's zygote (started on the first call)."""
-    return _ZYGOTE.fork(to_worker, from_worker, startup_timeout_s)
+def fork_worker(target: str, to_worker: int, from_worker: int, startup_timeout_s: float) -> Child:
+    """A worker running ``target`` (``"module:function"``, called with the request and answer
+    descriptors), forked from this harness's zygote for it (started on the first call)."""
+    if target not in _ZYGOTES:
+        _ZYGOTES[target] = _Zygote(target)
+    return _ZYGOTES[target].fork(to_worker, from_worker, startup_timeout_s)
+
+
+def stop() -> None:
+    """End every zygote (the next :func:`fork_worker` starts one again)."""
+    for zygote in _ZYGOTES.values():
+        zygote.stop()
+
+
+atexit.register(stop)
 
 
 # --- the zygote's side -------------------------------------------------------------------------
@@ -197,7 +211,8 @@ def _recv_request(sock: socket.socket) -> tuple[list[int], dict[str, Any]] | Non
     return list(fds), pickle.loads(bytes(payload))
 
 
-def _become_worker(fds: list[int], settings: dict[str, Any], closing: list[int]) -> None:
+def _become_worker(worker: Callable[[int, int], None], fds: list[int], settings: dict[str, Any],
+                   closing: list[int]) -> None:
     """In the forked child: the settings of a fresh process, then the worker's loop; never returns."""
     code = 1
     try:
@@ -220,9 +235,7 @@ def _become_worker(fds: list[int], settings: dict[str, Any], closing: list[int])
         os.environ.update(settings["env"])
         sys.path[:] = settings["path"]
         importlib.invalidate_caches()  # a plugin site may have been written since the zygote looked
-        from . import sandbox
-
-        sandbox._worker_main(to_worker, from_worker)
+        worker(to_worker, from_worker)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
@@ -255,7 +268,7 @@ def _reap(statuses: dict[int, int]) -> None:
             os.close(fd)
 
 
-def _serve(sock: socket.socket) -> None:
+def _serve(sock: socket.socket, worker: Callable[[int, int], None]) -> None:
     """Fork a worker per request until the harness's end of ``sock`` closes."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -291,7 +304,7 @@ def _serve(sock: socket.socket) -> None:
             sock.sendall(_LEN.pack(-(exc.errno or 12)))
             continue
         if pid == 0:
-            _become_worker(fds, settings, [sock.fileno(), wake_r, wake_w, *statuses.values()])
+            _become_worker(worker, fds, settings, [sock.fileno(), wake_r, wake_w, *statuses.values()])
         for fd in fds[:3]:
             os.close(fd)
         statuses[pid] = fds[3]
@@ -304,12 +317,11 @@ def _serve(sock: socket.socket) -> None:
         time.sleep(0.02)
 
 
-def _main(fd: int) -> None:
+def _main(fd: int, target: str) -> None:
     # The worker's code, and torch with it, loads here once; every fork starts with it loaded.
-    from . import sandbox  # noqa: F401
-
-    _serve(socket.socket(fileno=fd))
+    module, _, name = target.partition(":")
+    _serve(socket.socket(fileno=fd), getattr(importlib.import_module(module), name))
 
 
 if __name__ == "__main__":
-    _main(int(sys.argv[1]))
+    _main(int(sys.argv[1]), sys.argv[2])

@@ -9,6 +9,7 @@ max error <= 1e-10) per gradient; bf16 forms are the ``baseline`` rule.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -217,5 +218,58 @@ def test_probabilities_rounded_to_bf16_fail_against_the_recomputing_family() -> 
 
 def test_an_unknown_family_is_named_with_the_ones_there_are() -> None:
     mla_entry = registry.get("mla_backward")
-    with pytest.raises(ValueError, match="'recurrent', 'lse'; got 'chunkwise'"):
+    with pytest.raises(ValueError, match="'recurrent', 'lse', 'prescaled'; got 'chunkwise'"):
         mla_entry.baseline(mla_entry.make_cases(0)["default"], "fp32", "chunkwise")
+
+
+# Hot cases where torch SDPA's math backend in fp32 failed against the ``recurrent`` family
+# (41 of its 5,000 hot gradient verdicts over seeds 0-999, up to 1.22x the limit; none against
+# ``prescaled``, worst 0.37): it forms the scores from q √τ and K √τ, each rounded.
+SDPA_PRESCALED_PINNED = (477, 875)
+
+
+def _sdpa_math() -> Any:
+    mla_entry = registry.get("mla_backward")
+    return mla_entry, next(i for i in mla_entry.own_implementations() if i.params.get("backend") == "math")
+
+
+@pytest.mark.parametrize("seed", SDPA_PRESCALED_PINNED)
+def test_sdpa_math_is_judged_by_the_family_that_prescales(seed: int) -> None:
+    """Rule: baseline (k = 2). Against ``prescaled`` the row passes; against ``recurrent`` the
+    same outputs fail dw_uk (1.09 and 1.18 of its limit), and at most dkv and dq_nope besides."""
+    mla_entry, impl = _sdpa_math()
+    assert impl.baseline == "prescaled"
+    case = mla_entry.make_cases(seed)["hot"]
+    row = runner.verify(mla_entry, impl, case)
+    assert row["status"] == "pass", row["verdict"]
+    stored = runner.verify(mla_entry, dataclasses.replace(impl, baseline="recurrent"), case)
+    failed = {n for n, v in stored["outputs"].items() if v["status"] == "fail"}
+    assert "dw_uk" in failed and failed <= {"dw_uk", "dkv", "dq_nope"}, failed
+
+
+def test_the_prescaling_family_in_fp64_is_the_oracle() -> None:
+    """Rule: fp64-agreement (the baseline's own arithmetic, which no other row judges)."""
+    mla_entry = registry.get("mla_backward")
+    for name in entry.CASES:
+        case = mla_entry.make_cases(3)[name]
+        got, ref = mla_entry.baseline(case, "fp64", "prescaled"), mla_entry.oracle(case)
+        for g in GRADIENTS:
+            assert_fp64_agrees(got[g], ref[g], g)
+
+
+def test_a_query_stored_in_bf16_fails_sdpa_math_against_the_prescaling_family() -> None:
+    """Rule: baseline. Planted: the queries rounded to bf16 before torch SDPA's math backend in
+    fp32 (an accidental down-cast). The ``prescaled`` family still fails it on both cases."""
+    mla_entry, impl = _sdpa_math()
+
+    def planted(case: Any) -> Any:
+        inputs = dict(case.inputs)
+        for name in ("q_nope", "q_pe"):
+            inputs[name] = inputs[name].to(torch.bfloat16).to(inputs[name].dtype)
+        return impl.run(dataclasses.replace(case, inputs=inputs))
+
+    for name in entry.CASES:
+        case = mla_entry.make_cases(0)[name]
+        assert runner.verify(mla_entry, impl, case)["status"] == "pass"
+        row = runner.verify(mla_entry, dataclasses.replace(impl, run=planted), case)
+        assert row["status"] == "fail", row["verdict"]

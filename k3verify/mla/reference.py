@@ -14,6 +14,7 @@ implementation in a narrow dtype would run it (the ``baseline`` rule of the tole
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -85,6 +86,7 @@ def naive_baseline(
     dtype: torch.dtype | str,
     scale: float | None = None,
     recompute_p: bool = False,
+    prescale: bool = False,
 ) -> torch.Tensor:
     """The definition as a plain implementation storing every tensor in ``dtype``.
 
@@ -96,12 +98,15 @@ def naive_baseline(
 
     ``recompute_p``: under autograd, the attention's backward recomputes the probabilities from
     the row log-sum-exp, ``P = e^{s - lse}`` (:class:`_AttentionFromLse`), as a FlashAttention
-    backward does instead of storing ``P``; the forward is unchanged.
+    backward does instead of storing ``P``; the forward is unchanged. ``prescale``: the scores
+    are the product of ``q √τ`` and ``K √τ``, each stored (torch SDPA's math backend scales both
+    operands so), instead of ``τ (q Kᵀ)``.
     """
     dims, scale = check_inputs(q_nope, q_pe, cache, w_uk, w_uv, scale)
     rnd = rounder(dtype)
     entries, _ = gather(cache, torch.float64)
-    o = _attention(rnd(q_nope), rnd(q_pe), rnd(entries), rnd(w_uk), rnd(w_uv), scale, dims, rnd, recompute_p)
+    o = _attention(rnd(q_nope), rnd(q_pe), rnd(entries), rnd(w_uk), rnd(w_uv), scale, dims, rnd, recompute_p,
+                   prescale)
     return o
 
 
@@ -140,14 +145,20 @@ class _AttentionFromLse(torch.autograd.Function):
 
 
 def _attention(q_nope, q_pe, entries, w_uk, w_uv, scale: float, dims: Dims,
-               rnd: Callable[[torch.Tensor], torch.Tensor] | None, recompute_p: bool = False) -> torch.Tensor:
+               rnd: Callable[[torch.Tensor], torch.Tensor] | None, recompute_p: bool = False,
+               prescale: bool = False) -> torch.Tensor:
     """Shared body; ``rnd`` (or identity) is applied to every stored intermediate;
-    ``recompute_p``: the softmax and its product with ``V`` are :class:`_AttentionFromLse`."""
+    ``recompute_p``: the softmax and its product with ``V`` are :class:`_AttentionFromLse`;
+    ``prescale``: the scores are ``(q √τ)(K √τ)ᵀ`` rather than ``τ (q Kᵀ)``."""
     keep = rnd if rnd is not None else (lambda x: x)
     K, V = expand(entries, w_uk, w_uv)
     K, V = keep(K), keep(V)
     q = torch.cat([heads_first(q_nope), heads_first(q_pe)], dim=-1)  # [B, H, T, Dn + Dr]
-    s = keep(keep(q @ K.transpose(-1, -2)) * scale)
+    if prescale:
+        root = math.sqrt(scale)
+        s = keep(keep(q * root) @ keep(K * root).transpose(-1, -2))
+    else:
+        s = keep(keep(q @ K.transpose(-1, -2)) * scale)
     visible = key_mask(dims, torch.arange(K.shape[2], device=K.device)[None, :].expand(dims.B, -1))
     s = s.masked_fill(~visible, float("-inf"))
     if recompute_p:

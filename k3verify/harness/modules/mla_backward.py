@@ -83,19 +83,20 @@ def oracle(case: Case) -> Outputs:
 # The baseline families: ``recurrent``, autograd through the naive definition (the softmax's
 # backward reads the probabilities it stored); ``lse``, the same with the probabilities recomputed
 # from the row log-sum-exp, as every FlashAttention-style backward does (the hand-written and
-# tiled backwards here, and torch SDPA's cuDNN and efficient kernels). In fp32 that recomputation
-# is the largest error of such a backward on the hot case's large logits (about |lse| u per
-# probability): held to the recurrent family, the correct fp32 chunkwise backward failed dw_uv on
-# 8 of 200 drawn hot cases (2.04-2.28x the baseline), 0 of 200 against its own family.
-FAMILIES = ("recurrent", "lse")
+# tiled backwards here, and torch SDPA's cuDNN and efficient kernels); ``prescaled``, the
+# definition with the scores formed from q √τ and K √τ, each rounded, as torch SDPA's math
+# backend forms them. On the hot case's large logits these roundings are the largest errors of
+# the backward, and each form is held to the family that makes them (docs/model.md §2.6).
+FAMILIES = ("recurrent", "lse", "prescaled")
 
 
 def baseline(case: Case, dtype: str, family: str = "recurrent") -> Outputs:
     """Autograd through the naive definition in ``dtype``; family ``lse`` recomputes the
-    softmax's probabilities from the row log-sum-exp in its backward."""
+    softmax's probabilities from the row log-sum-exp in its backward, ``prescaled`` forms the
+    scores from the operands scaled by √τ."""
     if family not in FAMILIES:
         raise ValueError(f"MLA's backward has the baseline families {', '.join(map(repr, FAMILIES))}; got {family!r}")
-    form = partial(naive_baseline, dtype=dtype, recompute_p=family == "lse")
+    form = partial(naive_baseline, dtype=dtype, recompute_p=family == "lse", prescale=family == "prescaled")
     return call(partial(autograd_backward, form), case, torch.float64)
 
 
@@ -130,7 +131,8 @@ def _sdpa(backend: str, dtype: str) -> Implementation:
     """torch's SDPA under autograd (:mod:`k3verify.adapters.torch_sdpa`) on ``backend``: the math
     backend runs anywhere (autograd through its own ops); cuDNN and efficient are CUDA kernels with
     a backward of their own (``kernel:`` rows, judged in the GPU session) that recomputes the
-    probabilities from the log-sum-exp: their baseline family is ``lse``."""
+    probabilities from the log-sum-exp: their baseline family is ``lse``; the math backend scales
+    the queries and keys by √τ each before their product: ``prescaled``."""
     gpu = backend != "math"
     return Implementation(
         module="mla_backward", implementation="torch sdpa", form=f"{'kernel:' if gpu else ''}prefill (autograd)",
@@ -138,7 +140,7 @@ def _sdpa(backend: str, dtype: str) -> Implementation:
         params=dict(backend=backend), source=f"adapter: torch {torch.__version__}", rule=rule_for(dtype),
         run=partial(call, partial(autograd_backward, partial(torch_sdpa.prefill, backend=backend)),
                     dtype=resolve_dtype(dtype)),
-        cases=CASES, baseline="lse" if gpu else "recurrent",
+        cases=CASES, baseline="lse" if gpu else "prescaled",
         is_available=unavailable_as(partial(torch_sdpa.unavailable_reason, backend)),
     )
 

@@ -191,13 +191,14 @@ def test_the_fp32_backward_is_judged_by_the_family_that_recomputes_p(seed: int) 
     assert {n for n, v in stored["outputs"].items() if v["status"] == "fail"} == {"dw_uv"}
 
 
-def test_the_recomputing_family_in_fp64_is_the_oracle() -> None:
-    """Rule: fp64-agreement. The ``lse`` family's own backward (``_AttentionFromLse``) is checked
-    here, since it is a baseline and no other row judges it."""
+@pytest.mark.parametrize("family", ["lse", "prescaled"])
+def test_each_baseline_family_in_fp64_is_the_oracle(family: str) -> None:
+    """Rule: fp64-agreement. The families' own arithmetic (``_AttentionFromLse``'s backward, the
+    prescaled scores) is checked here, since they are baselines and no other row judges them."""
     mla_entry = registry.get("mla_backward")
     for name in entry.CASES:
         case = mla_entry.make_cases(3)[name]
-        got, ref = mla_entry.baseline(case, "fp64", "lse"), mla_entry.oracle(case)
+        got, ref = mla_entry.baseline(case, "fp64", family), mla_entry.oracle(case)
         for g in GRADIENTS:
             assert_fp64_agrees(got[g], ref[g], g)
 
@@ -245,16 +246,6 @@ def test_sdpa_math_is_judged_by_the_family_that_prescales(seed: int) -> None:
     stored = runner.verify(mla_entry, dataclasses.replace(impl, baseline="recurrent"), case)
     failed = {n for n, v in stored["outputs"].items() if v["status"] == "fail"}
     assert "dw_uk" in failed and failed <= {"dw_uk", "dkv", "dq_nope"}, failed
-
-
-def test_the_prescaling_family_in_fp64_is_the_oracle() -> None:
-    """Rule: fp64-agreement (the baseline's own arithmetic, which no other row judges)."""
-    mla_entry = registry.get("mla_backward")
-    for name in entry.CASES:
-        case = mla_entry.make_cases(3)[name]
-        got, ref = mla_entry.baseline(case, "fp64", "prescaled"), mla_entry.oracle(case)
-        for g in GRADIENTS:
-            assert_fp64_agrees(got[g], ref[g], g)
 
 
 def test_a_query_stored_in_bf16_fails_sdpa_math_against_the_prescaling_family() -> None:

@@ -133,3 +133,16 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_zygote_that_cannot_start_says_so_at_once() -> None:
+    """A worker target that does not import ends the zygote while it starts: the error names the
+    target and its exit status (it said the zygote "did not start within 600 s")."""
+    r, w = os.pipe()
+    try:
+        with pytest.raises(zygote.StartError, match=r"'no_such_module_k3v:run' ended while starting \(exit status 1"):
+            zygote.fork_worker("no_such_module_k3v:run", r, w, 600.0)
+    finally:
+        os.close(r)
+        os.close(w)
+        zygote._ZYGOTES.pop("no_such_module_k3v:run", None)

@@ -11,9 +11,9 @@ What a worker receives is what a fresh process received: the harness's current `
 its own (a timeout kills its process group), standard input from ``/dev/null``, and standard
 output and error on the harness's pipe. Its random sequences are its own: Python's ``random``
 re-seeds itself in a forked child, and numpy's global generator is not loaded in the zygote, so
-each worker seeds its own (``properties/test_zygote.py`` holds both). The zygote never holds anything of the harness's
-beyond those settings: no case, oracle or result ever reaches it, so a worker forked from it
-holds none either. The zygote lives in a session of its own and ends when the harness's socket
+each worker seeds its own (``properties/test_zygote.py`` holds both). The zygote never holds
+anything of the harness's beyond those settings: no case, oracle or result ever reaches it, so a
+worker forked from it holds none either. The zygote lives in a session of its own and ends when the harness's socket
 closes (the harness exited, however it ended).
 
 Protocol on the socket pair (harness -> zygote): an 8-byte little-endian length carrying four
@@ -84,6 +84,7 @@ class _Zygote:
         self.target = target
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
+        self.last_exit: int | None = None  # the exit status of the zygote that ended last
         self.lock = threading.Lock()
 
     def _start(self, startup_timeout_s: float) -> None:
@@ -98,14 +99,18 @@ class _Zygote:
                                          stdout=subprocess.DEVNULL, env=env, start_new_session=True)
         ours.settimeout(startup_timeout_s)
         try:
-            ready = ours.recv(1)
+            ready: bytes | None = ours.recv(1)
         except TimeoutError:
-            ready = b""
+            ready = None
         ours.settimeout(None)
         if ready != b"r":
             ours.close()
             self._end()
-            raise StartError(f"the plugin processes' zygote did not start within {startup_timeout_s:g} s")
+            if ready is None:
+                raise StartError(f"the plugin processes' zygote did not start within {startup_timeout_s:g} s")
+            code = self.last_exit
+            raise StartError(f"the plugin processes' zygote for {self.target!r} ended while starting (exit status "
+                             f"{code}; its error, if any, is above)")
         self.sock = ours
 
     def _end(self) -> None:
@@ -118,6 +123,7 @@ class _Zygote:
             if self.proc.returncode is None:
                 self.proc.kill()
                 self.proc.wait()
+            self.last_exit = self.proc.returncode
             self.proc = None
 
     def _ask(self, fds: list[int], settings: bytes) -> int:

@@ -145,7 +145,7 @@ class _AttentionFromLse(torch.autograd.Function):
 
 
 def _attention(q_nope, q_pe, entries, w_uk, w_uv, scale: float, dims: Dims,
-               rnd: Callable[[torch.Tensor], torch.Tensor] | None, recompute_p: bool = False,
+               rnd: Keep | None, recompute_p: bool = False,
                prescale: bool = False) -> torch.Tensor:
     """Shared body; ``rnd`` (or identity) is applied to every stored intermediate;
     ``recompute_p``: the softmax and its product with ``V`` are :class:`_AttentionFromLse`;
